@@ -1,0 +1,24 @@
+PY ?= python
+.PHONY: compile test test-python bench proto lint clean
+
+compile:
+	$(PY) setup.py build_ext --inplace
+
+test: compile
+	$(PY) -m pytest -q
+	DENSEDEV_NO_EXTENSIONS=1 $(PY) -m pytest -q
+
+bench: compile
+	$(PY) bench/run_all.py
+
+proto:
+	cd src/densedev/_proto && $(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. api.proto
+	sed -i 's/^import api_pb2 as api__pb2/from . import api_pb2 as api__pb2/' src/densedev/_proto/api_pb2_grpc.py
+
+lint:
+	$(PY) -m ruff check src tests bench
+	$(PY) -m ruff format --check src tests bench
+	$(PY) -m mypy
+
+clean:
+	rm -rf build src/densedev/*.so src/densedev/_fast.c

@@ -1,0 +1,8 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""densedev's Cython hot paths; ``densedev._fast_py`` is the readable twin and the spec.
+
+Functions here are pure: bytes, ints and paths in; tuples and bytes out.  No asyncio, grpc or
+logging, so each can be compared with its twin, fuzzed and benchmarked alone.
+"""
+
+# Each hot path lives in its own include so its twin sits beside it in _fast_py/<same name>.py.

@@ -1,0 +1,29 @@
+"""The one seam between densedev and its accelerator: the Cython ``_fast`` or its Python twin.
+
+Everything else imports hot-path functions from here.  ``DENSEDEV_NO_EXTENSIONS=1`` forces the twin
+(as yarl's ``YARL_NO_EXTENSIONS`` does); a missing or broken build falls back to it too, and
+``IMPLEMENTATION`` says which one runs so logs and metrics can report it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from . import _fast_py as twin
+
+
+def _choose() -> tuple[ModuleType, str]:
+    if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
+        return twin, "python"
+    try:
+        from . import _fast  # type: ignore[attr-defined]
+    except ImportError:
+        return twin, "python"
+    return _fast, "cython"
+
+
+impl, IMPLEMENTATION = _choose()
+
+# Hot-path functions, re-exported by name.  Keep this list in step with _fast.pyi.
+# (each group is added by the module that owns it; see _pyx/*.pxi and _fast_py/*.py)
