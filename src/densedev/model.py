@@ -134,3 +134,15 @@ class Pool:
 
     config: PoolConfig
     members: tuple[PoolMember, ...]
+
+
+class RequestError(Exception):
+    """A kubelet request the plugin refuses; the server maps ``kind`` to a gRPC status code."""
+
+    INVALID = "invalid"  # → INVALID_ARGUMENT (unknown IDs, IDs of another pool, bad sizes)
+    PRECONDITION = "precondition"  # → FAILED_PRECONDITION (unhealthy or vanished devices)
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message

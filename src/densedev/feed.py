@@ -1,0 +1,36 @@
+"""The latest ListAndWatch message of one pool, versioned, for any number of streams to follow."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+class PoolFeed:
+    """Holds only the newest encoded ``ListAndWatchResponse`` of a pool; readers wait for a newer one.
+
+    A slow kubelet therefore never makes the plugin buffer: a reader that falls behind skips straight
+    to the latest state, which is all the kubelet wants (each message replaces the whole list).
+    """
+
+    def __init__(self, message: bytes = b"") -> None:
+        self._version = 0
+        self._message = message
+        self._changed = asyncio.Event()
+
+    def publish(self, message: bytes) -> int:
+        """Replace the message, wake every waiting reader and return the new version."""
+        self._version += 1
+        self._message = message
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        return self._version
+
+    def latest(self) -> tuple[int, bytes]:
+        """Return the current version and message without waiting."""
+        return self._version, self._message
+
+    async def wait_newer(self, version: int) -> tuple[int, bytes]:
+        """Wait until the version is newer than ``version`` and return the latest version and message."""
+        while self._version <= version:
+            await self._changed.wait()
+        return self._version, self._message
