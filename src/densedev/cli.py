@@ -1,0 +1,195 @@
+"""The ``densedev`` command: flags and environment → settings; runs the daemon, scan, simulate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import uvloop
+
+from . import __version__, accel
+
+log = logging.getLogger("densedev.cli")
+
+DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's default resourcePrefix
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=os.environ.get("DENSEDEV_LOG_LEVEL", "info"))
+    p.add_argument("--log-format", choices=("kv", "json"), default=os.environ.get("DENSEDEV_LOG_FORMAT", "kv"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of every sub-command."""
+    parser = argparse.ArgumentParser(prog="densedev", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"densedev {__version__} ({accel.IMPLEMENTATION})")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the device plugin daemon")
+    _add_common(run)
+    run.add_argument("--config", type=Path, default=Path("/etc/pcidp/config.json"))
+    run.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
+    run.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
+    run.add_argument("--dev-root", type=Path, default=Path("/dev"))
+    run.add_argument("--cdi-dir", type=Path, default=None, help="write CDI specs here (e.g. /var/run/cdi)")
+    run.add_argument(
+        "--devinfo-dir",
+        type=Path,
+        default=Path("/var/run/k8s.cni.cncf.io/devinfo/dp"),
+        help="device-info files for Multus/SR-IOV CNI ('' disables)",
+    )
+    run.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
+    run.add_argument("--metrics-addr", default=None, help="serve /metrics, /healthz, /readyz on HOST:PORT")
+    run.add_argument("--no-netlink", action="store_true", help="do not watch netlink (simulated nodes)")
+
+    scan = sub.add_parser("scan", help="print the devices discovery finds (and pools with --config)")
+    _add_common(scan)
+    scan.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
+    scan.add_argument("--config", type=Path, default=None)
+    scan.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
+    scan.add_argument("--json", action="store_true")
+
+    check = sub.add_parser("check-config", help="validate a config file and print every problem")
+    _add_common(check)
+    check.add_argument("file", type=Path)
+    check.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
+
+    sim = sub.add_parser("simulate", help="write a simulated SR-IOV/RDMA sysfs tree and a matching config")
+    _add_common(sim)
+    sim.add_argument("--out", type=Path, required=True)
+    sim.add_argument("--pfs", type=int, default=16)
+    sim.add_argument("--vfs-per-pf", type=int, default=256)
+    sim.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox")
+    sim.add_argument("--rdma", action="store_true")
+    sim.add_argument("--numa-nodes", type=int, default=2)
+
+    demo = sub.add_parser("demo", help="run the plugin on a simulated node against the kubelet emulator")
+    _add_common(demo)
+    demo.add_argument("--seconds", type=float, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
+    demo.add_argument("--pfs", type=int, default=16)
+    demo.add_argument("--vfs-per-pf", type=int, default=256)
+    demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox")
+    demo.add_argument("--flip-interval", type=float, default=0.5, help="seconds between health flips")
+    demo.add_argument("--workdir", type=Path, default=None, help="keep the simulated node here")
+    return parser
+
+
+def _setup_logging(args: argparse.Namespace) -> None:
+    from .logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format)
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from . import config
+
+    problems = config.check(args.file, default_prefix=args.resource_prefix)
+    for p in problems:
+        print(f"{args.file}: {p}")
+    if not problems:
+        print(f"{args.file}: OK")
+    return 1 if problems else 0
+
+
+def _cmd_scan(args: argparse.Namespace) -> int:
+    from . import config as config_mod
+    from . import discovery, selectors
+
+    table = discovery.scan(args.sysfs_root)
+    for w in table.warnings:
+        log.warning("scan: %s", w)
+    if args.config is None:
+        if args.json:
+            json.dump({"devices": [d._asdict() for d in table.devices]}, sys.stdout, indent=1)
+            print()
+        else:
+            print(discovery.format_table(table))
+        return 0
+    try:
+        cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
+    except config_mod.ConfigError as exc:
+        for p in exc.problems:
+            print(f"{args.config}: {p}", file=sys.stderr)
+        return 1
+    result = selectors.explain(cfg, table.devices)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        print(selectors.format_table(result))
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .testing import simnode
+
+    layout = simnode.simulate(args.out, args.pfs, args.vfs_per_pf, args.vendor, args.rdma, args.numa_nodes)
+    nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
+    print(f"simulated node in {args.out}: {len(layout.pfs)} PFs, {nvfs} VFs; config {args.out / 'config.json'}")
+    return 0
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from . import config as config_mod
+    from .manager import Daemon, DaemonSettings
+
+    try:
+        cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
+    except config_mod.ConfigError as exc:
+        for p in exc.problems:
+            log.error("invalid config %s: %s", args.config, p)
+        return 2
+    settings = DaemonSettings(
+        sysfs_root=args.sysfs_root,
+        kubelet_dir=args.kubelet_dir,
+        dev_root=args.dev_root,
+        cdi_dir=args.cdi_dir,
+        devinfo_dir=args.devinfo_dir if str(args.devinfo_dir) not in ("", ".") else None,
+        resource_prefix=args.resource_prefix,
+        config_path=args.config,
+        metrics_addr=args.metrics_addr,
+        netlink=not args.no_netlink,
+    )
+    daemon = Daemon(settings, cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+    await daemon.start()
+    try:
+        await stop.wait()
+    finally:
+        await daemon.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``densedev`` command."""
+    args = build_parser().parse_args(argv)
+    _setup_logging(args)
+    if args.command == "check-config":
+        return _cmd_check(args)
+    if args.command == "scan":
+        return _cmd_scan(args)
+    if args.command == "simulate":
+        return _cmd_simulate(args)
+    if args.command == "run":
+        log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
+        return uvloop.run(_serve(args))
+    if args.command == "demo":
+        from .demo import run_demo
+
+        return uvloop.run(run_demo(args))
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
