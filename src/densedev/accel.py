@@ -27,3 +27,7 @@ impl, IMPLEMENTATION = _choose()
 
 # Hot-path functions, re-exported by name.  Keep this list in step with _fast.pyi.
 # (each group is added by the module that owns it; see _pyx/*.pxi and _fast_py/*.py)
+
+# wire (wire.py)
+encode_device = impl.encode_device
+encode_list = impl.encode_list

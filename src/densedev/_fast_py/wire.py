@@ -1,0 +1,56 @@
+"""Plain-Python twin of ``_pyx/wire.pxi``: protobuf bytes of ``v1beta1.Device`` and ``ListAndWatchResponse``.
+
+Proto3 rules reproduced exactly so the bytes equal ``SerializeToString()``: fields are written in field
+number order, and a scalar equal to its default (empty string, 0) is omitted.  So ``NUMANode{ID: 0}``
+is the empty message and ``Device{ID: ""}`` has no field 1.
+"""
+
+from __future__ import annotations
+
+_HEALTHY = b"Healthy"
+_UNHEALTHY = b"Unhealthy"
+
+# Tags: (field_number << 3) | wire_type; wire type 2 = length-delimited, 0 = varint.
+_TAG_ID = b"\x0a"  # Device.ID = 1 (string)
+_TAG_HEALTH = b"\x12"  # Device.health = 2 (string)
+_TAG_TOPOLOGY = b"\x1a"  # Device.topology = 3 (TopologyInfo)
+_TAG_NODES = b"\x0a"  # TopologyInfo.nodes = 1 (repeated NUMANode)
+_TAG_NODE_ID = b"\x08"  # NUMANode.ID = 1 (int64, varint)
+_TAG_DEVICES = b"\x0a"  # ListAndWatchResponse.devices = 1 (repeated Device)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_device(device_id: bytes, healthy: bool, numa: int) -> bytes:
+    """Return the protobuf bytes of one ``Device``; ``numa < 0`` leaves out the topology."""
+    if type(device_id) is not bytes:
+        raise TypeError(f"encode_device: device_id is {type(device_id).__name__}, not bytes")
+    out = bytearray()
+    if device_id:
+        out += _TAG_ID + _varint(len(device_id)) + device_id
+    health = _HEALTHY if healthy else _UNHEALTHY
+    out += _TAG_HEALTH + _varint(len(health)) + health
+    if numa >= 0:
+        node = _TAG_NODE_ID + _varint(numa) if numa else b""
+        topology = _TAG_NODES + _varint(len(node)) + node
+        out += _TAG_TOPOLOGY + _varint(len(topology)) + topology
+    return bytes(out)
+
+
+def encode_list(parts: list[bytes]) -> bytes:
+    """Return the ``ListAndWatchResponse`` bytes whose ``devices`` are the given encoded ``Device`` parts."""
+    if type(parts) is not list:
+        raise TypeError(f"encode_list: parts is {type(parts).__name__}, not list")
+    out = bytearray()
+    for index, part in enumerate(parts):
+        if type(part) is not bytes:
+            raise TypeError(f"encode_list: part {index} is {type(part).__name__}, not bytes")
+        out += _TAG_DEVICES + _varint(len(part)) + part
+    return bytes(out)
