@@ -1,0 +1,556 @@
+"""Prometheus metrics and the ``/metrics``, ``/healthz``, ``/readyz`` HTTP endpoints.
+
+``Metrics`` owns its own ``CollectorRegistry`` (never the process-global one, so tests and a reloading
+daemon can make as many as they like) and offers plain methods the daemon calls at each event; callers
+never touch prometheus-client objects.  Series are labelled by ``resource`` (the pool's full extended
+resource name, ``intel.com/sriov_a``), never by device: a node has thousands of devices and a label per
+device would make every scrape as large as the device table.
+
+``MetricsServer`` is a deliberately small HTTP/1.1 server on the running event loop
+(``asyncio.start_server``): GET or HEAD of three paths, one response per connection.  Serving it on the
+daemon's own loop is the point — a liveness probe answered by it proves the loop still turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from . import __version__, accel
+
+log = logging.getLogger(__name__)
+
+# Event-to-send latency: the health engine aims at milliseconds, so most of the resolution sits between
+# 0.5 ms and 50 ms; 1 s catches a stalled loop.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+# A full scan of 4k-16k devices takes milliseconds with the extension and tens to hundreds without.
+SCAN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Allocate / GetPreferredAllocation: the kubelet sets no timeout and pod admission waits on us.
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Events folded into one ListAndWatch message (a PF going down flips up to its 256 VFs at once).
+EVENTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+# generate_latest writes the classic text format; every Prometheus version reads this content type.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+ALLOCATE = "Allocate"
+PREFERRED = "GetPreferredAllocation"
+PRESTART = "PreStartContainer"
+
+
+class _PoolSeries:
+    """The children of one pool's per-message metrics, bound once so the send path skips label lookups."""
+
+    __slots__ = ("bytes", "events", "events_per_message", "latency", "messages")
+
+    def __init__(self, m: Metrics, resource: str) -> None:
+        self.messages = m.lw_messages.labels(resource)
+        self.bytes = m.lw_bytes.labels(resource)
+        self.latency = m.send_latency.labels(resource)
+        self.events = m.coalesced_events.labels(resource)
+        self.events_per_message = m.events_per_message.labels(resource)
+
+
+class Metrics:
+    """Every densedev metric in one private registry, updated through plain methods."""
+
+    def __init__(self, implementation: str | None = None, version: str = __version__) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Gauge(
+            "densedev_build_info",
+            "Always 1; labels say which densedev version and accelerator implementation run.",
+            ["version", "implementation"],
+            registry=r,
+        )
+        self.build_info.labels(version, implementation or accel.IMPLEMENTATION).set(1)
+
+        # --- pools and health
+        self.pool_devices = Gauge(
+            "densedev_pool_devices",
+            "Devices a pool advertises, by health as sent to the kubelet.",
+            ["resource", "health"],
+            registry=r,
+        )
+        self.pool_unhealthy = Gauge(
+            "densedev_pool_unhealthy_devices",
+            "Unhealthy devices of a pool by reason (a device with several reasons counts under each).",
+            ["resource", "reason"],
+            registry=r,
+        )
+        self.pool_registered = Gauge(
+            "densedev_pool_registered",
+            "1 while the pool is registered with the kubelet, else 0.",
+            ["resource"],
+            registry=r,
+        )
+        self.transitions = Counter(
+            "densedev_health_transitions",
+            "Device health changes reported to the kubelet, by the health changed to.",
+            ["resource", "to"],
+            registry=r,
+        )
+
+        # --- ListAndWatch
+        self.lw_messages = Counter(
+            "densedev_listandwatch_messages",
+            "ListAndWatch messages sent (each one replaces the pool's whole device list).",
+            ["resource"],
+            registry=r,
+        )
+        self.lw_bytes = Counter(
+            "densedev_listandwatch_bytes",
+            "Bytes of ListAndWatch messages sent (the kubelet refuses a message over 4 MiB).",
+            ["resource"],
+            registry=r,
+        )
+        self.send_latency = Histogram(
+            "densedev_event_to_send_seconds",
+            "Time from the first event folded into a message to the message being sent.",
+            ["resource"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.coalesced_events = Counter(
+            "densedev_coalesced_events",
+            "Events folded into ListAndWatch messages; divided by messages it is the coalescing ratio.",
+            ["resource"],
+            registry=r,
+        )
+        self.events_per_message = Histogram(
+            "densedev_events_per_message",
+            "Events folded into one ListAndWatch message.",
+            ["resource"],
+            buckets=EVENTS_BUCKETS,
+            registry=r,
+        )
+
+        # --- discovery and event sources
+        self.scans = Counter("densedev_scans", "Full sysfs scans.", registry=r)
+        self.scan_duration = Histogram(
+            "densedev_scan_duration_seconds",
+            "Duration of a full sysfs scan.",
+            buckets=SCAN_BUCKETS,
+            registry=r,
+        )
+        self.scan_devices = Gauge("densedev_scan_devices", "Devices the last scan found.", registry=r)
+        self.scan_warnings = Counter(
+            "densedev_scan_skipped_devices",
+            "Devices a scan skipped because their sysfs entry vanished or was half-written.",
+            registry=r,
+        )
+        self.netlink_events = Counter(
+            "densedev_netlink_events",
+            "Netlink messages received, by source (link: rtnetlink links; uevent: kernel uevents).",
+            ["source"],
+            registry=r,
+        )
+        self.netlink_overruns = Counter(
+            "densedev_netlink_overruns",
+            "Netlink receive-buffer overruns (ENOBUFS: events were lost, a resync follows).",
+            ["source"],
+            registry=r,
+        )
+        self.resyncs = Counter(
+            "densedev_resyncs", "Full resynchronisations of device state, by reason.", ["reason"], registry=r
+        )
+
+        # --- kubelet
+        self.registrations = Counter(
+            "densedev_kubelet_registrations",
+            "Register calls to the kubelet, by result (the first and every re-registration).",
+            ["resource", "result"],
+            registry=r,
+        )
+        self.rpc_calls = Counter(
+            "densedev_plugin_rpc_calls",
+            "DevicePlugin calls the kubelet made, by method.",
+            ["resource", "method"],
+            registry=r,
+        )
+        self.rpc_errors = Counter(
+            "densedev_plugin_rpc_errors",
+            "DevicePlugin calls answered with an error, by method and gRPC status code name.",
+            ["resource", "method", "code"],
+            registry=r,
+        )
+        self.rpc_latency = Histogram(
+            "densedev_plugin_rpc_duration_seconds",
+            "Time to answer a DevicePlugin call (the kubelet has no timeout; pod admission waits).",
+            ["resource", "method"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+
+        # --- config
+        self.reloads = Counter(
+            "densedev_config_reloads", "Config reload attempts, by result.", ["result"], registry=r
+        )
+        self.config_last_ok = Gauge(
+            "densedev_config_last_reload_successful",
+            "1 if the last config reload was applied, 0 if it was refused (the last good config stays).",
+            registry=r,
+        )
+        self.config_last_ok.set(1)
+        self.config_last_time = Gauge(
+            "densedev_config_last_reload_timestamp_seconds",
+            "Unix time of the last config reload attempt.",
+            registry=r,
+        )
+
+        self.loop_lag = Gauge(
+            "densedev_event_loop_lag_seconds",
+            "How late the event loop ran the health monitor's last tick.",
+            registry=r,
+        )
+
+        self._pools: dict[str, _PoolSeries] = {}
+        self._reasons: dict[str, set[str]] = {}
+        # Pre-create the label-less and result series so a scrape shows zeros before the first event.
+        for result in ("success", "failure"):
+            self.reloads.labels(result)
+
+    # ----------------------------------------------------------------------------------- pools
+    def _pool(self, resource: str) -> _PoolSeries:
+        series = self._pools.get(resource)
+        if series is None:
+            series = self._pools[resource] = _PoolSeries(self, resource)
+        return series
+
+    def set_pool_devices(
+        self, resource: str, healthy: int, unhealthy: int, reasons: Mapping[str, int] | None = None
+    ) -> None:
+        """Set a pool's device counts by health and its unhealthy devices by reason (absent ones → gone)."""
+        self.pool_devices.labels(resource, "Healthy").set(healthy)
+        self.pool_devices.labels(resource, "Unhealthy").set(unhealthy)
+        reasons = reasons or {}
+        old = self._reasons.get(resource, set())
+        for reason in old - reasons.keys():
+            # Removed, not zeroed: reasons are open-ended and each stale zero would live until restart.
+            with contextlib.suppress(KeyError):
+                self.pool_unhealthy.remove(resource, reason)
+        for reason, count in reasons.items():
+            self.pool_unhealthy.labels(resource, reason).set(count)
+        self._reasons[resource] = set(reasons)
+        self._pool(resource)
+
+    def record_transitions(self, resource: str, to_unhealthy: int = 0, to_healthy: int = 0) -> None:
+        """Count devices of a pool that turned Unhealthy and that turned Healthy in one update."""
+        if to_unhealthy:
+            self.transitions.labels(resource, "Unhealthy").inc(to_unhealthy)
+        if to_healthy:
+            self.transitions.labels(resource, "Healthy").inc(to_healthy)
+
+    def record_send(self, resource: str, nbytes: int, latency_s: float | None, events: int = 0) -> None:
+        """Count one ListAndWatch message of ``nbytes``; ``latency_s`` is None for sends no event caused."""
+        series = self._pool(resource)
+        series.messages.inc()
+        series.bytes.inc(nbytes)
+        if latency_s is not None:
+            series.latency.observe(latency_s)
+        if events:
+            series.events.inc(events)
+            series.events_per_message.observe(events)
+
+    def set_registered(self, resource: str, registered: bool) -> None:
+        """Mark whether a pool is registered with the kubelet now."""
+        self.pool_registered.labels(resource).set(1 if registered else 0)
+
+    def record_registration(self, resource: str, ok: bool) -> None:
+        """Count a Register call to the kubelet and set the pool's registered gauge from its result."""
+        self.registrations.labels(resource, "success" if ok else "failure").inc()
+        self.set_registered(resource, ok)
+
+    def remove_pool(self, resource: str) -> None:
+        """Drop every series of a pool a config reload removed, so it does not linger at its last value."""
+        self._pools.pop(resource, None)
+        self._reasons.pop(resource, None)
+        for metric in (
+            self.pool_devices,
+            self.pool_unhealthy,
+            self.pool_registered,
+            self.transitions,
+            self.lw_messages,
+            self.lw_bytes,
+            self.send_latency,
+            self.coalesced_events,
+            self.events_per_message,
+            self.registrations,
+            self.rpc_calls,
+            self.rpc_errors,
+            self.rpc_latency,
+        ):
+            _remove_resource(metric, resource)
+
+    # ----------------------------------------------------------------------------------- RPCs
+    def observe_rpc(self, resource: str, method: str, seconds: float, error: str | None = None) -> None:
+        """Count one DevicePlugin call, its latency and, if ``error`` names a status code, the error."""
+        self.rpc_calls.labels(resource, method).inc()
+        self.rpc_latency.labels(resource, method).observe(seconds)
+        if error is not None:
+            self.rpc_errors.labels(resource, method, error).inc()
+
+    def observe_allocate(self, resource: str, seconds: float, error: str | None = None) -> None:
+        """Count one Allocate call (``error``: the gRPC status code name, e.g. ``"INVALID_ARGUMENT"``)."""
+        self.observe_rpc(resource, ALLOCATE, seconds, error)
+
+    def observe_preferred(self, resource: str, seconds: float, error: str | None = None) -> None:
+        """Count one GetPreferredAllocation call."""
+        self.observe_rpc(resource, PREFERRED, seconds, error)
+
+    # ----------------------------------------------------------------------------------- sources
+    def observe_scan(self, seconds: float, devices: int | None = None, skipped: int = 0) -> None:
+        """Count one full scan, its duration, the devices found and those skipped with a warning."""
+        self.scans.inc()
+        self.scan_duration.observe(seconds)
+        if devices is not None:
+            self.scan_devices.set(devices)
+        if skipped:
+            self.scan_warnings.inc(skipped)
+
+    def record_netlink(self, source: str, messages: int = 1) -> None:
+        """Count netlink messages received from ``source`` (``"link"`` or ``"uevent"``)."""
+        self.netlink_events.labels(source).inc(messages)
+
+    def record_overrun(self, source: str) -> None:
+        """Count a netlink overrun (ENOBUFS) on ``source``."""
+        self.netlink_overruns.labels(source).inc()
+
+    def record_resync(self, reason: str) -> None:
+        """Count a full resync (``"overrun"``, ``"reconcile"``, ``"kubelet-restart"``, ...)."""
+        self.resyncs.labels(reason).inc()
+
+    def record_reload(self, ok: bool, when: float | None = None) -> None:
+        """Count a config reload attempt; a refused one sets the last-reload-successful gauge to 0."""
+        self.reloads.labels("success" if ok else "failure").inc()
+        self.config_last_ok.set(1 if ok else 0)
+        self.config_last_time.set(time.time() if when is None else when)
+
+    def render(self) -> bytes:
+        """Return the registry in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+
+def _remove_resource(metric: Counter | Gauge | Histogram, resource: str) -> None:
+    """Remove every series of ``metric`` whose ``resource`` label is ``resource``."""
+    remove_by_labels = getattr(metric, "remove_by_labels", None)
+    if remove_by_labels is not None:  # prometheus-client >= 0.22
+        remove_by_labels({"resource": resource})
+        return
+    index = metric._labelnames.index("resource")
+    for values in [v for v in list(metric._metrics) if v[index] == resource]:
+        metric.remove(*values)
+
+
+# ------------------------------------------------------------------------------------- HTTP
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``:9477`` = every address, ``[::1]:9477`` for IPv6) into host and port."""
+    text = addr.strip()
+    if not text:
+        raise ValueError("metrics address is empty; expected HOST:PORT such as :9477 or 127.0.0.1:9477")
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0 or text[end + 1 : end + 2] != ":":
+            raise ValueError(f"metrics address {addr!r}: an IPv6 host must look like [::1]:9477")
+        host, port_text = text[1:end], text[end + 2 :]
+        if not host:
+            raise ValueError(f"metrics address {addr!r}: empty IPv6 host inside []")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"metrics address {addr!r} has no port; expected HOST:PORT such as :9477")
+        if ":" in host:
+            raise ValueError(f"metrics address {addr!r}: put an IPv6 host in brackets, e.g. [::1]:9477")
+    if not port_text.isdigit():
+        raise ValueError(f"metrics address {addr!r}: port {port_text!r} is not a number")
+    port = int(port_text)
+    if port > 65535:
+        raise ValueError(f"metrics address {addr!r}: port {port} is out of range 0-65535")
+    return host, port
+
+
+@dataclass
+class LoopLag:
+    """The most recent and the worst recent lateness of the event loop, seen by a periodic tick."""
+
+    last: float = 0.0
+    worst: float = 0.0
+    worst_at: float = 0.0
+    ticks: int = 0
+
+
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    503: "Service Unavailable",
+}
+_MAX_REQUEST = 8192  # request line and headers; we serve three fixed paths, nothing needs more
+
+
+class MetricsServer:
+    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1 on the running event loop."""
+
+    def __init__(
+        self,
+        metrics: Metrics,
+        ready: Callable[[], tuple[bool, str]],
+        host: str,
+        port: int,
+        *,
+        lag_interval_s: float = 1.0,
+        max_lag_s: float = 5.0,
+        lag_window_s: float = 30.0,
+        read_timeout_s: float = 10.0,
+    ) -> None:
+        self.metrics = metrics
+        self.ready = ready
+        self.host = host
+        self.port = port  # the bound port after start() (0 asks for an ephemeral one)
+        self.lag = LoopLag()
+        self._lag_interval = lag_interval_s
+        self._max_lag = max_lag_s
+        self._lag_window = lag_window_s
+        self._read_timeout = read_timeout_s
+        self._server: asyncio.Server | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._clients: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Bind and start serving, and start the loop-lag monitor."""
+        # An empty host binds every address (IPv4 and IPv6), as ":9477" means to Go and Prometheus users.
+        self._server = await asyncio.start_server(
+            self._accept, self.host or None, self.port, limit=_MAX_REQUEST
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._monitor = asyncio.create_task(self._watch_lag(), name="metrics-loop-lag")
+        log.info("metrics and health endpoints on %s:%d", self.host or "*", self.port)
+
+    async def stop(self) -> None:
+        """Stop listening, end open connections and the monitor."""
+        if self._server is not None:
+            self._server.close()
+        tasks = [t for t in (self._monitor, *self._clients) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        self._monitor = None
+
+    # ----------------------------------------------------------------------------------- health
+    async def _watch_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self._lag_interval
+            await asyncio.sleep(self._lag_interval)
+            now = loop.time()
+            self._note_lag(max(0.0, now - due), now)
+
+    def _note_lag(self, lag: float, now: float) -> None:
+        state = self.lag
+        state.last = lag
+        state.ticks += 1
+        if lag >= state.worst or now - state.worst_at > self._lag_window:
+            state.worst, state.worst_at = lag, now
+        self.metrics.loop_lag.set(lag)
+
+    def health(self) -> tuple[bool, str]:
+        """Return whether the loop is healthy: the lag monitor runs and no recent tick was too late."""
+        if self._monitor is None or self._monitor.done():
+            return False, "event loop monitor is not running"
+        now = asyncio.get_running_loop().time()
+        worst = self.lag.worst if now - self.lag.worst_at <= self._lag_window else self.lag.last
+        if worst > self._max_lag:
+            return (
+                False,
+                f"event loop lagged {worst:.3f}s in the last {self._lag_window:g}s (max {self._max_lag:g}s)",
+            )
+        return True, f"ok, event loop lag {self.lag.last:.4f}s"
+
+    # ----------------------------------------------------------------------------------- HTTP
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._clients.add(task)
+        try:
+            await self._handle(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the client went away or sent garbage; nothing to answer
+        except asyncio.CancelledError:
+            pass  # server stopping
+        except Exception:  # never let a request take down the daemon
+            log.exception("metrics endpoint failed a request")
+        finally:
+            self._clients.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._read_timeout)
+        except asyncio.LimitOverrunError:
+            await self._respond(writer, 400, b"request header too large\n", head_only=False)
+            return
+        request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = request_line.split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
+            await self._respond(writer, 400, b"malformed request line\n", head_only=False)
+            return
+        method, target, _ = parts
+        path = target.split("?", 1)[0]
+        if method not in ("GET", "HEAD"):
+            await self._respond(writer, 405, b"only GET and HEAD\n", head_only=False, allow=True)
+            return
+        head_only = method == "HEAD"
+        if path == "/metrics":
+            await self._respond(writer, 200, self.metrics.render(), head_only, CONTENT_TYPE)
+        elif path == "/healthz":
+            ok, detail = self.health()
+            await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
+        elif path == "/readyz":
+            try:
+                ok, detail = self.ready()
+            except Exception as exc:  # a broken readiness callable means "not ready", not a crash
+                ok, detail = False, f"readiness check failed: {exc!r}"
+            await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
+        else:
+            await self._respond(writer, 404, b"not found; try /metrics, /healthz, /readyz\n", head_only)
+
+    async def _respond(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        body: bytes,
+        head_only: bool,
+        content_type: str = "text/plain; charset=utf-8",
+        allow: bool = False,
+    ) -> None:
+        headers = [
+            f"HTTP/1.1 {status} {_REASONS[status]}",
+            f"Content-Type: {content_type}",
+            f"Content-Length: {len(body)}",
+            "Cache-Control: no-store",
+            # One request per connection: scrapers and probes open a connection each time anyway, and
+            # it keeps this server free of keep-alive state.
+            "Connection: close",
+        ]
+        if allow:
+            headers.append("Allow: GET, HEAD")
+        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode("latin-1"))
+        if not head_only:
+            writer.write(body)
+        await writer.drain()

@@ -1,0 +1,341 @@
+"""Metrics scraped over real HTTP on 127.0.0.1, the health and readiness endpoints, and parse_addr."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from densedev import accel
+from densedev.metrics import ALLOCATE, PREFERRED, Metrics, MetricsServer, parse_addr
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+POOL_A = "intel.com/sriov_a"
+POOL_B = "nvidia.com/rdma_b"
+
+
+def get(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    """One request with the standard library's HTTP client (run in a thread: it blocks)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+async def fetch(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    return await asyncio.to_thread(get, port, path, method)
+
+
+async def raw(port: int, data: bytes) -> bytes:
+    """Send raw bytes, half-close, and read the whole answer (the server closes after one response)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    writer.write_eof()
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    await writer.wait_closed()
+    return answer
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Parse an exposition into {(sample name, sorted labels): value}."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(text: bytes, name: str, **labels: str) -> float:
+    return samples(text)[(name, tuple(sorted(labels.items())))]
+
+
+async def serving(
+    metrics: Metrics,
+    ready: Callable[[], tuple[bool, str]] = lambda: (True, "all pools registered"),
+    **kw: Any,
+) -> MetricsServer:
+    server = MetricsServer(metrics, ready, "127.0.0.1", 0, **kw)
+    await server.start()
+    assert server.port != 0
+    return server
+
+
+def test_scrape_reports_what_the_daemon_recorded(run: Run) -> None:
+    m = Metrics()
+    m.set_pool_devices(POOL_A, healthy=250, unhealthy=6, reasons={"pf_link_down": 4, "driver": 2})
+    m.set_pool_devices(POOL_B, healthy=8, unhealthy=0, reasons={})
+    m.record_transitions(POOL_A, to_unhealthy=6, to_healthy=2)
+    m.record_send(POOL_A, 12_000, 0.0007, events=6)
+    m.record_send(POOL_A, 12_000, 0.003, events=2)
+    m.record_send(POOL_A, 11_000, None)  # the first message of a stream has no causing event
+    m.observe_scan(0.012, devices=4096, skipped=1)
+    m.record_netlink("link", 3)
+    m.record_netlink("uevent")
+    m.record_overrun("uevent")
+    m.record_resync("overrun")
+    m.record_registration(POOL_A, ok=True)
+    m.record_registration(POOL_B, ok=False)
+    m.observe_allocate(POOL_A, 0.0004)
+    m.observe_allocate(POOL_A, 0.0002, error="INVALID_ARGUMENT")
+    m.observe_preferred(POOL_A, 0.0011)
+    m.record_reload(True)
+    m.record_reload(False)
+
+    async def main() -> bytes:
+        server = await serving(m)
+        try:
+            status, headers, body = await fetch(server.port, "/metrics")
+        finally:
+            await server.stop()
+        assert status == 200
+        assert headers["content-type"].startswith("text/plain; version=0.0.4")
+        assert int(headers["content-length"]) == len(body)
+        return body
+
+    body = run(main())
+    assert value(body, "densedev_build_info", version="0.1.0", implementation=accel.IMPLEMENTATION) == 1
+    assert value(body, "densedev_pool_devices", resource=POOL_A, health="Healthy") == 250
+    assert value(body, "densedev_pool_devices", resource=POOL_A, health="Unhealthy") == 6
+    assert value(body, "densedev_pool_unhealthy_devices", resource=POOL_A, reason="pf_link_down") == 4
+    assert value(body, "densedev_pool_unhealthy_devices", resource=POOL_A, reason="driver") == 2
+    assert value(body, "densedev_pool_devices", resource=POOL_B, health="Healthy") == 8
+    assert value(body, "densedev_health_transitions_total", resource=POOL_A, to="Unhealthy") == 6
+    assert value(body, "densedev_health_transitions_total", resource=POOL_A, to="Healthy") == 2
+    assert value(body, "densedev_listandwatch_messages_total", resource=POOL_A) == 3
+    assert value(body, "densedev_listandwatch_bytes_total", resource=POOL_A) == 35_000
+    # Two latencies observed: 0.7 ms lands in the 1 ms bucket, 3 ms only from the 5 ms bucket on.
+    assert value(body, "densedev_event_to_send_seconds_count", resource=POOL_A) == 2
+    assert value(body, "densedev_event_to_send_seconds_bucket", resource=POOL_A, le="0.0005") == 0
+    assert value(body, "densedev_event_to_send_seconds_bucket", resource=POOL_A, le="0.001") == 1
+    assert value(body, "densedev_event_to_send_seconds_bucket", resource=POOL_A, le="0.0025") == 1
+    assert value(body, "densedev_event_to_send_seconds_bucket", resource=POOL_A, le="0.005") == 2
+    assert value(body, "densedev_event_to_send_seconds_sum", resource=POOL_A) == pytest.approx(0.0037)
+    # Coalescing ratio = events / messages that carried events.
+    assert value(body, "densedev_coalesced_events_total", resource=POOL_A) == 8
+    assert value(body, "densedev_events_per_message_count", resource=POOL_A) == 2
+    assert value(body, "densedev_events_per_message_bucket", resource=POOL_A, le="4.0") == 1
+    assert value(body, "densedev_scans_total") == 1
+    assert value(body, "densedev_scan_duration_seconds_bucket", le="0.01") == 0
+    assert value(body, "densedev_scan_duration_seconds_bucket", le="0.025") == 1
+    assert value(body, "densedev_scan_devices") == 4096
+    assert value(body, "densedev_scan_skipped_devices_total") == 1
+    assert value(body, "densedev_netlink_events_total", source="link") == 3
+    assert value(body, "densedev_netlink_events_total", source="uevent") == 1
+    assert value(body, "densedev_netlink_overruns_total", source="uevent") == 1
+    assert value(body, "densedev_resyncs_total", reason="overrun") == 1
+    assert value(body, "densedev_kubelet_registrations_total", resource=POOL_A, result="success") == 1
+    assert value(body, "densedev_kubelet_registrations_total", resource=POOL_B, result="failure") == 1
+    assert value(body, "densedev_pool_registered", resource=POOL_A) == 1
+    assert value(body, "densedev_pool_registered", resource=POOL_B) == 0
+    assert value(body, "densedev_plugin_rpc_calls_total", resource=POOL_A, method=ALLOCATE) == 2
+    assert value(body, "densedev_plugin_rpc_calls_total", resource=POOL_A, method=PREFERRED) == 1
+    assert (
+        value(
+            body,
+            "densedev_plugin_rpc_errors_total",
+            resource=POOL_A,
+            method=ALLOCATE,
+            code="INVALID_ARGUMENT",
+        )
+        == 1
+    )
+    assert value(body, "densedev_plugin_rpc_duration_seconds_count", resource=POOL_A, method=ALLOCATE) == 2
+    assert value(body, "densedev_config_reloads_total", result="success") == 1
+    assert value(body, "densedev_config_reloads_total", result="failure") == 1
+    assert value(body, "densedev_config_last_reload_successful") == 0
+    assert value(body, "densedev_config_last_reload_timestamp_seconds") == pytest.approx(time.time(), abs=600)
+
+
+def test_reasons_that_clear_disappear_and_removed_pools_vanish() -> None:
+    m = Metrics()
+    m.set_pool_devices(POOL_A, 250, 6, {"pf_link_down": 4, "driver": 2})
+    m.set_pool_devices(POOL_A, 254, 2, {"driver": 2})
+    got = samples(m.render())
+    keys = {(n, dict(lbl).get("reason")) for n, lbl in got if n == "densedev_pool_unhealthy_devices"}
+    assert keys == {("densedev_pool_unhealthy_devices", "driver")}
+
+    m.set_pool_devices(POOL_B, 8, 0)
+    m.record_send(POOL_A, 100, 0.001, events=1)
+    m.record_registration(POOL_A, ok=True)
+    m.observe_allocate(POOL_A, 0.001, error="FAILED_PRECONDITION")
+    m.remove_pool(POOL_A)
+    left = samples(m.render())
+    assert not [k for k in left if ("resource", POOL_A) in k[1]]
+    assert [k for k in left if ("resource", POOL_B) in k[1]]
+    # A pool that comes back starts from zero rather than crashing on the dropped cache.
+    m.record_send(POOL_A, 10, None)
+    assert value(m.render(), "densedev_listandwatch_messages_total", resource=POOL_A) == 1
+
+
+def test_registries_are_private() -> None:
+    # Two daemons (or two tests) in one process must not collide on the global registry.
+    a, b = Metrics(implementation="cython"), Metrics(implementation="python")
+    a.observe_scan(0.1)
+    assert value(a.render(), "densedev_scans_total") == 1
+    assert value(b.render(), "densedev_scans_total") == 0
+    assert value(b.render(), "densedev_build_info", version="0.1.0", implementation="python") == 1
+
+
+def test_readyz_follows_the_readiness_callable(run: Run) -> None:
+    state = {"ready": (False, "not registered: intel.com/sriov_a, nvidia.com/rdma_b")}
+
+    async def main() -> None:
+        server = await serving(Metrics(), lambda: state["ready"])
+        try:
+            status, _, body = await fetch(server.port, "/readyz")
+            assert status == 503
+            assert body == b"not registered: intel.com/sriov_a, nvidia.com/rdma_b\n"
+            state["ready"] = (True, "all pools registered")
+            status, _, body = await fetch(server.port, "/readyz")
+            assert (status, body) == (200, b"all pools registered\n")
+        finally:
+            await server.stop()
+
+    run(main())
+
+
+def test_readyz_broken_callable_is_not_ready(run: Run) -> None:
+    def broken() -> tuple[bool, str]:
+        raise KeyError("pool vanished")
+
+    async def main() -> None:
+        server = await serving(Metrics(), broken)
+        try:
+            status, _, body = await fetch(server.port, "/readyz")
+            assert status == 503
+            assert b"readiness check failed" in body and b"pool vanished" in body
+            assert (await fetch(server.port, "/healthz"))[0] == 200  # still serving
+        finally:
+            await server.stop()
+
+    run(main())
+
+
+def test_healthz_ok_while_loop_turns(run: Run) -> None:
+    async def main() -> None:
+        server = await serving(Metrics(), lag_interval_s=0.01)
+        try:
+            status, _, body = await fetch(server.port, "/healthz")
+            assert status == 200 and body.startswith(b"ok, event loop lag ")
+        finally:
+            await server.stop()
+
+    run(main())
+
+
+def test_healthz_fails_after_the_loop_was_blocked(run: Run) -> None:
+    async def main() -> None:
+        m = Metrics()
+        server = await serving(m, lag_interval_s=0.01, max_lag_s=0.1, lag_window_s=3600)
+        try:
+            await asyncio.sleep(0.03)  # let the monitor take its first step and start waiting for a tick
+            time.sleep(0.3)  # block the loop as a runaway callback would: the lag is at least this
+            # The monitor's tick was due during the block, so it runs before this later timer fires.
+            await asyncio.sleep(0.05)
+            assert server.lag.worst >= 0.25
+            status, _, body = await fetch(server.port, "/healthz")
+            assert status == 503
+            assert b"event loop lagged" in body
+            assert value(m.render(), "densedev_event_loop_lag_seconds") >= 0
+        finally:
+            await server.stop()
+
+    run(main())
+
+
+def test_healthz_fails_when_the_monitor_died(run: Run) -> None:
+    async def main() -> None:
+        server = await serving(Metrics())
+        try:
+            assert server._monitor is not None
+            server._monitor.cancel()
+            await asyncio.sleep(0)
+            status, _, body = await fetch(server.port, "/healthz")
+            assert (status, body) == (503, b"event loop monitor is not running\n")
+        finally:
+            await server.stop()
+
+    run(main())
+
+
+def test_http_edges(run: Run) -> None:
+    async def main() -> None:
+        server = await serving(Metrics())
+        try:
+            status, _, body = await fetch(server.port, "/nope")
+            assert status == 404 and b"/metrics" in body
+            status, headers, body = await fetch(server.port, "/metrics", method="HEAD")
+            assert status == 200 and body == b"" and int(headers["content-length"]) > 0
+            assert (await fetch(server.port, "/metrics?name[]=x"))[0] == 200
+            status, headers, _ = await fetch(server.port, "/metrics", method="POST")
+            assert status == 405 and headers["allow"] == "GET, HEAD"
+            answer = await raw(server.port, b"garbage\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+            answer = await raw(server.port, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+            assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+            # A client that connects and leaves without a request must not disturb the server.
+            assert await raw(server.port, b"GET /heal") == b""
+            assert (await fetch(server.port, "/healthz"))[0] == 200
+        finally:
+            await server.stop()
+
+    run(main())
+
+
+def test_stop_closes_idle_connections(run: Run) -> None:
+    async def main() -> None:
+        server = await serving(Metrics())
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        await asyncio.sleep(0.01)
+        await server.stop()  # must not wait for the idle client's read timeout
+        assert await reader.read() == b""
+        writer.close()
+        await writer.wait_closed()
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", server.port)
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("addr", "expected"),
+    [
+        (":9477", ("", 9477)),
+        ("127.0.0.1:9477", ("127.0.0.1", 9477)),
+        ("localhost:0", ("localhost", 0)),
+        ("[::1]:9477", ("::1", 9477)),
+        ("[::]:80", ("::", 80)),
+        (" 0.0.0.0:9477 ", ("0.0.0.0", 9477)),
+    ],
+)
+def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
+    assert parse_addr(addr) == expected
+
+
+@pytest.mark.parametrize(
+    ("addr", "error"),
+    [
+        ("", "empty"),
+        ("9477", "has no port"),
+        ("host:", "port '' is not a number"),
+        (":http", "port 'http' is not a number"),
+        (":-1", "port '-1' is not a number"),
+        (":65536", "port 65536 is out of range"),
+        ("::1:9477", "IPv6 host in brackets"),
+        ("[::1]9477", r"must look like \[::1\]:9477"),
+        ("[]:9477", "empty IPv6 host"),
+    ],
+)
+def test_parse_addr_errors(addr: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        parse_addr(addr)
