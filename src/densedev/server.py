@@ -1,0 +1,245 @@
+"""One DevicePlugin gRPC server per pool, on its own unix socket in the kubelet's device-plugin dir."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+import grpc
+
+from ._proto import api_pb2
+from .feed import PoolFeed
+from .model import RequestError
+from .wire import KUBELET_MAX_MESSAGE
+
+log = logging.getLogger(__name__)
+
+SERVICE = "v1beta1.DevicePlugin"
+
+# The kubelet receives at most 4 MiB per message; sending more would only end the stream there, so
+# the sender refuses it first.  Requests from the kubelet are small (device ID lists).
+SERVER_OPTIONS = (
+    ("grpc.max_send_message_length", KUBELET_MAX_MESSAGE),
+    ("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE),
+    ("grpc.so_reuseport", 0),
+)
+
+_STATUS = {
+    RequestError.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    RequestError.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class PoolService(Protocol):
+    """What a pool answers to the kubelet's unary calls (implemented by ``allocation``)."""
+
+    def options(self) -> tuple[bool, bool]:
+        """Return ``(pre_start_required, get_preferred_allocation_available)``."""
+        ...
+
+    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+        """Return the container response for these IDs; raise ``RequestError`` to refuse."""
+        ...
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Return the preferred IDs for an allocation of ``size`` devices."""
+        ...
+
+    def prestart(self, ids: Sequence[str]) -> None:
+        """Check the IDs before a container starts; raise ``RequestError`` to fail the start."""
+        ...
+
+
+def _identity(message: bytes) -> bytes:
+    """Serialize an already encoded message: the feed holds wire bytes, re-encoding would waste them."""
+    return message
+
+
+class PluginServer:
+    """Serves ``/v1beta1.DevicePlugin/*`` for one pool on ``socket_path``."""
+
+    def __init__(self, resource: str, socket_path: Path, feed: PoolFeed, service: PoolService) -> None:
+        self.resource = resource
+        self.socket_path = Path(socket_path)
+        self._feed = feed
+        self._service = service
+        self._server: grpc.aio.Server | None = None
+        self._inode: tuple[int, int] | None = None
+        self._stopping = asyncio.Event()
+
+    @property
+    def running(self) -> bool:
+        """Whether the gRPC server is serving."""
+        return self._server is not None
+
+    @property
+    def socket_identity(self) -> tuple[int, int] | None:
+        """The (device, inode) of the socket this server bound, to tell it from a recreated file."""
+        return self._inode
+
+    async def start(self) -> None:
+        """Bind the socket and serve; the server is fully ready when this returns."""
+        if self._server is not None:
+            raise RuntimeError(f"{self.resource}: server already running on {self.socket_path}")
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_socket(self.socket_path)  # a stale socket from a previous run would make bind fail
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server.add_generic_rpc_handlers((self._handler(),))
+        address = f"unix:{self.socket_path}"
+        if server.add_insecure_port(address) == 0:
+            raise OSError(f"{self.resource}: cannot listen on {address}")
+        await server.start()
+        self._stopping = asyncio.Event()
+        self._server = server
+        st = os.stat(self.socket_path)
+        self._inode = (st.st_dev, st.st_ino)
+        log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
+
+    async def stop(self, grace: float = 0.5) -> None:
+        """Stop serving (open streams are cancelled after ``grace`` seconds) and remove our socket."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        self._stopping.set()  # end open streams now rather than after the grace period
+        await server.stop(grace)
+        # Remove the socket only if it is still the one we bound: after a kubelet restart the path may
+        # already belong to a newer server.
+        try:
+            st = os.stat(self.socket_path)
+            if (st.st_dev, st.st_ino) == self._inode:
+                self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        self._inode = None
+        log.info("%s: stopped serving on %s", self.resource, self.socket_path)
+
+    def _handler(self) -> grpc.GenericRpcHandler:
+        def unary(fn: Callable[..., Any], request: Any, response: Any) -> grpc.RpcMethodHandler:
+            return grpc.unary_unary_rpc_method_handler(
+                fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+            )
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "GetDevicePluginOptions": unary(self._options, api_pb2.Empty, api_pb2.DevicePluginOptions),
+                "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+                    self._list_and_watch,
+                    request_deserializer=api_pb2.Empty.FromString,
+                    response_serializer=_identity,
+                ),
+                "GetPreferredAllocation": unary(
+                    self._preferred, api_pb2.PreferredAllocationRequest, api_pb2.PreferredAllocationResponse
+                ),
+                "Allocate": unary(self._allocate, api_pb2.AllocateRequest, api_pb2.AllocateResponse),
+                "PreStartContainer": unary(
+                    self._prestart, api_pb2.PreStartContainerRequest, api_pb2.PreStartContainerResponse
+                ),
+            },
+        )
+
+    async def _options(self, request: api_pb2.Empty, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            pre_start, preferred = self._service.options()
+        except Exception as exc:
+            await self._internal(context, "GetDevicePluginOptions", exc)
+        return api_pb2.DevicePluginOptions(
+            pre_start_required=pre_start, get_preferred_allocation_available=preferred
+        )
+
+    async def _list_and_watch(
+        self, request: api_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        # Send the latest whole list at once, then every newer one.  Each message replaces the whole
+        # list at the kubelet, so skipping intermediate versions loses nothing.  Never return: the
+        # kubelet treats a finished stream as "all devices unhealthy" and never redials.
+        log.info("%s: ListAndWatch stream opened", self.resource)
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        newer: asyncio.Future[tuple[int, bytes]] | None = None
+        try:
+            version, message = self._feed.latest()
+            yield message
+            while True:
+                newer = asyncio.ensure_future(self._feed.wait_newer(version))
+                await asyncio.wait((newer, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not newer.done():
+                    newer.cancel()
+                    return  # the server is stopping
+                version, message = newer.result()
+                yield message
+        finally:
+            stopping.cancel()
+            if newer is not None:
+                newer.cancel()
+            log.info("%s: ListAndWatch stream closed", self.resource)
+
+    async def _allocate(self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> Any:
+        count = len(request.container_requests)
+        if count != 1:
+            # The kubelet sends exactly one container request per Allocate call and uses only the first
+            # response; anything else is not a kubelet and gets no half-answer.
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.resource}: Allocate needs exactly one container request, got {count}",
+            )
+        ids = list(request.container_requests[0].devices_ids)
+        try:
+            response = self._service.allocate(ids)
+        except RequestError as exc:
+            await self._refuse(context, "Allocate", exc)
+        except Exception as exc:
+            await self._internal(context, "Allocate", exc)
+        return api_pb2.AllocateResponse(container_responses=[response])
+
+    async def _preferred(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        responses = []
+        try:
+            for req in request.container_requests:
+                ids = self._service.preferred(
+                    list(req.available_deviceIDs), list(req.must_include_deviceIDs), req.allocation_size
+                )
+                responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        except RequestError as exc:
+            await self._refuse(context, "GetPreferredAllocation", exc)
+        except Exception as exc:
+            await self._internal(context, "GetPreferredAllocation", exc)
+        return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+    async def _prestart(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.aio.ServicerContext
+    ) -> Any:
+        try:
+            self._service.prestart(list(request.devices_ids))
+        except RequestError as exc:
+            await self._refuse(context, "PreStartContainer", exc)
+        except Exception as exc:
+            await self._internal(context, "PreStartContainer", exc)
+        return api_pb2.PreStartContainerResponse()
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, call: str, exc: RequestError) -> NoReturn:
+        code = _STATUS.get(exc.kind, grpc.StatusCode.INVALID_ARGUMENT)
+        log.warning("%s: %s refused (%s): %s", self.resource, call, code.name, exc.message)
+        await context.abort(code, f"{self.resource}: {exc.message}")
+
+    async def _internal(self, context: grpc.aio.ServicerContext, call: str, exc: Exception) -> NoReturn:
+        # A bug in a pool must fail this one call, never the server: the kubelet keeps the stream.
+        log.exception("%s: %s failed", self.resource, call)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource}: {call} failed: {exc!r}")
+
+
+def _remove_socket(path: Path) -> None:
+    """Remove a unix socket left at ``path``; refuse to remove anything that is not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FileExistsError(f"{path} exists and is not a socket; not removing it")
+    path.unlink(missing_ok=True)
