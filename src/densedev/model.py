@@ -118,6 +118,7 @@ class Config:
     coalesce_ms: float = 2.0  # window that folds a burst of events into one message per pool
     rdma_poll_s: float = 1.0  # RDMA port state has no event source: poll it
     reconcile_s: float = 60.0  # full rescan as a safety net
+    warnings: tuple[str, ...] = ()  # accepted but unsupported keys (pKeys, ddpProfiles): log them at load
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,673 @@
+"""The config file: the SR-IOV network device plugin's ``config.json`` plus densedev's own keys.
+
+Any file that plugin accepts loads here unchanged (see ``docs/config.md``); densedev's additions are
+optional keys with defaults, so old files stay valid.  Everything is checked at load, never at match
+time, and every problem found is reported at once, each naming the pool, the key and the reason.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .model import Config, HealthPolicy, IndexRange, PoolConfig, Selector
+
+DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's --resource-prefix default
+DEVICE_TYPES = ("netDevice", "accelerator", "auxNetDevice")
+PREFERRED_POLICIES = ("pack", "spread", "none")
+LINK_TYPES = ("ether", "infiniband")  # what discovery reports from ARPHRD 1 / 32
+VDPA_TYPES = ("vhost", "virtio")
+MAX_VF_INDEX = 65535  # the SR-IOV capability's NumVFs/TotalVFs are 16-bit registers
+MAX_RDMA_SHARED = 65535
+IFNAMSIZ = 16  # the kernel's dev_valid_name(): at most IFNAMSIZ - 1 bytes, no '/', ':' or whitespace
+
+# Extended resource name rules the kubelet applies at Register (IsExtendedResourceName → IsQualifiedName).
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_DNS_SUBDOMAIN_RE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
+_QUALIFIED_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_PCI_ADDRESS_RE = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])$")
+_HEX16_RE = re.compile(r"^(?:0[xX])?[0-9a-fA-F]{1,4}$")
+_ENV_SAFE_RE = re.compile(r"^[A-Za-z0-9_./]+$")
+
+# Keys of internal Go structs that leak into files the SR-IOV network operator marshals from the plugin's
+# own types; the plugin ignores them and so do we, as long as they are null.
+_GO_INTERNAL_KEYS = ("SelectorObj", "SelectorObjs")
+
+_COMMON_SELECTOR_KEYS = ("vendors", "devices", "drivers", "pciAddresses", "acpiIndexes")
+_NET_SELECTOR_KEYS = ("pfNames", "rootDevices", "linkTypes", "isRdma")
+_SELECTOR_KEYS_BY_TYPE: dict[str, tuple[str, ...]] = {
+    # The plugin's selector struct depends on deviceType; a key of another type is almost always a
+    # forgotten deviceType, so it is reported rather than silently ignored as Go's decoder would.
+    "netDevice": (
+        *_COMMON_SELECTOR_KEYS,
+        *_NET_SELECTOR_KEYS,
+        "needVhostNet",
+        "vdpaType",
+        "pKeys",
+        "ddpProfiles",
+    ),
+    "accelerator": _COMMON_SELECTOR_KEYS,
+    "auxNetDevice": (*_COMMON_SELECTOR_KEYS, *_NET_SELECTOR_KEYS, "auxTypes"),
+}
+_ALL_SELECTOR_KEYS = tuple(dict.fromkeys(k for keys in _SELECTOR_KEYS_BY_TYPE.values() for k in keys))
+_POOL_KEYS = (
+    "resourceName",
+    "resourcePrefix",
+    "deviceType",
+    "excludeTopology",
+    "additionalInfo",
+    "selectors",
+    "isRdma",  # legacy: the plugin's early README put it beside resourceName
+    "rdmaShared",
+    "healthPolicy",
+    "preferredAllocation",
+    "preStart",
+    *_GO_INTERNAL_KEYS,
+)
+_TOP_KEYS = ("resourceList", "coalesceMs", "rdmaPollSeconds", "reconcileSeconds")
+_HEALTH_KEYS = ("pfLink", "ownLink", "rdmaPort", "driver", "holdDownSeconds")
+
+
+class ConfigError(Exception):
+    """An invalid config file; ``problems`` lists every problem found, not just the first."""
+
+    def __init__(self, problems: Sequence[str], source: str = "<string>") -> None:
+        self.problems: tuple[str, ...] = tuple(problems)
+        self.source = source
+        lines = "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(f"{source}: {len(self.problems)} problem(s) in the config:\n{lines}")
+
+
+def validate_resource_name(full_name: str) -> str | None:
+    """Return why the kubelet would refuse ``full_name`` as an extended resource name; None when valid."""
+    if "/" not in full_name:
+        return f'"{full_name}" has no "/": an extended resource name is "<prefix>/<name>"'
+    # The kubelet treats anything containing "kubernetes.io/" as a native resource (IsNativeResource).
+    if "kubernetes.io/" in full_name:
+        return f'"{full_name}": the kubernetes.io/ namespace is reserved for native resources'
+    if full_name.startswith("requests."):
+        return f'"{full_name}": names starting "requests." are reserved for quota'
+    prefix, _, name = full_name.partition("/")
+    if not prefix:
+        return f'"{full_name}": the prefix before "/" is empty'
+    # The kubelet checks "requests.<name>" as a qualified name, so the prefix gets 9 chars less than 253.
+    if len(prefix) > 253 - len("requests."):
+        return f'"{full_name}": prefix longer than {253 - len("requests.")} characters'
+    if not _DNS_SUBDOMAIN_RE.match(prefix):
+        return f'"{full_name}": prefix "{prefix}" is not a lowercase DNS subdomain'
+    if not name:
+        return f'"{full_name}": the name after "/" is empty'
+    if "/" in name:
+        return f'"{full_name}": more than one "/"'
+    if len(name) > 63:
+        return f'"{full_name}": name part longer than 63 characters ({len(name)})'
+    if not _QUALIFIED_NAME_RE.match(name):
+        return f'"{full_name}": name part "{name}" must be [A-Za-z0-9._-], starting and ending alphanumeric'
+    return None
+
+
+def env_var_name(full_name: str) -> str:
+    """Return the ``PCIDEVICE_<PREFIX>_<NAME>`` variable the SR-IOV plugin convention uses for a resource."""
+    return "PCIDEVICE_" + full_name.upper().replace(".", "_").replace("/", "_")
+
+
+def parse_index_range(text: str) -> IndexRange:
+    """Parse a ``pfNames``/``rootDevices`` value like ``"ens1f0#0,2-7"``; raise ValueError saying why not."""
+    name, sep, ranges = text.partition("#")
+    if not name:
+        raise ValueError(f'bad VF range "{text}": no name before "#"')
+    if not sep:
+        return IndexRange(name)
+    if not ranges:
+        raise ValueError(f'bad VF range "{text}": no VF index after "#"')
+    indexes: set[int] = set()
+    for item in ranges.split(","):
+        start_s, dash, end_s = item.partition("-")
+        if not item:
+            raise ValueError(f'bad VF range "{text}": empty item in the list')
+        start = _vf_index(text, start_s)
+        end = _vf_index(text, end_s) if dash else start
+        if start > end:
+            raise ValueError(f'bad VF range "{text}": start > end')
+        indexes.update(range(start, end + 1))
+    return IndexRange(name, frozenset(indexes))
+
+
+def _vf_index(text: str, s: str) -> int:
+    if not s.isdigit() or not s.isascii():
+        raise ValueError(f'bad VF range "{text}": "{s}" is not a VF index (a non-negative integer)')
+    value = int(s)
+    if value > MAX_VF_INDEX:
+        raise ValueError(
+            f'bad VF range "{text}": index {value} above {MAX_VF_INDEX} (SR-IOV has 16-bit VF counts)'
+        )
+    return value
+
+
+def normalize_pci_address(text: str) -> str | None:
+    """Return ``text`` as a full lower-case PCI address (``0000:3b:02.1``, domain added), or None."""
+    m = _PCI_ADDRESS_RE.match(text)
+    if m is None:
+        return None
+    domain, bus, dev, fn = m.groups()
+    return f"{(domain or '0000').lower()}:{bus.lower()}:{dev.lower()}.{fn}"
+
+
+class _Obj(dict[str, Any]):
+    """A JSON object that remembers keys it saw more than once (json keeps only the last silently)."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _object_pairs(pairs: list[tuple[str, Any]]) -> _Obj:
+    obj = _Obj()
+    dups: list[str] = []
+    for k, v in pairs:
+        if k in obj:
+            dups.append(k)
+        obj[k] = v
+    if dups:
+        obj.duplicates = tuple(dups)
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON (and the Go plugin) do not.
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "list"
+    return "object"
+
+
+class _Reader:
+    """Walks the decoded JSON, collecting every problem and warning instead of stopping at the first."""
+
+    def __init__(self, default_prefix: str) -> None:
+        self.default_prefix = default_prefix
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+
+    def problem(self, where: str, reason: str) -> None:
+        self.problems.append(f"{where}: {reason}" if where else reason)
+
+    def fields(self, obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> dict[str, Any]:
+        """Map ``obj``'s keys to their canonical spelling; report unknown and duplicate keys.
+
+        Go's encoding/json, which the plugin uses, matches keys case-insensitively, so "IsRdma" is
+        "isRdma" there; we accept the same spellings to load the same files.
+        """
+        by_lower = {k.lower(): k for k in allowed}
+        out: dict[str, Any] = {}
+        for dup in getattr(obj, "duplicates", ()):
+            self.problem(_join(where, dup), "key given more than once")
+        for key, value in obj.items():
+            canonical = key if key in allowed else by_lower.get(key.lower())
+            if canonical is None:
+                close = difflib.get_close_matches(key, allowed, n=1)
+                hint = f' (did you mean "{close[0]}"?)' if close else ""
+                self.problem(where, f'unknown key "{key}"{hint}')
+                continue
+            if canonical in out:
+                self.problem(_join(where, key), f'same key as "{canonical}" (keys are case-insensitive)')
+                continue
+            out[canonical] = value
+        return out
+
+    def boolean(self, value: Any, where: str, default: bool) -> bool:
+        if isinstance(value, bool):
+            return value
+        self.problem(where, f"expected true or false, got {_type_name(value)}")
+        return default
+
+    def number(self, value: Any, where: str, default: float, *, minimum: float, strict: bool) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.problem(where, f"expected a number, got {_type_name(value)}")
+            return default
+        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+            self.problem(where, f"expected a number {'>' if strict else '>='} {minimum:g}, got {value!r}")
+            return default
+        return float(value)
+
+    def string(self, value: Any, where: str) -> str | None:
+        if isinstance(value, str):
+            return value
+        self.problem(where, f"expected a string, got {_type_name(value)}")
+        return None
+
+    def strings(
+        self,
+        value: Any,
+        where: str,
+        convert: Callable[[str], str | None] | None = None,
+        what: str = "",
+    ) -> tuple[str, ...]:
+        """Read a list of non-empty strings, each passed through ``convert`` (None from it = invalid)."""
+        if not isinstance(value, list):
+            self.problem(where, f"expected a list of strings, got {_type_name(value)}")
+            return ()
+        out: list[str] = []
+        for i, item in enumerate(value):
+            at = f"{where}[{i}]"
+            if not isinstance(item, str):
+                self.problem(at, f"expected a string, got {_type_name(item)}")
+            elif not item:
+                self.problem(at, "empty string")
+            elif convert is None:
+                out.append(item)
+            else:
+                converted = convert(item)
+                if converted is None:
+                    self.problem(at, f'"{item}" is not {what}')
+                else:
+                    out.append(converted)
+        return tuple(dict.fromkeys(out))
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _lower_hex16(text: str) -> str | None:
+    if not _HEX16_RE.match(text):
+        return None
+    return text.lower().removeprefix("0x").rjust(4, "0")
+
+
+def _pkey(text: str) -> str | None:
+    if not _HEX16_RE.match(text):
+        return None
+    return f"0x{int(text, 16):04x}"
+
+
+def _acpi_index(text: str) -> str | None:
+    # The kernel prints acpi_index as an unsigned decimal (pci-sysfs.c acpi_index_show).
+    if not text.isascii() or not text.isdigit():
+        return None
+    return str(int(text))
+
+
+def _one_of(choices: Sequence[str]) -> Callable[[str], str | None]:
+    return lambda text: text if text in choices else None
+
+
+def _interface_name_problem(name: str) -> str | None:
+    if len(name.encode()) >= IFNAMSIZ:
+        return f'interface name "{name}" longer than {IFNAMSIZ - 1} bytes (IFNAMSIZ)'
+    if name in (".", "..") or any(c in name for c in "/:") or any(c.isspace() for c in name):
+        return f'"{name}" is not a valid interface name'
+    return None
+
+
+def _parse_selector(
+    r: _Reader, obj: Any, where: str, device_type: str, legacy_rdma: bool | None
+) -> Selector | None:
+    if not isinstance(obj, Mapping):
+        r.problem(where, f"expected a selector object, got {_type_name(obj)}")
+        return None
+    f = r.fields(obj, _ALL_SELECTOR_KEYS, where)
+    allowed = _SELECTOR_KEYS_BY_TYPE.get(device_type, _ALL_SELECTOR_KEYS)
+    for key in f:
+        if key not in allowed:
+            users = [t for t, keys in _SELECTOR_KEYS_BY_TYPE.items() if key in keys]
+            r.problem(
+                _join(where, key),
+                f'not a selector of deviceType "{device_type}" (only of {", ".join(users)})',
+            )
+    kw: dict[str, Any] = {}
+    if "vendors" in f:
+        kw["vendors"] = r.strings(f["vendors"], _join(where, "vendors"), _lower_hex16, "a hex vendor ID")
+    if "devices" in f:
+        kw["devices"] = r.strings(f["devices"], _join(where, "devices"), _lower_hex16, "a hex device ID")
+    if "drivers" in f:
+        kw["drivers"] = r.strings(f["drivers"], _join(where, "drivers"))
+    if "pciAddresses" in f:
+        kw["pci_addresses"] = r.strings(
+            f["pciAddresses"],
+            _join(where, "pciAddresses"),
+            normalize_pci_address,
+            "a PCI address (0000:3b:02.1)",
+        )
+    if "acpiIndexes" in f:
+        kw["acpi_indexes"] = r.strings(
+            f["acpiIndexes"], _join(where, "acpiIndexes"), _acpi_index, "an ACPI index (a decimal number)"
+        )
+    for key, attr, is_pci in (("pfNames", "pf_names", False), ("rootDevices", "root_devices", True)):
+        if key in f:
+            kw[attr] = _parse_ranges(r, f[key], _join(where, key), is_pci)
+    if "linkTypes" in f:
+        what = f"a link type ({' or '.join(LINK_TYPES)})"
+        kw["link_types"] = r.strings(f["linkTypes"], _join(where, "linkTypes"), _one_of(LINK_TYPES), what)
+    if "isRdma" in f:
+        kw["is_rdma"] = r.boolean(f["isRdma"], _join(where, "isRdma"), False)
+    elif legacy_rdma is not None:
+        kw["is_rdma"] = legacy_rdma
+    if "needVhostNet" in f:
+        kw["need_vhost_net"] = r.boolean(f["needVhostNet"], _join(where, "needVhostNet"), False)
+    if "vdpaType" in f:
+        text = r.string(f["vdpaType"], _join(where, "vdpaType"))
+        if text is not None and text not in VDPA_TYPES:
+            r.problem(_join(where, "vdpaType"), f'"{text}" is not one of {", ".join(VDPA_TYPES)}')
+        elif text is not None:
+            kw["vdpa_type"] = text
+    if "pKeys" in f:
+        kw["pkeys"] = r.strings(f["pKeys"], _join(where, "pKeys"), _pkey, "a partition key (0x7fff)")
+        if kw["pkeys"]:
+            r.warnings.append(
+                f"{_join(where, 'pKeys')}: not supported (the device table has no partition keys); "
+                "this selector matches no device"
+            )
+    if "auxTypes" in f:
+        kw["aux_types"] = r.strings(f["auxTypes"], _join(where, "auxTypes"))
+    if "ddpProfiles" in f:
+        kw["ddp_profiles"] = r.strings(f["ddpProfiles"], _join(where, "ddpProfiles"))
+        if kw["ddp_profiles"]:
+            r.warnings.append(
+                f"{_join(where, 'ddpProfiles')}: not supported (densedev does not query DDP profiles "
+                "with devlink or ddptool); this selector matches no device"
+            )
+    return Selector(**kw)
+
+
+def _parse_ranges(r: _Reader, value: Any, where: str, is_pci: bool) -> tuple[IndexRange, ...]:
+    if not isinstance(value, list):
+        r.problem(where, f"expected a list of strings, got {_type_name(value)}")
+        return ()
+    out: list[IndexRange] = []
+    for i, text in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(text, str):
+            r.problem(at, f"expected a string, got {_type_name(text)}")
+            continue
+        try:
+            rng = parse_index_range(text)
+        except ValueError as exc:
+            r.problem(at, str(exc))
+            continue
+        if is_pci:
+            address = normalize_pci_address(rng.name)
+            if address is None:
+                r.problem(at, f'"{rng.name}" is not a PCI address (0000:3b:00.0)')
+                continue
+            rng = IndexRange(address, rng.indexes)
+        else:
+            why = _interface_name_problem(rng.name)
+            if why is not None:
+                r.problem(at, why)
+                continue
+        out.append(rng)
+    return tuple(out)
+
+
+def _parse_health(r: _Reader, value: Any, where: str) -> HealthPolicy:
+    if not isinstance(value, Mapping):
+        r.problem(where, f"expected an object, got {_type_name(value)}")
+        return HealthPolicy()
+    f = r.fields(value, _HEALTH_KEYS, where)
+    d = HealthPolicy()
+    return HealthPolicy(
+        pf_link=r.boolean(f["pfLink"], _join(where, "pfLink"), d.pf_link) if "pfLink" in f else d.pf_link,
+        own_link=r.boolean(f["ownLink"], _join(where, "ownLink"), d.own_link)
+        if "ownLink" in f
+        else d.own_link,
+        rdma_port=r.boolean(f["rdmaPort"], _join(where, "rdmaPort"), d.rdma_port)
+        if "rdmaPort" in f
+        else d.rdma_port,
+        driver=r.boolean(f["driver"], _join(where, "driver"), d.driver) if "driver" in f else d.driver,
+        hold_down_s=r.number(
+            f["holdDownSeconds"], _join(where, "holdDownSeconds"), d.hold_down_s, minimum=0, strict=False
+        )
+        if "holdDownSeconds" in f
+        else d.hold_down_s,
+    )
+
+
+def _parse_additional_info(
+    r: _Reader, value: Any, where: str
+) -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    if not isinstance(value, Mapping):
+        r.problem(where, f"expected an object of objects, got {_type_name(value)}")
+        return ()
+    for dup in getattr(value, "duplicates", ()):
+        r.problem(_join(where, dup), "key given more than once")
+    out: list[tuple[str, tuple[tuple[str, str], ...]]] = []
+    for device, info in value.items():
+        at = f'{where}["{device}"]'
+        if not device:
+            r.problem(where, 'empty key (use a device ID or "*")')
+            continue
+        if not isinstance(info, Mapping):
+            r.problem(at, f"expected an object of strings, got {_type_name(info)}")
+            continue
+        pairs: list[tuple[str, str]] = []
+        for k, v in info.items():
+            if not isinstance(v, str):
+                r.problem(f'{at}["{k}"]', f"expected a string, got {_type_name(v)}")
+            else:
+                pairs.append((k, v))
+        out.append((device, tuple(pairs)))
+    return tuple(out)
+
+
+def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
+    base = f"resourceList[{index}]"
+    if not isinstance(obj, Mapping):
+        r.problem(base, f"expected a resource object, got {_type_name(obj)}")
+        return None
+    raw_name = next((v for k, v in obj.items() if k.lower() == "resourcename"), None)
+    label = raw_name if isinstance(raw_name, str) and raw_name else "no resourceName"
+    where = f"{base} ({label})"
+    before = len(r.problems)
+    f = r.fields(obj, _POOL_KEYS, where)
+
+    name = ""
+    if "resourceName" not in f:
+        r.problem(where, "resourceName: required")
+    else:
+        name = r.string(f["resourceName"], f"{where}: resourceName") or ""
+    prefix = r.default_prefix
+    if "resourcePrefix" in f:
+        prefix = r.string(f["resourcePrefix"], f"{where}: resourcePrefix") or prefix
+    if name:
+        full = f"{prefix}/{name}"
+        why = validate_resource_name(full)
+        if why is not None:
+            r.problem(where, f"resourceName/resourcePrefix: the kubelet would refuse {why}")
+        elif not _ENV_SAFE_RE.match(full):
+            r.problem(
+                where,
+                f'resourceName/resourcePrefix: "{full}" is unsafe in the variable name {env_var_name(full)} '
+                '(only letters, digits, "_", "." and "/" map to a valid name; "-" does not)',
+            )
+
+    device_type = "netDevice"
+    if "deviceType" in f:
+        text = r.string(f["deviceType"], f"{where}: deviceType")
+        if text is not None and text not in DEVICE_TYPES:
+            r.problem(f"{where}: deviceType", f'"{text}" is not one of {", ".join(DEVICE_TYPES)}')
+        elif text is not None:
+            device_type = text
+
+    legacy_rdma: bool | None = None
+    if "isRdma" in f:
+        legacy_rdma = r.boolean(f["isRdma"], f"{where}: isRdma", False)
+
+    selectors: tuple[Selector, ...] = (Selector(is_rdma=legacy_rdma),)
+    if "selectors" in f:
+        raw = f["selectors"]
+        if isinstance(raw, Mapping):
+            sel = _parse_selector(r, raw, f"{where}: selectors", device_type, legacy_rdma)
+            selectors = (sel,) if sel is not None else ()
+        elif isinstance(raw, list):
+            if not raw:
+                r.problem(f"{where}: selectors", "empty list: the pool would select no device")
+            parsed = [
+                _parse_selector(r, s, f"{where}: selectors[{i}]", device_type, legacy_rdma)
+                for i, s in enumerate(raw)
+            ]
+            selectors = tuple(s for s in parsed if s is not None)
+        else:
+            r.problem(
+                f"{where}: selectors", f"expected an object or a list of objects, got {_type_name(raw)}"
+            )
+
+    for key in _GO_INTERNAL_KEYS:
+        if key in f and f[key] is not None:
+            r.problem(f"{where}: {key}", "internal field of the Go plugin: only null is accepted")
+
+    exclude_topology = False
+    if "excludeTopology" in f:
+        exclude_topology = r.boolean(f["excludeTopology"], f"{where}: excludeTopology", False)
+    additional_info: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    if "additionalInfo" in f:
+        additional_info = _parse_additional_info(r, f["additionalInfo"], f"{where}: additionalInfo")
+    rdma_shared = 0
+    if "rdmaShared" in f:
+        v = f["rdmaShared"]
+        if isinstance(v, bool) or not isinstance(v, int):
+            r.problem(
+                f"{where}: rdmaShared", f"expected a whole number of IDs per RDMA device, got {_type_name(v)}"
+            )
+        elif not 0 <= v <= MAX_RDMA_SHARED:
+            r.problem(f"{where}: rdmaShared", f"expected 0 to {MAX_RDMA_SHARED}, got {v}")
+        else:
+            rdma_shared = v
+    health = HealthPolicy()
+    if "healthPolicy" in f:
+        health = _parse_health(r, f["healthPolicy"], f"{where}: healthPolicy")
+    preferred = "pack"
+    if "preferredAllocation" in f:
+        text = r.string(f["preferredAllocation"], f"{where}: preferredAllocation")
+        if text is not None and text not in PREFERRED_POLICIES:
+            r.problem(
+                f"{where}: preferredAllocation", f'"{text}" is not one of {", ".join(PREFERRED_POLICIES)}'
+            )
+        elif text is not None:
+            preferred = text
+    prestart = False
+    if "preStart" in f:
+        prestart = r.boolean(f["preStart"], f"{where}: preStart", False)
+
+    if len(r.problems) > before:
+        return None
+    return PoolConfig(
+        resource_name=name,
+        resource_prefix=prefix,
+        device_type=device_type,
+        selectors=selectors,
+        exclude_topology=exclude_topology,
+        additional_info=additional_info,
+        rdma_shared=rdma_shared,
+        health=health,
+        preferred=preferred,
+        prestart=prestart,
+    )
+
+
+def _decode(text: str) -> Any:
+    """Decode JSON; raise ConfigError-ready text with line and column on a syntax error."""
+    return json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_refuse_constant)
+
+
+def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<string>") -> Config:
+    """Parse and validate a config document; raise ConfigError listing every problem."""
+    try:
+        doc = _decode(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            [f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"], source
+        ) from None
+    except ValueError as exc:
+        raise ConfigError([f"invalid JSON: {exc}"], source) from None
+    r = _Reader(default_prefix)
+    if not isinstance(doc, Mapping):
+        raise ConfigError([f"expected a JSON object with resourceList, got {_type_name(doc)}"], source)
+    f = r.fields(doc, _TOP_KEYS, "")
+    pools: list[tuple[int, PoolConfig]] = []
+    if "resourceList" not in f:
+        r.problem("resourceList", "required (a list of resource pools)")
+    elif not isinstance(f["resourceList"], list):
+        r.problem("resourceList", f"expected a list of resource objects, got {_type_name(f['resourceList'])}")
+    else:
+        for i, obj in enumerate(f["resourceList"]):
+            pool = _parse_pool(r, obj, i)
+            if pool is not None:
+                pools.append((i, pool))
+    d = Config(pools=())
+    coalesce = d.coalesce_ms
+    if "coalesceMs" in f:
+        coalesce = r.number(f["coalesceMs"], "coalesceMs", d.coalesce_ms, minimum=0, strict=False)
+    rdma_poll = d.rdma_poll_s
+    if "rdmaPollSeconds" in f:
+        rdma_poll = r.number(f["rdmaPollSeconds"], "rdmaPollSeconds", d.rdma_poll_s, minimum=0, strict=True)
+    reconcile = d.reconcile_s
+    if "reconcileSeconds" in f:
+        reconcile = r.number(f["reconcileSeconds"], "reconcileSeconds", d.reconcile_s, minimum=0, strict=True)
+    _check_unique(r, pools)
+    if r.problems:
+        raise ConfigError(r.problems, source)
+    return Config(
+        pools=tuple(pool for _, pool in pools),
+        coalesce_ms=coalesce,
+        rdma_poll_s=rdma_poll,
+        reconcile_s=reconcile,
+        warnings=tuple(r.warnings),
+    )
+
+
+def _check_unique(r: _Reader, pools: Sequence[tuple[int, PoolConfig]]) -> None:
+    """Report two pools with one full name, or with names that collide in the PCIDEVICE_ variable."""
+    seen: dict[str, int] = {}
+    seen_env: dict[str, int] = {}
+    for i, pool in pools:
+        where = f"resourceList[{i}] ({pool.resource_name})"
+        full = pool.full_name
+        if full in seen:
+            r.problem(where, f'resource "{full}" already defined by resourceList[{seen[full]}]')
+            continue
+        seen[full] = i
+        env = env_var_name(full)
+        if env in seen_env:
+            r.problem(
+                where, f'resource "{full}" has the same variable name {env} as resourceList[{seen_env[env]}]'
+            )
+            continue
+        seen_env[env] = i
+
+
+def load(path: str | Path, *, default_prefix: str = DEFAULT_PREFIX) -> Config:
+    """Read and validate a config file; raise ConfigError listing every problem."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], str(p)) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"not UTF-8 text (byte {exc.start})"], str(p)) from None
+    return parse(text, default_prefix=default_prefix, source=str(p))
+
+
+def check(path: str | Path, *, default_prefix: str = DEFAULT_PREFIX) -> tuple[str, ...]:
+    """Return every problem of a config file (empty when it is valid), for ``densedev check-config``."""
+    try:
+        load(path, default_prefix=default_prefix)
+    except ConfigError as exc:
+        return exc.problems
+    return ()
