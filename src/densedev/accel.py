@@ -31,3 +31,6 @@ impl, IMPLEMENTATION = _choose()
 # wire (wire.py)
 encode_device = impl.encode_device
 encode_list = impl.encode_list
+
+# alloc (allocation.py)
+pick_devices = impl.pick_devices

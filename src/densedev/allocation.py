@@ -1,0 +1,463 @@
+"""What a container gets for a pool's devices: env, device nodes, CDI names, device-info files.
+
+``build_response`` and the helpers above it are pure (they only ``stat`` the dev root to learn which
+optional nodes exist); ``PoolAllocator`` is the ``PoolService`` the gRPC server calls, and owns the
+files written for runtimes (CDI specs) and CNI plugins (device-info files).  The env and ``_INFO``
+schema is documented in ``docs/allocation.md``; it matches the SR-IOV network device plugin's, which
+CNI plugins and DPDK/RDMA applications already parse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from . import accel, cdi, devinfo
+from ._proto import api_pb2
+from .model import Device, Pool, PoolConfig, RequestError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEV_ROOT = Path("/dev")
+NET_DEVICE = "netDevice"
+POLICIES = {"pack": 0, "spread": 1, "none": 2}  # the _fast ranking's POLICY_* values
+
+# Every node is handed over "rw": the runtime creates the node in the container itself, so nothing
+# inside needs mknod, and the device cgroup's "m" would only let a container create nodes for the
+# same major:minor by hand.
+PERMISSIONS = "rw"
+
+VFIO_CONTAINER = "/dev/vfio/vfio"  # the VFIO container node every vfio-pci user opens first
+RDMA_CM = "/dev/infiniband/rdma_cm"  # one node for the whole host (rdma_ucm module)
+VHOST_NET = "/dev/vhost-net"
+TUN = "/dev/net/tun"
+
+
+class PoolService(Protocol):
+    """What the gRPC server calls for one pool (see server.py)."""
+
+    def options(self) -> tuple[bool, bool]: ...
+    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse: ...
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]: ...
+    def prestart(self, ids: Sequence[str]) -> None: ...
+
+
+@dataclass(frozen=True)
+class AllocationSettings:
+    """Where allocation writes and looks: CDI dir (None: CDI off), device-info dir, and the /dev root."""
+
+    cdi_dir: Path | None = cdi.DEFAULT_CDI_DIR
+    devinfo_dir: Path | None = devinfo.DEFAULT_DEVINFO_DIR
+    dev_root: Path = DEFAULT_DEV_ROOT  # where to check which nodes exist (the host's /dev, maybe remounted)
+    cdi_annotations: bool = False  # also return the cdi.k8s.io/ annotation (runtimes before CRI CDI fields)
+
+
+class NodeSpec(NamedTuple):
+    """One device node for the container: its path inside, its path on the host, and permissions."""
+
+    container_path: str
+    host_path: str
+    permissions: str
+
+
+@dataclass(frozen=True)
+class DeviceParts:
+    """What one device contributes: its nodes, its ``_INFO`` entry, and required nodes that are missing."""
+
+    device: Device
+    nodes: tuple[NodeSpec, ...]
+    info: dict[str, dict[str, str]] = field(hash=False)
+    missing: tuple[str, ...]  # host paths (or facts) without which the device cannot work
+
+
+@dataclass(frozen=True)
+class ResponseParts:
+    """The parts of a ContainerAllocateResponse, before they become protobuf."""
+
+    envs: dict[str, str]
+    devices: tuple[NodeSpec, ...]
+    cdi_devices: tuple[str, ...]
+    annotations: dict[str, str]
+
+
+def env_name(config: PoolConfig) -> str:
+    """Return ``PCIDEVICE_<PREFIX>_<NAME>``: the resource name upper-cased, ``.``, ``/``, ``-`` made ``_``."""
+    return "PCIDEVICE_" + re.sub(r"[^A-Za-z0-9_]", "_", config.full_name).upper()
+
+
+def needs_vhost_net(config: PoolConfig) -> bool:
+    """Return whether the pool's containers get /dev/vhost-net and /dev/net/tun (selector needVhostNet)."""
+    return any(s.need_vhost_net for s in config.selectors)
+
+
+def wants_rdma(config: PoolConfig) -> bool:
+    """Return whether the pool hands out RDMA char devices: an ``isRdma`` selector, or a shared RDMA pool."""
+    return config.rdma_shared > 0 or any(s.is_rdma for s in config.selectors)
+
+
+def cdi_class(config: PoolConfig) -> str:
+    """Return the CDI class of a pool: its resource name."""
+    return config.resource_name
+
+
+def extra_info(config: PoolConfig, device_id: str) -> dict[str, str]:
+    """Return the pool's additionalInfo for a device: the ``*`` entry overlaid by the device's own."""
+    extra: dict[str, str] = {}
+    for key in ("*", device_id):
+        for address, pairs in config.additional_info:
+            if address == key:
+                extra.update(pairs)
+    return extra
+
+
+def _host(dev_root: Path, path: str) -> Path:
+    return dev_root / path.removeprefix("/dev/")
+
+
+def _rdma_path(node: str) -> str:
+    # Discovery records either the name ("uverbs3") or the full path; the kernel puts them all under
+    # /dev/infiniband (drivers/infiniband/core/{uverbs,user_mad,ucma}.c set the "infiniband/" devnode).
+    return node if node.startswith("/") else f"/dev/infiniband/{node}"
+
+
+def vdpa_path(device: Device) -> str:
+    """Return the vhost-vdpa node path of a device, or "" when it has none."""
+    # vhost_vdpa creates /dev/vhost-vdpa-<n> for bus device vdpa<n> (drivers/vhost/vdpa.c).
+    if device.vdpa and device.vdpa_driver == "vhost_vdpa":
+        return f"/dev/vhost-{device.vdpa.replace('vdpa', 'vdpa-', 1)}"
+    return ""
+
+
+_RDMA_KEYS = (("uverbs", "uverbs"), ("umad", "umad"), ("issm", "issm"), ("ucm", ""))
+
+
+def device_parts(config: PoolConfig, device: Device, dev_root: Path = DEFAULT_DEV_ROOT) -> DeviceParts:
+    """Return the nodes and ``_INFO`` entry of one device of a pool, checking nodes under ``dev_root``."""
+    nodes: list[NodeSpec] = []
+    missing: list[str] = []
+    info: dict[str, dict[str, str]] = {"generic": {"deviceID": device.id}}
+
+    def need(container: str, host: str | None = None) -> None:
+        host = host or container
+        if os.path.exists(_host(dev_root, host)):
+            nodes.append(NodeSpec(container, host, PERMISSIONS))
+        else:
+            missing.append(host)
+
+    if device.driver == "vfio-pci":
+        # A no-IOMMU group (vfio enable_unsafe_noiommu_mode) has node noiommu-<g> on the host; it is
+        # given to the container as /dev/vfio/<g>, the name DPDK tries first (eal_vfio.c).
+        if device.iommu_group < 0:
+            missing.append(f"IOMMU group of {device.id} (bound to vfio-pci without one)")
+        else:
+            group = f"/dev/vfio/{device.iommu_group}"
+            need(VFIO_CONTAINER)
+            need(group, f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else group)
+            info["vfio"] = {"mount": VFIO_CONTAINER, "dev-mount": group}
+    if device.uio:
+        need(f"/dev/{device.uio}")
+        info["uio"] = {"mount": f"/dev/{device.uio}"}
+    if wants_rdma(config) and (device.rdma_device or device.rdma_nodes):
+        rdma: dict[str, str] = {}
+        if device.rdma_device:
+            rdma["rdma_dev"] = device.rdma_device
+        # Each node is optional: RoCE functions usually have no issm, ucm is rare (see the sysfs notes).
+        for node in (*map(_rdma_path, device.rdma_nodes), RDMA_CM):
+            if os.path.exists(_host(dev_root, node)):
+                nodes.append(NodeSpec(node, node, PERMISSIONS))
+                base = node.rsplit("/", 1)[1]
+                for prefix, key in _RDMA_KEYS:
+                    if key and base.startswith(prefix) and base[len(prefix) :].isdigit():
+                        rdma.setdefault(key, node)
+                if node == RDMA_CM:
+                    rdma["rdma_cm"] = node
+        info["rdma"] = rdma
+    if needs_vhost_net(config):
+        need(VHOST_NET)
+        need(TUN)
+        info["vhost"] = {"net-mount": VHOST_NET, "tun-mount": TUN}
+    path = vdpa_path(device)
+    if path:
+        need(path)
+        info["vdpa"] = {"mount": path}
+    extra = extra_info(config, device.id)
+    if extra:
+        info["extra"] = extra
+    return DeviceParts(device, tuple(nodes), info, tuple(missing))
+
+
+def merge_nodes(parts: Sequence[DeviceParts]) -> tuple[NodeSpec, ...]:
+    """Return the nodes of all devices, de-duplicated by host path, first occurrence first."""
+    seen: set[str] = set()
+    out: list[NodeSpec] = []
+    for p in parts:
+        for n in p.nodes:
+            if n.host_path not in seen:
+                seen.add(n.host_path)
+                out.append(n)
+    return tuple(out)
+
+
+def encode_info(parts: Sequence[DeviceParts]) -> str:
+    """Return the ``_INFO`` JSON: one object per device address."""
+    return json.dumps({p.device.id: p.info for p in parts}, sort_keys=True, separators=(",", ":"))
+
+
+def cdi_env(config: PoolConfig, part: DeviceParts) -> dict[str, str]:
+    """Return the env a device's CDI entry sets: its own ``<ENV>_<ADDRESS>_INFO`` (unique per device).
+
+    The combined ``PCIDEVICE_*`` variables depend on the whole allocation, so they come with the
+    Allocate response; a CDI entry can only carry what is true of its device alone.
+    """
+    key = f"{env_name(config)}_{re.sub(r'[^A-Za-z0-9_]', '_', part.device.id).upper()}_INFO"
+    return {key: json.dumps({part.device.id: part.info}, sort_keys=True, separators=(",", ":"))}
+
+
+def build_response(
+    config: PoolConfig,
+    devices: Sequence[Device],
+    dev_root: Path = DEFAULT_DEV_ROOT,
+    cdi_kind: str | None = None,
+    cdi_annotations: bool = False,
+) -> tuple[ResponseParts, tuple[DeviceParts, ...]]:
+    """Return the response parts for devices of a pool, or raise RequestError if a required node is gone.
+
+    With ``cdi_kind`` the nodes travel in the CDI spec only (the runtime injects them), so the
+    response carries CDI names instead of device specs: passing both would give the runtime every
+    node twice.
+    """
+    parts = tuple(device_parts(config, d, dev_root) for d in devices)
+    missing = [f"{p.device.id}: {', '.join(p.missing)}" for p in parts if p.missing]
+    if missing:
+        raise RequestError(
+            RequestError.PRECONDITION,
+            f"{config.full_name}: required device nodes are missing under {dev_root}: {'; '.join(missing)}",
+        )
+    name = env_name(config)
+    envs = {name: ",".join(d.id for d in devices), f"{name}_INFO": encode_info(parts)}
+    annotations: dict[str, str] = {}
+    if cdi_kind is None:
+        return ResponseParts(envs, merge_nodes(parts), (), annotations), parts
+    names = tuple(cdi.qualified_name(cdi_kind, d.id) for d in devices)
+    if cdi_annotations:
+        key, value = cdi.annotation(cdi_kind, config.resource_name, names)
+        annotations[key] = value
+    return ResponseParts(envs, (), names, annotations), parts
+
+
+def to_proto(parts: ResponseParts) -> api_pb2.ContainerAllocateResponse:
+    """Return the protobuf ContainerAllocateResponse for response parts."""
+    return api_pb2.ContainerAllocateResponse(
+        envs=parts.envs,
+        devices=[
+            api_pb2.DeviceSpec(
+                container_path=n.container_path, host_path=n.host_path, permissions=n.permissions
+            )
+            for n in parts.devices
+        ],
+        annotations=parts.annotations,
+        cdi_devices=[api_pb2.CDIDevice(name=n) for n in parts.cdi_devices],
+    )
+
+
+def topology_of(devices: Sequence[Device]) -> bytes:
+    """Return the ``pick_devices`` topology: int32 (numa, root id, pf id) per device, dense ids."""
+    roots: dict[str, int] = {}
+    pfs: dict[str, int] = {}
+    out = bytearray()
+    for d in devices:
+        root = roots.setdefault(d.pcie_root, len(roots))
+        # A VF or SF groups under its PF; anything else is a group of its own.
+        pf = pfs.setdefault(d.pf or f"self:{d.id}", len(pfs))
+        numa = d.numa_node if -1 <= d.numa_node < 1024 else -1
+        out += struct.pack("<iii", numa, root, pf)
+    return bytes(out)
+
+
+class PoolAllocator:
+    """The PoolService of one pool: answers Allocate, GetPreferredAllocation and PreStartContainer."""
+
+    def __init__(self, pool: Pool, settings: AllocationSettings, is_healthy: Callable[[str], bool]) -> None:
+        config = pool.config
+        if config.preferred not in POLICIES:
+            raise ValueError(
+                f"pool {config.full_name}: preferred {config.preferred!r} is not one of {sorted(POLICIES)}"
+            )
+        self.settings = settings
+        self.is_healthy = is_healthy
+        self.config = config
+        self.kind = cdi.make_kind(config.resource_prefix, cdi_class(config))
+        self._cdi = cdi.SpecWriter(settings.cdi_dir) if settings.cdi_dir is not None else None
+        self._cdi_entries: dict[str, dict[str, Any]] = {}
+        self._cdi_current = False
+        self._info = (
+            devinfo.InfoWriter(settings.devinfo_dir, config.resource_prefix, config.resource_name)
+            if settings.devinfo_dir is not None and config.device_type == NET_DEVICE
+            else None
+        )
+        self._devices: tuple[Device, ...] = ()
+        self._load(pool)
+        self._refresh_cdi(self._devices)
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def _load(self, pool: Pool) -> None:
+        self.pool = pool
+        self._members = {m.id: m.device for m in pool.members}
+        devices: dict[str, Device] = {}
+        for m in pool.members:
+            devices.setdefault(m.device.id, m.device)
+        self._devices = tuple(devices.values())
+        self._index = {m.id: i for i, m in enumerate(pool.members)}
+        self._topology = topology_of([m.device for m in pool.members])
+
+    def update(self, pool: Pool) -> None:
+        """Take a new membership: rewrite the CDI spec if devices changed, drop files of devices that left."""
+        if pool.config != self.config:
+            raise ValueError(
+                f"pool {self.config.full_name}: update() got the config of {pool.config.full_name}"
+            )
+        old = self._devices
+        self._load(pool)
+        if set(old) != set(self._devices) or not self._cdi_current:
+            present = {d.id for d in self._devices}
+            for gone in [d for d in self._cdi_entries if d not in present]:
+                del self._cdi_entries[gone]
+            self._refresh_cdi(self._devices)
+        if self._info is not None:
+            present = {d.id for d in self._devices}
+            self._info.remove(sorted(d for d in self._info.written if d not in present))
+
+    def _refresh_cdi(self, devices: Sequence[Device], strict: bool = False) -> None:
+        """Bring the CDI entries of ``devices`` up to date and rewrite the spec if any entry changed."""
+        if self._cdi is None:
+            return
+        changed = not self._cdi_current
+        for d in devices:
+            part = device_parts(self.config, d, self.settings.dev_root)
+            if part.missing:
+                # A half-gone device (node vanished, group not yet created) gets no entry until it is
+                # whole again; Allocate for it fails with the missing nodes named.
+                log.warning("%s: no CDI entry for %s: missing %s", self.config.full_name, d.id, part.missing)
+                changed |= self._cdi_entries.pop(d.id, None) is not None
+                continue
+            entry = cdi.device_entry(d.id, part.nodes, cdi_env(self.config, part))
+            if self._cdi_entries.get(d.id) != entry:
+                self._cdi_entries[d.id] = entry
+                changed = True
+        if not changed:
+            return
+        try:
+            self._cdi.write(self.kind, self._cdi_entries.values())
+            self._cdi_current = True
+        except OSError as e:
+            self._cdi_current = False
+            log.warning(
+                "%s: cannot write CDI spec %s: %s", self.config.full_name, self._cdi.path_of(self.kind), e
+            )
+            if strict:
+                raise RequestError(
+                    RequestError.PRECONDITION,
+                    f"{self.config.full_name}: cannot write CDI spec {self._cdi.path_of(self.kind)}: {e}",
+                ) from e
+
+    # -- PoolService --------------------------------------------------------------------------------
+
+    def options(self) -> tuple[bool, bool]:
+        """Return (pre_start_required, get_preferred_allocation_available) from the pool's config."""
+        return self.config.prestart, self.config.preferred != "none"
+
+    def _check(self, ids: Sequence[str], vanished_kind: str) -> list[Device]:
+        """Validate requested IDs and return their distinct devices, or raise RequestError naming the IDs."""
+        name = self.config.full_name
+        if not ids:
+            raise RequestError(RequestError.INVALID, f"{name}: the request names no device IDs")
+        seen: set[str] = set()
+        dupes: set[str] = set()
+        for i in ids:
+            (dupes if i in seen else seen).add(i)
+        if dupes:
+            raise RequestError(
+                RequestError.INVALID, f"{name}: device IDs requested twice: {', '.join(sorted(dupes))}"
+            )
+        unknown = [i for i in ids if i not in self._members]
+        if unknown:
+            raise RequestError(
+                vanished_kind,
+                f"{name}: IDs not in this pool (unknown, gone, or another pool's): {', '.join(unknown)}",
+            )
+        unhealthy = [i for i in ids if not self.is_healthy(i)]
+        if unhealthy:
+            raise RequestError(
+                RequestError.PRECONDITION, f"{name}: devices are unhealthy: {', '.join(unhealthy)}"
+            )
+        devices: dict[str, Device] = {}
+        for i in ids:
+            d = self._members[i]
+            devices.setdefault(d.id, d)
+        return list(devices.values())
+
+    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+        """Return the container's response for ``ids``; nothing is written unless every check passed."""
+        devices = self._check(ids, RequestError.INVALID)
+        kind = self.kind if self._cdi is not None else None
+        parts, per_device = build_response(
+            self.config, devices, self.settings.dev_root, kind, self.settings.cdi_annotations
+        )
+        docs = (
+            {
+                p.device.id: devinfo.info_document(
+                    p.device, needs_vhost_net(self.config), vdpa_path(p.device)
+                )
+                for p in per_device
+            }
+            if self._info is not None
+            else {}
+        )
+        if self._cdi is not None:
+            self._refresh_cdi(devices, strict=True)
+        if self._info is not None:
+            try:
+                self._info.write_all(docs)
+            except OSError as e:
+                raise RequestError(
+                    RequestError.PRECONDITION,
+                    f"{self.config.full_name}: cannot write device-info files in {self._info.directory}: {e}",
+                ) from e
+        return to_proto(parts)
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Return up to ``size`` IDs: the must-includes, then the best of ``available`` under the policy."""
+        if size < 0:
+            raise RequestError(RequestError.INVALID, f"{self.config.full_name}: allocation size {size} < 0")
+        return list(
+            accel.pick_devices(
+                available, must_include, size, self._index, self._topology, POLICIES[self.config.preferred]
+            )
+        )
+
+    def prestart(self, ids: Sequence[str]) -> None:
+        """Verify the devices are still in the pool, healthy, and have their nodes, just before start."""
+        devices = self._check(ids, RequestError.PRECONDITION)
+        build_response(self.config, devices, self.settings.dev_root)
+
+    def close(self, remove_cdi: bool = False) -> None:
+        """Remove the pool's device-info files; the CDI spec stays unless ``remove_cdi`` (pool deleted).
+
+        Containers of running pods are restarted by the kubelet from its checkpointed response, which
+        names our CDI devices; the runtime resolves them from the spec, so a daemon restart (upgrade)
+        must not take the spec away.
+        """
+        if self._info is not None:
+            self._info.close()
+        if remove_cdi and self._cdi is not None:
+            self._cdi.remove(self.kind)
+            self._cdi_entries.clear()
+            self._cdi_current = False

@@ -1,0 +1,161 @@
+"""CDI (Container Device Interface) specs: one JSON file per pool, written atomically, only on change.
+
+A CDI-aware runtime (containerd ≥ 1.7, CRI-O ≥ 1.23) resolves each fully-qualified name the kubelet
+passes in ``ContainerAllocateResponse.cdi_devices`` (``vendor.com/class=name``) against the spec files in
+its CDI directories and applies that device's ``containerEdits``.  Runtimes re-read the directory when a
+file changes, and may read it at any moment, so a spec is written to a temporary file and renamed over
+the old one (rename is atomic within a filesystem) and never rewritten when its content is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# CDI spec version we emit: 0.5.0 added deviceNodes.hostPath, which we need because the node path on
+# the host (/dev/vfio/noiommu-7) can differ from the one in the container (/dev/vfio/7).
+CDI_VERSION = "0.5.0"
+DEFAULT_CDI_DIR = Path("/var/run/cdi")
+FILE_PREFIX = "densedev-"  # every spec this daemon writes starts with it; nothing else is ever deleted
+ANNOTATION_PREFIX = "cdi.k8s.io/"
+
+# From the CDI spec: the kind's name segment (the class) is alphanumerics with "-", "_", "." between,
+# beginning and ending alphanumeric, at most 63 characters; a device name may also contain ":".
+_CLASS_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+_VENDOR_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
+_DEVICE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
+_UNSAFE_FILE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+class CdiError(ValueError):
+    """A CDI kind or device name the spec would reject."""
+
+
+def make_kind(prefix: str, pool: str) -> str:
+    """Return the CDI kind ``<prefix>/<pool>`` for a pool, checking both segments against the spec."""
+    if not _VENDOR_RE.match(prefix) or len(prefix) > 253:
+        raise CdiError(f"CDI vendor {prefix!r}: must be a lower-case DNS subdomain")
+    if not _CLASS_RE.match(pool):
+        raise CdiError(
+            f"CDI class {pool!r}: must be ≤63 alphanumerics, '-', '_', '.', alphanumeric at both ends"
+        )
+    return f"{prefix}/{pool}"
+
+
+def qualified_name(kind: str, device: str) -> str:
+    """Return the fully-qualified CDI device name ``vendor/class=device``."""
+    if not _DEVICE_RE.match(device):
+        raise CdiError(f"CDI device name {device!r}: must be alphanumerics, '-', '_', '.', ':'")
+    return f"{kind}={device}"
+
+
+def spec_file_name(kind: str) -> str:
+    """Return the spec file name for a kind: ``densedev-<vendor>-<class>.json``."""
+    return FILE_PREFIX + _UNSAFE_FILE.sub("_", kind.replace("/", "-")) + ".json"
+
+
+def annotation(kind: str, resource: str, names: Sequence[str]) -> tuple[str, str]:
+    """Return the ``cdi.k8s.io/<key>`` annotation for runtimes that only read CDI devices from annotations.
+
+    The key's name part must be a Kubernetes qualified name of at most 63 characters, so it is the
+    resource name with other characters made ``_``, cut to fit; the value is the comma-separated names.
+    """
+    key = re.sub(r"[^A-Za-z0-9_.-]", "_", f"densedev_{kind.split('/', 1)[1]}_{resource}")[:63]
+    key = key.rstrip("_.-")
+    return ANNOTATION_PREFIX + key, ",".join(names)
+
+
+def device_entry(name: str, nodes: Iterable[tuple[str, str, str]], env: Mapping[str, str]) -> dict[str, Any]:
+    """Return one ``devices[]`` entry: its name and container edits (device nodes, env)."""
+    edits: dict[str, Any] = {}
+    node_list = [
+        {"path": container, "hostPath": host, "permissions": perms} for container, host, perms in nodes
+    ]
+    if node_list:
+        edits["deviceNodes"] = node_list
+    if env:
+        edits["env"] = [f"{k}={v}" for k, v in sorted(env.items())]
+    return {"name": name, "containerEdits": edits}
+
+
+def spec_document(kind: str, entries: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Return a whole CDI spec for a kind and its device entries (sorted by name, so output is stable)."""
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": kind,
+        "devices": sorted(entries, key=lambda e: str(e["name"])),
+    }
+
+
+def encode(doc: Mapping[str, Any]) -> bytes:
+    """Return the canonical bytes of a spec (sorted keys, so equal content means equal bytes)."""
+    return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
+
+
+def write_atomic(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` via a temporary file and rename; return False if it was already there."""
+    try:
+        if path.read_bytes() == data:
+            return False
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary name starts with "." so CDI registries, which load only *.json and *.yaml, and
+    # our own pruning never see it half written.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
+    return True
+
+
+class SpecWriter:
+    """Owns the CDI spec files of this daemon in one directory; writes on change, deletes only its own."""
+
+    def __init__(self, directory: Path = DEFAULT_CDI_DIR) -> None:
+        self.directory = directory
+
+    def path_of(self, kind: str) -> Path:
+        """Return the path of a kind's spec file."""
+        return self.directory / spec_file_name(kind)
+
+    def write(self, kind: str, entries: Iterable[dict[str, Any]]) -> bool:
+        """Write the kind's spec if its content changed; return whether the file was (re)written."""
+        return write_atomic(self.path_of(kind), encode(spec_document(kind, entries)))
+
+    def remove(self, kind: str) -> None:
+        """Delete the kind's spec (a pool that is gone); a missing file is fine."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path_of(kind).unlink()
+
+    def prune(self, keep_kinds: Iterable[str]) -> list[Path]:
+        """Delete our specs (``densedev-*.json``) for kinds not in ``keep_kinds``; return what was deleted."""
+        keep = {spec_file_name(k) for k in keep_kinds}
+        removed: list[Path] = []
+        try:
+            candidates = sorted(self.directory.glob(FILE_PREFIX + "*.json"))
+        except OSError as e:
+            log.warning("cannot list CDI dir %s: %s", self.directory, e)
+            return removed
+        for path in candidates:
+            if path.name in keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed.append(path)
+        return removed

@@ -1,0 +1,414 @@
+"""Allocate: the exact env, device nodes and errors for each device kind (issue 5)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from densedev import allocation
+from densedev._proto import api_pb2
+from densedev.allocation import AllocationSettings, PoolAllocator, build_response, env_name
+from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
+
+# -- hand-built device records, shaped like what discovery reads from a real node ------------------
+
+
+def dev(address: str, **kw: Any) -> Device:
+    """Return a Device with realistic defaults for an mlx5 VF on NUMA 0 (override any field)."""
+    base: dict[str, Any] = dict(
+        id=address,
+        role=ROLE_VF,
+        vendor="15b3",
+        device="101e",
+        pci_class="020000",
+        subsystem_vendor="15b3",
+        subsystem_device="0000",
+        driver="mlx5_core",
+        numa_node=0,
+        iommu_group=-1,
+        noiommu=False,
+        acpi_index=-1,
+        total_vfs=0,
+        num_vfs=0,
+        pf="0000:3b:00.0",
+        vf_index=int(address.rsplit(".", 1)[1]),
+        pf_netdev="ens1f0np0",
+        netdevs=(),
+        link_type="ether",
+        rdma_device="",
+        rdma_nodes=(),
+        uio="",
+        vdpa="",
+        vdpa_driver="",
+        pcie_root="pci0000:3a",
+        aux_type="",
+    )
+    base.update(kw)
+    return Device(**base)
+
+
+def pool_of(config: PoolConfig, devices: Iterable[Device]) -> Pool:
+    """Return a pool whose member IDs are the device addresses."""
+    return Pool(config, tuple(PoolMember(d.id, d) for d in devices))
+
+
+def touch(root: Path, *paths: str) -> None:
+    """Create stand-ins for device nodes under a temp dev root."""
+    for p in paths:
+        f = root / p.removeprefix("/dev/")
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.touch()
+
+
+def nodes(resp: api_pb2.ContainerAllocateResponse) -> list[tuple[str, str, str]]:
+    return [(d.container_path, d.host_path, d.permissions) for d in resp.devices]
+
+
+NET = PoolConfig("mlnx_sriov_netdevice", "nvidia.com")
+RDMA = PoolConfig("mlnx_sriov_rdma", "nvidia.com", selectors=(Selector(is_rdma=True),))
+DPDK = PoolConfig("intel_sriov_dpdk", "intel.com", selectors=(Selector(drivers=("vfio-pci",)),))
+
+
+@pytest.fixture
+def dev_root(tmp_path: Path) -> Path:
+    root = tmp_path / "dev"
+    root.mkdir()
+    return root
+
+
+def settings(tmp_path: Path, dev_root: Path, cdi: bool = False) -> AllocationSettings:
+    return AllocationSettings(
+        cdi_dir=tmp_path / "cdi" if cdi else None, devinfo_dir=tmp_path / "devinfo", dev_root=dev_root
+    )
+
+
+# -- env names ------------------------------------------------------------------------------------
+
+
+def test_env_name_follows_the_sriov_plugin() -> None:
+    assert env_name(PoolConfig("sriov_vppdpdk5", "intel.com")) == "PCIDEVICE_INTEL_COM_SRIOV_VPPDPDK5"
+    assert env_name(PoolConfig("mlx-vf.a", "example.org")) == "PCIDEVICE_EXAMPLE_ORG_MLX_VF_A"
+
+
+# -- one test per device kind ----------------------------------------------------------------------
+
+
+def test_kernel_netdev_vf(tmp_path: Path, dev_root: Path) -> None:
+    vf = dev("0000:3b:00.2", netdevs=("ens1f0v0",))
+    alloc = PoolAllocator(pool_of(NET, [vf]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["0000:3b:00.2"])
+    info = (
+        '{"0000:3b:00.2":{"generic":{"deviceID":"0000:3b:00.2"}}}'  # compact, as the SR-IOV plugin writes it
+    )
+    assert dict(resp.envs) == {
+        "PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_NETDEVICE": "0000:3b:00.2",
+        "PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_NETDEVICE_INFO": info,
+    }
+    assert nodes(resp) == []  # a kernel netdev is moved into the pod by the CNI; it has no node
+    assert list(resp.cdi_devices) == []
+
+
+def test_vfio_vf_with_iommu(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/83", "/dev/vfio/84")
+    a = dev(
+        "0000:18:02.0", vendor="8086", device="154c", driver="vfio-pci", iommu_group=83, pf="0000:18:00.0"
+    )
+    b = dev(
+        "0000:18:02.1", vendor="8086", device="154c", driver="vfio-pci", iommu_group=84, pf="0000:18:00.0"
+    )
+    alloc = PoolAllocator(pool_of(DPDK, [a, b]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["0000:18:02.1", "0000:18:02.0"])
+    assert resp.envs["PCIDEVICE_INTEL_COM_INTEL_SRIOV_DPDK"] == "0000:18:02.1,0000:18:02.0"
+    assert json.loads(resp.envs["PCIDEVICE_INTEL_COM_INTEL_SRIOV_DPDK_INFO"]) == {
+        "0000:18:02.1": {
+            "generic": {"deviceID": "0000:18:02.1"},
+            "vfio": {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/84"},
+        },
+        "0000:18:02.0": {
+            "generic": {"deviceID": "0000:18:02.0"},
+            "vfio": {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/83"},
+        },
+    }
+    # /dev/vfio/vfio once, though both devices need it
+    assert nodes(resp) == [
+        ("/dev/vfio/vfio", "/dev/vfio/vfio", "rw"),
+        ("/dev/vfio/84", "/dev/vfio/84", "rw"),
+        ("/dev/vfio/83", "/dev/vfio/83", "rw"),
+    ]
+
+
+def test_vfio_vf_without_iommu(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/noiommu-0")
+    vf = dev("0000:00:05.0", driver="vfio-pci", iommu_group=0, noiommu=True)
+    alloc = PoolAllocator(pool_of(DPDK, [vf]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["0000:00:05.0"])
+    assert nodes(resp) == [
+        ("/dev/vfio/vfio", "/dev/vfio/vfio", "rw"),
+        ("/dev/vfio/0", "/dev/vfio/noiommu-0", "rw"),
+    ]
+    info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_INTEL_SRIOV_DPDK_INFO"])
+    assert info["0000:00:05.0"]["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/0"}
+
+
+def test_vfio_group_node_missing_is_a_precondition_error(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vfio/vfio")
+    vf = dev("0000:18:02.0", driver="vfio-pci", iommu_group=83)
+    alloc = PoolAllocator(pool_of(DPDK, [vf]), settings(tmp_path, dev_root), lambda _id: True)
+    with pytest.raises(RequestError) as e:
+        alloc.allocate(["0000:18:02.0"])
+    assert e.value.kind == RequestError.PRECONDITION
+    assert "0000:18:02.0" in e.value.message and "/dev/vfio/83" in e.value.message
+
+
+def test_uio_device(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/uio3")
+    vf = dev("0000:18:02.3", driver="igb_uio", uio="uio3")
+    alloc = PoolAllocator(pool_of(DPDK, [vf]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["0000:18:02.3"])
+    assert nodes(resp) == [("/dev/uio3", "/dev/uio3", "rw")]
+    info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_INTEL_SRIOV_DPDK_INFO"])
+    assert info["0000:18:02.3"]["uio"] == {"mount": "/dev/uio3"}
+
+
+def test_rdma_vf_roce_without_issm(tmp_path: Path, dev_root: Path) -> None:
+    # RoCE functions have uverbs and umad but usually no issm: the missing node must not fail anything.
+    touch(dev_root, "/dev/infiniband/uverbs3", "/dev/infiniband/umad3", "/dev/infiniband/rdma_cm")
+    vf = dev(
+        "0000:3b:00.3",
+        rdma_device="mlx5_3",
+        rdma_nodes=("/dev/infiniband/uverbs3", "/dev/infiniband/umad3", "/dev/infiniband/issm3"),
+    )
+    alloc = PoolAllocator(pool_of(RDMA, [vf]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["0000:3b:00.3"])
+    assert nodes(resp) == [
+        ("/dev/infiniband/uverbs3", "/dev/infiniband/uverbs3", "rw"),
+        ("/dev/infiniband/umad3", "/dev/infiniband/umad3", "rw"),
+        ("/dev/infiniband/rdma_cm", "/dev/infiniband/rdma_cm", "rw"),
+    ]
+    assert json.loads(resp.envs["PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_RDMA_INFO"]) == {
+        "0000:3b:00.3": {
+            "generic": {"deviceID": "0000:3b:00.3"},
+            "rdma": {
+                "rdma_dev": "mlx5_3",
+                "uverbs": "/dev/infiniband/uverbs3",
+                "umad": "/dev/infiniband/umad3",
+                "rdma_cm": "/dev/infiniband/rdma_cm",
+            },
+        }
+    }
+
+
+def test_rdma_infiniband_with_issm_and_ucm_by_name(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, *(f"/dev/infiniband/{n}" for n in ("uverbs0", "umad0", "issm0", "ucm0", "rdma_cm")))
+    vf = dev(
+        "0000:5e:00.1",
+        link_type="infiniband",
+        rdma_device="mlx5_0",
+        rdma_nodes=("uverbs0", "umad0", "issm0", "ucm0"),
+    )
+    resp = PoolAllocator(pool_of(RDMA, [vf]), settings(tmp_path, dev_root), lambda _id: True).allocate(
+        ["0000:5e:00.1"]
+    )
+    assert [n[0] for n in nodes(resp)] == [
+        "/dev/infiniband/uverbs0",
+        "/dev/infiniband/umad0",
+        "/dev/infiniband/issm0",
+        "/dev/infiniband/ucm0",
+        "/dev/infiniband/rdma_cm",
+    ]
+    rdma = json.loads(resp.envs["PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_RDMA_INFO"])["0000:5e:00.1"]["rdma"]
+    assert rdma["issm"] == "/dev/infiniband/issm0"
+
+
+def test_rdma_nodes_only_for_rdma_pools(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/infiniband/uverbs3", "/dev/infiniband/rdma_cm")
+    vf = dev("0000:3b:00.3", rdma_device="mlx5_3", rdma_nodes=("/dev/infiniband/uverbs3",))
+    resp = PoolAllocator(pool_of(NET, [vf]), settings(tmp_path, dev_root), lambda _id: True).allocate(
+        ["0000:3b:00.3"]
+    )
+    assert nodes(resp) == []
+
+
+def test_shared_rdma_pool_maps_every_id_to_its_device(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/infiniband/uverbs0", "/dev/infiniband/umad0", "/dev/infiniband/rdma_cm")
+    pf = dev(
+        "0000:3b:00.0", role="pf", pf="", vf_index=-1, numa_node=1, rdma_device="mlx5_0",
+        rdma_nodes=("uverbs0", "umad0"),
+    )  # fmt: skip
+    config = PoolConfig("rdma_shared_device_a", "rdma", rdma_shared=100)
+    pool = Pool(config, tuple(PoolMember(f"mlx5_0-{i}", pf) for i in range(100)))
+    alloc = PoolAllocator(pool, settings(tmp_path, dev_root), lambda _id: True)
+    one = alloc.allocate(["mlx5_0-7"])
+    two = alloc.allocate(["mlx5_0-8", "mlx5_0-9"])  # the same device twice: its nodes once
+    for resp in (one, two):
+        assert resp.envs["PCIDEVICE_RDMA_RDMA_SHARED_DEVICE_A"] == "0000:3b:00.0"
+        assert nodes(resp) == [
+            ("/dev/infiniband/uverbs0", "/dev/infiniband/uverbs0", "rw"),
+            ("/dev/infiniband/umad0", "/dev/infiniband/umad0", "rw"),
+            ("/dev/infiniband/rdma_cm", "/dev/infiniband/rdma_cm", "rw"),
+        ]
+
+
+def test_vdpa_vhost_device(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vhost-vdpa-2")
+    vf = dev("0000:65:00.3", vdpa="vdpa2", vdpa_driver="vhost_vdpa")
+    config = PoolConfig("mlx_vdpa", "nvidia.com", selectors=(Selector(vdpa_type="vhost"),))
+    resp = PoolAllocator(pool_of(config, [vf]), settings(tmp_path, dev_root), lambda _id: True).allocate(
+        ["0000:65:00.3"]
+    )
+    assert nodes(resp) == [("/dev/vhost-vdpa-2", "/dev/vhost-vdpa-2", "rw")]
+    info = json.loads(resp.envs["PCIDEVICE_NVIDIA_COM_MLX_VDPA_INFO"])["0000:65:00.3"]
+    assert info == {"generic": {"deviceID": "0000:65:00.3"}, "vdpa": {"mount": "/dev/vhost-vdpa-2"}}
+
+
+def test_vdpa_virtio_device_has_no_node(tmp_path: Path, dev_root: Path) -> None:
+    vf = dev("0000:65:00.4", vdpa="vdpa3", vdpa_driver="virtio_vdpa")
+    resp = PoolAllocator(pool_of(NET, [vf]), settings(tmp_path, dev_root), lambda _id: True).allocate(
+        ["0000:65:00.4"]
+    )
+    assert nodes(resp) == []
+
+
+def test_vhost_net(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vhost-net", "/dev/net/tun")
+    config = PoolConfig("sriov_vhost", "intel.com", selectors=(Selector(need_vhost_net=True),))
+    vfs = [dev("0000:18:02.0", driver="iavf"), dev("0000:18:02.1", driver="iavf")]
+    resp = PoolAllocator(pool_of(config, vfs), settings(tmp_path, dev_root), lambda _id: True).allocate(
+        ["0000:18:02.0", "0000:18:02.1"]
+    )
+    assert nodes(resp) == [("/dev/vhost-net", "/dev/vhost-net", "rw"), ("/dev/net/tun", "/dev/net/tun", "rw")]
+    info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_SRIOV_VHOST_INFO"])
+    assert info["0000:18:02.1"]["vhost"] == {"net-mount": "/dev/vhost-net", "tun-mount": "/dev/net/tun"}
+
+
+def test_accelerator_with_extra_info(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/120")
+    qat = dev(
+        "0000:b1:00.1", role=ROLE_VF, vendor="8086", device="4941", pci_class="0b4000", driver="vfio-pci",
+        iommu_group=120, pf="0000:b1:00.0", link_type="", pf_netdev="",
+    )  # fmt: skip
+    config = PoolConfig(
+        "intel_qat",
+        "intel.com",
+        device_type="accelerator",
+        additional_info=(
+            ("*", (("token", "abc"), ("kind", "qat"))),
+            ("0000:b1:00.1", (("kind", "qat4xxx"),)),
+        ),
+    )
+    alloc = PoolAllocator(pool_of(config, [qat]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["0000:b1:00.1"])
+    info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_INTEL_QAT_INFO"])["0000:b1:00.1"]
+    assert info["extra"] == {"token": "abc", "kind": "qat4xxx"}
+    assert info["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/120"}
+    assert not (tmp_path / "devinfo").exists()  # device-info files are for network devices only
+
+
+def test_plain_pci_function_gets_generic_only(tmp_path: Path, dev_root: Path) -> None:
+    nic = dev("0000:af:00.0", role=ROLE_PCI, pf="", vf_index=-1, driver="ice")
+    parts, _ = build_response(NET, [nic], dev_root)
+    assert json.loads(parts.envs["PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_NETDEVICE_INFO"]) == {
+        "0000:af:00.0": {"generic": {"deviceID": "0000:af:00.0"}}
+    }
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_pools(tmp_path: Path, dev_root: Path) -> tuple[PoolAllocator, set[str]]:
+    vfs = [dev(f"0000:3b:00.{i}") for i in range(2, 6)]
+    unhealthy = {"0000:3b:00.5"}
+    alloc = PoolAllocator(pool_of(NET, vfs), settings(tmp_path, dev_root), lambda i: i not in unhealthy)
+    return alloc, unhealthy
+
+
+@pytest.mark.parametrize(
+    ("ids", "kind", "named"),
+    [
+        ([], RequestError.INVALID, "no device IDs"),
+        (["0000:3b:00.2", "0000:99:00.1"], RequestError.INVALID, "0000:99:00.1"),
+        (["0000:3b:00.2", "0000:3b:00.2"], RequestError.INVALID, "twice: 0000:3b:00.2"),
+        (["0000:3b:00.2", "0000:3b:00.5"], RequestError.PRECONDITION, "unhealthy: 0000:3b:00.5"),
+    ],
+)
+def test_allocate_errors_name_the_ids(
+    two_pools: tuple[PoolAllocator, set[str]], ids: list[str], kind: str, named: str, tmp_path: Path
+) -> None:
+    alloc, _ = two_pools
+    with pytest.raises(RequestError) as e:
+        alloc.allocate(ids)
+    assert e.value.kind == kind
+    assert named in e.value.message
+    assert "nvidia.com/mlnx_sriov_netdevice" in e.value.message
+    # nothing half written for a refused request
+    assert not (tmp_path / "devinfo").exists() or not list((tmp_path / "devinfo").iterdir())
+
+
+def test_id_of_another_pool_is_refused(tmp_path: Path, dev_root: Path) -> None:
+    net = PoolAllocator(pool_of(NET, [dev("0000:3b:00.2")]), settings(tmp_path, dev_root), lambda _id: True)
+    PoolAllocator(pool_of(RDMA, [dev("0000:3b:00.3")]), settings(tmp_path, dev_root), lambda _id: True)
+    with pytest.raises(RequestError) as e:
+        net.allocate(["0000:3b:00.3"])
+    assert e.value.kind == RequestError.INVALID and "0000:3b:00.3" in e.value.message
+
+
+# -- options and PreStartContainer -----------------------------------------------------------------
+
+
+def test_options_follow_the_pool_config(tmp_path: Path, dev_root: Path) -> None:
+    s = settings(tmp_path, dev_root)
+    assert PoolAllocator(pool_of(NET, []), s, lambda _id: True).options() == (False, True)
+    cfg = PoolConfig("a", "example.com", preferred="none", prestart=True)
+    assert PoolAllocator(pool_of(cfg, []), s, lambda _id: True).options() == (True, False)
+
+
+def test_unknown_policy_is_refused_with_the_pool_named(tmp_path: Path, dev_root: Path) -> None:
+    cfg = PoolConfig("a", "example.com", preferred="densest")
+    with pytest.raises(ValueError, match=r"example.com/a.*'densest'"):
+        PoolAllocator(pool_of(cfg, []), settings(tmp_path, dev_root), lambda _id: True)
+
+
+def test_prestart_verifies_presence_health_and_nodes(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/83")
+    healthy = {"0000:18:02.0": True}
+    cfg = PoolConfig("dpdk", "intel.com", prestart=True)
+    vf = dev("0000:18:02.0", driver="vfio-pci", iommu_group=83)
+    alloc = PoolAllocator(pool_of(cfg, [vf]), settings(tmp_path, dev_root), lambda i: healthy[i])
+    alloc.prestart(["0000:18:02.0"])  # fine
+
+    healthy["0000:18:02.0"] = False
+    with pytest.raises(RequestError, match=r"unhealthy: 0000:18:02\.0") as e:
+        alloc.prestart(["0000:18:02.0"])
+    assert e.value.kind == RequestError.PRECONDITION
+
+    healthy["0000:18:02.0"] = True
+    (dev_root / "vfio" / "83").unlink()  # the group node went away (device unbound, VF destroyed)
+    with pytest.raises(RequestError, match="/dev/vfio/83") as e:
+        alloc.prestart(["0000:18:02.0"])
+    assert e.value.kind == RequestError.PRECONDITION
+
+    alloc.update(pool_of(cfg, []))  # the VF left the pool: a vanished device is a precondition failure
+    with pytest.raises(RequestError, match=r"0000:18:02\.0") as e:
+        alloc.prestart(["0000:18:02.0"])
+    assert e.value.kind == RequestError.PRECONDITION
+
+
+def test_response_is_the_protocol_message(tmp_path: Path, dev_root: Path) -> None:
+    resp = PoolAllocator(
+        pool_of(NET, [dev("0000:3b:00.2")]), settings(tmp_path, dev_root), lambda _id: True
+    ).allocate(["0000:3b:00.2"])
+    assert isinstance(resp, api_pb2.ContainerAllocateResponse)
+    again = api_pb2.ContainerAllocateResponse.FromString(resp.SerializeToString())
+    assert again == resp
+
+
+def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
+    svc: allocation.PoolService = PoolAllocator(
+        pool_of(NET, [dev("0000:3b:00.2")]), settings(tmp_path, dev_root), lambda _id: True
+    )
+    assert svc.preferred(["0000:3b:00.2"], [], 1) == ["0000:3b:00.2"]
