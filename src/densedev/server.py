@@ -69,7 +69,7 @@ class PluginServer:
         self._feed = feed
         self._service = service
         self._server: grpc.aio.Server | None = None
-        self._inode: tuple[int, int] | None = None
+        self._inode: tuple[int, int, int] | None = None
         self._stopping = asyncio.Event()
 
     @property
@@ -78,8 +78,8 @@ class PluginServer:
         return self._server is not None
 
     @property
-    def socket_identity(self) -> tuple[int, int] | None:
-        """The (device, inode) of the socket this server bound, to tell it from a recreated file."""
+    def socket_identity(self) -> tuple[int, int, int] | None:
+        """The (device, inode, ctime ns) of the socket this server bound, to tell it from a new file."""
         return self._inode
 
     async def start(self) -> None:
@@ -97,7 +97,8 @@ class PluginServer:
         self._stopping = asyncio.Event()
         self._server = server
         st = os.stat(self.socket_path)
-        self._inode = (st.st_dev, st.st_ino)
+        # ctime too: on ext4 a deleted socket's inode number is soon reused by the next one.
+        self._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
@@ -111,7 +112,7 @@ class PluginServer:
         # already belong to a newer server.
         try:
             st = os.stat(self.socket_path)
-            if (st.st_dev, st.st_ino) == self._inode:
+            if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode:
                 self.socket_path.unlink()
         except FileNotFoundError:
             pass

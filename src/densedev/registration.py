@@ -1,0 +1,204 @@
+"""A pool's life with the kubelet: serve, Register on ``kubelet.sock``, and do it again after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import grpc
+
+from ._proto import api_pb2
+from .feed import PoolFeed
+from .server import PluginServer, PoolService
+
+log = logging.getLogger(__name__)
+
+VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+
+# Codes that mean "no kubelet to talk to (yet)": retry soon.  Any other error is the kubelet refusing
+# the request (a bad resource name comes back as UNKNOWN with its text): retry slowly.
+_ABSENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+
+FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns)
+
+
+def identify(path: Path) -> FileIdentity | None:
+    """Return what tells this file from a recreated one at the same path, or None when it is absent."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+class PluginRunner:
+    """Keeps one pool served and registered with the kubelet across kubelet restarts."""
+
+    def __init__(
+        self,
+        resource: str,
+        kubelet_dir: Path,
+        socket_name: str,
+        feed: PoolFeed,
+        service: PoolService,
+        *,
+        poll: float = 0.1,
+        backoff: tuple[float, float] = (0.05, 2.0),
+        refused_retry: float = 30.0,
+        register_timeout: float = 15.0,
+    ) -> None:
+        if "/" in socket_name or not socket_name:
+            raise ValueError(f"{resource}: socket name {socket_name!r} must be a file name in {kubelet_dir}")
+        self.resource = resource
+        self.kubelet_dir = Path(kubelet_dir)
+        self.socket_name = socket_name
+        self.socket_path = self.kubelet_dir / socket_name
+        self.kubelet_socket = self.kubelet_dir / KUBELET_SOCKET
+        self._feed = feed
+        self._service = service
+        self._poll = poll  # stat() of two paths every 100 ms costs microseconds; inotify buys nothing here
+        self._backoff = backoff
+        self._refused_retry = refused_retry
+        self._register_timeout = register_timeout
+        self._server: PluginServer | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.registered = False
+        self.registrations = 0
+        self.last_error = ""  # why the last Register failed, "" after a success
+
+    async def start(self) -> None:
+        """Serve the pool now, then keep it registered in the background."""
+        if self._task is not None:
+            raise RuntimeError(f"{self.resource}: runner already started")
+        await self._serve()
+        self._task = asyncio.create_task(self._run(), name=f"registration {self.resource}")
+
+    async def stop(self) -> None:
+        """Stop registering and serving, and remove the pool's socket."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.registered = False
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop()
+
+    async def _serve(self) -> None:
+        """Stop the old server before starting the new one: the kubelet may drop a second instance."""
+        old, self._server = self._server, None
+        if old is not None:
+            await old.stop()
+        server = PluginServer(self.resource, self.socket_path, self._feed, self._service)
+        await server.start()
+        self._server = server
+
+    def _own_socket_intact(self) -> bool:
+        server = self._server
+        identity = identify(self.socket_path)
+        return server is not None and identity is not None and identity == server.socket_identity
+
+    async def _run(self) -> None:
+        delay = self._backoff[0]
+        while True:
+            try:
+                kubelet = await self._register()
+                delay = self._backoff[0]
+                await self._watch(kubelet)
+                self.registered = False
+                log.warning("%s: kubelet restarted or own socket removed; serving afresh", self.resource)
+                await self._wait_for_kubelet()
+                await self._serve()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Never let one pool's trouble end its runner: log, wait, start over.
+                self.registered = False
+                log.exception("%s: registration loop failed; retrying in %.2f s", self.resource, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self._backoff[1])
+                with contextlib.suppress(Exception):
+                    await self._serve()
+
+    async def _register(self) -> FileIdentity | None:
+        """Register until the kubelet accepts; return the identity of the kubelet.sock that did."""
+        delay = self._backoff[0]
+        while True:
+            if not self._own_socket_intact():
+                await self._serve()  # the kubelet deleted our socket while we waited
+            kubelet = identify(self.kubelet_socket)
+            if kubelet is None:
+                await self._sleep_watching(delay, kubelet)
+                delay = min(delay * 2, self._backoff[1])
+                continue
+            error, absent = await self._register_once()
+            if error is None:
+                self.registered = True
+                self.registrations += 1
+                self.last_error = ""
+                log.info("%s: registered with the kubelet as %s", self.resource, self.socket_name)
+                return kubelet
+            self.last_error = error
+            if absent:
+                log.info("%s: kubelet not answering (%s); retrying in %.2f s", self.resource, error, delay)
+                await self._sleep_watching(delay, kubelet)
+                delay = min(delay * 2, self._backoff[1])
+            else:
+                log.error(
+                    "%s: the kubelet refused the registration: %s; retrying in %.0f s or when it restarts",
+                    self.resource,
+                    error,
+                    self._refused_retry,
+                )
+                await self._sleep_watching(self._refused_retry, kubelet)
+
+    async def _register_once(self) -> tuple[str | None, bool]:
+        """Send one RegisterRequest; return (error text or None, whether the kubelet seems absent)."""
+        pre_start, preferred = self._service.options()
+        request = api_pb2.RegisterRequest(
+            version=VERSION,
+            endpoint=self.socket_name,
+            resource_name=self.resource,
+            # The kubelet reads the options from GetDevicePluginOptions; sent here too for older ones.
+            options=api_pb2.DevicePluginOptions(
+                pre_start_required=pre_start, get_preferred_allocation_available=preferred
+            ),
+        )
+        async with grpc.aio.insecure_channel(f"unix:{self.kubelet_socket}") as channel:
+            register = channel.unary_unary(
+                "/v1beta1.Registration/Register",
+                request_serializer=api_pb2.RegisterRequest.SerializeToString,
+                response_deserializer=api_pb2.Empty.FromString,
+            )
+            try:
+                await register(request, timeout=self._register_timeout)
+            except grpc.aio.AioRpcError as exc:
+                return f"{exc.code().name}: {exc.details()}", exc.code() in _ABSENT
+        return None, False
+
+    async def _sleep_watching(self, seconds: float, kubelet: FileIdentity | None) -> None:
+        """Sleep up to ``seconds``, waking early when kubelet.sock is recreated (a kubelet restart)."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(self._poll, remaining))
+            now = identify(self.kubelet_socket)
+            if now is not None and now != kubelet:
+                return
+
+    async def _watch(self, kubelet: FileIdentity | None) -> None:
+        """Return once the kubelet restarted (kubelet.sock changed or gone) or our socket was removed."""
+        while True:
+            await asyncio.sleep(self._poll)
+            if identify(self.kubelet_socket) != kubelet or not self._own_socket_intact():
+                return
+
+    async def _wait_for_kubelet(self) -> None:
+        """Wait while kubelet.sock is absent: a starting kubelet deletes every socket before listening."""
+        while identify(self.kubelet_socket) is None:
+            await asyncio.sleep(self._poll)

@@ -1,0 +1,420 @@
+"""A kubelet device manager in miniature: serves Registration, dials plugins and consumes their streams.
+
+It behaves as the real kubelet does (see the device-plugin reference): it validates Register, dials the
+plugin and reads its options inside Register, follows ListAndWatch with the 4 MiB receive limit, marks
+a resource's devices unhealthy when its stream ends and never redials, and refuses unhealthy or unknown
+devices before asking the plugin to allocate them.  Tests, the demo and the benchmarks drive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import stat
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from .._proto import api_pb2
+from ..config import validate_resource_name
+from ..model import HEALTHY, UNHEALTHY
+
+log = logging.getLogger(__name__)
+
+VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+CHECKPOINT = "kubelet_internal_checkpoint"
+MAX_RECEIVE = 4 * 1024 * 1024  # the kubelet's gRPC default receive limit
+DIAL_TIMEOUT = 10.0  # the kubelet dials a registering plugin for up to 10 s, blocking Register
+
+
+class KubeletError(Exception):
+    """A request the emulated kubelet refuses on its own side, before reaching the plugin."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One ListAndWatch message as the kubelet received it."""
+
+    received: float  # time.monotonic() when the message was decoded
+    devices: dict[str, str]  # ID -> health, in message order
+    numa: dict[str, tuple[int, ...]]  # ID -> NUMA nodes of its topology
+    size: int  # bytes of the serialized message
+
+    @property
+    def capacity(self) -> int:
+        """Every listed device counts towards capacity."""
+        return len(self.devices)
+
+    @property
+    def allocatable(self) -> int:
+        """Only devices reported exactly "Healthy" are allocatable."""
+        return sum(1 for health in self.devices.values() if health == HEALTHY)
+
+
+@dataclass
+class _Endpoint:
+    """The kubelet's record of one registered resource."""
+
+    resource: str
+    socket: Path
+    channel: grpc.aio.Channel | None
+    stub: Any
+    options: api_pb2.DevicePluginOptions
+    stream: asyncio.Task[None] | None = None
+    updates: list[Update] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)
+    registrations: int = 0
+    stream_ended: bool = False
+    stream_error: str = ""
+
+
+class KubeletEmulator:
+    """Serves ``/v1beta1.Registration/Register`` on ``kubelet.sock`` in ``plugin_dir`` like the kubelet."""
+
+    def __init__(
+        self, plugin_dir: Path, *, dial_timeout: float = DIAL_TIMEOUT, checkpoint: bool = True
+    ) -> None:
+        self.plugin_dir = Path(plugin_dir)
+        self.socket_path = self.plugin_dir / KUBELET_SOCKET
+        self.dial_timeout = dial_timeout
+        self.write_checkpoint = checkpoint
+        self.refusals: list[tuple[str, str]] = []  # (resource, message) of refused registrations
+        self._endpoints: dict[str, _Endpoint] = {}
+        self._server: grpc.aio.Server | None = None
+        self._changed = asyncio.Event()
+        self._allocations: list[dict[str, Any]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Delete every socket in the plugin dir (other files stay), then serve Registration."""
+        if self._server is not None:
+            raise RuntimeError("kubelet emulator already running")
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self._load_checkpoint()
+        self._delete_sockets()
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "v1beta1.Registration",
+                    {
+                        "Register": grpc.unary_unary_rpc_method_handler(
+                            self._register,
+                            request_deserializer=api_pb2.RegisterRequest.FromString,
+                            response_serializer=api_pb2.Empty.SerializeToString,
+                        )
+                    },
+                ),
+            )
+        )
+        if server.add_insecure_port(f"unix:{self.socket_path}") == 0:
+            raise OSError(f"kubelet emulator: cannot listen on {self.socket_path}")
+        await server.start()
+        self._server = server
+        log.info("kubelet emulator: listening on %s", self.socket_path)
+
+    async def stop(self) -> None:
+        """Stop serving and drop every plugin connection, as a kubelet that exits does."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(0)
+        for endpoint in self._endpoints.values():
+            await self._disconnect(endpoint)
+        self.socket_path.unlink(missing_ok=True)
+        self._notify()
+
+    async def restart(self) -> None:
+        """Simulate a kubelet restart: stop, delete the plugin sockets, recreate ``kubelet.sock``."""
+        await self.stop()
+        self._write_checkpoint()
+        await self.start()
+
+    # -- Registration ------------------------------------------------------------------------------
+
+    async def _register(self, request: api_pb2.RegisterRequest, context: grpc.aio.ServicerContext) -> Any:
+        resource = request.resource_name
+        error = self._validate(request)
+        if error:
+            self.refusals.append((resource, error))
+            self._notify()
+            log.warning("kubelet emulator: registration refused: %s", error)
+            # The kubelet returns a plain Go error, which reaches the plugin as UNKNOWN with the text.
+            await context.abort(grpc.StatusCode.UNKNOWN, error)
+        socket_path = self.plugin_dir / request.endpoint
+        channel = grpc.aio.insecure_channel(
+            f"unix:{socket_path}", options=(("grpc.max_receive_message_length", MAX_RECEIVE),)
+        )
+        try:
+            # Like the kubelet: dial (blocking, with its timeout) and read the options inside Register.
+            await asyncio.wait_for(channel.channel_ready(), self.dial_timeout)
+            stub = _DevicePluginStub(channel)
+            options = await stub.GetDevicePluginOptions(api_pb2.Empty())
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
+            await channel.close(None)
+            message = f"failed to dial device plugin {resource} at {socket_path}: {exc!r}"
+            self.refusals.append((resource, message))
+            await context.abort(grpc.StatusCode.UNKNOWN, message)
+        old = self._endpoints.get(resource)
+        endpoint = _Endpoint(resource, socket_path, channel, stub, options)
+        if old is not None:
+            # A new registration replaces the old one; its devices stay until the new list arrives.
+            await self._disconnect(old)
+            endpoint.registrations = old.registrations
+            endpoint.updates = old.updates
+            endpoint.devices = old.devices
+        endpoint.registrations += 1
+        self._endpoints[resource] = endpoint
+        endpoint.stream = asyncio.create_task(self._consume(endpoint), name=f"ListAndWatch {resource}")
+        self._notify()
+        log.info("kubelet emulator: registered %s at %s", resource, socket_path)
+        return api_pb2.Empty()
+
+    def _validate(self, request: api_pb2.RegisterRequest) -> str | None:
+        if request.version != VERSION:
+            return (
+                f"unsupported API version {request.version!r} of {request.resource_name!r}: want {VERSION!r}"
+            )
+        # The same extended-resource-name rules the daemon checks its config with.
+        name_error = validate_resource_name(request.resource_name)
+        if name_error:
+            return f"invalid resource name: {name_error}"
+        if not request.endpoint or "/" in request.endpoint:
+            return f"endpoint {request.endpoint!r} must be a socket file name in {self.plugin_dir}"
+        return None
+
+    async def _consume(self, endpoint: _Endpoint) -> None:
+        """Follow the plugin's ListAndWatch; each message replaces the resource's whole device list."""
+        try:
+            call = endpoint.stub.ListAndWatch(api_pb2.Empty())
+            async for response in call:
+                received = time.monotonic()
+                devices = {d.ID: d.health for d in response.devices}
+                numa = {d.ID: tuple(n.ID for n in d.topology.nodes) for d in response.devices}
+                endpoint.devices = devices
+                endpoint.updates.append(Update(received, devices, numa, response.ByteSize()))
+                self._notify()
+            endpoint.stream_error = "stream ended"
+        except asyncio.CancelledError:
+            endpoint.stream_error = "disconnected by the kubelet"
+            raise
+        except grpc.aio.AioRpcError as exc:
+            endpoint.stream_error = f"{exc.code().name}: {exc.details()}"
+        finally:
+            # The kubelet marks every device unhealthy (capacity kept, allocatable 0) and never redials.
+            endpoint.stream_ended = True
+            endpoint.devices = dict.fromkeys(endpoint.devices, UNHEALTHY)
+            self._notify()
+            log.info("kubelet emulator: %s ListAndWatch ended: %s", endpoint.resource, endpoint.stream_error)
+
+    async def _disconnect(self, endpoint: _Endpoint) -> None:
+        task, endpoint.stream = endpoint.stream, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        channel, endpoint.channel = endpoint.channel, None
+        if channel is not None:
+            await channel.close(None)
+
+    # -- the kubelet's calls into a plugin -------------------------------------------------------
+
+    def _endpoint(self, resource: str) -> _Endpoint:
+        endpoint = self._endpoints.get(resource)
+        if endpoint is None or endpoint.channel is None:
+            raise KubeletError(f"no device plugin registered for {resource!r}")
+        return endpoint
+
+    async def allocate(
+        self, resource: str, ids: Sequence[str], *, check: bool = True
+    ) -> api_pb2.ContainerAllocateResponse:
+        """Allocate ``ids`` for one container; ``check=False`` skips the kubelet's own checks."""
+        endpoint = self._endpoint(resource)
+        if check:
+            unknown = [i for i in ids if i not in endpoint.devices]
+            unhealthy = [i for i in ids if i in endpoint.devices and endpoint.devices[i] != HEALTHY]
+            if unknown or unhealthy:
+                raise KubeletError(f"{resource}: unknown devices {unknown}, unhealthy devices {unhealthy}")
+        request = api_pb2.AllocateRequest(
+            container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=list(ids))]
+        )
+        response = await endpoint.stub.Allocate(request)
+        if not response.container_responses:
+            raise KubeletError(f"{resource}: plugin returned an empty AllocateResponse")
+        first = response.container_responses[0]  # the kubelet uses only the first
+        self._allocations.append(
+            {"resource": resource, "ids": list(ids), "response": first.SerializeToString()}
+        )
+        return first
+
+    async def preferred(
+        self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
+    ) -> list[str]:
+        """Ask for a preferred allocation (only when the plugin offers it), as the kubelet does."""
+        endpoint = self._endpoint(resource)
+        if not endpoint.options.get_preferred_allocation_available:
+            raise KubeletError(f"{resource}: plugin does not offer GetPreferredAllocation")
+        request = api_pb2.PreferredAllocationRequest(
+            container_requests=[
+                api_pb2.ContainerPreferredAllocationRequest(
+                    available_deviceIDs=list(available),
+                    must_include_deviceIDs=list(must_include),
+                    allocation_size=size,
+                )
+            ]
+        )
+        response = await endpoint.stub.GetPreferredAllocation(request)
+        if not response.container_responses:
+            return []
+        return list(response.container_responses[0].deviceIDs)
+
+    async def prestart(self, resource: str, ids: Sequence[str]) -> None:
+        """Call PreStartContainer (only when the plugin requires it), as before every container start."""
+        endpoint = self._endpoint(resource)
+        if not endpoint.options.pre_start_required:
+            raise KubeletError(f"{resource}: plugin does not require PreStartContainer")
+        await endpoint.stub.PreStartContainer(
+            api_pb2.PreStartContainerRequest(devices_ids=list(ids)), timeout=30.0
+        )
+
+    # -- what tests and the demo look at --------------------------------------------------------
+
+    async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:
+        """Wait until ``predicate()`` holds, re-checking after every change; TimeoutError on expiry."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"kubelet emulator: condition not met within {timeout} s")
+            changed = self._changed
+            # Wake on every change, and at least every 50 ms: predicates may look at state outside us.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, 0.05))
+
+    def resources(self) -> list[str]:
+        """Return the names of every resource that registered."""
+        return sorted(self._endpoints)
+
+    def devices(self, resource: str) -> dict[str, str]:
+        """Return ID -> health of the resource's devices as the kubelet holds them (empty if unknown)."""
+        endpoint = self._endpoints.get(resource)
+        return dict(endpoint.devices) if endpoint else {}
+
+    def updates(self, resource: str) -> list[Update]:
+        """Return every ListAndWatch message received for the resource, across registrations."""
+        endpoint = self._endpoints.get(resource)
+        return list(endpoint.updates) if endpoint else []
+
+    def capacity(self, resource: str) -> int:
+        """Return the number of devices listed for the resource."""
+        return len(self.devices(resource))
+
+    def allocatable(self, resource: str) -> int:
+        """Return the number of healthy devices of the resource."""
+        return sum(1 for health in self.devices(resource).values() if health == HEALTHY)
+
+    def registrations(self, resource: str) -> int:
+        """Return how many times the resource registered since the emulator was created."""
+        endpoint = self._endpoints.get(resource)
+        return endpoint.registrations if endpoint else 0
+
+    def stream_ended(self, resource: str) -> bool:
+        """Return whether the resource's current ListAndWatch stream has ended."""
+        endpoint = self._endpoints.get(resource)
+        return bool(endpoint and endpoint.stream_ended)
+
+    def stream_error(self, resource: str) -> str:
+        """Return why the resource's stream ended ("" while it runs)."""
+        endpoint = self._endpoints.get(resource)
+        return endpoint.stream_error if endpoint else ""
+
+    def options(self, resource: str) -> api_pb2.DevicePluginOptions | None:
+        """Return the options the plugin gave at registration."""
+        endpoint = self._endpoints.get(resource)
+        return endpoint.options if endpoint else None
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    def _delete_sockets(self) -> None:
+        for entry in os.scandir(self.plugin_dir):
+            try:
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                pass
+
+    def _write_checkpoint(self) -> None:
+        """Write ``kubelet_internal_checkpoint`` in the kubelet's JSON shape (allocations and devices)."""
+        if not self.write_checkpoint:
+            return
+        entries = [
+            {
+                "PodUID": f"emulated-pod-{n}",
+                "ContainerName": "main",
+                "ResourceName": alloc["resource"],
+                "DeviceIDs": {"-1": alloc["ids"]},
+                "AllocResp": base64.b64encode(alloc["response"]).decode(),
+            }
+            for n, alloc in enumerate(self._allocations)
+        ]
+        registered = {
+            name: [i for i, h in endpoint.devices.items() if h == HEALTHY]
+            for name, endpoint in self._endpoints.items()
+        }
+        data = {"PodDeviceEntries": entries, "RegisteredDevices": registered}
+        body = json.dumps(data, sort_keys=True)
+        path = self.plugin_dir / CHECKPOINT
+        tmp = path.with_name(f".{CHECKPOINT}.tmp")
+        tmp.write_text(json.dumps({"Data": data, "Checksum": zlib.crc32(body.encode())}))
+        os.replace(tmp, path)
+
+    def _load_checkpoint(self) -> None:
+        """Bring back resources listed in the checkpoint with no devices until their plugin registers."""
+        path = self.plugin_dir / CHECKPOINT
+        try:
+            data = json.loads(path.read_text())["Data"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return
+        for name in data.get("RegisteredDevices", {}):
+            if name not in self._endpoints:
+                self._endpoints[name] = _Endpoint(name, Path(), None, None, api_pb2.DevicePluginOptions())
+
+
+class _DevicePluginStub:
+    """Client for ``/v1beta1.DevicePlugin/*`` on an aio channel."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        def unary(method: str, response: Any) -> Any:
+            return channel.unary_unary(
+                f"/v1beta1.DevicePlugin/{method}",
+                request_serializer=_serialize,
+                response_deserializer=response.FromString,
+            )
+
+        self.GetDevicePluginOptions = unary("GetDevicePluginOptions", api_pb2.DevicePluginOptions)
+        self.Allocate = unary("Allocate", api_pb2.AllocateResponse)
+        self.GetPreferredAllocation = unary("GetPreferredAllocation", api_pb2.PreferredAllocationResponse)
+        self.PreStartContainer = unary("PreStartContainer", api_pb2.PreStartContainerResponse)
+        self.ListAndWatch = channel.unary_stream(
+            "/v1beta1.DevicePlugin/ListAndWatch",
+            request_serializer=_serialize,
+            response_deserializer=api_pb2.ListAndWatchResponse.FromString,
+        )
+
+
+def _serialize(message: Any) -> bytes:
+    return bytes(message.SerializeToString())

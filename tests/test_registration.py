@@ -1,0 +1,205 @@
+"""PluginRunner against the kubelet emulator: register, follow feeds, survive kubelet restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from test_server import RESOURCE, FakePool, Run, pci_ids
+
+from densedev.feed import PoolFeed
+from densedev.registration import PluginRunner
+from densedev.testing.kubelet import KubeletEmulator
+
+GUARD = 10.0  # hang guards only: nothing here asserts on speed
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short plugin dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _runner(sock_dir: Path, pool: FakePool, feed: PoolFeed, resource: str = RESOURCE) -> PluginRunner:
+    name = resource.replace("/", "_") + ".sock"
+    return PluginRunner(resource, sock_dir, name, feed, pool)
+
+
+def test_registers_and_the_kubelet_gets_the_full_list(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(1024))
+    feed = PoolFeed(pool.message())
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        runner = _runner(sock_dir, pool, feed)
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 1024, GUARD)
+            assert runner.registered and runner.registrations == 1
+            assert kubelet.resources() == [RESOURCE]
+            assert list(kubelet.devices(RESOURCE)) == pool.ids
+            assert kubelet.allocatable(RESOURCE) == 1024
+            assert kubelet.updates(RESOURCE)[0].numa[pool.ids[1]] == (1,)
+            # A health flip published to the feed reaches the kubelet as a new whole list.
+            for device in pool.ids[256:512]:
+                pool.health[device] = False
+            feed.publish(pool.message())
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 768, GUARD)
+            assert kubelet.capacity(RESOURCE) == 1024
+            assert kubelet.devices(RESOURCE)[pool.ids[300]] == "Unhealthy"
+            last = kubelet.updates(RESOURCE)[-1]
+            assert last.capacity == 1024 and last.allocatable == 768
+            # Allocate through the kubelet: healthy works, unhealthy/unknown refused as the kubelet does.
+            response = await kubelet.allocate(RESOURCE, [pool.ids[0]])
+            assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == pool.ids[0]
+        finally:
+            await runner.stop()
+            await kubelet.stop()
+        assert not runner.socket_path.exists()
+
+    run(main())
+
+
+def test_waits_for_an_absent_kubelet(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(8))
+    feed = PoolFeed(pool.message())
+
+    async def main() -> None:
+        runner = _runner(sock_dir, pool, feed)
+        await runner.start()
+        try:
+            await asyncio.sleep(0.3)  # a few failed attempts with backoff
+            assert not runner.registered and runner.last_error == ""  # no kubelet.sock: nothing tried
+            kubelet = KubeletEmulator(sock_dir)
+            await kubelet.start()  # deletes our socket, as the kubelet does at start
+            try:
+                await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 8, GUARD)
+                assert runner.registered and runner.registrations == 1
+            finally:
+                await kubelet.stop()
+        finally:
+            await runner.stop()
+
+    run(main())
+
+
+def test_kubelet_restart_leads_to_reregistration_and_a_fresh_list(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(512))
+    feed = PoolFeed(pool.message())
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        runner = _runner(sock_dir, pool, feed)
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 1, GUARD)
+            first = runner.socket_path.stat()
+            await kubelet.restart()
+            await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
+            await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 2, GUARD)
+            assert runner.registrations == 2 and runner.registered
+            fresh = kubelet.updates(RESOURCE)[-1]
+            assert list(fresh.devices) == pool.ids and fresh.allocatable == 512
+            assert not kubelet.stream_ended(RESOURCE)
+            # A fresh server on a fresh socket (the inode number itself may be reused on ext4).
+            now = runner.socket_path.stat()
+            assert (now.st_ino, now.st_ctime_ns) != (first.st_ino, first.st_ctime_ns)
+            # The new stream is live: a flip still arrives.
+            pool.health[pool.ids[0]] = False
+            feed.publish(pool.message())
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 511, GUARD)
+        finally:
+            await runner.stop()
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_own_socket_deleted_leads_to_a_new_server(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(16))
+    feed = PoolFeed(pool.message())
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        runner = _runner(sock_dir, pool, feed)
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: runner.registrations == 1, GUARD)
+            runner.socket_path.unlink()
+            await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
+            assert runner.socket_path.is_socket()
+            await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 2, GUARD)
+            assert kubelet.allocatable(RESOURCE) == 16
+        finally:
+            await runner.stop()
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_refused_name_is_logged_and_other_pools_register(
+    run: Run, sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = FakePool(pci_ids(4))
+    bad = FakePool(pci_ids(4, bus=0x5E))
+    bad_name = "example.com/-bad-name"
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        bad_runner = _runner(sock_dir, bad, PoolFeed(bad.message()), bad_name)
+        good_runner = _runner(sock_dir, good, PoolFeed(good.message()))
+        await bad_runner.start()
+        await good_runner.start()
+        try:
+            await kubelet.wait_for(lambda: bool(kubelet.refusals) and good_runner.registered, GUARD)
+            await kubelet.wait_for(lambda: bad_runner.last_error != "", GUARD)
+            assert not bad_runner.registered and bad_runner.registrations == 0
+            assert "-bad-name" in bad_runner.last_error and "starting and ending" in bad_runner.last_error
+            assert kubelet.resources() == [RESOURCE]
+            assert kubelet.capacity(RESOURCE) == 4 or await _wait_capacity(kubelet, 4)
+        finally:
+            await bad_runner.stop()
+            await good_runner.stop()
+            await kubelet.stop()
+        refused = [r for r in caplog.records if r.levelno == logging.ERROR and "refused" in r.getMessage()]
+        assert refused and "-bad-name" in refused[0].getMessage()
+
+    with caplog.at_level(logging.INFO):
+        run(main())
+
+
+async def _wait_capacity(kubelet: KubeletEmulator, count: int) -> bool:
+    await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == count, GUARD)
+    return True
+
+
+def test_stop_removes_socket_and_ends_the_stream(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(8))
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        runner = _runner(sock_dir, pool, PoolFeed(pool.message()))
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 8, GUARD)
+            await runner.stop()
+            assert not runner.socket_path.exists() and not runner.registered
+            # The kubelet sees the stream end: capacity kept, nothing allocatable, no redial.
+            await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+            assert kubelet.capacity(RESOURCE) == 8 and kubelet.allocatable(RESOURCE) == 0
+        finally:
+            await kubelet.stop()
+
+    run(main())
