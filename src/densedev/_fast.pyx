@@ -7,4 +7,7 @@ logging, so each can be compared with its twin, fuzzed and benchmarked alone.
 
 # Each hot path lives in its own include so its twin sits beside it in _fast_py/<same name>.py.
 include "_pyx/wire.pxi"
+include "_pyx/bitmap.pxi"
+include "_pyx/netlink.pxi"
 include "_pyx/alloc.pxi"
+include "_pyx/scan.pxi"

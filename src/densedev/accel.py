@@ -32,5 +32,20 @@ impl, IMPLEMENTATION = _choose()
 encode_device = impl.encode_device
 encode_list = impl.encode_list
 
+# bitmap (health.py)
+diff_bitmaps = impl.diff_bitmaps
+select_bits = impl.select_bits
+count_bits = impl.count_bits
+or_bitmaps = impl.or_bitmaps
+set_bits = impl.set_bits
+
+# netlink (netlink.py)
+parse_links = impl.parse_links
+parse_uevent = impl.parse_uevent
+
 # alloc (allocation.py)
 pick_devices = impl.pick_devices
+
+# scan (discovery.py)
+scan_sysfs = impl.scan_sysfs
+read_rdma_ports = impl.read_rdma_ports
