@@ -127,8 +127,11 @@ class KubeletEmulator:
     async def stop(self) -> None:
         """Stop serving and drop every plugin connection, as a kubelet that exits does."""
         server, self._server = self._server, None
-        if server is not None:
-            await server.stop(0)
+        if server is None:
+            return
+        # The kubelet checkpoints as state changes; once at exit gives the same file for a restart.
+        self._write_checkpoint()
+        await server.stop(0)
         for endpoint in self._endpoints.values():
             await self._disconnect(endpoint)
         self.socket_path.unlink(missing_ok=True)
@@ -137,7 +140,6 @@ class KubeletEmulator:
     async def restart(self) -> None:
         """Simulate a kubelet restart: stop, delete the plugin sockets, recreate ``kubelet.sock``."""
         await self.stop()
-        self._write_checkpoint()
         await self.start()
 
     # -- Registration ------------------------------------------------------------------------------

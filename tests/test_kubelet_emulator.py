@@ -1,0 +1,331 @@
+"""The kubelet emulator behaves like the kubelet: validation, dial-back, limits, stream end, restart."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from test_server import RESOURCE, FakePool, Run, pci_ids
+
+from densedev._proto import api_pb2
+from densedev.feed import PoolFeed
+from densedev.server import PluginServer
+from densedev.testing.kubelet import CHECKPOINT, MAX_RECEIVE, KubeletEmulator, KubeletError
+
+GUARD = 10.0  # hang guard only
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short plugin dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def _register(plugin_dir: Path, resource: str, endpoint: str, version: str = "v1beta1") -> None:
+    async with grpc.aio.insecure_channel(f"unix:{plugin_dir / 'kubelet.sock'}") as channel:
+        register = channel.unary_unary(
+            "/v1beta1.Registration/Register",
+            request_serializer=api_pb2.RegisterRequest.SerializeToString,
+            response_deserializer=api_pb2.Empty.FromString,
+        )
+        await register(
+            api_pb2.RegisterRequest(version=version, endpoint=endpoint, resource_name=resource), timeout=GUARD
+        )
+
+
+async def _refusal(plugin_dir: Path, resource: str, endpoint: str, version: str = "v1beta1") -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await _register(plugin_dir, resource, endpoint, version)
+    assert err.value.code() == grpc.StatusCode.UNKNOWN  # the kubelet answers with a plain Go error
+    return err.value.details() or ""
+
+
+def test_start_deletes_sockets_only(run: Run, sock_dir: Path) -> None:
+    old = socket.socket(socket.AF_UNIX)
+    old.bind(str(sock_dir / "old-plugin.sock"))
+    old.close()
+    (sock_dir / "notes.txt").write_text("stays")
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        try:
+            assert not (sock_dir / "old-plugin.sock").exists()
+            assert (sock_dir / "notes.txt").read_text() == "stays"
+            assert (sock_dir / "kubelet.sock").is_socket()
+        finally:
+            await kubelet.stop()
+        assert not (sock_dir / "kubelet.sock").exists()
+
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("resource", "version", "fragment"),
+    [
+        ("example.com/vf", "v1alpha", "unsupported API version 'v1alpha'"),
+        ("vf", "v1beta1", 'no "/"'),
+        ("kubernetes.io/vf", "v1beta1", "kubernetes.io/ namespace is reserved"),
+        ("requests.example.com/vf", "v1beta1", "requests."),
+        ("Example.com/vf", "v1beta1", "not a lowercase DNS subdomain"),
+        ("example.com/" + "v" * 64, "v1beta1", "longer than 63"),
+        ("example.com/vf_", "v1beta1", "starting and ending alphanumeric"),
+        ("example.com/v f", "v1beta1", "[A-Za-z0-9._-]"),
+    ],
+)
+def test_register_validation(run: Run, sock_dir: Path, resource: str, version: str, fragment: str) -> None:
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        try:
+            message = await _refusal(sock_dir, resource, "x.sock", version)
+            assert fragment in message
+            assert kubelet.resources() == [] and kubelet.refusals[0][0] == resource
+        finally:
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_register_dials_the_plugin_and_fails_when_it_is_not_there(run: Run, sock_dir: Path) -> None:
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir, dial_timeout=0.3)
+        await kubelet.start()
+        try:
+            message = await _refusal(sock_dir, RESOURCE, "missing.sock")
+            assert "failed to dial device plugin" in message and "missing.sock" in message
+            assert kubelet.resources() == []
+        finally:
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_options_from_the_plugin_and_optional_calls(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(8), pre_start=True, preferred=False)
+    pool.health[pool.ids[7]] = False
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
+        await server.start()
+        try:
+            await _register(sock_dir, RESOURCE, "vf.sock")
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 8, GUARD)
+            options = kubelet.options(RESOURCE)
+            assert options is not None and options.pre_start_required
+            assert not options.get_preferred_allocation_available
+            with pytest.raises(KubeletError, match="does not offer GetPreferredAllocation"):
+                await kubelet.preferred(RESOURCE, pool.ids, [], 2)
+            await kubelet.prestart(RESOURCE, pool.ids[:2])
+            assert pool.prestarted == [pool.ids[:2]]
+            # The kubelet's own checks refuse unknown and unhealthy devices without asking the plugin.
+            with pytest.raises(KubeletError, match=r"unknown devices \['0000:99:00.0'\]"):
+                await kubelet.allocate(RESOURCE, ["0000:99:00.0"])
+            with pytest.raises(KubeletError, match="unhealthy devices"):
+                await kubelet.allocate(RESOURCE, [pool.ids[7]])
+            # check=False sends them anyway, so the plugin's own refusal can be seen.
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await kubelet.allocate(RESOURCE, [pool.ids[7]], check=False)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert pool.ids[7] in (err.value.details() or "")
+            with pytest.raises(KubeletError, match="no device plugin registered"):
+                await kubelet.allocate("example.com/other", [pool.ids[0]])
+        finally:
+            await server.stop()
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_preferred_when_offered(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(8))
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
+        await server.start()
+        try:
+            await _register(sock_dir, RESOURCE, "vf.sock")
+            answer = await kubelet.preferred(RESOURCE, pool.ids[2:], [pool.ids[5]], 3)
+            assert answer == [pool.ids[5], pool.ids[2], pool.ids[3]]
+            with pytest.raises(KubeletError, match="does not require PreStartContainer"):
+                await kubelet.prestart(RESOURCE, pool.ids[:1])
+        finally:
+            await server.stop()
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_stream_end_marks_devices_unhealthy_and_never_redials(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(32))
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
+        await server.start()
+        try:
+            await _register(sock_dir, RESOURCE, "vf.sock")
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 32, GUARD)
+            await server.stop()
+            await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+            assert kubelet.capacity(RESOURCE) == 32 and kubelet.allocatable(RESOURCE) == 0
+            # A new server on the same socket is not dialled: the plugin must register again.
+            server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
+            await server.start()
+            await asyncio.sleep(0.2)
+            assert kubelet.allocatable(RESOURCE) == 0 and kubelet.registrations(RESOURCE) == 1
+            await _register(sock_dir, RESOURCE, "vf.sock")
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 32, GUARD)
+            assert kubelet.registrations(RESOURCE) == 2 and not kubelet.stream_ended(RESOURCE)
+        finally:
+            await server.stop()
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_a_new_registration_replaces_the_old(run: Run, sock_dir: Path) -> None:
+    first = FakePool(pci_ids(4))
+    second = FakePool(pci_ids(6, bus=0x5E))
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        one = PluginServer(RESOURCE, sock_dir / "one.sock", PoolFeed(first.message()), first)
+        two = PluginServer(RESOURCE, sock_dir / "two.sock", PoolFeed(second.message()), second)
+        await one.start()
+        await two.start()
+        try:
+            await _register(sock_dir, RESOURCE, "one.sock")
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 4, GUARD)
+            await _register(sock_dir, RESOURCE, "two.sock")
+            await kubelet.wait_for(lambda: set(kubelet.devices(RESOURCE)) == set(second.ids), GUARD)
+            assert kubelet.registrations(RESOURCE) == 2 and kubelet.resources() == [RESOURCE]
+            response = await kubelet.allocate(RESOURCE, [second.ids[0]])
+            assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == second.ids[0]
+        finally:
+            await one.stop()
+            await two.stop()
+            await kubelet.stop()
+
+    run(main())
+
+
+async def _oversized_server(path: Path, messages: list[bytes]) -> grpc.aio.Server:
+    """A plugin that ignores the limit (sends up to 8 MiB), to see the kubelet side enforce it."""
+
+    async def list_and_watch(request: Any, context: Any) -> AsyncIterator[bytes]:
+        for message in messages:
+            yield message
+        await asyncio.Event().wait()  # like a real plugin, never return
+
+    async def options(request: Any, context: Any) -> api_pb2.DevicePluginOptions:
+        return api_pb2.DevicePluginOptions()
+
+    server = grpc.aio.server(options=(("grpc.max_send_message_length", 8 * 1024 * 1024),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "v1beta1.DevicePlugin",
+                {
+                    "GetDevicePluginOptions": grpc.unary_unary_rpc_method_handler(
+                        options,
+                        request_deserializer=api_pb2.Empty.FromString,
+                        response_serializer=api_pb2.DevicePluginOptions.SerializeToString,
+                    ),
+                    "ListAndWatch": grpc.unary_stream_rpc_method_handler(
+                        list_and_watch,
+                        request_deserializer=api_pb2.Empty.FromString,
+                        response_serializer=lambda data: data,
+                    ),
+                },
+            ),
+        )
+    )
+    server.add_insecure_port(f"unix:{path}")
+    await server.start()
+    return server
+
+
+def test_receive_limit_ends_the_stream(run: Run, sock_dir: Path) -> None:
+    small = api_pb2.ListAndWatchResponse(
+        devices=[api_pb2.Device(ID="a", health="Healthy")]
+    ).SerializeToString()
+    # One device whose ID alone pushes the message past 4 MiB.
+    big = api_pb2.ListAndWatchResponse(
+        devices=[api_pb2.Device(ID="x" * MAX_RECEIVE, health="Healthy")]
+    ).SerializeToString()
+    assert len(big) > MAX_RECEIVE
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        server = await _oversized_server(sock_dir / "big.sock", [small, big])
+        try:
+            await _register(sock_dir, RESOURCE, "big.sock")
+            await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+            assert "RESOURCE_EXHAUSTED" in kubelet.stream_error(RESOURCE)
+            assert kubelet.devices(RESOURCE) == {"a": "Unhealthy"}
+            assert len(kubelet.updates(RESOURCE)) == 1
+        finally:
+            await server.stop(0)
+            await kubelet.stop()
+
+    run(main())
+
+
+def test_restart_writes_a_checkpoint_and_recreates_the_socket(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(4))
+    pool.health[pool.ids[3]] = False
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
+        await server.start()
+        try:
+            await _register(sock_dir, RESOURCE, "vf.sock")
+            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 4, GUARD)
+            await kubelet.allocate(RESOURCE, pool.ids[:2])
+            before = (sock_dir / "kubelet.sock").stat()
+            await kubelet.restart()
+            after = (sock_dir / "kubelet.sock").stat()
+            assert (before.st_ino, before.st_ctime_ns) != (after.st_ino, after.st_ctime_ns)
+            assert not (sock_dir / "vf.sock").exists()  # plugin sockets deleted, as the kubelet does
+            assert kubelet.stream_ended(RESOURCE) and kubelet.allocatable(RESOURCE) == 0
+            checkpoint = json.loads((sock_dir / CHECKPOINT).read_text())
+            data = checkpoint["Data"]
+            assert data["RegisteredDevices"] == {RESOURCE: pool.ids[:3]}
+            [entry] = data["PodDeviceEntries"]
+            assert entry["ResourceName"] == RESOURCE and entry["DeviceIDs"] == {"-1": pool.ids[:2]}
+            response = api_pb2.ContainerAllocateResponse.FromString(base64.b64decode(entry["AllocResp"]))
+            assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == ",".join(pool.ids[:2])
+            assert isinstance(checkpoint["Checksum"], int)
+        finally:
+            await server.stop()
+            await kubelet.stop()
+        # A fresh kubelet reads the checkpoint: the resource is back with no devices until it registers.
+        fresh = KubeletEmulator(sock_dir)
+        await fresh.start()
+        try:
+            assert fresh.resources() == [RESOURCE] and fresh.capacity(RESOURCE) == 0
+        finally:
+            await fresh.stop()
+
+    run(main())
