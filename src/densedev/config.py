@@ -38,8 +38,9 @@ _ENV_SAFE_RE = re.compile(r"^[A-Za-z0-9_./]+$")
 # own types; the plugin ignores them and so do we, as long as they are null.
 _GO_INTERNAL_KEYS = ("SelectorObj", "SelectorObjs")
 
-_COMMON_SELECTOR_KEYS = ("vendors", "devices", "drivers", "pciAddresses", "acpiIndexes")
-_NET_SELECTOR_KEYS = ("pfNames", "rootDevices", "linkTypes", "isRdma")
+# isRdma is common here (the plugin has it for net devices only): accelerator-type shared RDMA pools use it.
+_COMMON_SELECTOR_KEYS = ("vendors", "devices", "drivers", "pciAddresses", "acpiIndexes", "isRdma")
+_NET_SELECTOR_KEYS = ("pfNames", "rootDevices", "linkTypes")
 _SELECTOR_KEYS_BY_TYPE: dict[str, tuple[str, ...]] = {
     # The plugin's selector struct depends on deviceType; a key of another type is almost always a
     # forgotten deviceType, so it is reported rather than silently ignored as Go's decoder would.
@@ -280,7 +281,10 @@ class _Reader:
 
 
 def _join(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
+    if not where:
+        return key
+    # "resourceList[0] (name)" is followed by ": key"; a key path inside a pool by ".key".
+    return f"{where}: {key}" if where.endswith(")") else f"{where}.{key}"
 
 
 def _lower_hex16(text: str) -> str | None:

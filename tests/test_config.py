@@ -1,0 +1,529 @@
+"""The config file: the SR-IOV plugin's documented configs load unchanged, densedev's keys parse, and every
+validation problem is reported (all at once) naming the pool, the key and the reason."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from densedev import config
+from densedev.config import (
+    ConfigError,
+    check,
+    env_var_name,
+    load,
+    parse,
+    parse_index_range,
+    validate_resource_name,
+)
+from densedev.model import HealthPolicy, IndexRange, Selector
+
+DATA = Path(__file__).parent / "data" / "configs"
+
+
+def problems_of(doc: Any, **kw: Any) -> tuple[str, ...]:
+    """Return the problems parse() reports for a document (a dict is dumped to JSON first)."""
+    text = doc if isinstance(doc, str) else json.dumps(doc)
+    with pytest.raises(ConfigError) as info:
+        parse(text, **kw)
+    return info.value.problems
+
+
+def pool(**kw: Any) -> dict[str, Any]:
+    """Return a one-pool document with the given pool keys (resourceName "p" unless given)."""
+    return {"resourceList": [{"resourceName": "p", **kw}]}
+
+
+# --- the plugin's documented examples ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted(DATA.glob("plugin_*.json")), ids=lambda p: p.stem)
+def test_plugin_documented_configs_load_unchanged(path: Path) -> None:
+    cfg = load(path)
+    raw = json.loads(path.read_text())
+    assert [p.resource_name for p in cfg.pools] == [r["resourceName"] for r in raw["resourceList"]]
+    assert check(path) == ()
+
+
+def test_legacy_readme_prefixes_rdma_and_selector_shapes() -> None:
+    cfg = load(DATA / "plugin_readme_legacy.json")
+    names = [p.full_name for p in cfg.pools]
+    assert names == [
+        "intel.com/intel_sriov_netdevice",
+        "intel.com/intel_sriov_dpdk",
+        "mellanox.com/mlnx_sriov_rdma",
+        "intel.com/infiniband_rdma_netdevs",
+    ]
+    first = cfg.pools[0]
+    assert first.device_type == "netDevice"
+    assert first.selectors == (
+        Selector(vendors=("8086",), devices=("154c", "10ed"), drivers=("i40evf", "ixgbevf")),
+    )
+    # The early README put isRdma beside resourceName: it applies to every selector of the pool.
+    assert cfg.pools[2].selectors[0].is_rdma is True
+    assert cfg.pools[3].selectors == (Selector(link_types=("infiniband",), is_rdma=True),)
+    assert cfg.pools[1].selectors[0].pf_names == (IndexRange("enp0s0f0"), IndexRange("enp2s2f1"))
+
+
+def test_current_readme_device_types_and_keys() -> None:
+    cfg = load(DATA / "plugin_readme_current.json")
+    by_name = {p.resource_name: p for p in cfg.pools}
+    assert by_name["intel_fpga"].device_type == "accelerator"
+    sf = by_name["mlnx_sf"]
+    assert sf.device_type == "auxNetDevice"
+    assert sf.selectors[0].aux_types == ("sf",)
+    assert sf.selectors[0].pf_names == (IndexRange("enp0s0f0np0", frozenset({1, 2, 3, 4, 5})),)
+    assert by_name["ct6wind_sriov_vdpa_virtio"].selectors[0].vdpa_type == "virtio"
+    assert by_name["intel_sriov_dpdk"].selectors[0].need_vhost_net is True
+    assert cfg.warnings == ()
+
+
+def test_default_prefix_is_the_plugins_and_overridable() -> None:
+    doc = json.dumps(pool())
+    assert parse(doc).pools[0].full_name == "intel.com/p"
+    assert config.DEFAULT_PREFIX == "intel.com"
+    assert parse(doc, default_prefix="example.org").pools[0].full_name == "example.org/p"
+    # An explicit resourcePrefix wins over the flag.
+    assert parse(json.dumps(pool(resourcePrefix="acme.io")), default_prefix="x.org").pools[0].full_name == (
+        "acme.io/p"
+    )
+
+
+def test_keys_are_case_insensitive_like_gos_decoder_and_null_go_internals_are_ignored() -> None:
+    cfg = load(DATA / "plugin_node_specific.json")
+    sel = cfg.pools[0].selectors[0]
+    assert sel.pf_names == (
+        IndexRange("ens785f0", frozenset(range(5))),
+        IndexRange("ens785f1", frozenset(range(10))),
+    )
+    assert sel.is_rdma is False
+    assert problems_of(pool(SelectorObj={"vendors": []})) == (
+        "resourceList[0] (p): SelectorObj: internal field of the Go plugin: only null is accepted",
+    )
+
+
+def test_unsupported_selector_keys_load_with_warnings() -> None:
+    cfg = load(DATA / "plugin_full_schema.json")
+    assert len(cfg.warnings) == 2
+    assert cfg.warnings[0].startswith("resourceList[0] (sriov_net_A): selectors.pKeys: not supported")
+    assert "ddpProfiles: not supported" in cfg.warnings[1]
+    sel = cfg.pools[0].selectors[0]
+    assert sel.pkeys == ("0x0001",)
+    assert sel.acpi_indexes == ("196",)
+    assert cfg.pools[1].additional_info == (("*", (("token", "3e49019f-412f-4f02-824e-4cd195944205"),)),)
+
+
+def test_densedev_keys() -> None:
+    cfg = load(DATA / "densedev_extended.json")
+    assert (cfg.coalesce_ms, cfg.rdma_poll_s, cfg.reconcile_s) == (5.0, 2.0, 120.0)
+    first, shared = cfg.pools
+    assert len(first.selectors) == 2
+    assert first.selectors[1].root_devices == (IndexRange("0000:3b:00.1", frozenset(range(8))),)
+    assert first.health == HealthPolicy(
+        pf_link=True, own_link=False, rdma_port=True, driver=True, hold_down_s=2.5
+    )
+    assert (first.preferred, first.prestart) == ("spread", True)
+    assert (shared.rdma_shared, shared.device_type, shared.full_name) == (
+        16,
+        "accelerator",
+        "rdma/rdma_shared_hca",
+    )
+    assert shared.preferred == "none"
+
+
+def test_defaults_of_an_old_file() -> None:
+    cfg = parse(json.dumps(pool()))
+    p = cfg.pools[0]
+    assert p.selectors == (Selector(),)  # no selectors: every device of the type
+    assert (p.rdma_shared, p.preferred, p.prestart, p.exclude_topology) == (0, "pack", False, False)
+    assert p.health == HealthPolicy()
+    assert (cfg.coalesce_ms, cfg.rdma_poll_s, cfg.reconcile_s) == (2.0, 1.0, 60.0)
+
+
+def test_values_are_normalised() -> None:
+    cfg = parse(
+        json.dumps(
+            pool(
+                selectors={
+                    "vendors": ["15B3", "0x8086"],
+                    "devices": ["101E"],
+                    "pciAddresses": ["3B:02.1", "0000:3b:02.2"],
+                    "acpiIndexes": ["0196"],
+                    "rootDevices": ["3b:00.0#1"],
+                }
+            )
+        )
+    )
+    sel = cfg.pools[0].selectors[0]
+    assert sel.vendors == ("15b3", "8086")
+    assert sel.devices == ("101e",)
+    assert sel.pci_addresses == ("0000:3b:02.1", "0000:3b:02.2")
+    assert sel.acpi_indexes == ("196",)
+    assert sel.root_devices == (IndexRange("0000:3b:00.0", frozenset({1})),)
+
+
+# --- #-ranges ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("ens1f0", IndexRange("ens1f0")),
+        ("ens1f0#3", IndexRange("ens1f0", frozenset({3}))),
+        ("ens1f0#0,2-7", IndexRange("ens1f0", frozenset({0, 2, 3, 4, 5, 6, 7}))),
+        ("netpf0#0,2-7,9", IndexRange("netpf0", frozenset({0, 2, 3, 4, 5, 6, 7, 9}))),
+        ("0000:86:00.0#0-1,3,4", IndexRange("0000:86:00.0", frozenset({0, 1, 3, 4}))),
+        ("p#5-5,5", IndexRange("p", frozenset({5}))),
+    ],
+)
+def test_index_range_syntax(text: str, expected: IndexRange) -> None:
+    assert parse_index_range(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("ens1f0#5-2", 'bad VF range "ens1f0#5-2": start > end'),
+        ("ens1f0#", 'bad VF range "ens1f0#": no VF index after "#"'),
+        ("#1-2", 'bad VF range "#1-2": no name before "#"'),
+        ("ens1f0#1,,2", 'bad VF range "ens1f0#1,,2": empty item in the list'),
+        ("ens1f0#a", 'bad VF range "ens1f0#a": "a" is not a VF index (a non-negative integer)'),
+        ("ens1f0#-3", 'bad VF range "ens1f0#-3": "" is not a VF index (a non-negative integer)'),
+        ("ens1f0#3-", 'bad VF range "ens1f0#3-": "" is not a VF index (a non-negative integer)'),
+        ("ens1f0#1-2-3", 'bad VF range "ens1f0#1-2-3": "2-3" is not a VF index (a non-negative integer)'),
+        (
+            "ens1f0#70000",
+            'bad VF range "ens1f0#70000": index 70000 above 65535 (SR-IOV has 16-bit VF counts)',
+        ),
+    ],
+)
+def test_bad_index_ranges(text: str, reason: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_index_range(text)
+    assert str(info.value) == reason
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 300)), min_size=1, max_size=6))
+def test_index_range_equals_the_union_of_its_parts(parts: list[tuple[int, int]]) -> None:
+    items = [f"{a}-{b}" if a != b else str(a) for a, b in ((min(p), max(p)) for p in parts)]
+    expected = set().union(*(range(min(p), max(p) + 1) for p in parts))
+    assert parse_index_range("ens1f0#" + ",".join(items)) == IndexRange("ens1f0", frozenset(expected))
+
+
+# --- resource names ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name", ["intel.com/sriov_net_A", "nvidia.com/a.b-c_d", "x/y", "a-b.c/Z9", "rdma/hca"]
+)
+def test_valid_resource_names(name: str) -> None:
+    assert validate_resource_name(name) is None
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("intel_sriov", 'has no "/"'),
+        ("kubernetes.io/sriov", "reserved for native resources"),
+        ("foo.kubernetes.io/sriov", "reserved for native resources"),
+        ("requests.intel.com/sriov", 'starting "requests."'),
+        ("/sriov", 'prefix before "/" is empty'),
+        ("Intel.com/sriov", 'prefix "Intel.com" is not a lowercase DNS subdomain'),
+        ("intel_com/sriov", "not a lowercase DNS subdomain"),
+        ("-intel.com/sriov", "not a lowercase DNS subdomain"),
+        ("intel.com/", 'the name after "/" is empty'),
+        ("intel.com/a/b", 'more than one "/"'),
+        ("intel.com/" + "a" * 64, "longer than 63 characters (64)"),
+        ("intel.com/_sriov", "starting and ending alphanumeric"),
+        ("intel.com/sriov-", "starting and ending alphanumeric"),
+        ("intel.com/sr iov", "starting and ending alphanumeric"),
+        ("a" * 250 + ".com/x", "prefix longer than 244 characters"),
+    ],
+)
+def test_resource_names_the_kubelet_refuses(name: str, fragment: str) -> None:
+    reason = validate_resource_name(name)
+    assert reason is not None
+    assert fragment in reason
+
+
+def test_env_var_name_follows_the_plugin_convention() -> None:
+    assert env_var_name("intel.com/sriov") == "PCIDEVICE_INTEL_COM_SRIOV"
+
+
+# --- every validation error ----------------------------------------------------------------------------
+
+
+def test_all_problems_are_reported_at_once_with_pool_key_and_reason() -> None:
+    doc = {
+        "resourceList": [
+            {"resourceName": "ok", "selectors": {"vendors": ["8086"]}},
+            {"resourceName": "bad_vendor", "selectors": {"vendor": ["8086"]}},
+            {
+                "resourceName": "mlnx_rdma",
+                "selectors": [{"pfNames": ["ens1f0#0-3"]}, {"pfNames": ["ens1f1", "ens1f0#5-2"]}],
+            },
+        ],
+        "coalesceMs": "fast",
+    }
+    assert problems_of(doc) == (
+        'resourceList[1] (bad_vendor): selectors: unknown key "vendor" (did you mean "vendors"?)',
+        'resourceList[2] (mlnx_rdma): selectors[1].pfNames[1]: bad VF range "ens1f0#5-2": start > end',
+        "coalesceMs: expected a number, got string",
+    )
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        ([], "expected a JSON object with resourceList, got list"),
+        ({}, "resourceList: required (a list of resource pools)"),
+        ({"resourceList": {}}, "resourceList: expected a list of resource objects, got object"),
+        ({"resourceList": ["x"]}, "resourceList[0]: expected a resource object, got string"),
+        ({"resourceList": [], "extra": 1}, 'unknown key "extra"'),
+        ({"resourceList": [], "rdmaPollSeconds": 0}, "rdmaPollSeconds: expected a number > 0, got 0"),
+        ({"resourceList": [], "reconcileSeconds": True}, "reconcileSeconds: expected a number, got boolean"),
+        ({"resourceList": [], "coalesceMs": -1}, "coalesceMs: expected a number >= 0, got -1"),
+        ({"resourceList": [{}]}, "resourceList[0] (no resourceName): resourceName: required"),
+        (
+            pool(resourceName=7),
+            "resourceList[0] (no resourceName): resourceName: expected a string, got number",
+        ),
+        (pool(resourcePrefix=["a"]), "resourceList[0] (p): resourcePrefix: expected a string, got list"),
+        (pool(typo=1), 'resourceList[0] (p): unknown key "typo"'),
+        (pool(deviceTyp="x"), 'resourceList[0] (p): unknown key "deviceTyp" (did you mean "deviceType"?)'),
+        (
+            pool(deviceType="vfio"),
+            'resourceList[0] (p): deviceType: "vfio" is not one of netDevice, accelerator, auxNetDevice',
+        ),
+        (
+            pool(excludeTopology="yes"),
+            "resourceList[0] (p): excludeTopology: expected true or false, got string",
+        ),
+        (pool(isRdma=1), "resourceList[0] (p): isRdma: expected true or false, got number"),
+        (
+            pool(selectors="x"),
+            "resourceList[0] (p): selectors: expected an object or a list of objects, got string",
+        ),
+        (pool(selectors=[]), "resourceList[0] (p): selectors: empty list: the pool would select no device"),
+        (pool(selectors=[1]), "resourceList[0] (p): selectors[0]: expected a selector object, got number"),
+        (
+            pool(selectors={"vendors": "8086"}),
+            "resourceList[0] (p): selectors.vendors: expected a list of strings, got string",
+        ),
+        (
+            pool(selectors={"vendors": [8086]}),
+            "resourceList[0] (p): selectors.vendors[0]: expected a string, got number",
+        ),
+        (pool(selectors={"vendors": [""]}), "resourceList[0] (p): selectors.vendors[0]: empty string"),
+        (
+            pool(selectors={"vendors": ["intel"]}),
+            'resourceList[0] (p): selectors.vendors[0]: "intel" is not a hex vendor ID',
+        ),
+        (
+            pool(selectors={"devices": ["12345"]}),
+            'resourceList[0] (p): selectors.devices[0]: "12345" is not a hex device ID',
+        ),
+        (
+            pool(selectors={"drivers": [None]}),
+            "resourceList[0] (p): selectors.drivers[0]: expected a string, got null",
+        ),
+        (
+            pool(selectors={"pciAddresses": ["3b:2.1"]}),
+            'resourceList[0] (p): selectors.pciAddresses[0]: "3b:2.1" is not a PCI address (0000:3b:02.1)',
+        ),
+        (
+            pool(selectors={"acpiIndexes": ["-1"]}),
+            'resourceList[0] (p): selectors.acpiIndexes[0]: "-1" is not an ACPI index (a decimal number)',
+        ),
+        (
+            pool(selectors={"pfNames": ["averyveryverylongname"]}),
+            'resourceList[0] (p): selectors.pfNames[0]: interface name "averyveryverylongname" '
+            "longer than 15 bytes (IFNAMSIZ)",
+        ),
+        (
+            pool(selectors={"pfNames": ["ens1/f0"]}),
+            'resourceList[0] (p): selectors.pfNames[0]: "ens1/f0" is not a valid interface name',
+        ),
+        (
+            pool(selectors={"rootDevices": ["ens1f0#1"]}),
+            'resourceList[0] (p): selectors.rootDevices[0]: "ens1f0" is not a PCI address (0000:3b:00.0)',
+        ),
+        (
+            pool(selectors={"rootDevices": ["0000:3b:00.0#2-1"]}),
+            'resourceList[0] (p): selectors.rootDevices[0]: bad VF range "0000:3b:00.0#2-1": start > end',
+        ),
+        (
+            pool(selectors={"linkTypes": ["eth"]}),
+            'resourceList[0] (p): selectors.linkTypes[0]: "eth" is not a link type (ether or infiniband)',
+        ),
+        (
+            pool(selectors={"isRdma": "true"}),
+            "resourceList[0] (p): selectors.isRdma: expected true or false, got string",
+        ),
+        (
+            pool(selectors={"needVhostNet": 0}),
+            "resourceList[0] (p): selectors.needVhostNet: expected true or false, got number",
+        ),
+        (
+            pool(selectors={"vdpaType": "vduse"}),
+            'resourceList[0] (p): selectors.vdpaType: "vduse" is not one of vhost, virtio',
+        ),
+        (
+            pool(selectors={"vdpaType": ["vhost"]}),
+            "resourceList[0] (p): selectors.vdpaType: expected a string, got list",
+        ),
+        (
+            pool(selectors={"pKeys": ["0x10000"]}),
+            'resourceList[0] (p): selectors.pKeys[0]: "0x10000" is not a partition key (0x7fff)',
+        ),
+        (
+            pool(selectors={"auxTypes": ["sf"]}),
+            'resourceList[0] (p): selectors.auxTypes: not a selector of deviceType "netDevice" '
+            "(only of auxNetDevice)",
+        ),
+        (
+            pool(deviceType="accelerator", selectors={"pfNames": ["ens1f0"]}),
+            'resourceList[0] (p): selectors.pfNames: not a selector of deviceType "accelerator" '
+            "(only of netDevice, auxNetDevice)",
+        ),
+        (
+            pool(selectors={"vendors": ["8086"], "Vendors": ["15b3"]}),
+            'resourceList[0] (p): selectors.Vendors: same key as "vendors" (keys are case-insensitive)',
+        ),
+        (
+            pool(additionalInfo=[]),
+            "resourceList[0] (p): additionalInfo: expected an object of objects, got list",
+        ),
+        (
+            pool(additionalInfo={"*": "x"}),
+            'resourceList[0] (p): additionalInfo["*"]: expected an object of strings, got string',
+        ),
+        (
+            pool(additionalInfo={"*": {"k": 1}}),
+            'resourceList[0] (p): additionalInfo["*"]["k"]: expected a string, got number',
+        ),
+        (
+            pool(additionalInfo={"": {}}),
+            'resourceList[0] (p): additionalInfo: empty key (use a device ID or "*")',
+        ),
+        (
+            pool(rdmaShared=1.5),
+            "resourceList[0] (p): rdmaShared: expected a whole number of IDs per RDMA device, got number",
+        ),
+        (pool(rdmaShared=-1), "resourceList[0] (p): rdmaShared: expected 0 to 65535, got -1"),
+        (pool(healthPolicy=True), "resourceList[0] (p): healthPolicy: expected an object, got boolean"),
+        (
+            pool(healthPolicy={"pfLink": "no"}),
+            "resourceList[0] (p): healthPolicy.pfLink: expected true or false, got string",
+        ),
+        (
+            pool(healthPolicy={"link": True}),
+            'resourceList[0] (p): healthPolicy: unknown key "link" (did you mean "pfLink"?)',
+        ),
+        (
+            pool(healthPolicy={"holdDownSeconds": -0.5}),
+            "resourceList[0] (p): healthPolicy.holdDownSeconds: expected a number >= 0, got -0.5",
+        ),
+        (
+            pool(preferredAllocation="random"),
+            'resourceList[0] (p): preferredAllocation: "random" is not one of pack, spread, none',
+        ),
+        (pool(preStart="no"), "resourceList[0] (p): preStart: expected true or false, got string"),
+    ],
+)
+def test_each_validation_error(doc: Any, expected: str) -> None:
+    assert problems_of(doc) == (expected,)
+
+
+def test_resource_names_the_kubelet_would_refuse_are_reported_per_pool() -> None:
+    assert problems_of(pool(resourceName="sriov-")) == (
+        'resourceList[0] (sriov-): resourceName/resourcePrefix: the kubelet would refuse "intel.com/sriov-": '
+        'name part "sriov-" must be [A-Za-z0-9._-], starting and ending alphanumeric',
+    )
+    assert problems_of(pool(resourcePrefix="kubernetes.io")) == (
+        'resourceList[0] (p): resourceName/resourcePrefix: the kubelet would refuse "kubernetes.io/p": '
+        "the kubernetes.io/ namespace is reserved for native resources",
+    )
+
+
+def test_names_unsafe_in_the_env_var_are_refused() -> None:
+    assert problems_of(pool(resourceName="sriov-net")) == (
+        'resourceList[0] (sriov-net): resourceName/resourcePrefix: "intel.com/sriov-net" is unsafe in '
+        'the variable name PCIDEVICE_INTEL_COM_SRIOV-NET (only letters, digits, "_", "." and "/" map to a '
+        'valid name; "-" does not)',
+    )
+    # A prefix with "-" is a fine DNS name but just as unsafe.
+    assert len(problems_of(pool(resourcePrefix="my-corp.com"))) == 1
+
+
+def test_duplicate_full_names_and_env_var_collisions() -> None:
+    doc = {
+        "resourceList": [
+            {"resourceName": "a"},
+            {"resourceName": "a"},
+            {"resourceName": "a", "resourcePrefix": "other.com"},
+            {"resourceName": "com_a", "resourcePrefix": "intel"},
+        ]
+    }
+    assert problems_of(doc) == (
+        'resourceList[1] (a): resource "intel.com/a" already defined by resourceList[0]',
+        'resourceList[3] (com_a): resource "intel/com_a" has the same variable name PCIDEVICE_INTEL_COM_A as '
+        "resourceList[0]",
+    )
+
+
+def test_duplicate_json_keys_are_reported() -> None:
+    text = '{"resourceList": [{"resourceName": "a", "resourceName": "b"}]}'
+    assert problems_of(text) == ("resourceList[0] (b): resourceName: key given more than once",)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            '{"resourceList": [\n  {"resourceName": "a",}\n]}',
+            "invalid JSON at line 2 column 24: Expecting property name",
+        ),
+        ("", "invalid JSON at line 1 column 1: Expecting value"),
+        ('{"resourceList": []', "invalid JSON at line 1 column 20: Expecting ',' delimiter"),
+        ('{"resourceList": [], "coalesceMs": NaN}', "invalid JSON: NaN is not valid JSON"),
+    ],
+)
+def test_invalid_json_names_line_and_column(text: str, expected: str) -> None:
+    problems = problems_of(text)
+    assert len(problems) == 1
+    assert problems[0].startswith(expected)
+
+
+def test_config_error_message_lists_source_and_problems(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"resourceList": [{"resourceName": "x", "bogus": 1}], "extra": 2}))
+    with pytest.raises(ConfigError) as info:
+        load(path)
+    assert info.value.source == str(path)
+    text = str(info.value)
+    assert text.startswith(f"{path}: 2 problem(s) in the config:")
+    assert 'resourceList[0] (x): unknown key "bogus"' in text
+    assert check(path) == info.value.problems
+
+
+def test_load_reports_unreadable_and_non_utf8_files(tmp_path: Path) -> None:
+    assert check(tmp_path / "missing.json") == ("cannot read the file: No such file or directory",)
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'{"resourceList": [{"resourceName": "caf\xe9"}]}')
+    assert check(bad) == ("not UTF-8 text (byte 39)",)
+    bom = tmp_path / "bom.json"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(pool()).encode())
+    assert load(bom).pools[0].resource_name == "p"
+
+
+def test_check_passes_the_prefix(tmp_path: Path) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(pool()))
+    assert check(path) == ()
+    assert check(path, default_prefix="Bad_Prefix") != ()
