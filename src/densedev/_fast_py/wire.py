@@ -19,6 +19,10 @@ _TAG_NODE_ID = b"\x08"  # NUMANode.ID = 1 (int64, varint)
 _TAG_DEVICES = b"\x0a"  # ListAndWatchResponse.devices = 1 (repeated Device)
 
 
+# Most parts are shorter than 128 bytes: their whole "tag + length" prefix comes from a table.
+_DEVICE_PREFIX = [_TAG_DEVICES + bytes((n,)) for n in range(128)]
+
+
 def _varint(value: int) -> bytes:
     out = bytearray()
     while value > 0x7F:
@@ -48,9 +52,12 @@ def encode_list(parts: list[bytes]) -> bytes:
     """Return the ``ListAndWatchResponse`` bytes whose ``devices`` are the given encoded ``Device`` parts."""
     if type(parts) is not list:
         raise TypeError(f"encode_list: parts is {type(parts).__name__}, not list")
-    out = bytearray()
+    pieces = []
+    prefix = _DEVICE_PREFIX
     for index, part in enumerate(parts):
         if type(part) is not bytes:
             raise TypeError(f"encode_list: part {index} is {type(part).__name__}, not bytes")
-        out += _TAG_DEVICES + _varint(len(part)) + part
-    return bytes(out)
+        size = len(part)
+        pieces.append(prefix[size] if size < 128 else _TAG_DEVICES + _varint(size))
+        pieces.append(part)
+    return b"".join(pieces)
