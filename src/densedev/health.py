@@ -1,0 +1,406 @@
+"""Device health: per-device facts (links, RDMA ports, drivers) → per-pool advertised health.
+
+Facts are kept as bitmaps over device-table indexes (a device's position in the ``devices`` sequence),
+one bitmap per fact, and each pool has a membership mask.  After a batch of facts, a pool's *raw*
+unhealthy set is the OR of the fact bitmaps its ``HealthPolicy`` enables, within its mask; an XOR diff
+against the previous raw set finds the few devices that flipped, so a pool that did not change costs
+one diff and produces nothing.
+
+Timing: Unhealthy is advertised at once; Healthy again only after ``hold_down_s`` of continuous health,
+so a flapping link does not make the kubelet flap its allocatable count.  ``next_deadline`` tells the
+caller when the next hold-down ends, so it can sleep instead of polling.  ``Coalescer`` folds a burst of
+events (a PF going down takes its VFs with it) into one ``collect`` within a short window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from . import accel
+from .model import Device, Pool
+
+# RDMA port states (include/rdma/ib_verbs.h, enum ib_port_state): 4 ACTIVE, 5 ACTIVE_DEFER pass.
+RDMA_PORT_ACTIVE = (4, 5)
+
+REASON_PF_LINK = "pf-link-down"
+REASON_LINK = "link-down"
+REASON_RDMA = "rdma-port-down"
+REASON_UNBOUND = "driver-unbound"
+REASON_DRIVER = "driver-changed"
+REASON_RECOVERING = "recovering"  # healthy again, waiting out the hold-down in some pool
+
+# Fact bitmaps, indexed by these positions in HealthTracker._facts.
+_PF_LINK, _LINK, _RDMA = range(3)
+
+
+@dataclass(frozen=True)
+class PoolUpdate:
+    """A pool whose advertised health changed: the new state of every member and what changed."""
+
+    pool: int  # index into the ``pools`` sequence the tracker was given
+    healthy: tuple[bool, ...]  # per member, in ``Pool.members`` order
+    changed: tuple[int, ...]  # member positions whose advertised health changed (ascending)
+    unhealthy: bytes  # advertised-unhealthy bitmap over device-table indexes, within the pool's mask
+    healthy_count: int
+    unhealthy_count: int
+
+
+def _bit(bitmap: bytes | bytearray, i: int) -> bool:
+    return bool(bitmap[i >> 3] >> (i & 7) & 1)
+
+
+class _PoolState:
+    """One pool's mask, member layout and health state (raw, advertised, last sent, pending recovery)."""
+
+    def __init__(self, pool: Pool, index: dict[str, int], nbytes: int) -> None:
+        self.pool = pool
+        self.policy = pool.config.health
+        self.ids = tuple(m.id for m in pool.members)
+        # Member positions per device index: a shared RDMA pool advertises many IDs for one device.
+        self.positions: dict[int, list[int]] = {}
+        # The driver each device had when the pool selected it (the driver rule compares against it).
+        self.selected_driver: dict[int, str] = {}
+        for pos, member in enumerate(pool.members):
+            i = index.get(member.device.id)
+            if i is None:
+                continue  # a member whose device is not in the table has no facts; it stays healthy
+            self.positions.setdefault(i, []).append(pos)
+            self.selected_driver[i] = member.device.driver
+        self.mask = accel.set_bits(bytes(nbytes), list(self.positions), True)
+        self.driver_bad = bytes(nbytes)
+        self.raw = bytes(nbytes)  # unhealthy by the facts right now
+        self.advertised = bytes(nbytes)  # unhealthy as we want the kubelet to see it
+        self.sent = bytes(nbytes)  # unhealthy as last returned by collect()
+        self.pending: dict[int, float] = {}  # device index → when it became healthy (hold-down running)
+        self.force = True  # report at the next collect even without a change (new or re-shaped pool)
+
+
+class HealthTracker:
+    """Turns per-device facts into per-pool advertised health with hold-down, via bitmaps."""
+
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        pools: Sequence[Pool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._links: dict[str, bool] = {}  # ifname → up, as last reported (absent: unknown, counts as up)
+        self._ports: dict[str, dict[int, int]] = {}  # ibdev → port → state
+        self._drivers: dict[str, str] = {}  # device id → driver bound now
+        self._build(devices, pools)
+
+    # ------------------------------------------------------------------------------------------ layout
+    def _build(self, devices: Sequence[Device], pools: Sequence[Pool]) -> None:
+        self._devices = tuple(devices)
+        self._index = {d.id: i for i, d in enumerate(self._devices)}
+        self._nbytes = (len(self._devices) + 7) // 8
+        self._by_netdev: dict[str, list[int]] = {}
+        self._by_pf_netdev: dict[str, list[int]] = {}
+        self._by_ibdev: dict[str, list[int]] = {}
+        for i, d in enumerate(self._devices):
+            for name in d.netdevs:
+                self._by_netdev.setdefault(name, []).append(i)
+            if d.pf_netdev and d.role != "pf":
+                self._by_pf_netdev.setdefault(d.pf_netdev, []).append(i)
+            if d.rdma_device:
+                self._by_ibdev.setdefault(d.rdma_device, []).append(i)
+            self._drivers[d.id] = d.driver
+        self._pools = [_PoolState(p, self._index, self._nbytes) for p in pools]
+        self._pools_of: dict[int, list[_PoolState]] = {}
+        for state in self._pools:
+            for i in state.positions:
+                self._pools_of.setdefault(i, []).append(state)
+        empty = bytes(self._nbytes)
+        self._facts = [empty, empty, empty]
+        self._facts[_PF_LINK] = self._link_bitmap(self._by_pf_netdev)
+        self._facts[_LINK] = self._link_bitmap(self._by_netdev)
+        self._facts[_RDMA] = self._rdma_bitmap()
+        for state in self._pools:
+            state.driver_bad = self._driver_bitmap(state, state.selected_driver)
+            state.raw = self._raw(state)
+            state.advertised = state.raw  # a fresh pool starts from the facts, without a hold-down
+
+    def _link_bitmap(self, by_name: dict[str, list[int]]) -> bytes:
+        down = [i for name, up in self._links.items() if not up for i in by_name.get(name, ())]
+        return accel.set_bits(bytes(self._nbytes), down, True)
+
+    def _rdma_bitmap(self) -> bytes:
+        down = [
+            i for ib, ports in self._ports.items() if self._ib_down(ports) for i in self._by_ibdev.get(ib, ())
+        ]
+        return accel.set_bits(bytes(self._nbytes), down, True)
+
+    @staticmethod
+    def _ib_down(ports: dict[int, int]) -> bool:
+        return any(state not in RDMA_PORT_ACTIVE for state in ports.values())
+
+    def _driver_ok(self, i: int, selected: str) -> bool:
+        now = self._drivers.get(self._devices[i].id, "")
+        return now != "" and now == selected
+
+    def _driver_bitmap(self, state: _PoolState, indexes: Iterable[int]) -> bytes:
+        bad: list[int] = []
+        good: list[int] = []
+        for i in indexes:
+            (good if self._driver_ok(i, state.selected_driver[i]) else bad).append(i)
+        return accel.set_bits(accel.set_bits(state.driver_bad, bad, True), good, False)
+
+    def _raw(self, state: _PoolState) -> bytes:
+        policy = state.policy
+        parts = []
+        if policy.pf_link:
+            parts.append(self._facts[_PF_LINK])
+        if policy.own_link:
+            parts.append(self._facts[_LINK])
+        if policy.rdma_port:
+            parts.append(self._facts[_RDMA])
+        if policy.driver:
+            parts.append(state.driver_bad)
+        return accel.or_bitmaps(parts, state.mask)
+
+    # ------------------------------------------------------------------------------------------- facts
+    def set_links(self, states: Iterable[tuple[str, bool]]) -> None:
+        """Record link states by interface name (``True``: operstate up / carrier) and re-evaluate."""
+        up: list[int] = []
+        down: list[int] = []
+        pf_up: list[int] = []
+        pf_down: list[int] = []
+        for name, is_up in states:
+            if self._links.get(name) == is_up:
+                continue
+            self._links[name] = is_up
+            (up if is_up else down).extend(self._by_netdev.get(name, ()))
+            (pf_up if is_up else pf_down).extend(self._by_pf_netdev.get(name, ()))
+        if up or down:
+            self._facts[_LINK] = self._flip(self._facts[_LINK], down, up, self._by_netdev)
+        if pf_up or pf_down:
+            self._facts[_PF_LINK] = self._flip(self._facts[_PF_LINK], pf_down, pf_up, self._by_pf_netdev)
+        if up or down or pf_up or pf_down:
+            self._evaluate()
+
+    def drop_links(self, names: Iterable[str]) -> None:
+        """Forget links that left the host namespace (RTM_DELLINK): gone is not down, e.g. a VF in a pod."""
+        states = [(name, True) for name in names if name in self._links]
+        self.set_links(states)
+        for name, _ in states:
+            self._links.pop(name, None)
+
+    def _flip(self, bitmap: bytes, down: list[int], up: list[int], by_name: dict[str, list[int]]) -> bytes:
+        bitmap = accel.set_bits(bitmap, down, True)
+        # A device with two netdevs stays down while either is down.
+        still = [i for i in up if any(not self._links.get(n, True) for n in self._names_of(i, by_name))]
+        cleared = accel.set_bits(bitmap, up, False)
+        return accel.set_bits(cleared, still, True)
+
+    def _names_of(self, i: int, by_name: dict[str, list[int]]) -> tuple[str, ...]:
+        d = self._devices[i]
+        return d.netdevs if by_name is self._by_netdev else (d.pf_netdev,)
+
+    def set_rdma_ports(self, states: Iterable[tuple[str, int, int]]) -> None:
+        """Record RDMA port states ``(ibdev, port, state)`` (ib_port_state numbers) and re-evaluate."""
+        touched: set[str] = set()
+        for ib, port, state in states:
+            ports = self._ports.setdefault(ib, {})
+            if ports.get(port) != state:
+                ports[port] = state
+                touched.add(ib)
+        if not touched:
+            return
+        down = [i for ib in touched if self._ib_down(self._ports[ib]) for i in self._by_ibdev.get(ib, ())]
+        up = [i for ib in touched if not self._ib_down(self._ports[ib]) for i in self._by_ibdev.get(ib, ())]
+        bitmap = accel.set_bits(self._facts[_RDMA], up, False)
+        self._facts[_RDMA] = accel.set_bits(bitmap, down, True)
+        self._evaluate()
+
+    def set_drivers(self, states: Iterable[tuple[str, str]]) -> None:
+        """Record the driver bound to devices now ``(device id, driver or "")`` (bind/unbind uevents)."""
+        touched: list[int] = []
+        for dev_id, driver in states:
+            i = self._index.get(dev_id)
+            if i is None or self._drivers.get(dev_id) == driver:
+                continue
+            self._drivers[dev_id] = driver
+            touched.append(i)
+        if not touched:
+            return
+        for i in touched:
+            for state in self._pools_of.get(i, ()):
+                state.driver_bad = self._driver_bitmap(state, [i])
+        self._evaluate()
+
+    def _evaluate(self) -> None:
+        # Fold the facts into each pool: unhealthy at once, healthy starts the hold-down clock.
+        now = self._clock()
+        for state in self._pools:
+            raw = self._raw(state)
+            changed = accel.diff_bitmaps(state.raw, raw, state.mask)
+            if not changed:
+                continue
+            state.raw = raw
+            bad = []
+            for i in changed:
+                if _bit(raw, i):
+                    bad.append(i)
+                    state.pending.pop(i, None)
+                elif _bit(state.advertised, i):
+                    state.pending[i] = now
+            if bad:
+                state.advertised = accel.set_bits(state.advertised, bad, True)
+
+    # ------------------------------------------------------------------------------------------ output
+    def collect(self) -> dict[int, PoolUpdate]:
+        """Return the pools whose advertised health changed since the last call (all pools the first time)."""
+        now = self._clock()
+        out: dict[int, PoolUpdate] = {}
+        for p, state in enumerate(self._pools):
+            if state.pending:
+                hold = state.policy.hold_down_s
+                # A device the kubelet has not yet been told is unhealthy (a blip shorter than the
+                # coalescing window) is told once before it recovers: unhealthy is never swallowed.
+                done = [
+                    i for i, since in state.pending.items() if now - since >= hold and _bit(state.sent, i)
+                ]
+                for i in done:
+                    del state.pending[i]
+                if done:
+                    state.advertised = accel.set_bits(state.advertised, done, False)
+            changed = accel.diff_bitmaps(state.sent, state.advertised, state.mask)
+            if not changed and not state.force:
+                continue
+            state.sent = state.advertised
+            state.force = False
+            out[p] = self._update(p, state, changed)
+        return out
+
+    def _update(self, p: int, state: _PoolState, changed: Sequence[int]) -> PoolUpdate:
+        healthy = self._member_health(state)
+        positions = sorted(pos for i in changed for pos in state.positions.get(i, ()))
+        bad = healthy.count(False)
+        return PoolUpdate(p, healthy, tuple(positions), state.advertised, len(healthy) - bad, bad)
+
+    @staticmethod
+    def _member_health(state: _PoolState) -> tuple[bool, ...]:
+        flags = [True] * len(state.ids)
+        for i in accel.select_bits(state.advertised, state.mask):
+            for pos in state.positions[i]:
+                flags[pos] = False
+        return tuple(flags)
+
+    def pool_health(self, pool: int) -> tuple[bool, ...]:
+        """Return the advertised health of every member of a pool, in member order."""
+        return self._member_health(self._pools[pool])
+
+    def next_deadline(self) -> float | None:
+        """Return the clock time at which the earliest running hold-down ends, or ``None``."""
+        deadlines = [
+            since + state.policy.hold_down_s for state in self._pools for since in state.pending.values()
+        ]
+        return min(deadlines) if deadlines else None
+
+    def reasons(self, device_id: str) -> tuple[str, ...]:
+        """Return why a device is (or is about to be reported) unhealthy; empty when nothing is wrong.
+
+        These are facts, whatever the pools' policies enable; ``recovering`` means healthy again but
+        still inside the hold-down of a pool that advertises it unhealthy.
+        """
+        i = self._index.get(device_id)
+        if i is None:
+            return ()
+        out = []
+        if _bit(self._facts[_PF_LINK], i):
+            out.append(REASON_PF_LINK)
+        if _bit(self._facts[_LINK], i):
+            out.append(REASON_LINK)
+        if _bit(self._facts[_RDMA], i):
+            out.append(REASON_RDMA)
+        now = self._drivers.get(device_id, "")
+        if now == "":
+            out.append(REASON_UNBOUND)
+        elif any(state.selected_driver[i] != now for state in self._pools_of.get(i, ())):
+            out.append(REASON_DRIVER)
+        if any(i in state.pending for state in self._pools_of.get(i, ())):
+            out.append(REASON_RECOVERING)
+        return tuple(out)
+
+    # ----------------------------------------------------------------------------------------- rescans
+    def replace(self, devices: Sequence[Device], pools: Sequence[Pool]) -> None:
+        """Adopt a rescanned device table and pools, keeping facts and hold-downs of devices that remain."""
+        old_devices = self._devices
+        old = {state.pool.config.full_name: state for state in self._pools}
+        # Link and RDMA facts are keyed by name, so they carry over; drivers come from the new table.
+        self._build(devices, pools)
+        for state in self._pools:
+            prev = old.get(state.pool.config.full_name)
+            if prev is None:
+                continue  # a new pool: force-reported at the next collect
+            # Carry "advertised unhealthy", "last sent" and running hold-downs over by device id.
+            adv = [self._index.get(old_devices[i].id) for i in accel.select_bits(prev.advertised, prev.mask)]
+            sent = [self._index.get(old_devices[i].id) for i in accel.select_bits(prev.sent, prev.mask)]
+            keep_adv = [i for i in adv if i is not None and i in state.positions]
+            keep_sent = [i for i in sent if i is not None and i in state.positions]
+            state.advertised = accel.or_bitmaps(
+                [state.raw, accel.set_bits(bytes(self._nbytes), keep_adv, True)], state.mask
+            )
+            state.sent = accel.set_bits(bytes(self._nbytes), keep_sent, True)
+            for i_old, since in prev.pending.items():
+                i = self._index.get(old_devices[i_old].id)
+                if i is not None and i in state.positions and not _bit(state.raw, i):
+                    state.pending[i] = since
+            # Devices advertised unhealthy before but healthy now and not yet pending start their hold-down.
+            now = self._clock()
+            for i in accel.diff_bitmaps(state.raw, state.advertised, state.mask):
+                state.pending.setdefault(i, now)
+            # Same members in the same order: only health changes need telling; otherwise the whole list.
+            state.force = state.ids != prev.ids
+
+
+class Coalescer:
+    """Folds a burst of events into one call of ``flush``, at most ``window`` seconds after its first event.
+
+    The deadline is set by the first event and never pushed back by later ones, so a steady stream of
+    events cannot postpone the message to the kubelet indefinitely.
+    """
+
+    def __init__(
+        self,
+        flush: Callable[[], None],
+        window: float = 0.002,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        if window < 0:
+            raise ValueError(f"coalescing window must be >= 0 seconds, got {window}")
+        self._flush = flush
+        self._window = window
+        self._loop = loop
+        self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def pending(self) -> bool:
+        """Return whether a flush is scheduled."""
+        return self._handle is not None
+
+    def notify(self) -> None:
+        """Note an event batch; schedules the flush unless one is already due."""
+        if self._handle is None:
+            loop = self._loop or asyncio.get_running_loop()
+            self._handle = loop.call_later(self._window, self._fire)
+
+    def flush_now(self) -> None:
+        """Run the flush immediately (and cancel the scheduled one), e.g. before shutting down."""
+        if self._handle is not None:
+            self._handle.cancel()
+        self._fire()
+
+    def cancel(self) -> None:
+        """Drop a scheduled flush."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._flush()

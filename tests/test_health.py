@@ -1,0 +1,402 @@
+"""Health tracker: facts → per-pool advertised health with hold-down, on a fake clock; and the coalescer."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from densedev.health import (
+    REASON_DRIVER,
+    REASON_LINK,
+    REASON_PF_LINK,
+    REASON_RDMA,
+    REASON_RECOVERING,
+    REASON_UNBOUND,
+    Coalescer,
+    HealthTracker,
+)
+from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def dev(
+    addr: str,
+    role: str = ROLE_VF,
+    driver: str = "iavf",
+    pf: str = "",
+    pf_netdev: str = "",
+    netdevs: tuple[str, ...] = (),
+    rdma: str = "",
+    vf_index: int = -1,
+) -> Device:
+    """Build a Device record as discovery would for an Intel E810 function."""
+    return Device(
+        id=addr, role=role, vendor="8086", device="1889" if role == ROLE_VF else "1592", pci_class="020000",
+        subsystem_vendor="8086", subsystem_device="0000", driver=driver, numa_node=0, iommu_group=-1,
+        noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=vf_index, pf_netdev=pf_netdev,
+        netdevs=netdevs, link_type="ether" if netdevs else "", rdma_device=rdma, rdma_nodes=(), uio="",
+        vdpa="", vdpa_driver="", pcie_root="pci0000:00", aux_type="",
+    )  # fmt: skip
+
+
+def node(pfs: int = 2, vfs: int = 4) -> list[Device]:
+    """PFs ens<p>f0 at 0000:<p+1>:00.0 with VFs at .1.., each VF with host netdev ens<p>f0v<k>."""
+    out = []
+    for p in range(pfs):
+        pf_addr = f"0000:{p + 1:02x}:00.0"
+        out.append(dev(pf_addr, ROLE_PF, "ice", netdevs=(f"ens{p}f0",), rdma=f"irdma{p}"))
+        for k in range(vfs):
+            out.append(
+                dev(
+                    f"0000:{p + 1:02x}:00.{k + 1}" if k < 7 else f"0000:{p + 1:02x}:01.{k - 7}",
+                    pf=pf_addr,
+                    pf_netdev=f"ens{p}f0",
+                    netdevs=(f"ens{p}f0v{k}",),
+                    vf_index=k,
+                )
+            )
+    return out
+
+
+def pool(name: str, devices: list[Device], policy: HealthPolicy | None = None) -> Pool:
+    """A pool of the given devices, one member each, with an optional health policy."""
+    cfg = PoolConfig(resource_name=name, resource_prefix="intel.com", health=policy or HealthPolicy())
+    return Pool(cfg, tuple(PoolMember(d.id, d) for d in devices))
+
+
+def vfs_of(devices: list[Device], pf_netdev: str) -> list[Device]:
+    """The VFs whose PF netdev is ``pf_netdev``."""
+    return [d for d in devices if d.pf_netdev == pf_netdev]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A fake clock."""
+    return FakeClock()
+
+
+@pytest.fixture
+def setup(clock: FakeClock) -> tuple[HealthTracker, list[Device]]:
+    """Two PFs with four VFs each; pool 0 = PF0's VFs, pool 1 = PF1's VFs, pool 2 = both PFs."""
+    devices = node()
+    pools = [
+        pool("vf0", vfs_of(devices, "ens0f0")),
+        pool("vf1", vfs_of(devices, "ens1f0")),
+        pool("pfs", [d for d in devices if d.role == ROLE_PF]),
+    ]
+    tracker = HealthTracker(devices, pools, clock=clock)
+    first = tracker.collect()
+    assert sorted(first) == [0, 1, 2] and all(all(u.healthy) for u in first.values())
+    return tracker, devices
+
+
+def test_first_collect_reports_every_pool_then_nothing(setup: tuple[HealthTracker, list[Device]]) -> None:
+    tracker, _ = setup
+    assert tracker.collect() == {}
+    assert tracker.next_deadline() is None
+    tracker.set_links([("ens0f0", True), ("ens1f0", True)])  # up is what we assumed: no change
+    assert tracker.collect() == {}
+
+
+def test_pf_down_takes_its_vfs_at_once_only_in_its_pool(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    tracker, devices = setup
+    tracker.set_links([("ens0f0", False)])
+    updates = tracker.collect()  # no time passes: unhealthy is reported at once
+    assert sorted(updates) == [0, 2]  # PF0's VFs, and PF0 itself (own link) in the PF pool
+    vf_update = updates[0]
+    assert vf_update.healthy == (False,) * 4 and vf_update.changed == (0, 1, 2, 3)
+    assert (vf_update.healthy_count, vf_update.unhealthy_count) == (0, 4)
+    assert updates[2].healthy == (False, True) and updates[2].changed == (0,)
+    for vf in vfs_of(devices, "ens0f0"):
+        assert tracker.reasons(vf.id) == (REASON_PF_LINK,)
+    assert tracker.reasons("0000:01:00.0") == (REASON_LINK,)
+    assert tracker.reasons("0000:02:00.1") == ()
+
+
+def test_recovery_waits_for_the_hold_down(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    tracker, devices = setup
+    tracker.set_links([("ens0f0", False)])
+    tracker.collect()
+    clock.now += 5
+    tracker.set_links([("ens0f0", True)])
+    assert tracker.next_deadline() == clock.now + 1.0
+    assert tracker.collect() == {}
+    assert REASON_RECOVERING in tracker.reasons(vfs_of(devices, "ens0f0")[0].id)
+    clock.now += 0.999
+    assert tracker.collect() == {}
+    clock.now += 0.001
+    updates = tracker.collect()
+    assert sorted(updates) == [0, 2]
+    assert updates[0].healthy == (True,) * 4 and updates[0].changed == (0, 1, 2, 3)
+    assert tracker.next_deadline() is None
+    assert tracker.reasons(vfs_of(devices, "ens0f0")[0].id) == ()
+
+
+def test_flapping_restarts_the_hold_down(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
+    tracker, _ = setup
+    tracker.set_links([("ens0f0", False)])
+    assert 0 in tracker.collect()
+    for _ in range(3):  # up 0.5 s, down again: never healthy long enough
+        clock.now += 0.5
+        tracker.set_links([("ens0f0", True)])
+        assert 0 not in tracker.collect()
+        clock.now += 0.5
+        tracker.set_links([("ens0f0", False)])
+        assert 0 not in tracker.collect()  # still unhealthy as advertised: nothing to send
+    assert tracker.next_deadline() is None
+    clock.now += 0.2
+    tracker.set_links([("ens0f0", True)])
+    clock.now += 1.0
+    assert tracker.collect()[0].healthy == (True,) * 4
+
+
+def test_down_and_up_inside_one_window_is_still_reported(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    # A blip between two collects must not vanish: unhealthy latched, then healthy after the hold-down.
+    tracker, _ = setup
+    tracker.set_links([("ens1f0", False)])
+    clock.now += 0.001
+    tracker.set_links([("ens1f0", True)])
+    assert tracker.collect()[1].healthy == (False,) * 4
+    clock.now += 1.0
+    assert tracker.collect()[1].healthy == (True,) * 4
+
+
+def test_zero_hold_down_recovers_at_next_collect(clock: FakeClock) -> None:
+    devices = node(1, 2)
+    tracker = HealthTracker(devices, [pool("p", devices[1:], HealthPolicy(hold_down_s=0.0))], clock=clock)
+    tracker.collect()
+    tracker.set_links([("ens0f0", False)])
+    tracker.set_links([("ens0f0", True)])
+    assert tracker.collect()[0].healthy == (False, False)
+    assert tracker.collect()[0].healthy == (True, True)
+
+
+def test_own_link_down_only_with_a_host_netdev(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    tracker, devices = setup
+    vf = vfs_of(devices, "ens1f0")[2]
+    tracker.set_links([("ens1f0v2", False)])
+    upd = tracker.collect()[1]
+    assert upd.healthy == (True, True, False, True) and upd.changed == (2,)
+    assert tracker.reasons(vf.id) == (REASON_LINK,)
+    # The VF's netdev moves into a pod: RTM_DELLINK in the host namespace.  Gone is not down.
+    tracker.drop_links(["ens1f0v2"])
+    clock.now += 1.0
+    assert tracker.collect()[1].healthy == (True,) * 4
+    # After the rescan the VF has no host netdev at all; a link of that name going down is not its.
+    moved = vf._replace(netdevs=())
+    devices2 = [moved if d.id == vf.id else d for d in devices]
+    tracker.replace(
+        devices2, [pool("vf0", vfs_of(devices2, "ens0f0")), pool("vf1", vfs_of(devices2, "ens1f0"))]
+    )
+    tracker.collect()
+    tracker.set_links([("ens1f0v2", False)])
+    assert tracker.collect() == {}
+    assert tracker.reasons(vf.id) == ()
+
+
+def test_policy_switches_rules_off(clock: FakeClock) -> None:
+    devices = node(1, 2)
+    vfs = devices[1:]
+    lenient = HealthPolicy(pf_link=False, own_link=False, rdma_port=False, driver=False)
+    tracker = HealthTracker(devices, [pool("strict", vfs), pool("lenient", vfs, lenient)], clock=clock)
+    tracker.collect()
+    tracker.set_links([("ens0f0", False), ("ens0f0v0", False)])
+    tracker.set_drivers([(vfs[1].id, "")])
+    updates = tracker.collect()
+    assert list(updates) == [0] and updates[0].healthy == (False, False)
+    assert tracker.reasons(vfs[0].id) == (REASON_PF_LINK, REASON_LINK)
+    assert tracker.reasons(vfs[1].id) == (REASON_PF_LINK, REASON_UNBOUND)
+
+
+def test_two_netdevs_stay_down_while_either_is_down(clock: FakeClock) -> None:
+    d = dev("0000:05:00.0", ROLE_PF, "mlx5_core", netdevs=("p0", "p0rep"))
+    tracker = HealthTracker([d], [pool("p", [d])], clock=clock)
+    tracker.collect()
+    tracker.set_links([("p0", False), ("p0rep", False)])
+    assert tracker.collect()[0].healthy == (False,)
+    tracker.set_links([("p0", True)])
+    clock.now += 10
+    assert tracker.collect() == {}
+    tracker.set_links([("p0rep", True)])
+    clock.now += 1
+    assert tracker.collect()[0].healthy == (True,)
+
+
+def test_driver_unbound_or_changed(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
+    tracker, devices = setup
+    a, b = vfs_of(devices, "ens0f0")[:2]
+    tracker.set_drivers([(a.id, "vfio-pci"), (b.id, ""), ("0000:99:00.0", "ice")])  # unknown id: ignored
+    upd = tracker.collect()[0]
+    assert upd.healthy == (False, False, True, True)
+    assert tracker.reasons(a.id) == (REASON_DRIVER,) and tracker.reasons(b.id) == (REASON_UNBOUND,)
+    tracker.set_drivers([(a.id, "iavf"), (b.id, "iavf")])
+    clock.now += 1
+    assert tracker.collect()[0].healthy == (True,) * 4
+
+
+def test_rdma_port_not_active(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
+    tracker, _ = setup
+    tracker.set_rdma_ports([("irdma0", 1, 4), ("irdma1", 1, 5)])  # ACTIVE, ACTIVE_DEFER
+    assert tracker.collect() == {}
+    tracker.set_rdma_ports([("irdma1", 1, 1)])  # DOWN
+    upd = tracker.collect()[2]
+    assert upd.healthy == (True, False)
+    assert tracker.reasons("0000:02:00.0") == (REASON_RDMA,)
+    tracker.set_rdma_ports([("irdma1", 1, 4)])
+    clock.now += 1
+    assert tracker.collect()[2].healthy == (True, True)
+
+
+def test_shared_pool_flips_every_id_of_a_device(clock: FakeClock) -> None:
+    d = dev("0000:05:00.0", ROLE_PF, "mlx5_core", netdevs=("p0",), rdma="mlx5_0")
+    other = dev("0000:06:00.0", ROLE_PF, "mlx5_core", netdevs=("p1",), rdma="mlx5_1")
+    cfg = PoolConfig(resource_name="rdma_shared", resource_prefix="rdma", rdma_shared=3)
+    members = tuple(PoolMember(f"{x.rdma_device}-{k}", x) for x in (d, other) for k in range(3))
+    tracker = HealthTracker([d, other], [Pool(cfg, members)], clock=clock)
+    tracker.collect()
+    tracker.set_rdma_ports([("mlx5_0", 1, 2)])  # INIT
+    upd = tracker.collect()[0]
+    assert upd.healthy == (False, False, False, True, True, True) and upd.changed == (0, 1, 2)
+
+
+def test_replace_keeps_facts_and_reports_new_shapes(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    tracker, _ = setup
+    tracker.set_links([("ens0f0", False)])
+    tracker.collect()
+    # Rescan: PF0 now has 6 VFs (two created), PF1 lost its last VF.
+    grown = node(2, 6)
+    new = [d for d in grown if not (d.pf_netdev == "ens1f0" and d.vf_index >= 3)]
+    pools = [
+        pool("vf0", vfs_of(new, "ens0f0")),
+        pool("vf1", vfs_of(new, "ens1f0")),
+        pool("pfs", [d for d in new if d.role == ROLE_PF]),
+    ]
+    tracker.replace(new, pools)
+    updates = tracker.collect()
+    # vf0 and vf1 changed shape: reported whole; the new VFs of the down PF are unhealthy at once.
+    assert updates[0].healthy == (False,) * 6
+    assert updates[1].healthy == (True,) * 3
+    assert 2 not in updates  # same PFs, same health: nothing to send
+    clock.now += 3
+    tracker.set_links([("ens0f0", True)])
+    clock.now += 1
+    assert tracker.collect()[0].healthy == (True,) * 6
+
+
+def test_replace_carries_a_running_hold_down(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    tracker, devices = setup
+    tracker.set_links([("ens0f0", False)])
+    tracker.collect()
+    tracker.set_links([("ens0f0", True)])
+    clock.now += 0.5
+    pools = [
+        pool("vf0", vfs_of(devices, "ens0f0")),
+        pool("vf1", vfs_of(devices, "ens1f0")),
+        pool("pfs", [d for d in devices if d.role == ROLE_PF]),
+    ]
+    tracker.replace(list(devices), pools)
+    assert tracker.collect() == {}  # same shape, still inside the hold-down
+    assert tracker.next_deadline() == clock.now + 0.5
+    clock.now += 0.5
+    assert tracker.collect()[0].healthy == (True,) * 4
+
+
+def test_pool_health_and_unhealthy_bitmap(setup: tuple[HealthTracker, list[Device]]) -> None:
+    tracker, devices = setup
+    tracker.set_links([("ens1f0v1", False)])
+    upd = tracker.collect()[1]
+    index = next(i for i, d in enumerate(devices) if d.netdevs == ("ens1f0v1",))
+    assert upd.unhealthy[index >> 3] >> (index & 7) & 1
+    assert sum(bin(b).count("1") for b in upd.unhealthy) == 1
+    assert tracker.pool_health(1) == (True, False, True, True)
+
+
+def test_a_large_node_changes_only_the_affected_pool(clock: FakeClock) -> None:
+    # 64 PFs x 256 VFs, 16 pools of 1,024 VFs (4 PFs each): one PF down touches one pool, 256 members.
+    devices = node(64, 256)
+    vfs = [d for d in devices if d.role == ROLE_VF]
+    pools = [pool(f"p{k}", vfs[k * 1024 : (k + 1) * 1024]) for k in range(16)]
+    tracker = HealthTracker(devices, pools, clock=clock)
+    tracker.collect()
+    tracker.set_links([("ens9f0", False)])
+    updates = tracker.collect()
+    assert list(updates) == [2]
+    assert updates[2].changed == tuple(range(256, 512)) and updates[2].unhealthy_count == 256
+
+
+# ----------------------------------------------------------------------------------------- coalescer
+def test_coalescer_folds_a_burst_into_one_flush(run: Run) -> None:
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        flushes: list[float] = []
+        first = asyncio.Event()
+        coalescer = Coalescer(lambda: (flushes.append(loop.time()), first.set()), window=0.05)
+        start = loop.time()
+        for _ in range(100):
+            coalescer.notify()
+        assert coalescer.pending
+        await first.wait()
+        assert flushes[0] - start >= 0.05 - 1e-3  # never before the window (the loop's clock granularity)
+        coalescer.notify()  # a new burst arms a new flush
+        await asyncio.sleep(0.1)
+        return flushes
+
+    assert len(run(main())) == 2
+
+
+def test_coalescer_is_not_pushed_back_by_later_events(run: Run) -> None:
+    async def main() -> int:
+        calls = []
+        coalescer = Coalescer(lambda: calls.append(1), window=0.03)
+        coalescer.notify()
+        for _ in range(5):  # keep notifying through the window: the first event's deadline holds
+            await asyncio.sleep(0.01)
+            coalescer.notify()
+        await asyncio.sleep(0.05)
+        coalescer.cancel()
+        return len(calls)
+
+    assert run(main()) >= 1
+
+
+def test_coalescer_flush_now_and_cancel(run: Run) -> None:
+    async def main() -> list[int]:
+        calls: list[int] = []
+        coalescer = Coalescer(lambda: calls.append(1), window=10.0)
+        coalescer.notify()
+        coalescer.flush_now()
+        assert not coalescer.pending
+        coalescer.notify()
+        coalescer.cancel()
+        await asyncio.sleep(0)
+        return calls
+
+    assert run(main()) == [1]
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        Coalescer(lambda: None, window=-1)
