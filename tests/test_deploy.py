@@ -1,0 +1,475 @@
+"""The deploy/ manifests: every overlay builds with kustomize, validates against the Kubernetes schema
+offline, and its DaemonSet mounts, probes, flags and security context are what deploy/README.md says;
+and the least-privilege claim itself (UID 0, no capabilities) is proven on this machine."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from densedev import cli, config
+from densedev.metrics import parse_addr
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+TARGETS = ["base", *(f"overlays/{name}" for name in OVERLAYS)]
+# recursiveReadOnly (on the /sys mount) needs Kubernetes 1.30; validate there and on the newest schema.
+K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
+
+KUBELET_DIR = "/var/lib/kubelet/device-plugins"
+CDI_DIR = "/var/run/cdi"
+DEVINFO_DIR = "/var/run/k8s.cni.cncf.io/devinfo/dp"
+
+# What each target must mount: container path → (host path, read-only).  Nothing else may appear.
+BASE_MOUNTS = {
+    KUBELET_DIR: (KUBELET_DIR, False),  # sockets are created here
+    "/sys": ("/sys", True),
+}
+EXTRA_MOUNTS: dict[str, dict[str, tuple[str, bool]]] = {
+    "cdi": {CDI_DIR: (CDI_DIR, False)},
+    "devinfo": {DEVINFO_DIR: (DEVINFO_DIR, False)},
+    "metrics": {},
+    "rdma": {"/dev/infiniband": ("/dev/infiniband", True), DEVINFO_DIR: (DEVINFO_DIR, False)},
+    "vfio": {"/dev/vfio": ("/dev/vfio", True)},
+    "full": {CDI_DIR: (CDI_DIR, False), DEVINFO_DIR: (DEVINFO_DIR, False), "/host/dev": ("/dev", True)},
+}
+
+
+@cache
+def build(target: str) -> tuple[dict[str, Any], ...]:
+    """Run ``kubectl kustomize`` on a deploy/ directory and return its objects."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: cannot build the kustomizations (install kubectl >= 1.27)")
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / target)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, f"kubectl kustomize {target} failed:\n{proc.stderr}"
+    return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
+
+
+def one(objs: tuple[dict[str, Any], ...], kind: str) -> dict[str, Any]:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def pod_spec(objs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    return one(objs, "DaemonSet")["spec"]["template"]["spec"]
+
+
+def container(objs: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    [c] = pod_spec(objs)["containers"]
+    return c
+
+
+def overlay_name(target: str) -> str:
+    return target.rsplit("/", 1)[-1]
+
+
+def expected_mounts(target: str) -> dict[str, tuple[str, bool]]:
+    return {**BASE_MOUNTS, **EXTRA_MOUNTS.get(overlay_name(target), {})}
+
+
+def host_mounts(objs: tuple[dict[str, Any], ...]) -> dict[str, tuple[str, bool]]:
+    """Return container path → (host path, read-only) for every hostPath volume mount."""
+    spec = pod_spec(objs)
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    out: dict[str, tuple[str, bool]] = {}
+    for m in container(objs)["volumeMounts"]:
+        if m["name"] in host:
+            out[m["mountPath"]] = (host[m["name"]], bool(m.get("readOnly", False)))
+    return out
+
+
+def run_args(objs: tuple[dict[str, Any], ...]) -> Any:
+    """Parse the container's command line with the daemon's real argument parser."""
+    c = container(objs)
+    assert c["command"] == ["densedev"]
+    return cli.build_parser().parse_args(c["args"])
+
+
+def test_every_overlay_is_tested() -> None:
+    assert set(OVERLAYS) == set(EXTRA_MOUNTS), "add the new overlay's mounts to EXTRA_MOUNTS"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_objects_validate_against_the_kubernetes_schema(target: str, version: str) -> None:
+    objs = build(target)
+    assert {o["kind"] for o in objs} >= {"DaemonSet", "ServiceAccount", "ConfigMap"}
+    for obj in objs:
+        # strict: unknown fields are errors, as `kubectl apply --validate=strict` makes them.
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_the_validator_catches_mistakes() -> None:
+    ds = one(build("base"), "DaemonSet")
+    typo = copy.deepcopy(ds)
+    typo["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][0]["mountpath"] = "/x"
+    wrong_type = copy.deepcopy(ds)
+    wrong_type["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"] = "ALL"
+    for bad in (typo, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError, match="recursiveReadOnly"):
+        kubernetes_validate.validate(ds, "1.29", strict=True)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_mounts_are_exactly_what_is_needed(target: str) -> None:
+    objs = build(target)
+    assert host_mounts(objs) == expected_mounts(target)
+    spec = pod_spec(objs)
+    mounted = {m["name"] for m in container(objs)["volumeMounts"]}
+    assert mounted == {v["name"] for v in spec["volumes"]}, "a volume is declared but not mounted"
+    by_path = {m["mountPath"]: m for m in container(objs)["volumeMounts"]}
+    assert by_path["/sys"].get("recursiveReadOnly") == "IfPossible"
+    if "/host/dev" in by_path:
+        assert by_path["/host/dev"].get("recursiveReadOnly") == "IfPossible"
+    cfg = by_path["/etc/densedev"]
+    assert cfg["readOnly"] is True
+    assert "subPath" not in cfg, "a subPath mount never sees ConfigMap updates: config reload would break"
+    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in spec["volumes"] if "hostPath" in v}
+    # The kubelet's dir and /sys must already exist (a missing one means a wrong node, not ours to make);
+    # the CDI and device-info dirs are ours to create.
+    for path, kind in types.items():
+        assert kind == ("DirectoryOrCreate" if path in (CDI_DIR, DEVINFO_DIR) else "Directory"), path
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_flags_agree_with_mounts(target: str) -> None:
+    objs = build(target)
+    args = run_args(objs)
+    mounts = host_mounts(objs)
+    name = overlay_name(target)
+    assert args.command == "run"
+    assert str(args.sysfs_root) == "/sys" and mounts["/sys"] == ("/sys", True)
+    assert str(args.kubelet_dir) == KUBELET_DIR and mounts[KUBELET_DIR] == (KUBELET_DIR, False)
+    # CDI and device-info are off unless their component is applied; when on, the dir is the host's.
+    wants_cdi = name in ("cdi", "full")
+    assert args.cdi_dir == (Path(CDI_DIR) if wants_cdi else None)
+    wants_devinfo = name in ("devinfo", "rdma", "full")
+    assert str(args.devinfo_dir) == (DEVINFO_DIR if wants_devinfo else ".")
+    if wants_cdi:
+        assert mounts[CDI_DIR] == (CDI_DIR, False)
+    if wants_devinfo:
+        assert mounts[DEVINFO_DIR] == (DEVINFO_DIR, False)
+    # dev-root is where densedev checks device nodes exist; it must show the host's nodes it checks.
+    if name == "full":
+        assert str(args.dev_root) == "/host/dev" and mounts["/host/dev"] == ("/dev", True)
+    else:
+        assert str(args.dev_root) == "/dev"
+    assert args.log_format == "kv" and args.log_level == "info"
+    host, port = parse_addr(args.metrics_addr)
+    assert port == 9477
+    assert host == ("" if name in ("metrics", "full") else "127.0.0.1")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_probes_hit_the_health_endpoints(target: str) -> None:
+    objs = build(target)
+    c = container(objs)
+    _, port = parse_addr(run_args(objs).metrics_addr)
+    paths = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = c[probe]["httpGet"]
+        # The pod is on the host network: 127.0.0.1 is the node's loopback, where the base binds.
+        assert (get["host"], get["port"]) == ("127.0.0.1", port), probe
+        paths[probe] = get["path"]
+    assert paths == {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_security_context_is_least_privilege(target: str) -> None:
+    objs = build(target)
+    spec = pod_spec(objs)
+    c = container(objs)
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"]}, (
+        "add back a capability only with proof in deploy/README.md"
+    )
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc.get("privileged", False) is False
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert spec["securityContext"]["runAsUser"] == 0  # see test_root_without_capabilities_is_enough
+    assert spec["hostNetwork"] is True
+    assert not spec.get("hostPID") and not spec.get("hostIPC")
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["automountServiceAccountToken"] is False
+    sa = one(objs, "ServiceAccount")
+    assert spec["serviceAccountName"] == sa["metadata"]["name"]
+    assert sa["automountServiceAccountToken"] is False
+    res = c["resources"]
+    assert set(res["requests"]) == set(res["limits"]) == {"cpu", "memory"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_config_map_holds_a_valid_config_where_the_daemon_reads_it(target: str) -> None:
+    objs = build(target)
+    cm = one(objs, "ConfigMap")
+    spec = pod_spec(objs)
+    [vol] = [v for v in spec["volumes"] if "configMap" in v]
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    # A hash-suffixed name would restart every pod on a config edit instead of letting it reload.
+    assert cm["metadata"]["name"] == "densedev-config"
+    [mount] = [m for m in container(objs)["volumeMounts"] if m["name"] == vol["name"]]
+    cfg_path = run_args(objs).config
+    assert cfg_path.parent == Path(mount["mountPath"])
+    text = cm["data"][cfg_path.name]
+    parsed = config.parse(text, source=f"{target}/config.json")
+    assert parsed.pools
+    rdma = [p for p in parsed.pools if any(s.is_rdma for s in p.selectors) or p.rdma_shared]
+    vfio = [p for p in parsed.pools if any("vfio-pci" in s.drivers for s in p.selectors)]
+    mounts = host_mounts(objs)
+    # Pools whose devices need nodes under /dev only in overlays that let densedev see them.
+    if rdma:
+        assert "/dev/infiniband" in mounts or "/host/dev" in mounts, target
+    if vfio:
+        assert "/dev/vfio" in mounts or "/host/dev" in mounts, target
+
+
+def test_namespace_is_left_to_the_user() -> None:
+    for target in TARGETS:
+        namespaces = {o["metadata"].get("namespace") for o in build(target)}
+        assert namespaces == ({"kube-system"} if target == "overlays/full" else {None}), target
+
+
+@pytest.mark.parametrize("target", ["overlays/metrics", "overlays/full"])
+def test_metrics_component_exposes_the_port(target: str) -> None:
+    objs = build(target)
+    c = container(objs)
+    assert {"name": "metrics", "containerPort": 9477, "protocol": "TCP"} in c["ports"]
+    svc = one(objs, "Service")
+    labels = one(objs, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["selector"].items() <= labels.items()
+    assert svc["spec"]["ports"][0]["targetPort"] == "metrics"
+
+
+def test_base_does_not_expose_metrics_beyond_loopback() -> None:
+    objs = build("base")
+    assert "ports" not in container(objs)
+    assert not [o for o in objs if o["kind"] == "Service"]
+
+
+# ------------------------------------------------------------------------------------- image
+
+
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def test_dockerfile_is_multi_stage_and_runs_the_daemon() -> None:
+    text = dockerfile()
+    stages = [line.split() for line in text.splitlines() if line.upper().startswith("FROM ")]
+    assert len(stages) == 2 and stages[0][-2:] == ["AS", "build"]
+    assert "pip wheel" in text and "--no-index" in text
+    # The build proves the wheel carries the extension instead of silently falling back to the twin.
+    assert "IMPLEMENTATION" in text
+    entry = next(line for line in text.splitlines() if line.startswith("ENTRYPOINT"))
+    cmd = next(line for line in text.splitlines() if line.startswith("CMD"))
+    assert json.loads(entry.split(None, 1)[1]) == ["densedev"]
+    assert json.loads(cmd.split(None, 1)[1]) == ["run", "--config", "/etc/densedev/config.json"]
+    assert str(run_args(build("base")).config) == "/etc/densedev/config.json"
+
+
+def test_dockerignore_keeps_build_outputs_out_of_the_context() -> None:
+    patterns = {
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line and line[0] != "#"
+    }
+    # A stale in-place .so or generated .c copied in would skip or confuse the wheel's real build.
+    assert {".git", "**/*.so", "**/*.c", "build", "**/__pycache__"} <= patterns
+    assert "src" not in patterns and "pyproject.toml" not in patterns
+
+
+# ------------------------------------------------------------------------------------- privilege
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, socket, struct, sys
+
+    kubelet_dir, cdi_dir, secret = sys.argv[1:4]
+    out = {}
+
+    def step(name, fn):
+        try:
+            fn()
+            out[name] = "ok"
+        except OSError as exc:
+            out[name] = f"errno {exc.errno}"
+
+    def caps():
+        status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines() if ":" in l)
+        out["uid"] = os.getuid()
+        out["CapEff"] = status["CapEff"].strip()
+        out["CapBnd"] = status["CapBnd"].strip()
+
+    def plugin_socket():
+        stale = os.path.join(kubelet_dir, "densedev-a.sock")
+        if os.path.exists(stale):
+            os.unlink(stale)  # a previous run's socket: the plugin removes it before binding again
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(stale)
+        s.listen()
+        s.close()
+
+    def register():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(os.path.join(kubelet_dir, "kubelet.sock"))
+        s.close()
+
+    def atomic_write():
+        tmp = os.path.join(cdi_dir, ".densedev-pool.json.tmp")
+        with open(tmp, "w") as f:
+            f.write("{}")
+        os.replace(tmp, os.path.join(cdi_dir, "densedev-pool.json"))
+
+    def rtnetlink():
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)  # NETLINK_ROUTE
+        s.bind((0, 1))  # RTMGRP_LINK: link changes
+        # struct nlmsghdr + struct ifinfomsg: RTM_GETLINK (18), NLM_F_REQUEST|NLM_F_DUMP (0x301)
+        s.send(struct.pack("=IHHII", 32, 18, 0x301, 1, 0) + bytes(16))
+        data = s.recv(65536)
+        assert struct.unpack_from("=IH", data)[1] == 16, "no RTM_NEWLINK in the dump"
+        s.close()
+
+    def uevents():
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 15)  # NETLINK_KOBJECT_UEVENT
+        s.bind((0, 1))  # the kernel's uevent group
+        s.close()
+
+    def metrics_port():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 9477))
+        s.listen()
+        s.close()
+
+    def read_owner_only():
+        open(secret).read()
+
+    caps()
+    step("plugin_socket", plugin_socket)
+    step("register", register)
+    step("atomic_write", atomic_write)
+    step("rtnetlink", rtnetlink)
+    step("uevents", uevents)
+    step("metrics_port", metrics_port)
+    step("read_owner_only", read_owner_only)
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.fixture
+def kubelet_like() -> Iterator[tuple[Path, Path, Path]]:
+    """Root-owned dirs and a listening kubelet.sock with the kubelet's modes, plus a 0400 root file."""
+    # Not pytest's tmp_path: its parents are 0700, which would refuse another UID for the wrong reason.
+    tmp_path = Path(tempfile.mkdtemp(prefix="densedev-priv-", dir="/tmp"))
+    kubelet_dir = tmp_path / "device-plugins"
+    kubelet_dir.mkdir(mode=0o750)
+    os.chmod(kubelet_dir, 0o750)  # the kubelet creates its device-plugin dir 0750
+    (kubelet_dir / "densedev-a.sock").write_text("")  # stale leftover
+    cdi_dir = tmp_path / "cdi"
+    cdi_dir.mkdir()
+    os.chmod(cdi_dir, 0o755)
+    secret = tmp_path / "owner-only"
+    secret.write_text("x")
+    os.chmod(secret, 0o400)
+    os.chmod(tmp_path, 0o755)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(kubelet_dir / "kubelet.sock"))
+    os.chmod(kubelet_dir / "kubelet.sock", 0o755)  # grpc-go's listener under the kubelet's umask 022
+    listener.listen(8)
+    try:
+        yield kubelet_dir, cdi_dir, secret
+    finally:
+        listener.close()
+        shutil.rmtree(tmp_path)
+
+
+def run_probe(uid: int, dirs: tuple[Path, Path, Path]) -> dict[str, str]:
+    """Run PROBE in a fresh network namespace as ``uid`` with every capability set emptied."""
+    for tool in ("unshare", "setpriv", "ip"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    # setpriv empties the bounding, inheritable and ambient sets before exec, so even UID 0 starts with
+    # no capability at all — what a container with `drop: [ALL]` gets from runc.
+    inner = [
+        "setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--ambient-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        sys.executable,
+        "-c",
+        PROBE,
+        *map(str, dirs),
+    ]
+    proc = subprocess.run(
+        ["unshare", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *inner],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, str] = json.loads(proc.stdout)
+    return result
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to make namespaces and drop capabilities"
+)
+
+
+@needs_root
+@pytest.mark.netns
+def test_root_without_capabilities_is_enough(kubelet_like: tuple[Path, Path, Path]) -> None:
+    got = run_probe(0, kubelet_like)
+    assert (got.pop("uid"), got.pop("CapEff"), got.pop("CapBnd")) == (0, "0" * 16, "0" * 16)
+    assert got == {
+        "plugin_socket": "ok",
+        "register": "ok",
+        "atomic_write": "ok",
+        "rtnetlink": "ok",
+        "uevents": "ok",
+        "metrics_port": "ok",
+        "read_owner_only": "ok",
+    }
+    kubelet_dir, cdi_dir, _ = kubelet_like
+    assert (kubelet_dir / "densedev-a.sock").is_socket()
+    assert (cdi_dir / "densedev-pool.json").read_text() == "{}"
+
+
+@needs_root
+@pytest.mark.netns
+def test_a_non_root_uid_cannot_use_the_kubelet_dir(kubelet_like: tuple[Path, Path, Path]) -> None:
+    # Why runAsNonRoot is not set: another UID is refused by the root-owned dirs and kubelet.sock,
+    # and only CAP_DAC_OVERRIDE (far broader than running as root without capabilities) would help.
+    got = run_probe(65534, kubelet_like)
+    assert got["uid"] == 65534
+    assert got["plugin_socket"] == got["register"] == got["atomic_write"] == "errno 13"  # EACCES
+    # netlink and the metrics port never needed root.
+    assert got["rtnetlink"] == got["uevents"] == got["metrics_port"] == "ok"
