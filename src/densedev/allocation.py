@@ -328,18 +328,19 @@ class PoolAllocator:
         self._load(pool)
         if set(old) != set(self._devices) or not self._cdi_current:
             present = {d.id for d in self._devices}
-            for gone in [d for d in self._cdi_entries if d not in present]:
-                del self._cdi_entries[gone]
-            self._refresh_cdi(self._devices)
+            gone = [d for d in self._cdi_entries if d not in present]
+            for device_id in gone:
+                del self._cdi_entries[device_id]
+            self._refresh_cdi(self._devices, force=bool(gone))
         if self._info is not None:
             present = {d.id for d in self._devices}
             self._info.remove(sorted(d for d in self._info.written if d not in present))
 
-    def _refresh_cdi(self, devices: Sequence[Device], strict: bool = False) -> None:
+    def _refresh_cdi(self, devices: Sequence[Device], strict: bool = False, force: bool = False) -> None:
         """Bring the CDI entries of ``devices`` up to date and rewrite the spec if any entry changed."""
         if self._cdi is None:
             return
-        changed = not self._cdi_current
+        changed = force or not self._cdi_current
         for d in devices:
             part = device_parts(self.config, d, self.settings.dev_root)
             if part.missing:
@@ -355,7 +356,11 @@ class PoolAllocator:
         if not changed:
             return
         try:
-            self._cdi.write(self.kind, self._cdi_entries.values())
+            if self._cdi_entries:
+                self._cdi.write(self.kind, self._cdi_entries.values())
+            else:
+                # The CDI spec requires at least one device: a pool with none has no spec file.
+                self._cdi.remove(self.kind)
             self._cdi_current = True
         except OSError as e:
             self._cdi_current = False
