@@ -1,0 +1,336 @@
+"""Link and uevent monitors against the real kernel, inside a network namespace each test creates.
+
+Needs root (``ip netns add``); skipped with the reason otherwise.  Waits are bounded by generous
+timeouts that only turn a hang into a failure; nothing asserts how fast the kernel or loop is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from densedev.health import Coalescer, HealthTracker
+from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
+from densedev.netlink import (
+    NETLINK_KOBJECT_UEVENT,
+    RTM_DELLINK,
+    LinkMonitor,
+    LinkTuple,
+    UeventMonitor,
+    UeventTuple,
+    link_states,
+    open_netlink_socket,
+    resolve_netns,
+)
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+GUARD_S = 20.0  # only turns a hang into a failure
+
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.skipif(os.geteuid() != 0, reason="creating a network namespace needs root"),
+    pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's ip is not installed"),
+]
+
+
+def ip(ns: str, *args: str) -> None:
+    """Run ``ip -n ns ...``; fail loudly."""
+    subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
+
+
+async def aip(ns: str, *args: str) -> None:
+    """Run ``ip -n ns ...`` without blocking the loop."""
+    proc = await asyncio.create_subprocess_exec("ip", "-n", ns, *args)
+    assert await proc.wait() == 0
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A fresh network namespace, deleted afterwards."""
+    name = f"densedev-t-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"ip netns add failed: {made.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+class Links:
+    """Collects link batches from a monitor and lets a test wait for a condition on them."""
+
+    def __init__(self) -> None:
+        self.rows: list[LinkTuple] = []
+        self.batches = 0
+        self.overruns = 0
+        self._changed = asyncio.Event()
+
+    def on_links(self, batch: tuple[LinkTuple, ...]) -> None:
+        self.rows.extend(batch)
+        self.batches += 1
+        self._changed.set()
+
+    def on_overrun(self) -> None:
+        self.overruns += 1
+        self._changed.set()
+
+    def state(self, name: str) -> bool | None:
+        """Return the last up/down seen for a link (None: never seen)."""
+        seen = None
+        for row in self.rows:
+            if row[2] == name and row[0] != RTM_DELLINK:
+                seen = link_states((row,))[0][0][1]
+        return seen
+
+    async def until(self, cond: Callable[[], bool]) -> None:
+        async def wait() -> None:
+            while not cond():
+                self._changed.clear()
+                await self._changed.wait()
+
+        await asyncio.wait_for(wait(), GUARD_S)
+
+
+def test_dump_then_link_flips(run: Run, netns: str) -> None:
+    ip(netns, "link", "add", "ens0f0", "type", "veth", "peer", "name", "ens0f0p")
+    ip(netns, "link", "set", "ens0f0p", "up")
+    ip(netns, "link", "set", "ens0f0", "up")
+
+    async def main() -> None:
+        links = Links()
+        monitor = LinkMonitor(links.on_links, links.on_overrun, netns=netns)
+        await monitor.start()
+        try:
+            await links.until(lambda: links.state("ens0f0") is True)  # from the initial dump
+            assert {r[2] for r in links.rows} >= {"lo", "ens0f0", "ens0f0p"}
+            await aip(netns, "link", "set", "ens0f0", "down")
+            await links.until(lambda: links.state("ens0f0") is False)
+            await aip(netns, "link", "set", "ens0f0", "up")
+            await links.until(lambda: links.state("ens0f0") is True)
+            await aip(netns, "link", "del", "ens0f0")
+            await links.until(lambda: any(r[0] == RTM_DELLINK and r[2] == "ens0f0" for r in links.rows))
+            assert links.overruns == 0
+        finally:
+            monitor.stop()
+            monitor.stop()  # idempotent
+        assert monitor.fileno == -1
+
+    run(main())
+
+
+def test_overrun_is_reported_and_resync_recovers(run: Run, netns: str) -> None:
+    for k in range(8):
+        ip(netns, "link", "add", f"p{k}", "type", "veth", "peer", "name", f"p{k}r")
+
+    async def main() -> None:
+        links = Links()
+        marks: list[int] = []
+
+        def on_overrun() -> None:
+            marks.append(len(links.rows))  # rows after this point come from the resync
+            links.on_overrun()
+            monitor.resync()
+
+        monitor = LinkMonitor(links.on_links, on_overrun, netns=netns, rcvbuf=1)
+        await monitor.start()
+        try:
+            await links.until(lambda: links.state("p7") is not None)
+            # Block the loop (deliberately, synchronously) while the kernel queues hundreds of link
+            # events into a receive buffer at its minimum size: it must overflow.
+            script = "".join(
+                f"link set p{k} {'up' if j % 2 else 'down'}\n" for j in range(40) for k in range(8)
+            )
+            subprocess.run(["ip", "-n", netns, "-batch", "-"], input=script, text=True, check=True)
+            ip(netns, "link", "set", "p3r", "up")  # the final truth: p3 and its peer up, carrier on
+            ip(netns, "link", "set", "p3", "up")
+            await links.until(lambda: links.overruns > 0)
+
+            def resynced() -> bool:
+                after = links.rows[marks[-1] :]
+                names = {r[2] for r in after}
+                p3 = [link_states((r,))[0][0][1] for r in after if r[2] == "p3"]
+                return {f"p{k}" for k in range(8)} <= names and p3[-1:] == [True]
+
+            # The dump requested from on_overrun brings every link back, in its final state.
+            await links.until(resynced)
+        finally:
+            monitor.stop()
+        assert monitor.overruns == links.overruns
+
+    run(main())
+
+
+def test_uevent_injected_in_the_namespace(run: Run, netns: str) -> None:
+    async def main() -> list[UeventTuple]:
+        events: list[UeventTuple] = []
+        got = asyncio.Event()
+
+        def on_event(event: UeventTuple) -> None:
+            events.append(event)
+            if event[1].startswith("/devices/pci"):
+                got.set()
+
+        monitor = UeventMonitor(on_event, lambda: None, netns=netns)
+        await monitor.start()
+        sender = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(netns))
+        try:
+            devpath = "/devices/pci0000:3a/0000:3a:00.0/0000:3b:00.0/0000:3b:02.1"
+            # udev's re-broadcast format is ignored; the kernel's record is decoded.
+            sender.sendto(b"libudev\0\xfe\xed\xca\xfe" + bytes(32), (0, 1))
+            sender.sendto(
+                f"add@{devpath}\0ACTION=add\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
+                "PCI_SLOT_NAME=0000:3b:02.1\0DRIVER=iavf\0SEQNUM=4242\0".encode(),
+                (0, 1),
+            )
+            await asyncio.wait_for(got.wait(), GUARD_S)
+        finally:
+            sender.close()
+            monitor.stop()
+        return events
+
+    events = run(main())
+    assert len(events) == 1
+    action, devpath, pairs = events[0]
+    assert action == "add" and devpath.endswith("0000:3b:02.1")
+    assert dict(pairs)["PCI_SLOT_NAME"] == "0000:3b:02.1" and dict(pairs)["DRIVER"] == "iavf"
+
+
+def test_kernel_uevents_for_a_new_link(run: Run, netns: str) -> None:
+    # A net device's uevents go to its own namespace's listeners: creating a veth makes real ones.
+    async def main() -> list[UeventTuple]:
+        events: list[UeventTuple] = []
+        got = asyncio.Event()
+
+        def on_event(event: UeventTuple) -> None:
+            events.append(event)
+            if event[1] == "/devices/virtual/net/ens9f0":
+                got.set()
+
+        monitor = UeventMonitor(on_event, lambda: None, netns=netns)
+        await monitor.start()
+        try:
+            await aip(netns, "link", "add", "ens9f0", "type", "veth", "peer", "name", "ens9f0p")
+            await asyncio.wait_for(got.wait(), GUARD_S)
+        finally:
+            monitor.stop()
+        return events
+
+    add = next(e for e in run(main()) if e[1] == "/devices/virtual/net/ens9f0")
+    env = dict(add[2])
+    assert add[0] == "add" and env["SUBSYSTEM"] == "net" and env["INTERFACE"] == "ens9f0"
+
+
+def test_callback_errors_do_not_stop_the_reader(
+    run: Run, netns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ip(netns, "link", "add", "a0", "type", "veth", "peer", "name", "a0p")
+
+    async def main() -> None:
+        links = Links()
+        calls = 0
+
+        def flaky(batch: tuple[LinkTuple, ...]) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("callback bug")
+            links.on_links(batch)
+
+        monitor = LinkMonitor(flaky, links.on_overrun, netns=netns)
+        await monitor.start()
+        try:
+            await asyncio.sleep(0.2)
+            await aip(netns, "link", "set", "a0", "up")
+            await links.until(lambda: links.state("a0") is not None)
+        finally:
+            monitor.stop()
+
+    run(main())
+    assert "netlink monitor callback failed" in caplog.text
+
+
+def test_unknown_namespace_is_a_clear_error(run: Run, tmp_path: Path) -> None:
+    async def main() -> None:
+        monitor = LinkMonitor(lambda _b: None, lambda: None, netns="nope", netns_dir=tmp_path)
+        with pytest.raises(FileNotFoundError, match="network namespace 'nope'"):
+            await monitor.start()
+
+    run(main())
+
+
+def test_pf_down_makes_its_vfs_unhealthy_end_to_end(run: Run, netns: str) -> None:
+    # Real veth links play the PF netdevs; VF records point at them by name.  Monitor → tracker →
+    # coalescer → collect, as the daemon wires them.
+    for p in range(2):
+        ip(netns, "link", "add", f"ens{p}f0", "type", "veth", "peer", "name", f"ens{p}f0p")
+        ip(netns, "link", "set", f"ens{p}f0p", "up")
+        ip(netns, "link", "set", f"ens{p}f0", "up")
+
+    def vf(p: int, k: int) -> Device:
+        return Device(
+            f"0000:{p + 0x3b:02x}:02.{k}", ROLE_VF, "8086", "1889", "020000", "8086", "0000", "iavf", 0, -1,
+            False, -1, 0, 0, f"0000:{p + 0x3b:02x}:00.0", k, f"ens{p}f0", (), "", "", (), "", "", "",
+            "pci0000:3a", "",
+        )  # fmt: skip
+
+    devices = [vf(p, k) for p in range(2) for k in range(4)]
+    assert all(d.role == ROLE_VF and d.role != ROLE_PF for d in devices)
+    cfg = PoolConfig("vfs", "intel.com", health=HealthPolicy(hold_down_s=0.2))
+    pools = [Pool(cfg, tuple(PoolMember(d.id, d) for d in devices))]
+
+    async def main() -> list[tuple[bool, ...]]:
+        tracker = HealthTracker(devices, pools)
+        tracker.collect()
+        published: list[tuple[bool, ...]] = []
+        changed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def flush() -> None:
+            for upd in tracker.collect().values():
+                published.append(upd.healthy)
+                changed.set()
+            deadline = tracker.next_deadline()
+            if deadline is not None:
+                loop.call_at(loop.time() + max(0.0, deadline - loop.time()), flush)
+
+        coalescer = Coalescer(flush, window=0.002)
+
+        def on_links(batch: tuple[LinkTuple, ...]) -> None:
+            states, gone = link_states(batch)
+            tracker.set_links(states)
+            tracker.drop_links(gone)
+            coalescer.notify()
+
+        monitor = LinkMonitor(on_links, lambda: None, netns=netns)
+        await monitor.start()
+
+        async def until(want: tuple[bool, ...]) -> None:
+            async def wait() -> None:
+                while not published or published[-1] != want:
+                    changed.clear()
+                    await changed.wait()
+
+            await asyncio.wait_for(wait(), GUARD_S)
+
+        try:
+            await asyncio.sleep(0.1)  # the initial dump: everything up, nothing to publish
+            await aip(netns, "link", "set", "ens1f0", "down")
+            await until((True,) * 4 + (False,) * 4)
+            await aip(netns, "link", "set", "ens1f0", "up")
+            await until((True,) * 8)
+        finally:
+            monitor.stop()
+            coalescer.cancel()
+        return published
+
+    published = run(main())
+    assert published[-2:] == [(True,) * 4 + (False,) * 4, (True,) * 8]
