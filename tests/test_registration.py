@@ -203,3 +203,27 @@ def test_stop_removes_socket_and_ends_the_stream(run: Run, sock_dir: Path) -> No
             await kubelet.stop()
 
     run(main())
+
+
+def test_registers_again_when_the_kubelet_drops_the_stream(run: Run, sock_dir: Path) -> None:
+    pool = FakePool(pci_ids(64))
+    feed = PoolFeed(pool.message())
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        runner = _runner(sock_dir, pool, feed)
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 64, GUARD)
+            # The kubelet ends the stream without restarting (kubelet.sock unchanged) and never redials.
+            await kubelet.disconnect(RESOURCE)
+            assert kubelet.stream_ended(RESOURCE) and kubelet.allocatable(RESOURCE) == 0
+            await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 64, GUARD)
+            assert runner.registrations == 2 and not kubelet.stream_ended(RESOURCE)
+        finally:
+            await runner.stop()
+            await kubelet.stop()
+
+    run(main())

@@ -51,6 +51,7 @@ class PluginRunner:
         backoff: tuple[float, float] = (0.05, 2.0),
         refused_retry: float = 30.0,
         register_timeout: float = 15.0,
+        stream_grace: float = 0.5,
     ) -> None:
         if "/" in socket_name or not socket_name:
             raise ValueError(f"{resource}: socket name {socket_name!r} must be a file name in {kubelet_dir}")
@@ -65,6 +66,7 @@ class PluginRunner:
         self._backoff = backoff
         self._refused_retry = refused_retry
         self._register_timeout = register_timeout
+        self._stream_grace = stream_grace
         self._server: PluginServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.registered = False
@@ -192,11 +194,27 @@ class PluginRunner:
                 return
 
     async def _watch(self, kubelet: FileIdentity | None) -> None:
-        """Return once the kubelet restarted (kubelet.sock changed or gone) or our socket was removed."""
+        """Return once the kubelet restarted (kubelet.sock changed or gone), our socket was removed, or
+        the kubelet dropped our stream and opened none for ``stream_grace`` seconds."""
+        lost_since: float | None = None
         while True:
             await asyncio.sleep(self._poll)
             if identify(self.kubelet_socket) != kubelet or not self._own_socket_intact():
                 return
+            # The kubelet never redials a ended stream: its devices stay unhealthy until we register
+            # again.  Wait a little first: a stream can end just before a restart is visible.
+            server = self._server
+            if server is not None and server.streams_opened and not server.streams:
+                now = time.monotonic()
+                if lost_since is None:
+                    lost_since = now
+                elif now - lost_since >= self._stream_grace:
+                    log.warning(
+                        "%s: the kubelet closed our ListAndWatch stream; registering again", self.resource
+                    )
+                    return
+            else:
+                lost_since = None
 
     async def _wait_for_kubelet(self) -> None:
         """Wait while kubelet.sock is absent: a starting kubelet deletes every socket before listening."""

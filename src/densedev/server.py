@@ -71,6 +71,8 @@ class PluginServer:
         self._server: grpc.aio.Server | None = None
         self._inode: tuple[int, int, int] | None = None
         self._stopping = asyncio.Event()
+        self.streams = 0  # ListAndWatch streams open now
+        self.streams_opened = 0  # ListAndWatch streams opened since start
 
     @property
     def running(self) -> bool:
@@ -159,6 +161,8 @@ class PluginServer:
         # Send the latest whole list at once, then every newer one.  Each message replaces the whole
         # list at the kubelet, so skipping intermediate versions loses nothing.  Never return: the
         # kubelet treats a finished stream as "all devices unhealthy" and never redials.
+        self.streams += 1
+        self.streams_opened += 1
         log.info("%s: ListAndWatch stream opened", self.resource)
         stopping = asyncio.ensure_future(self._stopping.wait())
         newer: asyncio.Future[tuple[int, bytes]] | None = None
@@ -177,6 +181,7 @@ class PluginServer:
             stopping.cancel()
             if newer is not None:
                 newer.cancel()
+            self.streams -= 1
             log.info("%s: ListAndWatch stream closed", self.resource)
 
     async def _allocate(self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> Any:

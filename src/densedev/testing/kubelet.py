@@ -229,6 +229,12 @@ class KubeletEmulator:
         if channel is not None:
             await channel.close(None)
 
+    async def disconnect(self, resource: str) -> None:
+        """Drop a resource's stream as the kubelet does when it stops an endpoint; it is not redialled."""
+        endpoint = self._endpoints.get(resource)
+        if endpoint is not None:
+            await self._disconnect(endpoint)
+
     # -- the kubelet's calls into a plugin -------------------------------------------------------
 
     def _endpoint(self, resource: str) -> _Endpoint:
