@@ -221,10 +221,13 @@ def test_net_device_skips_pfs_with_vfs_enabled_and_non_network_functions() -> No
     qat = dev("0000:6b:00.0", ROLE_PF, vendor="8086", device="4940", pci_class="0b4000", driver="4xxx")
     fpga = dev("0000:af:00.0", ROLE_PCI, vendor="8086", device="0d90", pci_class="120000", driver="vfio-pci")
     sf = dev("mlx5_core.sf.2", ROLE_SF, pf="0000:3b:00.0", pf_netdev="ens1f0", aux_type="sf")
-    devices = [busy, idle, plain, ib, qat, fpga, sf]
+    port = dev("0000:3a:00.0", ROLE_PCI, vendor="8086", device="347a", pci_class="060400", driver="pcieport")
+    devices = [busy, idle, plain, ib, qat, fpga, sf, port]
     assert select({}, devices) == [plain.id, idle.id, ib.id]
-    # accelerator: any PCI function that matches, PFs with VFs included; never a subfunction.
-    assert select({}, devices, deviceType="accelerator") == sorted(d.id for d in devices if d.role != ROLE_SF)
+    # accelerator: any PCI function that matches, PFs with VFs included; never a bridge or a subfunction.
+    assert select({}, devices, deviceType="accelerator") == sorted(
+        d.id for d in devices if d.role != ROLE_SF and d is not port
+    )
     assert select({"vendors": ["8086"]}, devices, deviceType="accelerator") == [qat.id, fpga.id]
 
 
@@ -499,6 +502,8 @@ def device_tables(draw: st.DrawFn) -> list[Device]:
                 vf_index=draw(st.integers(-1, 2)),
             )
         )
+    if draw(st.booleans()):
+        out.append(dev("0000:0f:00.0", ROLE_PCI, vendor="15b3", pci_class="060400", driver="pcieport"))
     return draw(st.permutations(out))
 
 

@@ -22,6 +22,9 @@ from typing import Any
 
 from .model import ROLE_PF, ROLE_SF, Config, Device, IndexRange, Pool, PoolConfig, PoolMember, Selector
 
+# Root ports and switch ports sit in the device table (discovery scans every PCI function) but are the
+# fabric itself; an accelerator pool selecting by vendor alone must never take one.
+_BRIDGE_CLASS = "06"
 _VDPA_DRIVERS = {"vhost": "vhost_vdpa", "virtio": "virtio_vdpa"}  # vdpaType → bus/vdpa driver name
 
 Filter = Callable[[list[Device]], list[Device]]
@@ -51,6 +54,7 @@ class _Table:
         self.pci = pci
         self.sfs = sfs
         self._net: list[Device] | None = None
+        self._accel: list[Device] | None = None
         self._pf_link: dict[str, str] | None = None
 
     def base(self, device_type: str) -> list[Device]:
@@ -58,7 +62,9 @@ class _Table:
         if device_type == "auxNetDevice":
             return self.sfs
         if device_type == "accelerator":
-            return self.pci
+            if self._accel is None:
+                self._accel = [d for d in self.pci if not d.pci_class.startswith(_BRIDGE_CLASS)]
+            return self._accel
         if self._net is None:
             self._net = [
                 d
@@ -80,6 +86,8 @@ def _type_reason(device_type: str, d: Device) -> str | None:
         return None if d.role == ROLE_SF else "not a subfunction: auxNetDevice pools take SFs only"
     if d.role == ROLE_SF:
         return f"a subfunction: only auxNetDevice pools take SFs, this pool is {device_type}"
+    if device_type == "accelerator" and d.pci_class.startswith(_BRIDGE_CLASS):
+        return f"PCI class {d.pci_class} is a bridge (06xxxx): part of the fabric, never handed to a pod"
     if device_type == "netDevice":
         if not d.pci_class.startswith("02"):
             return f"PCI class {d.pci_class} is not a network controller (02xxxx), as netDevice needs"
