@@ -517,7 +517,11 @@ class MetricsServer:
             return
         head_only = method == "HEAD"
         if path == "/metrics":
-            await self._respond(writer, 200, self.metrics.render(), head_only, CONTENT_TYPE)
+            # Rendering is pure Python and grows with pools x histogram buckets (~40 ms for 64 busy
+            # pools): in a worker thread the GIL's switch interval (5 ms) bounds how long the loop,
+            # and with it every ListAndWatch send, waits; prometheus-client guards its values with locks.
+            body = await asyncio.to_thread(self.metrics.render)
+            await self._respond(writer, 200, body, head_only, CONTENT_TYPE)
         elif path == "/healthz":
             ok, detail = self.health()
             await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
