@@ -527,3 +527,11 @@ def test_check_passes_the_prefix(tmp_path: Path) -> None:
     path.write_text(json.dumps(pool()))
     assert check(path) == ()
     assert check(path, default_prefix="Bad_Prefix") != ()
+
+
+def test_the_example_in_the_docs_loads() -> None:
+    doc = (Path(__file__).parents[1] / "docs" / "config.md").read_text()
+    example = doc.split("## Example\n\n```json\n", 1)[1].split("```", 1)[0]
+    cfg = parse(example)
+    assert [p.full_name for p in cfg.pools] == ["nvidia.com/mlx_vf_p0", "rdma/rdma_shared_hca"]
+    assert cfg.pools[0].health == HealthPolicy(own_link=False, hold_down_s=2.5)
