@@ -301,6 +301,40 @@ def test_dockerignore_keeps_build_outputs_out_of_the_context() -> None:
     assert "src" not in patterns and "pyproject.toml" not in patterns
 
 
+def container_engine() -> str | None:
+    """Return docker or podman if one is installed and its engine answers, else None."""
+    for tool in ("docker", "podman"):
+        path = shutil.which(tool)
+        if path is None:
+            continue
+        probe = subprocess.run([path, "info"], capture_output=True, timeout=30, check=False)
+        if probe.returncode == 0:
+            return path
+    return None
+
+
+@pytest.mark.skipif(
+    os.environ.get("DENSEDEV_TEST_IMAGE", "") in ("", "0"),
+    reason="set DENSEDEV_TEST_IMAGE=1 to build the image (minutes; needs a container engine)",
+)
+def test_image_builds_and_carries_the_extension() -> None:
+    engine = container_engine()
+    if engine is None:
+        pytest.skip(
+            "no working docker or podman engine here (CI has none): build by hand, see deploy/README.md"
+        )
+    tag = "densedev:test"
+    subprocess.run([engine, "build", "-t", tag, str(ROOT)], check=True, timeout=1800)
+    out = subprocess.run(
+        [engine, "run", "--rm", "--read-only", "--cap-drop=ALL", tag, "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert "(cython)" in out.stdout
+
+
 # ------------------------------------------------------------------------------------- privilege
 
 PROBE = textwrap.dedent(
