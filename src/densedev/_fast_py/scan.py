@@ -1,0 +1,440 @@
+"""Plain-Python twin of ``_pyx/scan.pxi``: the sysfs scan of PCI functions, subfunctions and RDMA ports.
+
+This file is the spec.  ``scan_sysfs`` returns ``(devices, warnings)`` where each device is a plain tuple
+in the field order of ``densedev.model.Device``, sorted by id, and each warning a string naming the
+device and the reason it was skipped or a field left empty.  Nothing here raises for a messy tree:
+devices vanish mid-scan, files are half-written, symlinks dangle or loop on real nodes.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Device tuple positions (densedev.model.Device field order).
+_ID, _ROLE, _DRIVER, _NUMA, _PF, _VF_INDEX, _PF_NETDEV, _NETDEVS = 0, 1, 7, 8, 14, 15, 16, 17
+
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_O_FILE = os.O_RDONLY | os.O_CLOEXEC
+_READ_MAX = 255  # every attribute read here is one short line; sysfs hands out at most a page
+# include/uapi/linux/if_arp.h: ARPHRD_ETHER 1, ARPHRD_INFINIBAND 32.
+_LINK_TYPES = {1: "ether", 32: "infiniband"}
+# RDMA character-device classes and the /dev/infiniband node each entry names (its ibdev file says whose).
+_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
+
+_ABSENT = -1  # sentinel status codes of _read, shared with the Cython version
+_EMPTY = -2
+
+
+def _read(dirfd: int, name: bytes) -> tuple[int, bytes]:
+    """Read a small attribute; return (0, stripped text) or (errno | _EMPTY, b"")."""
+    try:
+        fd = os.open(name, _O_FILE, dir_fd=dirfd)
+    except OSError as e:
+        return e.errno or 1, b""
+    try:
+        data = os.read(fd, _READ_MAX)
+    except OSError as e:
+        return e.errno or 1, b""
+    finally:
+        os.close(fd)
+    data = data.strip()
+    if not data:
+        return _EMPTY, b""
+    return 0, data
+
+
+def _readlink(dirfd: int, name: bytes) -> tuple[int, bytes]:
+    try:
+        return 0, os.readlink(name, dir_fd=dirfd)
+    except OSError as e:
+        return e.errno or 1, b""
+
+
+def _entries(fd: int) -> list[bytes]:
+    """Sorted entry names of an open directory, as bytes (``os.listdir(fd)`` hands out str)."""
+    return sorted(os.fsencode(n) for n in os.listdir(fd))
+
+
+def _listdir(dirfd: int, name: bytes) -> list[bytes]:
+    """Sorted entries of a subdirectory; empty when it is absent or unreadable."""
+    try:
+        fd = os.open(name, _O_DIR, dir_fd=dirfd)
+    except OSError:
+        return []
+    try:
+        return _entries(fd)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+
+
+def _why(status: int) -> str:
+    if status == _EMPTY:
+        return "empty"
+    if status == 2:  # ENOENT
+        return "missing"
+    return f"unreadable ({os.strerror(status)})"
+
+
+def _hex_id(data: bytes, digits: int) -> str | None:
+    """``0x15b3`` → ``15b3``; None unless it is 0x followed by exactly ``digits`` hex digits."""
+    if len(data) != digits + 2 or data[:2] not in (b"0x", b"0X"):
+        return None
+    body = data[2:]
+    for c in body:
+        if not (48 <= c <= 57 or 97 <= c <= 102 or 65 <= c <= 70):
+            return None
+    return body.decode().lower()
+
+
+def _int(data: bytes) -> int | None:
+    """A decimal integer with optional sign (the kernel's %d); None for anything else."""
+    body = data[1:] if data[:1] == b"-" else data
+    if not body or len(body) > 9 or not body.isdigit():
+        return None
+    return int(data)
+
+
+def _basename(link: bytes) -> bytes:
+    return link[link.rfind(b"/") + 1 :]
+
+
+def _pcie_root(link: bytes) -> str:
+    """First component after ``devices/`` of a resolved sysfs device path ("pci0000:3a")."""
+    parts = [p for p in link.split(b"/") if p not in (b"", b".", b"..")]
+    for i, p in enumerate(parts[:-1]):
+        if p == b"devices":
+            return os.fsdecode(parts[i + 1])
+    return ""
+
+
+def _parent(link: bytes) -> bytes:
+    """The component before the last of a link target: the parent device of a bus entry."""
+    parts = link.rstrip(b"/").split(b"/")
+    return parts[-2] if len(parts) >= 2 else b""
+
+
+def _rdma_map(rootfd: int) -> dict[bytes, list[str]]:
+    """ibdev → its /dev/infiniband nodes, from each class map read once per scan."""
+    out: dict[bytes, list[str]] = {}
+    for cls in _RDMA_CLASSES:
+        try:
+            cfd = os.open(b"class/" + cls, _O_DIR, dir_fd=rootfd)
+        except OSError:
+            continue
+        try:
+            for entry in _entries(cfd):
+                status, ibdev = _read(cfd, entry + b"/ibdev")
+                if status == 0:
+                    out.setdefault(ibdev, []).append("/dev/infiniband/" + os.fsdecode(entry))
+        except OSError:
+            pass
+        finally:
+            os.close(cfd)
+    return out
+
+
+def _vdpa_map(rootfd: int) -> dict[bytes, tuple[str, str]]:
+    """Parent device name → (vdpaN, driver) from bus/vdpa/devices (first vDPA device per parent)."""
+    out: dict[bytes, tuple[str, str]] = {}
+    try:
+        bfd = os.open(b"bus/vdpa/devices", _O_DIR, dir_fd=rootfd)
+    except OSError:
+        return out
+    try:
+        for entry in _entries(bfd):
+            status, link = _readlink(bfd, entry)
+            if status != 0:
+                continue
+            parent = _parent(link)
+            if parent in out:
+                continue
+            status, drv = _readlink(bfd, entry + b"/driver")
+            out[parent] = (os.fsdecode(entry), os.fsdecode(_basename(drv)) if status == 0 else "")
+    except OSError:
+        pass
+    finally:
+        os.close(bfd)
+    return out
+
+
+def _virtfns(devfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings: list[str]) -> None:
+    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, each read once."""
+    for entry in _listdir(devfd, b"."):
+        if not entry.startswith(b"virtfn"):
+            continue
+        k = _int(entry[6:])
+        status, link = _readlink(devfd, entry)
+        if k is None or k < 0 or status != 0:
+            warnings.append(f"{pf}: {os.fsdecode(entry)}: {_why(status) if status else 'not a VF link'}")
+            continue
+        vf_map[_basename(link)] = (pf, k)
+
+
+def _link_type(devfd: int, ifname: bytes, dev: str, warnings: list[str]) -> str:
+    status, data = _read(devfd, b"net/" + ifname + b"/type")
+    if status != 0:
+        return ""  # the interface left the host namespace between listing and reading: no link type
+    value = _int(data)
+    if value is None:
+        warnings.append(f"{dev}: net/{os.fsdecode(ifname)}/type: not an integer")
+        return ""
+    return _LINK_TYPES.get(value, "")
+
+
+def _scan_pci(
+    busfd: int,
+    name: bytes,
+    rdma: dict[bytes, list[str]],
+    vdpa: dict[bytes, tuple[str, str]],
+    vf_map: dict[bytes, tuple[str, int]],
+    warnings: list[str],
+) -> list[object] | None:
+    """One PCI function as a list in Device field order (PF netdev and VF index filled in later)."""
+    dev = os.fsdecode(name)
+    status, link = _readlink(busfd, name)
+    pcie_root = _pcie_root(link) if status == 0 else ""
+    try:
+        devfd = os.open(name, _O_DIR, dir_fd=busfd)
+    except OSError as e:
+        warnings.append(f"{dev}: skipped: {os.strerror(e.errno or 1)}")
+        return None
+    try:
+        ids: list[str] = []
+        for attr, digits in ((b"vendor", 4), (b"device", 4), (b"class", 6)):
+            status, data = _read(devfd, attr)
+            value = _hex_id(data, digits) if status == 0 else None
+            if value is None:
+                why = _why(status) if status else "not a hex id"
+                warnings.append(f"{dev}: skipped: {attr.decode()}: {why}")
+                return None
+            ids.append(value)
+        subsys: list[str] = []
+        for attr in (b"subsystem_vendor", b"subsystem_device"):
+            status, data = _read(devfd, attr)
+            hex_id = _hex_id(data, 4) if status == 0 else None
+            if hex_id is None:
+                if status != 2:
+                    why = _why(status) if status else "not a hex id"
+                    warnings.append(f"{dev}: {attr.decode()}: {why}")
+                hex_id = ""
+            subsys.append(hex_id)
+        ints: list[int] = []
+        for attr, default in ((b"numa_node", -1), (b"acpi_index", -1), (b"sriov_totalvfs", -2)):
+            status, data = _read(devfd, attr)
+            number = _int(data) if status == 0 else None
+            if number is None:
+                if status != 2:
+                    warnings.append(f"{dev}: {attr.decode()}: {_why(status) if status else 'not an integer'}")
+                # absent: the default (-2 for sriov_totalvfs means "not a PF"); present but bad: -1
+                number = default if status == 2 else max(default, -1)
+            ints.append(number)
+        numa, acpi, total = ints
+        status, drv = _readlink(devfd, b"driver")
+        driver = os.fsdecode(_basename(drv)) if status == 0 else ""
+        group = -1
+        noiommu = False
+        status, glink = _readlink(devfd, b"iommu_group")
+        if status == 0:
+            g = _int(_basename(glink))
+            if g is None or g < 0:
+                warnings.append(f"{dev}: iommu_group: not a group number")
+            else:
+                group = g
+                # drivers/vfio/group.c: a no-IOMMU group is named "vfio-noiommu".
+                status, gname = _read(devfd, b"iommu_group/name")
+                noiommu = status == 0 and gname == b"vfio-noiommu"
+        role = "pci"
+        num = 0
+        pf = ""
+        if total != -2:
+            role = "pf"
+            total = max(total, 0)
+            status, data = _read(devfd, b"sriov_numvfs")
+            numvfs = _int(data) if status == 0 else None
+            if numvfs is None:
+                warnings.append(f"{dev}: sriov_numvfs: {_why(status) if status else 'not an integer'}")
+                numvfs = 0
+            num = numvfs
+            _virtfns(devfd, dev, vf_map, warnings)
+        else:
+            total = 0
+            status, plink = _readlink(devfd, b"physfn")
+            if status == 0:
+                role = "vf"
+                pf = os.fsdecode(_basename(plink))
+            elif status != 2:
+                warnings.append(f"{dev}: physfn: {_why(status)}")
+        netdevs = tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
+        link_type = _link_type(devfd, os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
+        ibdevs = _listdir(devfd, b"infiniband")
+        ibdev = ibdevs[0] if ibdevs else b""
+        nodes = tuple(sorted(rdma.get(ibdev, ()))) if ibdev else ()
+        uios = _listdir(devfd, b"uio")
+        vdpa_name, vdpa_driver = vdpa.get(name, ("", ""))
+        return [
+            dev, role, ids[0], ids[1], ids[2], subsys[0], subsys[1], driver, numa, group, noiommu, acpi,
+            total, num, pf, -1, "", netdevs, link_type, os.fsdecode(ibdev), nodes,
+            os.fsdecode(uios[0]) if uios else "", vdpa_name, vdpa_driver, pcie_root, "",
+        ]  # fmt: skip
+    finally:
+        os.close(devfd)
+
+
+def _pf_facts(
+    busfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings: list[str]
+) -> tuple[str, ...]:
+    """For a partial scan: a PF outside the set still gives its VFs their index and its netdev name."""
+    try:
+        devfd = os.open(os.fsencode(pf), _O_DIR, dir_fd=busfd)
+    except OSError:
+        return ()
+    try:
+        _virtfns(devfd, pf, vf_map, warnings)
+        return tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
+    finally:
+        os.close(devfd)
+
+
+def _scan_sfs(
+    rootfd: int,
+    by_id: dict[str, list[object]],
+    rdma: dict[bytes, list[str]],
+    vdpa: dict[bytes, tuple[str, str]],
+    warnings: list[str],
+) -> list[list[object]]:
+    """Auxiliary-bus subfunctions (``*.sf.<n>``) whose parent PF is among the scanned devices."""
+    out: list[list[object]] = []
+    try:
+        afd = os.open(b"bus/auxiliary/devices", _O_DIR, dir_fd=rootfd)
+    except OSError:
+        return out
+    try:
+        names = _entries(afd)
+    except OSError:
+        names = []
+    try:
+        for name in names:
+            # mlx5 also puts .eth/.rdma/.eth-rep devices on the auxiliary bus; only .sf. are subfunctions.
+            if b".sf." not in name:
+                continue
+            sf = os.fsdecode(name)
+            status, link = _readlink(afd, name)
+            if status != 0:
+                warnings.append(f"{sf}: skipped: {_why(status)}")
+                continue
+            parent = by_id.get(os.fsdecode(_parent(link)))
+            if parent is None:
+                continue  # parent PF not scanned (partial scan) or skipped with its own warning
+            try:
+                devfd = os.open(name, _O_DIR, dir_fd=afd)
+            except OSError as e:
+                warnings.append(f"{sf}: skipped: {os.strerror(e.errno or 1)}")
+                continue
+            try:
+                status, drv = _readlink(devfd, b"driver")
+                netdevs = tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
+                link_type = _link_type(devfd, os.fsencode(netdevs[0]), sf, warnings) if netdevs else ""
+                ibdevs = _listdir(devfd, b"infiniband")
+            finally:
+                os.close(devfd)
+            ibdev = ibdevs[0] if ibdevs else b""
+            pf_netdevs: tuple[str, ...] = parent[_NETDEVS]  # type: ignore[assignment]
+            vdpa_name, vdpa_driver = vdpa.get(name, ("", ""))
+            out.append([
+                sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6],
+                os.fsdecode(_basename(drv)) if status == 0 else "", parent[_NUMA], -1, False, -1, 0, 0,
+                parent[_ID], -1, pf_netdevs[0] if pf_netdevs else "", netdevs, link_type,
+                os.fsdecode(ibdev), tuple(sorted(rdma.get(ibdev, ()))) if ibdev else (), "",
+                vdpa_name, vdpa_driver, _pcie_root(link), "sf",
+            ])  # fmt: skip
+    finally:
+        os.close(afd)
+    return out
+
+
+def scan_sysfs(
+    root: bytes, addresses: tuple[bytes, ...] | None = None
+) -> tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]:
+    """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root.
+
+    Returns ``(devices, warnings)``: device tuples in ``Device`` field order sorted by id, and one
+    string per skipped device or field left empty.
+    """
+    warnings: list[str] = []
+    try:
+        rootfd = os.open(root, _O_DIR)
+    except OSError as e:
+        return (), (f"{os.fsdecode(root)}: cannot open sysfs root: {os.strerror(e.errno or 1)}",)
+    try:
+        try:
+            busfd = os.open(b"bus/pci/devices", _O_DIR, dir_fd=rootfd)
+        except OSError as e:
+            return (), (f"{os.fsdecode(root)}/bus/pci/devices: {os.strerror(e.errno or 1)}",)
+        try:
+            rdma = _rdma_map(rootfd)
+            vdpa = _vdpa_map(rootfd)
+            names = _entries(busfd) if addresses is None else sorted(set(addresses))
+            vf_map: dict[bytes, tuple[str, int]] = {}
+            rows: list[list[object]] = []
+            for name in names:
+                row = _scan_pci(busfd, name, rdma, vdpa, vf_map, warnings)
+                if row is not None:
+                    rows.append(row)
+            by_id: dict[str, list[object]] = {row[_ID]: row for row in rows}  # type: ignore[misc]
+            pf_netdevs: dict[str, tuple[str, ...]] = {}
+            for row in rows:
+                if row[_ROLE] != "vf":
+                    continue
+                pf: str = row[_PF]  # type: ignore[assignment]
+                parent = by_id.get(pf)
+                if parent is not None:
+                    netdevs: tuple[str, ...] = parent[_NETDEVS]  # type: ignore[assignment]
+                elif pf in pf_netdevs:
+                    netdevs = pf_netdevs[pf]
+                else:
+                    netdevs = pf_netdevs[pf] = _pf_facts(busfd, pf, vf_map, warnings)
+                row[_PF_NETDEV] = netdevs[0] if netdevs else ""
+                hit = vf_map.get(os.fsencode(row[_ID]))  # type: ignore[arg-type]
+                row[_VF_INDEX] = hit[1] if hit is not None and hit[0] == pf else -1
+            rows.extend(_scan_sfs(rootfd, by_id, rdma, vdpa, warnings))
+        finally:
+            os.close(busfd)
+    finally:
+        os.close(rootfd)
+    rows.sort(key=lambda r: r[_ID])  # type: ignore[arg-type,return-value]
+    return tuple(tuple(r) for r in rows), tuple(warnings)
+
+
+def _leading_int(data: bytes) -> int:
+    """``4: ACTIVE`` → 4; -1 when the text does not start with a number."""
+    head = data.split(b":", 1)[0].strip()
+    value = _int(head)
+    return -1 if value is None else value
+
+
+def read_rdma_ports(root: bytes, ibdevs: tuple[bytes, ...]) -> tuple[tuple[str, int, int, int], ...]:
+    """Read ``(ibdev, port, state, phys_state)`` for every port of each RDMA device (absent ones skipped)."""
+    out: list[tuple[str, int, int, int]] = []
+    try:
+        cfd = os.open(os.path.join(root, b"class/infiniband"), _O_DIR)
+    except OSError:
+        return ()
+    try:
+        for ibdev in ibdevs:
+            pdir = ibdev + b"/ports"
+            for port in _listdir(cfd, pdir):
+                n = _int(port)
+                if n is None:
+                    continue
+                status, state = _read(cfd, pdir + b"/" + port + b"/state")
+                if status != 0:
+                    continue
+                status, phys = _read(cfd, pdir + b"/" + port + b"/phys_state")
+                out.append(
+                    (os.fsdecode(ibdev), n, _leading_int(state), _leading_int(phys) if status == 0 else -1)
+                )
+    finally:
+        os.close(cfd)
+    return tuple(out)

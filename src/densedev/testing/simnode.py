@@ -1,0 +1,833 @@
+"""A simulated node: a directory tree shaped exactly like Linux sysfs for SR-IOV NICs and RDMA devices.
+
+The tree mirrors what the kernel shows under ``/sys`` (PCI functions as real directories under
+``devices/pci<domain>:<bus>/<root port>/``, every other view a *relative* symlink into them), so the one
+scanner that reads ``/sys`` on a node reads this tree in tests, the demo and the benchmarks unchanged.
+Mutators change the tree the way the kernel would (writing ``sriov_numvfs``, binding drivers, moving a
+netdev into a pod's namespace, RDMA port state changes).
+
+A small bookkeeping directory ``.simnode/`` at the root remembers names the kernel would derive (udev's
+interface names, ibdev names) and counters; the scanner never reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "NodeLayout",
+    "SimExtras",
+    "SimPF",
+    "bind_driver",
+    "build_node",
+    "move_netdev_to_pod",
+    "set_link",
+    "set_num_vfs",
+    "set_rdma_port",
+    "simulate",
+    "write_config",
+]
+
+_FILE_MODE = 0o644
+_WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+
+
+@dataclass(frozen=True)
+class _Vendor:
+    vendor: int
+    pf_device: int
+    vf_device: int
+    pf_driver: str
+    vf_driver: str
+    subsystem_device: int
+    rdma: bool  # RDMA-capable by default (mlx5 exposes an ibdev on every function)
+
+
+_VENDORS = {
+    # ConnectX-6 Dx: PF 101d, VF 101e (ConnectX family VF), mlx5_core drives both.
+    "mellanox": _Vendor(0x15B3, 0x101D, 0x101E, "mlx5_core", "mlx5_core", 0x0016, True),
+    # E810-C: PF 1592 (ice), adaptive VF 1889 (iavf); iRDMA exists but is off by default.
+    "intel": _Vendor(0x8086, 0x1592, 0x1889, "ice", "iavf", 0x0002, False),
+}
+# PF vendor:device → the driver its VFs bind to when created (what the kernel's autoprobe would pick).
+_VF_DRIVERS = {
+    (0x15B3, 0x101D): "mlx5_core",
+    (0x15B3, 0x1017): "mlx5_core",
+    (0x8086, 0x1592): "iavf",
+    (0x8086, 0x4940): "vfio-pci",
+}
+_NET_DRIVERS = frozenset({"mlx5_core", "ice", "iavf", "i40e", "ixgbe", "ixgbevf", "igb", "igbvf"})
+_UIO_DRIVERS = frozenset({"igb_uio", "uio_pci_generic"})
+# include/uapi/rdma/ib_user_verbs.h port states and the IBTA phys states shown in ports/<n>/phys_state.
+_PORT_STATES = {1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
+
+
+@dataclass(frozen=True)
+class SimPF:
+    """One simulated physical function and the virtual functions it has enabled."""
+
+    address: str
+    netdev: str
+    numa_node: int
+    vf_addresses: tuple[str, ...]
+    vf_netdevs: tuple[str, ...]
+    ibdev: str  # "" without RDMA
+    vf_ibdevs: tuple[str, ...] = ()
+    vendor: str = "mellanox"
+
+
+@dataclass(frozen=True)
+class SimExtras:
+    """Addresses of the special kinds ``build_node(extras=True)`` adds, for tests that need one of each."""
+
+    sf_pf: str  # Mellanox PF that carries the subfunctions
+    sfs: tuple[str, ...]  # auxiliary device names "mlx5_core.sf.<n>"
+    sf_netdevs: tuple[str, ...]
+    sf_ibdevs: tuple[str, ...]
+    vdpa_vf: str  # VF with vdpa0 (vhost_vdpa) on it
+    vdpa: str
+    uio_vf: str  # VF bound to igb_uio (uio/uio0)
+    uio: str
+    vfio_vf: str  # VF bound to vfio-pci in an IOMMU group
+    noiommu_vf: str  # VF bound to vfio-pci in a vfio-noiommu group
+    noiommu_group: int
+    accel_pf: str  # Intel QAT 4xxx PF (class 0x120000)
+    accel_vfs: tuple[str, ...]  # its VFs, bound to vfio-pci
+    ib_pf: str  # InfiniBand ConnectX PF (class 0x020700, link layer InfiniBand, with issm and ucm)
+    ib_netdev: str
+    ib_ibdev: str
+    plain: str  # plain PCI NIC without SR-IOV (I210, igb)
+    plain_netdev: str
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """What ``build_node`` wrote: the root and every PF with its VFs (and the extras when asked)."""
+
+    root: Path
+    pfs: tuple[SimPF, ...]
+    vendor: str = "mellanox"
+    rdma: bool = False
+    extras: SimExtras | None = None
+
+    @property
+    def vf_addresses(self) -> tuple[str, ...]:
+        """Return every VF address of the main PFs, PF by PF."""
+        return tuple(a for pf in self.pfs for a in pf.vf_addresses)
+
+
+# ---------------------------------------------------------------------------------------------- writer
+
+
+def _bdf(domain: int, rid: int) -> str:
+    # A routing ID is bus<<8 | device<<3 | function (PCIe base spec, "Routing ID").
+    return f"{domain:04x}:{rid >> 8:02x}:{(rid >> 3) & 0x1F:02x}.{rid & 7}"
+
+
+def _rid(bdf: str) -> int:
+    bus, devfn = bdf[5:].split(":")
+    dev, fn = devfn.split(".")
+    return int(bus, 16) << 8 | int(dev, 16) << 3 | int(fn)
+
+
+class _Writer:
+    """Writes sysfs shapes under one root; keeps the bookkeeping counters of one node."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = str(root)
+        self.state_dir = os.path.join(self.root, ".simnode")
+        self.state_path = os.path.join(self.state_dir, "state.json")
+        try:
+            with open(self.state_path) as f:
+                self.state: dict[str, object] = json.load(f)
+        except FileNotFoundError:
+            self.state = {
+                "ifindex": 2,  # 1 is lo
+                "ibdev": {},  # prefix → next number
+                "uverbs": 0,
+                "umad": 0,
+                "ucm": 0,
+                "iommu": 0,
+                "uio": 0,
+                "vdpa": 0,
+                "names": {},  # device id → [ifname, ibdev]: what udev / the RDMA core would name it again
+            }
+        self._made: set[str] = set()
+
+    def save(self) -> None:
+        os.makedirs(self.state_dir, exist_ok=True)
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.state, f)
+        os.replace(tmp, self.state_path)
+
+    def counter(self, key: str) -> int:
+        value = int(self.state[key])  # type: ignore[call-overload]
+        self.state[key] = value + 1
+        return value
+
+    @property
+    def names(self) -> dict[str, list[str]]:
+        return self.state["names"]  # type: ignore[return-value]
+
+    # -- primitives: os-level calls, no pathlib in the inner loop (16k VFs x ~30 entries each)
+    def mkdir(self, path: str) -> None:
+        if path in self._made:
+            return
+        os.makedirs(path, exist_ok=True)
+        self._made.add(path)
+
+    def write(self, path: str, text: str) -> None:
+        fd = os.open(path, _WFLAGS, _FILE_MODE)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+
+    def link(self, target: str, path: str) -> None:
+        try:
+            os.symlink(target, path)
+        except FileExistsError:
+            os.unlink(path)
+            os.symlink(target, path)
+
+    def up_to_root(self, path: str) -> str:
+        # The relative prefix from a directory back to the sysfs root ("../../../..").
+        depth = os.path.relpath(path, self.root).count("/") + 1
+        return "/".join([".."] * depth)
+
+    # -- kernel objects
+    def root_port(self, domain: int, bus: int) -> str:
+        """Create host bridge pci<dom>:<bus> and its root port <bus>:00.0; return the port's dir."""
+        top = f"pci{domain:04x}:{bus:02x}"
+        port_bdf = _bdf(domain, bus << 8)
+        path = os.path.join(self.root, "devices", top, port_bdf)
+        self.mkdir(path)
+        self.pci_files(path, port_bdf, 0x8086, 0x347A, 0x060400, 0x8086, 0x0000, -1, None)
+        self.bind(path, "pcieport")
+        self.bus_link(path, port_bdf)
+        return path
+
+    def bus_link(self, path: str, bdf: str) -> None:
+        rel = os.path.relpath(path, self.root)
+        self.link(f"../../../{rel}", os.path.join(self.root, "bus/pci/devices", bdf))
+
+    def pci_files(
+        self,
+        path: str,
+        bdf: str,
+        vendor: int,
+        device: int,
+        pci_class: int,
+        sub_vendor: int,
+        sub_device: int,
+        numa: int,
+        acpi_index: int | None,
+    ) -> None:
+        w = self.write
+        w(path + "/vendor", f"0x{vendor:04x}\n")
+        w(path + "/device", f"0x{device:04x}\n")
+        w(path + "/class", f"0x{pci_class:06x}\n")
+        w(path + "/subsystem_vendor", f"0x{sub_vendor:04x}\n")
+        w(path + "/subsystem_device", f"0x{sub_device:04x}\n")
+        w(path + "/numa_node", f"{numa}\n")
+        w(path + "/enable", "1\n")
+        w(
+            path + "/modalias",
+            f"pci:v{vendor:08X}d{device:08X}sv{sub_vendor:08X}sd{sub_device:08X}"
+            f"bc{pci_class >> 16:02X}sc{(pci_class >> 8) & 0xFF:02X}i{pci_class & 0xFF:02X}\n",
+        )
+        w(
+            path + "/uevent",
+            f"PCI_CLASS={pci_class:X}\nPCI_ID={vendor:04X}:{device:04X}\n"
+            f"PCI_SUBSYS_ID={sub_vendor:04X}:{sub_device:04X}\nPCI_SLOT_NAME={bdf}\n",
+        )
+        if acpi_index is not None:
+            w(path + "/acpi_index", f"{acpi_index}\n")
+
+    def bind(self, path: str, driver: str | None) -> None:
+        link = path + "/driver"
+        if os.path.islink(link):
+            os.unlink(link)
+        if driver is None:
+            return
+        self.mkdir(os.path.join(self.root, "bus/pci/drivers", driver))
+        self.link(f"{self.up_to_root(path)}/bus/pci/drivers/{driver}", link)
+
+    def iommu(self, path: str, bdf: str, noiommu: bool = False) -> int:
+        group = self.counter("iommu")
+        gdir = os.path.join(self.root, "kernel/iommu_groups", str(group))
+        self.mkdir(gdir + "/devices")
+        if noiommu:
+            # drivers/vfio/group.c names a no-IOMMU group "vfio-noiommu" (node /dev/vfio/noiommu-<n>).
+            self.write(gdir + "/name", "vfio-noiommu\n")
+        self.write(gdir + "/type", "DMA-FQ\n" if not noiommu else "identity\n")
+        rel = os.path.relpath(path, self.root)
+        self.link(f"../../../../{rel}", f"{gdir}/devices/{bdf}")
+        self.link(f"{self.up_to_root(path)}/kernel/iommu_groups/{group}", path + "/iommu_group")
+        return group
+
+    def netdev(self, path: str, ifname: str, arphrd: int = 1, port_name: str = "") -> None:
+        ndir = f"{path}/net/{ifname}"
+        self.mkdir(ndir)
+        index = self.counter("ifindex")
+        w = self.write
+        w(ndir + "/operstate", "up\n")
+        w(ndir + "/carrier", "1\n")
+        w(ndir + "/type", f"{arphrd}\n")
+        if arphrd == 32:
+            w(
+                ndir + "/address",
+                f"00:00:10:87:fe:80:00:00:00:00:00:00:00:00:00:00:00:00:{index & 0xFF:02x}\n",
+            )
+        else:
+            w(
+                ndir + "/address",
+                f"02:00:{index >> 24 & 0xFF:02x}:{index >> 16 & 0xFF:02x}:"
+                f"{index >> 8 & 0xFF:02x}:{index & 0xFF:02x}\n",
+            )
+        w(ndir + "/ifindex", f"{index}\n")
+        w(ndir + "/phys_port_name", f"{port_name}\n")
+        rel = os.path.relpath(ndir, self.root)
+        self.link(f"../../{rel}", os.path.join(self.root, "class/net", ifname))
+
+    def next_ibdev(self, prefix: str) -> str:
+        numbers: dict[str, int] = self.state["ibdev"]  # type: ignore[assignment]
+        n = numbers.get(prefix, 0)
+        numbers[prefix] = n + 1
+        return f"{prefix}{n}"
+
+    def rdma(self, path: str, ibdev: str, infiniband: bool = False, ucm: bool = False) -> None:
+        """Create infiniband/<ibdev> with port 1 and its uverbs/umad(/issm/ucm) class devices."""
+        idir = f"{path}/infiniband/{ibdev}"
+        pdir = idir + "/ports/1"
+        self.mkdir(pdir + "/pkeys")
+        w = self.write
+        w(pdir + "/state", "4: ACTIVE\n")
+        w(pdir + "/phys_state", "5: LinkUp\n")
+        w(pdir + "/link_layer", "InfiniBand\n" if infiniband else "Ethernet\n")
+        w(pdir + "/pkeys/0", "0xffff\n")
+        w(idir + "/node_type", "1: CA\n")
+        rel = os.path.relpath(idir, self.root)
+        self.link(f"../../{rel}", os.path.join(self.root, "class/infiniband", ibdev))
+        kinds = [("infiniband_verbs", "uverbs", "uverbs"), ("infiniband_mad", "umad", "umad")]
+        if infiniband:
+            # The subnet-management node exists per IB port only (drivers/infiniband/core/user_mad.c).
+            kinds.append(("infiniband_mad", "issm", "umad"))
+        if ucm:
+            kinds.append(("infiniband_cm", "ucm", "ucm"))
+        numbers: dict[str, int] = {}
+        for cls, prefix, counter in kinds:
+            # umadN and issmN share one number: both are minors of the same port.
+            n = numbers[counter] if counter in numbers else self.counter(counter)
+            numbers[counter] = n
+            cdir = f"{path}/{cls}/{prefix}{n}"
+            self.mkdir(cdir)
+            w(cdir + "/ibdev", f"{ibdev}\n")
+            if prefix == "umad":
+                w(cdir + "/port", "1\n")
+            crel = os.path.relpath(cdir, self.root)
+            self.mkdir(os.path.join(self.root, "class", cls))
+            self.link(f"../../{crel}", os.path.join(self.root, "class", cls, f"{prefix}{n}"))
+
+    def ensure_base(self) -> None:
+        for d in (
+            "bus/pci/devices",
+            "bus/pci/drivers",
+            "bus/auxiliary/devices",
+            "bus/auxiliary/drivers",
+            "bus/vdpa/devices",
+            "bus/vdpa/drivers",
+            "class/net",
+            "class/infiniband",
+            "class/infiniband_verbs",
+            "class/infiniband_mad",
+            "kernel/iommu_groups",
+            "devices",
+        ):
+            self.mkdir(os.path.join(self.root, d))
+
+    def pf(
+        self,
+        parent: str,
+        bdf: str,
+        spec: _Vendor,
+        pci_class: int,
+        numa: int,
+        total_vfs: int,
+        offset: int,
+        stride: int,
+        ifname: str,
+        ibdev: str,
+        acpi_index: int | None,
+        infiniband: bool = False,
+    ) -> str:
+        path = f"{parent}/{bdf}"
+        self.mkdir(path)
+        self.pci_files(
+            path,
+            bdf,
+            spec.vendor,
+            spec.pf_device,
+            pci_class,
+            spec.vendor,
+            spec.subsystem_device,
+            numa,
+            acpi_index,
+        )
+        w = self.write
+        w(path + "/sriov_totalvfs", f"{total_vfs}\n")
+        w(path + "/sriov_numvfs", "0\n")
+        w(path + "/sriov_offset", f"{offset}\n")
+        w(path + "/sriov_stride", f"{stride}\n")
+        w(path + "/sriov_vf_device", f"{spec.vf_device:x}\n")
+        w(path + "/sriov_drivers_autoprobe", "1\n")
+        self.bind(path, spec.pf_driver)
+        self.iommu(path, bdf)
+        self.bus_link(path, bdf)
+        if ifname:
+            self.netdev(path, ifname, 32 if infiniband else 1, "p0" if not infiniband else "")
+        if ibdev:
+            self.rdma(path, ibdev, infiniband=infiniband, ucm=infiniband)
+        self.names[bdf] = [ifname, ibdev]
+        return path
+
+    def create_vfs(self, pf_bdf: str, n: int) -> tuple[str, ...]:
+        """Create VFs 0..n-1 of a PF as the kernel does when sriov_numvfs goes 0 → n."""
+        pf_path = os.path.realpath(os.path.join(self.root, "bus/pci/devices", pf_bdf))
+        parent = os.path.dirname(pf_path)
+        total = _read_int(pf_path + "/sriov_totalvfs")
+        if n > total:
+            raise OSError(errno.ERANGE, f"{pf_bdf}: {n} VFs requested, sriov_totalvfs is {total}")
+        offset = _read_int(pf_path + "/sriov_offset")
+        stride = _read_int(pf_path + "/sriov_stride")
+        vf_device = int(_read_text(pf_path + "/sriov_vf_device"), 16)
+        vendor = int(_read_text(pf_path + "/vendor"), 16)
+        device = int(_read_text(pf_path + "/device"), 16)
+        sub_device = int(_read_text(pf_path + "/subsystem_device"), 16)
+        pci_class = int(_read_text(pf_path + "/class"), 16)
+        numa = _read_int(pf_path + "/numa_node")
+        pf_if, pf_ib = self.names.get(pf_bdf, ["", ""])
+        vf_driver = _VF_DRIVERS.get((vendor, device), "")
+        ib_prefix = pf_ib.rstrip("0123456789") if pf_ib else ""
+        domain = int(pf_bdf[:4], 16)
+        base = _rid(pf_bdf)
+        up = self.up_to_root(pf_path)
+        rel_parent = os.path.relpath(parent, self.root)
+        bus_dir = os.path.join(self.root, "bus/pci/devices")
+        out = []
+        for k in range(n):
+            # PCIe SR-IOV: VF k's routing ID = PF RID + First VF Offset + k x VF Stride; the
+            # addresses run past function 7 and spill onto the next bus numbers.
+            bdf = _bdf(domain, base + offset + k * stride)
+            path = f"{parent}/{bdf}"
+            os.mkdir(path)
+            self.pci_files(path, bdf, vendor, vf_device, pci_class, vendor, sub_device, numa, None)
+            os.symlink(f"../{pf_bdf}", path + "/physfn")
+            os.symlink(f"../{bdf}", f"{pf_path}/virtfn{k}")
+            os.symlink(f"../../../{rel_parent}/{bdf}", f"{bus_dir}/{bdf}")
+            if vf_driver:
+                self.mkdir(os.path.join(self.root, "bus/pci/drivers", vf_driver))
+                os.symlink(f"{up}/bus/pci/drivers/{vf_driver}", path + "/driver")
+            self.iommu(path, bdf)
+            ifname = f"{pf_if}v{k}" if pf_if and vf_driver in _NET_DRIVERS else ""
+            if ifname:
+                self.netdev(path, ifname)
+            ibdev = self.next_ibdev(ib_prefix) if ib_prefix else ""
+            if ibdev:
+                self.rdma(path, ibdev)
+            self.names[bdf] = [ifname, ibdev]
+            out.append(bdf)
+        self.write(pf_path + "/sriov_numvfs", f"{n}\n")
+        return tuple(out)
+
+    def remove_function(self, path: str, bdf: str) -> None:
+        """Tear down a function and every view of it (class links, bus link, IOMMU group)."""
+        self.drop_views(path)
+        group = os.path.join(path, "iommu_group")
+        if os.path.islink(group):
+            shutil.rmtree(os.path.realpath(group), ignore_errors=True)
+        _unlink(os.path.join(self.root, "bus/pci/devices", bdf))
+        shutil.rmtree(path)
+
+    def drop_views(self, path: str, keep_rdma: bool = False) -> None:
+        """Remove net/, infiniband/, uio/ and the class links pointing at them (driver unbind)."""
+        for ifname in _listdir(path + "/net"):
+            _unlink(os.path.join(self.root, "class/net", ifname))
+        shutil.rmtree(path + "/net", ignore_errors=True)
+        if not keep_rdma:
+            for ibdev in _listdir(path + "/infiniband"):
+                _unlink(os.path.join(self.root, "class/infiniband", ibdev))
+            shutil.rmtree(path + "/infiniband", ignore_errors=True)
+            for cls in ("infiniband_verbs", "infiniband_mad", "infiniband_cm"):
+                for name in _listdir(f"{path}/{cls}"):
+                    _unlink(os.path.join(self.root, "class", cls, name))
+                shutil.rmtree(f"{path}/{cls}", ignore_errors=True)
+        for name in _listdir(path + "/uio"):
+            _unlink(os.path.join(self.root, "class/uio", name))
+        shutil.rmtree(path + "/uio", ignore_errors=True)
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
+
+
+def _read_int(path: str) -> int:
+    return int(_read_text(path))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def build_node(
+    root: Path,
+    *,
+    pfs: int = 16,
+    vfs_per_pf: int = 256,
+    vendor: str = "mellanox",
+    rdma: bool = False,
+    numa_nodes: int = 2,
+    extras: bool = False,
+) -> NodeLayout:
+    """Write a simulated node of ``pfs`` SR-IOV PFs with ``vfs_per_pf`` VFs each under ``root``.
+
+    Two PFs share one dual-port NIC behind its own root port; NICs are spread over ``numa_nodes``.
+    """
+    if vendor not in _VENDORS:
+        raise ValueError(f"vendor {vendor!r}: expected one of {sorted(_VENDORS)}")
+    if pfs < 0 or vfs_per_pf < 0 or numa_nodes < 1:
+        raise ValueError(f"pfs={pfs}, vfs_per_pf={vfs_per_pf}, numa_nodes={numa_nodes}: must be >= 0/1")
+    spec = _VENDORS[vendor]
+    use_rdma = rdma
+    root = Path(root)
+    w = _Writer(root)
+    w.ensure_base()
+    nics = (pfs + 1) // 2
+    # Routing IDs a NIC's functions use: 2 PFs then 2 x vfs_per_pf VFs (offset 2, stride 1).
+    buses_per_nic = 1 + (2 + 2 * vfs_per_pf + 255) // 256
+    if 0x18 + nics * buses_per_nic > 0xFF:
+        raise ValueError(f"{pfs} PFs x {vfs_per_pf} VFs do not fit in one PCI domain's 256 buses")
+    layout_pfs: list[tuple[str, str, int, str]] = []
+    bus = 0x18
+    ib_prefix = "mlx5_" if vendor == "mellanox" else "irdma"
+    for nic in range(nics):
+        numa = nic * numa_nodes // max(nics, 1)
+        port = w.root_port(0, bus)
+        slot = nic + 1
+        nic_bus = bus + 1
+        bus += buses_per_nic
+        for func in range(min(2, pfs - 2 * nic)):
+            bdf = _bdf(0, nic_bus << 8 | func)
+            # PF f's VFs follow both PFs and the VFs of lower PFs (as mlx5/ice firmware lays them out).
+            offset = 2 - func + func * vfs_per_pf
+            ifname = f"ens{slot}f{func}"
+            ibdev = w.next_ibdev(ib_prefix) if use_rdma else ""
+            w.pf(port, bdf, spec, 0x020000, numa, vfs_per_pf, offset, 1, ifname, ibdev, None)
+            layout_pfs.append((bdf, ifname, numa, ibdev))
+    out: list[SimPF] = []
+    for bdf, ifname, numa, ibdev in layout_pfs:
+        vfs = w.create_vfs(bdf, vfs_per_pf)
+        out.append(
+            SimPF(
+                address=bdf,
+                netdev=ifname,
+                numa_node=numa,
+                vf_addresses=vfs,
+                vf_netdevs=tuple(w.names[a][0] for a in vfs),
+                ibdev=ibdev,
+                vf_ibdevs=tuple(w.names[a][1] for a in vfs) if ibdev else (),
+                vendor=vendor,
+            )
+        )
+    extra = _build_extras(w, bus, numa_nodes) if extras else None
+    w.save()
+    return NodeLayout(root=root, pfs=tuple(out), vendor=vendor, rdma=rdma, extras=extra)
+
+
+def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
+    """Add one of each special kind on NICs of their own (after the main ones, on the last NUMA node)."""
+    numa = numa_nodes - 1
+    mlx = _VENDORS["mellanox"]
+    intel = _VENDORS["intel"]
+    if bus + 10 > 0xFF:
+        raise ValueError("no PCI buses left for the extras")
+    # 1. A ConnectX PF with subfunctions (mlx5 SFs on the auxiliary bus) and 2 VFs: one carries vDPA.
+    port = w.root_port(0, bus)
+    sf_pf = _bdf(0, (bus + 1) << 8)
+    w.pf(port, sf_pf, mlx, 0x020000, numa, 8, 2, 1, "ens90f0", w.next_ibdev("mlx5_"), 90)
+    sf_pf_path = f"{port}/{sf_pf}"
+    vfs = w.create_vfs(sf_pf, 2)
+    sfs, sf_netdevs, sf_ibdevs = [], [], []
+    for n in (1, 2):
+        name = f"mlx5_core.sf.{n}"
+        path = f"{sf_pf_path}/{name}"
+        w.mkdir(path)
+        w.write(path + "/sfnum", f"{n}\n")
+        w.mkdir(os.path.join(w.root, "bus/auxiliary/drivers/mlx5_core.sf"))
+        w.link(f"{w.up_to_root(path)}/bus/auxiliary/drivers/mlx5_core.sf", path + "/driver")
+        rel = os.path.relpath(path, w.root)
+        w.link(f"../../../{rel}", os.path.join(w.root, "bus/auxiliary/devices", name))
+        ifname, ibdev = f"ens90f0s{n}", w.next_ibdev("mlx5_")
+        w.netdev(path, ifname)
+        w.rdma(path, ibdev)
+        w.names[name] = [ifname, ibdev]
+        sfs.append(name)
+        sf_netdevs.append(ifname)
+        sf_ibdevs.append(ibdev)
+    # Non-SF auxiliary devices exist beside them on real nodes and must not be taken for SFs.
+    eth = f"{sf_pf_path}/mlx5_core.eth.0"
+    w.mkdir(eth)
+    w.link(
+        f"../../../{os.path.relpath(eth, w.root)}",
+        os.path.join(w.root, "bus/auxiliary/devices/mlx5_core.eth.0"),
+    )
+    vdpa_vf = vfs[1]
+    vdpa_path = os.path.realpath(os.path.join(w.root, "bus/pci/devices", vdpa_vf)) + "/vdpa0"
+    w.mkdir(vdpa_path)
+    w.mkdir(os.path.join(w.root, "bus/vdpa/drivers/vhost_vdpa"))
+    w.link(f"{w.up_to_root(vdpa_path)}/bus/vdpa/drivers/vhost_vdpa", vdpa_path + "/driver")
+    w.link(f"../../../{os.path.relpath(vdpa_path, w.root)}", os.path.join(w.root, "bus/vdpa/devices/vdpa0"))
+    w.counter("vdpa")
+    bus += 2
+    # 2. An E810 with 3 VFs: VF0 on igb_uio, VF1 on vfio-pci, VF2 on vfio-pci in a no-IOMMU group.
+    port = w.root_port(0, bus)
+    e810 = _bdf(0, (bus + 1) << 8)
+    w.pf(port, e810, intel, 0x020000, numa, 8, 0x10, 1, "ens91f0", "", 91)
+    uio_vf, vfio_vf, noiommu_vf = w.create_vfs(e810, 3)
+    bind_driver(w.root, uio_vf, "igb_uio", _writer=w)
+    bind_driver(w.root, vfio_vf, "vfio-pci", _writer=w)
+    nvf_path = os.path.realpath(os.path.join(w.root, "bus/pci/devices", noiommu_vf))
+    shutil.rmtree(os.path.realpath(nvf_path + "/iommu_group"))
+    os.unlink(nvf_path + "/iommu_group")
+    noiommu_group = w.iommu(nvf_path, noiommu_vf, noiommu=True)
+    bind_driver(w.root, noiommu_vf, "vfio-pci", _writer=w)
+    bus += 2
+    # 3. An accelerator: Intel QAT 4xxx PF 4940 (class 0x120000) with VFs 4941 on vfio-pci.
+    port = w.root_port(0, bus)
+    qat = _bdf(0, (bus + 1) << 8)
+    qspec = _Vendor(0x8086, 0x4940, 0x4941, "4xxx", "vfio-pci", 0x0000, False)
+    w.pf(port, qat, qspec, 0x120000, numa, 16, 1, 1, "", "", None)
+    accel_vfs = w.create_vfs(qat, 4)
+    bus += 2
+    # 4. An InfiniBand ConnectX-5 PF (class 0x020700): IPoIB netdev (ARPHRD_INFINIBAND 32), issm, ucm.
+    port = w.root_port(0, bus)
+    ib_pf = _bdf(0, (bus + 1) << 8)
+    ibspec = _Vendor(0x15B3, 0x1017, 0x1018, "mlx5_core", "mlx5_core", 0x0007, True)
+    ib_ibdev = w.next_ibdev("mlx5_")
+    w.pf(port, ib_pf, ibspec, 0x020700, numa, 8, 2, 1, "ibs92f0", ib_ibdev, 92, infiniband=True)
+    bus += 2
+    # 5. A plain NIC without SR-IOV (I210 on igb).
+    port = w.root_port(0, bus)
+    plain = _bdf(0, (bus + 1) << 8)
+    ppath = f"{port}/{plain}"
+    w.mkdir(ppath)
+    w.pci_files(ppath, plain, 0x8086, 0x1533, 0x020000, 0x8086, 0x0000, numa, 1)
+    w.bind(ppath, "igb")
+    w.iommu(ppath, plain)
+    w.bus_link(ppath, plain)
+    w.netdev(ppath, "eno1")
+    w.names[plain] = ["eno1", ""]
+    return SimExtras(
+        sf_pf=sf_pf,
+        sfs=tuple(sfs),
+        sf_netdevs=tuple(sf_netdevs),
+        sf_ibdevs=tuple(sf_ibdevs),
+        vdpa_vf=vdpa_vf,
+        vdpa="vdpa0",
+        uio_vf=uio_vf,
+        uio="uio0",
+        vfio_vf=vfio_vf,
+        noiommu_vf=noiommu_vf,
+        noiommu_group=noiommu_group,
+        accel_pf=qat,
+        accel_vfs=accel_vfs,
+        ib_pf=ib_pf,
+        ib_netdev="ibs92f0",
+        ib_ibdev=ib_ibdev,
+        plain=plain,
+        plain_netdev="eno1",
+    )
+
+
+# -------------------------------------------------------------------------------------------- mutators
+
+
+def _device_path(root: str | Path, address: str) -> str:
+    link = os.path.join(str(root), "bus/pci/devices", address)
+    if not os.path.lexists(link):
+        raise FileNotFoundError(errno.ENOENT, f"no PCI device {address} under {root}")
+    return os.path.realpath(link)
+
+
+def set_link(root: Path | str, ifname: str, up: bool) -> None:
+    """Set a host interface's operstate/carrier as an admin up/down (``ip link set``) would."""
+    path = os.path.join(str(root), "class/net", ifname)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(errno.ENOENT, f"no interface {ifname} under {root}/class/net")
+    w = _Writer(Path(root))
+    w.write(path + "/operstate", "up\n" if up else "down\n")
+    # carrier is unreadable (EINVAL) while the link is admin-down; "0" stands in for that.
+    w.write(path + "/carrier", "1\n" if up else "0\n")
+
+
+def set_num_vfs(root: Path | str, pf_address: str, n: int) -> tuple[str, ...]:
+    """Change a PF's enabled VFs as writing ``sriov_numvfs`` does; return the VF addresses now present.
+
+    As in drivers/pci/iov.c, going from one non-zero count to another fails with EBUSY: write 0 first.
+    """
+    w = _Writer(Path(root))
+    path = _device_path(root, pf_address)
+    if not os.path.exists(path + "/sriov_totalvfs"):
+        raise OSError(errno.ENOENT, f"{pf_address} is not an SR-IOV PF (no sriov_totalvfs)")
+    current = _read_int(path + "/sriov_numvfs")
+    if n < 0:
+        raise ValueError(f"{pf_address}: VF count {n} is negative")
+    if n == current:
+        return tuple(os.path.basename(os.readlink(f"{path}/virtfn{k}")) for k in range(n))
+    if current and n:
+        raise OSError(errno.EBUSY, f"{pf_address}: {current} VFs enabled; write 0 before {n}")
+    if n == 0:
+        for k in range(current):
+            vlink = f"{path}/virtfn{k}"
+            bdf = os.path.basename(os.readlink(vlink))
+            w.remove_function(os.path.join(os.path.dirname(path), bdf), bdf)
+            w.names.pop(bdf, None)
+            os.unlink(vlink)
+        w.write(path + "/sriov_numvfs", "0\n")
+        w.save()
+        return ()
+    vfs = w.create_vfs(pf_address, n)
+    w.save()
+    return vfs
+
+
+def bind_driver(
+    root: Path | str, address: str, driver: str | None, *, _writer: _Writer | None = None
+) -> None:
+    """Unbind a PCI function and bind it to ``driver`` (``None``: leave it unbound), as the kernel would.
+
+    Network drivers bring the interface (and mlx5's RDMA device) back; vfio-pci and uio drivers take
+    them away; uio drivers add ``uio/uio<N>``.
+    """
+    w = _writer or _Writer(Path(root))
+    path = _device_path(root, address)
+    w.drop_views(path)
+    w.bind(path, driver)
+    ifname, ibdev = w.names.get(address, ["", ""])
+    if driver in _NET_DRIVERS and ifname:
+        arphrd = 32 if _read_text(path + "/class").startswith("0x0207") else 1
+        w.netdev(path, ifname, arphrd)
+        if ibdev and driver == "mlx5_core":
+            w.rdma(path, ibdev, infiniband=arphrd == 32)
+    elif driver in _UIO_DRIVERS:
+        n = w.counter("uio")
+        udir = f"{path}/uio/uio{n}"
+        w.mkdir(udir)
+        w.write(udir + "/name", f"{driver}\n")
+        w.mkdir(os.path.join(w.root, "class/uio"))
+        w.link(f"../../{os.path.relpath(udir, w.root)}", os.path.join(w.root, "class/uio", f"uio{n}"))
+    if _writer is None:
+        w.save()
+
+
+def move_netdev_to_pod(root: Path | str, address: str) -> None:
+    """Move a function's interface into a pod's network namespace: net/ and class/net go, identity stays."""
+    path = _device_path(root, address)
+    names = _listdir(path + "/net")
+    if not names:
+        raise FileNotFoundError(errno.ENOENT, f"{address} has no host interface to move")
+    for ifname in names:
+        _unlink(os.path.join(str(root), "class/net", ifname))
+        shutil.rmtree(f"{path}/net/{ifname}")
+
+
+def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
+    """Set an RDMA port's state (1 DOWN … 4 ACTIVE) and a matching physical state."""
+    if state not in _PORT_STATES:
+        raise ValueError(f"RDMA port state {state}: expected one of {sorted(_PORT_STATES)}")
+    pdir = os.path.join(str(root), "class/infiniband", ibdev, "ports", str(port))
+    if not os.path.isdir(pdir):
+        raise FileNotFoundError(errno.ENOENT, f"no RDMA port {ibdev}/{port} under {root}")
+    w = _Writer(Path(root))
+    w.write(pdir + "/state", f"{state}: {_PORT_STATES[state]}\n")
+    w.write(pdir + "/phys_state", "5: LinkUp\n" if state >= 2 else "3: Disabled\n")
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+
+def write_config(path: Path | str, layout: NodeLayout, prefix: str = "intel.com") -> None:
+    """Write an SR-IOV-network-device-plugin ``config.json`` matching the node's pools.
+
+    One pool per PF (``pfNames``), one per vendor/VF driver, and an RDMA pool when the node has RDMA.
+    """
+    resources: list[dict[str, object]] = []
+    for pf in layout.pfs:
+        resources.append(
+            {
+                "resourceName": f"sriov_{pf.netdev}",
+                "resourcePrefix": prefix,
+                "selectors": {"pfNames": [pf.netdev]},
+            }
+        )
+    spec = _VENDORS[layout.vendor]
+    resources.append(
+        {
+            "resourceName": f"{layout.vendor}_vfs",
+            "resourcePrefix": prefix,
+            "selectors": {
+                "vendors": [f"{spec.vendor:04x}"],
+                "devices": [f"{spec.vf_device:04x}"],
+                "drivers": [spec.vf_driver],
+            },
+        }
+    )
+    if layout.rdma:
+        resources.append(
+            {
+                "resourceName": f"{layout.vendor}_rdma",
+                "resourcePrefix": prefix,
+                "selectors": {
+                    "vendors": [f"{spec.vendor:04x}"],
+                    "devices": [f"{spec.vf_device:04x}"],
+                    "isRdma": True,
+                },
+            }
+        )
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"resourceList": resources}, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def simulate(
+    out: Path | str,
+    pfs: int = 16,
+    vfs_per_pf: int = 256,
+    vendor: str = "mellanox",
+    rdma: bool = False,
+    numa_nodes: int = 2,
+) -> NodeLayout:
+    """Build a simulated node under ``out`` and write ``out/config.json`` for it (``densedev simulate``)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    layout = build_node(out, pfs=pfs, vfs_per_pf=vfs_per_pf, vendor=vendor, rdma=rdma, numa_nodes=numa_nodes)
+    write_config(out / "config.json", layout)
+    return layout

@@ -1,0 +1,222 @@
+"""Discovery over simulated trees: every device kind, the mess cases, partial rescans and RDMA ports."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from densedev import discovery
+from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Device
+from densedev.testing.simnode import (
+    NodeLayout,
+    bind_driver,
+    build_node,
+    move_netdev_to_pod,
+    set_num_vfs,
+    set_rdma_port,
+)
+
+
+def _scan(
+    impl: ModuleType, root: Path, addresses: tuple[str, ...] | None = None
+) -> tuple[dict[str, Device], tuple[str, ...]]:
+    wanted = None if addresses is None else tuple(os.fsencode(a) for a in addresses)
+    rows, warnings = impl.scan_sysfs(os.fsencode(root), wanted)
+    devices = [Device._make(r) for r in rows]
+    assert [d.id for d in devices] == sorted(d.id for d in devices)
+    return {d.id: d for d in devices}, warnings
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> NodeLayout:
+    """One node with RDMA and one of each special kind, shared read-only by the tests below."""
+    return build_node(tmp_path_factory.mktemp("node"), pfs=4, vfs_per_pf=6, rdma=True, extras=True)
+
+
+def test_pfs_and_vfs(impl: ModuleType, node: NodeLayout) -> None:
+    devs, warnings = _scan(impl, node.root)
+    assert warnings == ()
+    for pf in node.pfs:
+        d = devs[pf.address]
+        assert (d.role, d.vendor, d.device, d.pci_class) == (ROLE_PF, "15b3", "101d", "020000")
+        assert (d.total_vfs, d.num_vfs, d.driver, d.netdevs) == (6, 6, "mlx5_core", (pf.netdev,))
+        assert d.numa_node == pf.numa_node and d.iommu_group >= 0 and not d.noiommu
+        assert d.link_type == "ether" and d.rdma_device == pf.ibdev
+        assert d.pcie_root.startswith("pci0000:")
+        for k, (vf, ifname, ibdev) in enumerate(
+            zip(pf.vf_addresses, pf.vf_netdevs, pf.vf_ibdevs, strict=True)
+        ):
+            v = devs[vf]
+            assert (v.role, v.pf, v.vf_index, v.pf_netdev) == (ROLE_VF, pf.address, k, pf.netdev)
+            assert (v.device, v.subsystem_vendor, v.netdevs, v.rdma_device) == (
+                "101e",
+                "15b3",
+                (ifname,),
+                ibdev,
+            )
+            assert v.numa_node == pf.numa_node and v.pcie_root == d.pcie_root
+            assert len(v.rdma_nodes) == 2
+            assert {n.rsplit("/", 1)[1].rstrip("0123456789") for n in v.rdma_nodes} == {"uverbs", "umad"}
+            assert v.acpi_index == -1 and v.total_vfs == 0 and v.aux_type == ""
+
+
+def test_special_kinds(impl: ModuleType, node: NodeLayout) -> None:
+    devs, _ = _scan(impl, node.root)
+    ex = node.extras
+    assert ex is not None
+    for sf, ifname, ibdev in zip(ex.sfs, ex.sf_netdevs, ex.sf_ibdevs, strict=True):
+        d = devs[sf]
+        assert (d.role, d.aux_type, d.pf, d.pf_netdev) == (ROLE_SF, "sf", ex.sf_pf, "ens90f0")
+        assert (d.netdevs, d.rdma_device, d.driver) == ((ifname,), ibdev, "mlx5_core.sf")
+        assert d.vendor == "15b3" and d.pcie_root == devs[ex.sf_pf].pcie_root
+    assert "mlx5_core.eth.0" not in devs  # not a subfunction
+    v = devs[ex.vdpa_vf]
+    assert (v.vdpa, v.vdpa_driver) == ("vdpa0", "vhost_vdpa")
+    u = devs[ex.uio_vf]
+    assert (u.uio, u.driver, u.netdevs, u.link_type) == ("uio0", "igb_uio", (), "")
+    assert devs[ex.vfio_vf].driver == "vfio-pci" and not devs[ex.vfio_vf].noiommu
+    n = devs[ex.noiommu_vf]
+    assert n.noiommu and n.iommu_group == ex.noiommu_group
+    a = devs[ex.accel_pf]
+    assert (a.role, a.pci_class, a.device, a.num_vfs) == (ROLE_PF, "120000", "4940", 4)
+    assert [devs[x].device for x in ex.accel_vfs] == ["4941"] * 4
+    ib = devs[ex.ib_pf]
+    assert (ib.link_type, ib.pci_class, ib.rdma_device) == ("infiniband", "020700", ex.ib_ibdev)
+    kinds = {x.rsplit("/", 1)[1].rstrip("0123456789") for x in ib.rdma_nodes}
+    assert kinds == {"uverbs", "umad", "issm", "ucm"}
+    p = devs[ex.plain]
+    assert (p.role, p.netdevs, p.acpi_index, p.pf) == (ROLE_PCI, ("eno1",), 1, "")
+    bridges = [d for d in devs.values() if d.pci_class == "060400"]
+    assert bridges and all(d.driver == "pcieport" for d in bridges)
+
+
+def test_vf_moved_into_a_pod_keeps_its_identity(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=3)
+    vf = layout.pfs[1].vf_addresses[2]
+    before, _ = _scan(impl, tmp_path)
+    move_netdev_to_pod(tmp_path, vf)
+    after, warnings = _scan(impl, tmp_path)
+    assert warnings == ()
+    assert set(after) == set(before)
+    assert after[vf]._replace(netdevs=(), link_type="") == after[vf]
+    assert before[vf]._replace(netdevs=(), link_type="") == after[vf]
+    assert (after[vf].pf, after[vf].vf_index, after[vf].pf_netdev) == (layout.pfs[1].address, 2, "ens1f1")
+    # The PF's own netdev moving away leaves its VFs' identity intact too.
+    move_netdev_to_pod(tmp_path, layout.pfs[1].address)
+    again, _ = _scan(impl, tmp_path)
+    assert (again[vf].pf, again[vf].vf_index, again[vf].pf_netdev) == (layout.pfs[1].address, 2, "")
+
+
+def _dev_dir(root: Path, address: str) -> Path:
+    return (root / "bus/pci/devices" / address).resolve()
+
+
+def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=8)
+    vfs = layout.pfs[0].vf_addresses
+    bus = tmp_path / "bus/pci/devices"
+    # 0: vanished mid-scan: its bus link dangles
+    os.rename(_dev_dir(tmp_path, vfs[0]), tmp_path / "gone")
+    # 1: looping symlink
+    os.unlink(bus / vfs[1])
+    os.symlink(vfs[1], bus / vfs[1])
+    # 2: empty vendor; 3: garbage device; 4: vendor replaced by a directory (read fails: EISDIR)
+    (_dev_dir(tmp_path, vfs[2]) / "vendor").write_text("")
+    (_dev_dir(tmp_path, vfs[3]) / "device").write_text("0xzz1e\n")
+    (_dev_dir(tmp_path, vfs[4]) / "vendor").unlink()
+    (_dev_dir(tmp_path, vfs[4]) / "vendor").mkdir()
+    # 5: garbage numa_node and subsystem id: kept, fields emptied
+    (_dev_dir(tmp_path, vfs[5]) / "numa_node").write_text("banana\n")
+    (_dev_dir(tmp_path, vfs[5]) / "subsystem_device").write_text("\n")
+    # 6: half-written class (missing): skipped
+    (_dev_dir(tmp_path, vfs[6]) / "class").unlink()
+    # 7: dangling driver link (driver dir removed under us): the link's basename still names it
+    os.unlink(_dev_dir(tmp_path, vfs[7]) / "driver")
+    os.symlink("../../../../bus/pci/drivers/ghost", _dev_dir(tmp_path, vfs[7]) / "driver")
+    devs, warnings = _scan(impl, tmp_path)
+    for bad in (*vfs[:5], vfs[6]):
+        assert bad not in devs
+    assert devs[vfs[5]].numa_node == -1 and devs[vfs[5]].subsystem_device == ""
+    assert devs[vfs[5]].vf_index == 5
+    assert (devs[vfs[7]].vf_index, devs[vfs[7]].driver) == (7, "ghost")
+    assert layout.pfs[1].vf_addresses[0] in devs
+    expected = [
+        f"{vfs[0]}: skipped: No such file or directory",
+        f"{vfs[1]}: skipped: Too many levels of symbolic links",
+        f"{vfs[2]}: skipped: vendor: empty",
+        f"{vfs[3]}: skipped: device: not a hex id",
+        f"{vfs[4]}: skipped: vendor: unreadable (Is a directory)",
+        f"{vfs[5]}: subsystem_device: empty",
+        f"{vfs[5]}: numa_node: not an integer",
+        f"{vfs[6]}: skipped: class: missing",
+    ]
+    assert sorted(warnings) == sorted(expected)
+
+
+def test_bad_roots_warn_instead_of_raising(impl: ModuleType, tmp_path: Path) -> None:
+    rows, warnings = impl.scan_sysfs(os.fsencode(tmp_path / "nope"), None)
+    assert rows == () and "cannot open sysfs root" in warnings[0]
+    rows, warnings = impl.scan_sysfs(os.fsencode(tmp_path), None)
+    assert rows == () and "bus/pci/devices" in warnings[0]
+
+
+def test_partial_scan_matches_the_full_scan(impl: ModuleType, node: NodeLayout) -> None:
+    full, _ = _scan(impl, node.root)
+    pf = node.pfs[2]
+    part, warnings = _scan(impl, node.root, pf.vf_addresses[1:3])  # VFs without their PF
+    assert warnings == () and set(part) == set(pf.vf_addresses[1:3])
+    assert all(part[a] == full[a] for a in part)
+    ex = node.extras
+    assert ex is not None
+    part, _ = _scan(impl, node.root, (ex.sf_pf, "0000:ff:1f.7"))  # a PF brings its SFs; unknown: absent
+    assert set(part) == {ex.sf_pf, *ex.sfs}
+    assert all(part[a] == full[a] for a in part)
+
+
+def test_device_table_and_rescan_pf(tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=4)
+    table = discovery.scan(tmp_path)
+    pf = layout.pfs[0]
+    assert table.by_id()[pf.address].role == ROLE_PF
+    assert table.devices[table.index_of(pf.vf_addresses[3])].id == pf.vf_addresses[3]
+    assert len(table.by_id()) == len(table) == 1 + 2 + 8  # one NIC: its root port, 2 PFs, 8 VFs
+    with pytest.raises(KeyError, match="nosuch"):
+        table.index_of("nosuch")
+    set_num_vfs(tmp_path, pf.address, 0)
+    set_num_vfs(tmp_path, pf.address, 2)
+    bind_driver(tmp_path, pf.vf_addresses[1], "vfio-pci")
+    updated = discovery.rescan_pf(tmp_path, pf.address, table)
+    assert updated == discovery.scan(tmp_path)
+    assert updated.by_id()[pf.address].num_vfs == 2
+    assert pf.vf_addresses[3] not in updated.by_id()
+    assert discovery.pf_family(tmp_path, pf.address)[0] == pf.address
+    assert discovery.rescan_devices(tmp_path, ()) == discovery.DeviceTable(())
+
+
+def test_read_rdma_ports(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=1, rdma=True)
+    a, b = layout.pfs[0].ibdev, layout.pfs[1].ibdev
+    set_rdma_port(tmp_path, b, 1, 1)
+    ports = impl.read_rdma_ports(os.fsencode(tmp_path), (a.encode(), b.encode(), b"mlx5_99"))
+    assert ports == ((a, 1, 4, 5), (b, 1, 1, 3))
+    assert discovery.read_rdma_ports(tmp_path, [a]) == ((a, 1, 4, 5),)
+    assert impl.read_rdma_ports(os.fsencode(tmp_path / "nope"), (a.encode(),)) == ()
+
+
+def test_pci_names_are_optional_and_lazy(tmp_path: Path) -> None:
+    ids = tmp_path / "pci.ids"
+    ids.write_text(
+        "# comment\n15b3  Mellanox Technologies\n\t101e  ConnectX Family mlx5Gen Virtual Function\n"
+        "\t\t15b3 0016  Some subsystem\n8086  Intel Corporation\n\t1889  Ethernet Adaptive Virtual Function\n"
+        "C 02  Network controller\n\t00  Ethernet controller\n"
+    )
+    names = discovery.PciNames(ids)
+    assert names.vendor("15B3") == "Mellanox Technologies"
+    assert names.device("15b3", "101e") == "ConnectX Family mlx5Gen Virtual Function"
+    assert names.device("8086", "1889") == "Ethernet Adaptive Virtual Function"
+    assert names.device("02", "00") == ""
+    missing = discovery.PciNames(tmp_path / "absent")
+    assert missing.vendor("15b3") == "" and missing.device("15b3", "101e") == ""
