@@ -208,6 +208,14 @@ def test_setup_twice_replaces_its_handler(capture: io.StringIO) -> None:
     assert json.loads(second.getvalue())["msg"] == "once"
 
 
+def test_default_stream_follows_sys_stderr(capture: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    setup_logging("info", "kv")
+    later = io.StringIO()
+    monkeypatch.setattr("sys.stderr", later)  # replaced after setup, as a test runner or daemon may
+    logging.getLogger("densedev.t").info("to the current stderr")
+    assert parse_kv(later.getvalue().strip())["msg"] == "to the current stderr"
+
+
 def test_bad_level_and_format_are_named() -> None:
     with pytest.raises(ValueError, match=r"log level 'loud' is not one of debug, info"):
         setup_logging("loud")

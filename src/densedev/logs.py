@@ -138,6 +138,22 @@ class _DensedevHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """The handler ``setup_logging`` installs; its type marks it for replacement on the next call."""
 
 
+class _StderrHandler(_DensedevHandler):
+    """Writes to whatever ``sys.stderr`` is at each record (as logging's last-resort handler does).
+
+    Looking it up per record keeps logging working when stderr is replaced after setup (test runners
+    capturing output, a daemon redirecting it), instead of writing to a closed stream.
+    """
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property  # type: ignore[override]
+    def stream(self) -> IO[str]:
+        """Return the current ``sys.stderr``."""
+        return sys.stderr
+
+
 def parse_level(level: str | int) -> int:
     """Return the logging level for a name such as ``"info"`` (or pass an int through)."""
     if isinstance(level, int):
@@ -153,7 +169,7 @@ def setup_logging(level: str = "info", fmt: str = "kv", stream: IO[str] | None =
     numeric = parse_level(level)
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r} is not one of {', '.join(FORMATS)}")
-    handler = _DensedevHandler(stream if stream is not None else sys.stderr)
+    handler = _StderrHandler() if stream is None else _DensedevHandler(stream)
     handler.setFormatter(KeyValueFormatter() if fmt == "kv" else JsonFormatter())
     root = logging.getLogger()
     for old in [h for h in root.handlers if isinstance(h, _DensedevHandler)]:
