@@ -192,11 +192,13 @@ def build_pools(config: Config, devices: Sequence[Device]) -> tuple[Pool, ...]:
         if pc.rdma_shared > 0:
             # A shared pool hands out one RDMA device to many pods (rdmaHcaMax): it needs one to share.
             chosen = [d for d in chosen if d.rdma_device]
-            n = pc.rdma_shared
-            members = tuple(PoolMember(shared_id(d.id, k), d) for d in chosen for k in range(n))
+        chosen_ids = [d.id for d in chosen]
+        if pc.rdma_shared > 0:
+            shares = range(pc.rdma_shared)
+            members = tuple(PoolMember(shared_id(d.id, k), d) for d in chosen for k in shares)
         else:
-            members = tuple(PoolMember(d.id, d) for d in chosen)
-        taken.update(d.id for d in chosen)
+            members = tuple(map(PoolMember, chosen_ids, chosen))
+        taken.update(chosen_ids)
         pools.append(Pool(pc, members))
     return tuple(pools)
 
