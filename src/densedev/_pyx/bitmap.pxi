@@ -6,6 +6,7 @@
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
+from cpython.mem cimport PyMem_Malloc, PyMem_Free
 
 
 cdef extern from *:
@@ -83,9 +84,11 @@ def count_bits(bytes bitmap, bytes mask):
 
 def or_bitmaps(bitmaps, bytes mask):
     """Return the OR of ``bitmaps`` restricted to ``mask`` (bits outside the mask are clear)."""
+    cdef list items = list(bitmaps)
     cdef dict named = {"mask": mask}
-    cdef Py_ssize_t i
-    for i, b in enumerate(bitmaps):
+    cdef Py_ssize_t i, nmaps = len(items)
+    for i in range(nmaps):
+        b = items[i]
         if not isinstance(b, bytes):
             raise TypeError(f"bitmaps[{i}] must be bytes, not {type(b).__name__}")
         named[f"bitmaps[{i}]"] = b
@@ -94,16 +97,30 @@ def or_bitmaps(bitmaps, bytes mask):
     cdef bytes out = PyBytes_FromStringAndSize(NULL, n)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)
     cdef const uint8_t* m = <const uint8_t*>PyBytes_AS_STRING(mask)
-    cdef const uint8_t* p
-    cdef Py_ssize_t k
-    for k in range(n):
-        o[k] = 0
-    for b in bitmaps:
-        p = <const uint8_t*>PyBytes_AS_STRING(b)
-        for k in range(n):
-            o[k] |= p[k]
-    for k in range(n):
-        o[k] &= m[k]
+    cdef const uint8_t** ptrs = <const uint8_t**>PyMem_Malloc((nmaps + 1) * sizeof(const uint8_t*))
+    if ptrs == NULL:
+        raise MemoryError()
+    cdef Py_ssize_t w, k, nwords = n // 8
+    cdef uint64_t acc, word
+    try:
+        for i in range(nmaps):
+            ptrs[i] = <const uint8_t*>PyBytes_AS_STRING(items[i])
+        # Whole 64-bit words first (one pass over every input per word), then the tail bytes.
+        for w in range(nwords):
+            acc = 0
+            for i in range(nmaps):
+                memcpy(&word, ptrs[i] + w * 8, 8)
+                acc |= word
+            memcpy(&word, m + w * 8, 8)
+            acc &= word
+            memcpy(o + w * 8, &acc, 8)
+        for k in range(nwords * 8, n):
+            o[k] = 0
+            for i in range(nmaps):
+                o[k] |= ptrs[i][k]
+            o[k] &= m[k]
+    finally:
+        PyMem_Free(ptrs)
     return out
 
 
