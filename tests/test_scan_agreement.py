@@ -1,0 +1,174 @@
+"""The Cython scanner and its Python twin return identical devices and warnings on generated messy trees."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from densedev.testing.simnode import bind_driver, build_node, move_netdev_to_pod, set_num_vfs
+
+# Ways a real node's sysfs goes wrong under a scanner (device removed, half-written attributes,
+# odd links), plus the ordinary changes the kernel makes.
+MESS = (
+    "vanish",  # device dir gone, bus link dangling (hot-unplug mid-scan)
+    "loop",  # bus link points at itself (ELOOP)
+    "empty",  # attribute empty
+    "garbage",  # attribute holds garbage
+    "dir",  # attribute is a directory (read fails with EISDIR)
+    "missing",  # attribute absent
+    "bad_group",  # iommu_group link names no number
+    "bad_virtfn",  # a PF's virtfn link names garbage
+    "to_pod",  # netdev moved into a pod
+    "unbind",  # driver unbound
+    "vfio",  # rebound to vfio-pci
+    "bad_type",  # net/<if>/type garbage
+    "long_int",  # an integer too long for the kernel's %d
+    "sriov_off",  # sriov_numvfs set to 0: the PF's VFs are destroyed
+)
+ATTRS = (
+    "vendor",
+    "device",
+    "class",
+    "subsystem_vendor",
+    "subsystem_device",
+    "numa_node",
+    "sriov_numvfs",
+    "sriov_totalvfs",
+    "acpi_index",
+)
+
+trees = st.fixed_dictionaries(
+    {
+        "pfs": st.integers(0, 3),
+        "vfs": st.integers(0, 4),
+        "vendor": st.sampled_from(["mellanox", "intel"]),
+        "rdma": st.booleans(),
+        "extras": st.booleans(),
+        "numa": st.integers(1, 2),
+        "mess": st.lists(
+            st.tuples(
+                st.sampled_from(MESS), st.integers(0, 10_000), st.sampled_from(ATTRS), st.binary(max_size=8)
+            ),
+            max_size=6,
+        ),
+    }
+)
+
+
+def _apply(root: Path, kind: str, pick: int, attr: str, junk: bytes) -> None:
+    bus = root / "bus/pci/devices"
+    names = sorted(os.listdir(bus))
+    if not names:
+        return
+    name = names[pick % len(names)]
+    link = bus / name
+    if not link.exists():
+        return
+    dev = link.resolve()
+    if kind == "vanish":
+        shutil.rmtree(dev)
+    elif kind == "loop":
+        link.unlink()
+        os.symlink(name, link)
+    elif kind == "empty":
+        (dev / attr).write_bytes(b"\n")
+    elif kind == "garbage":
+        (dev / attr).write_bytes(junk or b"?")
+    elif kind == "dir":
+        if (dev / attr).exists():
+            (dev / attr).unlink()
+        (dev / attr).mkdir()
+    elif kind == "missing":
+        if (dev / attr).exists():
+            (dev / attr).unlink()
+    elif kind == "bad_group" and (dev / "iommu_group").is_symlink():
+        (dev / "iommu_group").unlink()
+        os.symlink("../../../../kernel/iommu_groups/x" + junk.hex(), dev / "iommu_group")
+    elif kind == "bad_virtfn" and (dev / "virtfn0").is_symlink():
+        os.symlink("../" + (junk.hex() or "0"), dev / "virtfn-1")
+        (dev / "virtfnX").symlink_to("nowhere")
+    elif kind == "to_pod" and (dev / "net").is_dir() and os.listdir(dev / "net"):
+        move_netdev_to_pod(root, name)
+    elif kind == "unbind" and (dev / "driver").is_symlink():
+        bind_driver(root, name, None)
+    elif kind == "vfio":
+        bind_driver(root, name, "vfio-pci")
+    elif kind == "bad_type" and (dev / "net").is_dir():
+        for ifname in os.listdir(dev / "net"):
+            (dev / "net" / ifname / "type").write_bytes(junk)
+    elif kind == "sriov_off" and (dev / "virtfn0").is_symlink():
+        with contextlib.suppress(OSError, ValueError):  # earlier mess may have broken the PF's files
+            set_num_vfs(root, name, 0)
+    elif kind == "long_int":
+        (dev / attr).write_bytes(b"12345678901234567890\n")
+
+
+# ``both`` only hands out the two modules, so sharing it across examples is safe.
+SHARED_FIXTURE = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=SHARED_FIXTURE)
+@given(trees)
+def test_extension_and_twin_agree_on_generated_trees(both: tuple[ModuleType, ModuleType], tree: dict) -> None:  # type: ignore[type-arg]
+    fast, twin = both
+    with tempfile.TemporaryDirectory(prefix="densedev-scan-") as tmp:
+        root = Path(tmp)
+        layout = build_node(
+            root,
+            pfs=tree["pfs"],
+            vfs_per_pf=tree["vfs"],
+            vendor=tree["vendor"],
+            rdma=tree["rdma"],
+            numa_nodes=tree["numa"],
+            extras=tree["extras"],
+        )
+        for kind, pick, attr, junk in tree["mess"]:
+            _apply(root, kind, pick, attr, junk)
+        raw = os.fsencode(root)
+        a, b = fast.scan_sysfs(raw, None), twin.scan_sysfs(raw, None)
+        assert a == b
+        # Partial scans agree too (a PF's VFs without the PF, plus an address that does not exist).
+        some = (*(os.fsencode(x) for pf in layout.pfs[:1] for x in pf.vf_addresses), b"0000:ff:00.0")
+        assert fast.scan_sysfs(raw, some) == twin.scan_sysfs(raw, some)
+        ibdevs = (*(d[19].encode() for d in a[0] if d[19]), b"absent")
+        assert fast.read_rdma_ports(raw, ibdevs) == twin.read_rdma_ports(raw, ibdevs)
+
+
+@pytest.fixture(scope="module")
+def small_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One PF with one VF and RDMA; each example below overwrites its attributes."""
+    root = tmp_path_factory.mktemp("attrs")
+    build_node(root, pfs=1, vfs_per_pf=1, rdma=True)
+    return root
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=SHARED_FIXTURE)
+@given(st.binary(max_size=24))
+def test_attribute_parsing_agrees_on_arbitrary_bytes(
+    both: tuple[ModuleType, ModuleType], small_node: Path, junk: bytes
+) -> None:
+    fast, twin = both
+    dev = (small_node / "bus/pci/devices/0000:19:00.0").resolve()
+    for attr in ("vendor", "numa_node", "sriov_numvfs", "subsystem_device", "acpi_index"):
+        (dev / attr).write_bytes(junk)
+    (small_node / "class/infiniband/mlx5_0/ports/1/state").write_bytes(junk)
+    raw = os.fsencode(small_node)
+    result = fast.scan_sysfs(raw, None)
+    assert result == twin.scan_sysfs(raw, None)
+    assert fast.read_rdma_ports(raw, (b"mlx5_0",)) == twin.read_rdma_ports(raw, (b"mlx5_0",))
+    # The PF is kept exactly when its vendor reads as 0x + four hex digits (surrounding space ignored).
+    kept = any(d[0] == "0000:19:00.0" for d in result[0])
+    body = junk.strip()
+    assert kept == (
+        len(body) == 6
+        and body[:2] in (b"0x", b"0X")
+        and all(c in b"0123456789abcdefABCDEF" for c in body[2:])
+    )
