@@ -535,3 +535,34 @@ def test_the_example_in_the_docs_loads() -> None:
     cfg = parse(example)
     assert [p.full_name for p in cfg.pools] == ["nvidia.com/mlx_vf_p0", "rdma/rdma_shared_hca"]
     assert cfg.pools[0].health == HealthPolicy(own_link=False, hold_down_s=2.5)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+_KEYS = [*config._POOL_KEYS, *config._ALL_SELECTOR_KEYS, *config._HEALTH_KEYS, "resourceList"]
+
+
+@given(
+    st.lists(
+        st.dictionaries(
+            st.sampled_from(_KEYS) | st.text(max_size=6), _json_values | st.just("ens1f0#1-3"), max_size=6
+        ),
+        max_size=4,
+    ),
+    st.dictionaries(st.sampled_from(config._TOP_KEYS), _json_values, max_size=3),
+)
+def test_any_document_gives_a_config_or_a_config_error(
+    pools: list[dict[str, Any]], top: dict[str, Any]
+) -> None:
+    # Bad input never escapes as anything but ConfigError: the daemon reloads configs while running.
+    doc = {**top, "resourceList": pools}
+    try:
+        cfg = parse(json.dumps(doc))
+    except ConfigError as exc:
+        assert exc.problems
+        assert all(isinstance(p, str) and p for p in exc.problems)
+    else:
+        assert len(cfg.pools) == len(pools)
