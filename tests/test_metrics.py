@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -339,3 +340,55 @@ def test_parse_addr(addr: str, expected: tuple[str, int]) -> None:
 def test_parse_addr_errors(addr: str, error: str) -> None:
     with pytest.raises(ValueError, match=error):
         parse_addr(addr)
+
+
+def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_path: Path) -> None:
+    # The readiness callable the daemon provides, over real registration against the kubelet emulator:
+    # not ready while no kubelet listens, ready once every pool registered, not ready when it goes away.
+    from densedev import config as config_mod
+    from densedev.manager import Daemon, DaemonSettings
+    from densedev.testing import simnode
+    from densedev.testing.kubelet import KubeletEmulator
+
+    sysfs = tmp_path / "sys"
+    layout = simnode.build_node(sysfs, pfs=2, vfs_per_pf=4, vendor="intel", numa_nodes=1)
+    simnode.write_config(tmp_path / "config.json", layout)
+    cfg = config_mod.load(tmp_path / "config.json")
+    pools = sorted(p.full_name for p in cfg.pools)
+    assert pools
+    kubelet_dir = tmp_path / "kubelet"
+    kubelet_dir.mkdir()
+    (tmp_path / "dev").mkdir()
+    settings = DaemonSettings(
+        sysfs_root=sysfs, kubelet_dir=kubelet_dir, dev_root=tmp_path / "dev", devinfo_dir=None, netlink=False
+    )
+
+    async def readyz_until(port: int, status: int) -> bytes:
+        for _ in range(600):  # a wait, not a timing assertion: up to ~60 s on a loaded machine
+            got, _, body = await fetch(port, "/readyz")
+            if got == status:
+                return body
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"/readyz never answered {status}; last {got} {body!r}")
+
+    async def main() -> None:
+        daemon = Daemon(settings, cfg)
+        await daemon.start()
+        server = await serving(Metrics(), daemon.registered)
+        emulator = KubeletEmulator(kubelet_dir)
+        try:
+            body = await readyz_until(server.port, 503)
+            assert body.startswith(b"not registered: ")
+            assert all(p.encode() in body for p in pools)
+            await emulator.start()
+            assert await readyz_until(server.port, 200) == b"all pools registered\n"
+            assert sorted(emulator.resources()) == pools
+            await emulator.stop()  # the kubelet exits: its socket goes, the pools must register again
+            body = await readyz_until(server.port, 503)
+            assert all(p.encode() in body for p in pools)
+        finally:
+            await server.stop()
+            await daemon.stop()
+            await emulator.stop()
+
+    run(main())
