@@ -127,6 +127,27 @@ def test_dump_then_link_flips(run: Run, netns: str) -> None:
     run(main())
 
 
+def test_resync_during_a_dump_is_deferred_not_refused(
+    run: Run, netns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The kernel refuses a second dump on a socket while one runs (EBUSY); the monitor must owe it.
+    async def main() -> int:
+        links = Links()
+        monitor = LinkMonitor(links.on_links, links.on_overrun, netns=netns)
+        await monitor.start()
+        monitor.resync()  # the start() dump is still running
+        monitor.resync()  # folded into the same owed dump
+        try:
+            await links.until(lambda: monitor.dumps >= 2)
+            await asyncio.sleep(0.1)  # a third dump, if one were wrongly sent, would show up here
+        finally:
+            monitor.stop()
+        return sum(1 for r in links.rows if r[2] == "lo")
+
+    assert run(main()) == 2
+    assert "link dump refused" not in caplog.text
+
+
 def test_overrun_is_reported_and_resync_recovers(run: Run, netns: str) -> None:
     for k in range(8):
         ip(netns, "link", "add", f"p{k}", "type", "veth", "peer", "name", f"p{k}r")

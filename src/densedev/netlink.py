@@ -40,6 +40,11 @@ RTM_DELLINK = 17
 RTM_GETLINK = 18
 NLM_F_REQUEST = 0x1
 NLM_F_DUMP = 0x300  # NLM_F_ROOT | NLM_F_MATCH
+NLM_F_DUMP_INTR = 0x10  # the dump was interrupted by a change: it may be inconsistent
+NLMSG_ERROR = 2
+NLMSG_DONE = 3
+_NLMSGHDR = struct.Struct("=IHHII")  # struct nlmsghdr (see _pyx/netlink.pxi)
+_DUMP_RETRY_S = 0.05
 IFF_UP = 0x1
 CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 IF_OPER_UNKNOWN = 0
@@ -239,6 +244,9 @@ class LinkMonitor(_Monitor):
         self._on_links = on_links
         self._pending: list[LinkTuple] = []
         self._seq = 0
+        self._dumping = False  # our RTM_GETLINK dump is still streaming in
+        self._dump_again = False  # another dump is owed once it ends
+        self.dumps = 0  # dumps completed, for tests and diagnostics
 
     async def start(self) -> None:
         """Subscribe to link events, then request one dump of all links (so none is missed between)."""
@@ -249,18 +257,63 @@ class LinkMonitor(_Monitor):
         """Ask the kernel for every link again (after an overrun); replies arrive through ``on_links``."""
         if self._sock is None:
             raise RuntimeError("link monitor is not started")
+        if self._dumping:
+            # A netlink socket runs one dump at a time (a second request gets EBUSY, see
+            # netlink_dump_start): owe another, sent when the running one ends, so the state we end
+            # with is read after the overrun.
+            self._dump_again = True
+            return
+        self._send_dump()
+
+    def _send_dump(self) -> None:
+        assert self._sock is not None
         self._seq += 1
+        self._dump_again = False
         # nlmsghdr + ifinfomsg (AF_UNSPEC: every family), NLM_F_DUMP: all links, multi-part reply.
         body = struct.pack("=BBHiII", socket.AF_UNSPEC, 0, 0, 0, 0, 0)
         header = struct.pack("=IHHII", 16 + len(body), RTM_GETLINK, NLM_F_REQUEST | NLM_F_DUMP, self._seq, 0)
         try:
             self._sock.send(header + body)
         except BlockingIOError:
-            # The request could not even be queued: equivalent to losing the dump.
-            self._guard(self._on_overrun)
+            # The kernel could not take the request now; try again shortly rather than lose it.
+            if self._loop is not None:
+                self._loop.call_later(_DUMP_RETRY_S, self._retry_dump)
+            return
+        self._dumping = True
+
+    def _retry_dump(self) -> None:
+        if self._sock is not None and not self._dumping:
+            self._send_dump()
 
     def _datagram(self, data: bytes) -> None:
+        if self._dumping:
+            self._track_dump(data)
         self._pending.extend(accel.parse_links(data))
+
+    def _track_dump(self, data: bytes) -> None:
+        # Follow our dump's reply by its sequence number: NLM_F_DUMP_INTR means the link list changed
+        # while it was read (nl_dump_check_consistent), so it may be inconsistent and is redone;
+        # NLMSG_DONE or NLMSG_ERROR ends it.  Only headers are read, and only while a dump runs.
+        pos = 0
+        while pos + _NLMSGHDR.size <= len(data):
+            length, mtype, flags, seq, _pid = _NLMSGHDR.unpack_from(data, pos)
+            if length < _NLMSGHDR.size:
+                return
+            if seq == self._seq:
+                if flags & NLM_F_DUMP_INTR:
+                    self._dump_again = True
+                if mtype in (NLMSG_DONE, NLMSG_ERROR):
+                    if mtype == NLMSG_ERROR and length >= _NLMSGHDR.size + 4:
+                        err = -struct.unpack_from("=i", data, pos + _NLMSGHDR.size)[0]
+                        log.error("link dump refused: %s", os.strerror(err) if err > 0 else err)
+                        self._dump_again = self._dump_again or err in (errno.EBUSY, errno.EINTR)
+                    else:
+                        self.dumps += 1
+                    self._dumping = False
+                    if self._dump_again:
+                        self._send_dump()
+                    return
+            pos += (length + 3) & ~3
 
     def _flush(self) -> None:
         if self._pending:
