@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_allocation import dev, pool_of
 
-from densedev.allocation import POLICIES, AllocationSettings, PoolAllocator, topology_of
+from densedev.allocation import POLICIES, AllocationSettings, PoolAllocator, build_lookup, topology_of
 from densedev.model import ROLE_PCI, Device, PoolConfig
 
 PACK, SPREAD, NONE = POLICIES["pack"], POLICIES["spread"], POLICIES["none"]
@@ -24,6 +24,7 @@ class Scenario:
     available: list[str]
     must: list[str]
     size: int
+    use_lookup: bool = True
 
     @property
     def index(self) -> dict[str, int]:
@@ -67,11 +68,14 @@ def scenarios(draw: st.DrawFn, numas: tuple[int, ...] = (-1, 0, 1), musts: bool 
     available = draw(st.lists(st.sampled_from(ids), unique=True, max_size=len(ids)))
     must = draw(st.lists(st.sampled_from(available), unique=True, max_size=3)) if musts and available else []
     size = draw(st.integers(0, len(ids) + 2))
-    return Scenario(devices, available, must, size)
+    return Scenario(devices, available, must, size, draw(st.booleans()))
 
 
 def pick(impl: ModuleType, s: Scenario, policy: int) -> tuple[str, ...]:
-    result: tuple[str, ...] = impl.pick_devices(s.available, s.must, s.size, s.index, s.topology, policy)
+    lookup = build_lookup(s.index) if s.use_lookup else b""
+    result: tuple[str, ...] = impl.pick_devices(
+        s.available, s.must, s.size, s.index, s.topology, policy, lookup
+    )
     return result
 
 
@@ -83,6 +87,15 @@ QUICK = settings(max_examples=150, deadline=None, suppress_health_check=[HealthC
 def test_extension_and_twin_agree(both: tuple[ModuleType, ModuleType], s: Scenario, policy: int) -> None:
     fast, twin = both
     assert pick(fast, s, policy) == pick(twin, s, policy)
+
+
+@QUICK
+@given(s=scenarios(), policy=st.sampled_from([PACK, SPREAD, NONE]))
+def test_lookup_table_resolves_like_the_dict(impl: ModuleType, s: Scenario, policy: int) -> None:
+    s.use_lookup = True
+    with_table = pick(impl, s, policy)
+    s.use_lookup = False
+    assert with_table == pick(impl, s, policy)
 
 
 @QUICK
@@ -234,3 +247,20 @@ def test_bad_input_is_refused_clearly(impl: ModuleType) -> None:
         impl.pick_devices(["a"], [], 1, {"a": 0}, (5000).to_bytes(4, "little") + bytes(8), 0)
     with pytest.raises(ValueError, match="beyond the topology"):
         impl.pick_devices(["a"], [], 1, {"a": 3}, bytes(12), 0)
+    with pytest.raises(ValueError, match="lookup is 5 bytes"):
+        impl.pick_devices(["a"], [], 1, {"a": 0}, bytes(12), 0, b"12345")
+    with pytest.raises(ValueError, match="beyond the topology"):
+        impl.pick_devices(["0000:00:01.0"], [], 1, {}, bytes(12), 0, build_lookup({"0000:00:01.0": 9}))
+
+
+def test_lookup_parses_only_the_kernels_spelling(impl: ModuleType) -> None:
+    ids = ["0000:3b:00.2", "0000:3b:1f.7", "ffff:ff:00.0"]
+    index = {i: n for n, i in enumerate(ids)}
+    lookup = build_lookup(index)
+    assert len(lookup) == 2 * (4 + 4 * 65536)  # one block per PCI domain
+    topo = bytes(12 * len(ids))
+    for i in ids:
+        assert impl.pick_devices([i], [], 1, index, topo, NONE, lookup) == (i,)
+    # not canonical: never the table; unknown to the dict as well, so it ranks last as an unknown ID
+    for odd in ("0000:3B:00.2", "0000:3b:20.0", "0000:3b:00.8", " 000:3b:00.2", "0000-3b:00.2"):
+        assert impl.pick_devices([odd, ids[0]], [], 2, index, topo, NONE, lookup) == (ids[0], odd)

@@ -25,6 +25,7 @@ def pick_devices(
     index: Mapping[str, int],
     topology: bytes,
     policy: int,
+    lookup: bytes = b"",
 ) -> tuple[str, ...]: ...
 
 # scan: sysfs scan; each device tuple is in densedev.model.Device field order, sorted by id

@@ -9,11 +9,13 @@ CNI plugins and DPDK/RDMA applications already parse.
 
 from __future__ import annotations
 
+import array
 import json
 import logging
 import os
 import re
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -281,6 +283,31 @@ def topology_of(devices: Sequence[Device]) -> bytes:
     return bytes(out)
 
 
+# The kernel's name for a PCI function (pci_name(): "%04x:%02x:%02x.%d"), device number at most 0x1f.
+_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+
+
+def build_lookup(index: dict[str, int]) -> bytes:
+    """Return ``pick_devices``' lookup blocks: per PCI domain, a direct table from bus/devfn to member.
+
+    Resolving a canonical PCI address there costs a parse and one array read instead of hashing a fresh
+    string and probing a 16k-entry dict, which is most of a GetPreferredAllocation call at 16k devices.
+    """
+    tables: dict[int, array.array[int]] = {}
+    for dev_id, m in index.items():
+        if _BDF.fullmatch(dev_id):
+            domain = int(dev_id[0:4], 16)
+            if domain not in tables:
+                tables[domain] = array.array("i", [-1]) * 65536
+            tables[domain][int(dev_id[5:7], 16) << 8 | int(dev_id[8:10], 16) << 3 | int(dev_id[11])] = m
+    out = bytearray()
+    for domain, table in sorted(tables.items()):
+        if sys.byteorder != "little":
+            table.byteswap()
+        out += struct.pack("<I", domain) + table.tobytes()
+    return bytes(out)
+
+
 class PoolAllocator:
     """The PoolService of one pool: answers Allocate, GetPreferredAllocation and PreStartContainer."""
 
@@ -317,6 +344,8 @@ class PoolAllocator:
         self._devices = tuple(devices.values())
         self._index = {m.id: i for i, m in enumerate(pool.members)}
         self._topology = topology_of([m.device for m in pool.members])
+        # The table pays off only in the extension; the twin would parse every address in Python.
+        self._lookup = build_lookup(self._index) if accel.IMPLEMENTATION == "cython" else b""
 
     def update(self, pool: Pool) -> None:
         """Take a new membership: rewrite the CDI spec if devices changed, drop files of devices that left."""
@@ -444,7 +473,13 @@ class PoolAllocator:
             raise RequestError(RequestError.INVALID, f"{self.config.full_name}: allocation size {size} < 0")
         return list(
             accel.pick_devices(
-                available, must_include, size, self._index, self._topology, POLICIES[self.config.preferred]
+                available,
+                must_include,
+                size,
+                self._index,
+                self._topology,
+                POLICIES[self.config.preferred],
+                self._lookup,
             )
         )
 

@@ -20,11 +20,17 @@ node with most free devices; lowest id on ties):
 - none: devices in the kubelet's order.
 
 Every key ends on the position in ``available``, so the order is total and both implementations agree.
+
+``lookup`` (optional, from ``allocation.build_lookup``) resolves canonical PCI addresses without the
+dict: blocks of ``uint32 domain`` + 65,536 ``int32`` members indexed by ``bus << 8 | devfn`` (-1: none).
+A canonical address whose domain has a block is resolved there only; anything else goes to ``index``.
+The kubelet sends IDs as fresh strings, so a dict lookup also pays for hashing each one.
 """
 
 from __future__ import annotations
 
 import heapq
+import re
 import struct
 from collections.abc import Mapping, Sequence
 
@@ -38,6 +44,18 @@ MAX_NUMA = 1024
 MAX_MEMBERS = (1 << 20) - 1
 _F20 = 20
 _MAX_ROUND = 0xFFFF
+LOOKUP_BLOCK = 4 + 4 * 65536
+# The kernel's name for a PCI function (pci_name(): "%04x:%02x:%02x.%d"), device number at most 0x1f.
+_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+
+
+def parse_bdf(dev_id: str) -> int:
+    """Return ``domain << 16 | bus << 8 | device << 3 | function`` of a canonical PCI address, else -1."""
+    if len(dev_id) != 12 or not _BDF.fullmatch(dev_id):
+        return -1
+    return (
+        int(dev_id[0:4], 16) << 16 | int(dev_id[5:7], 16) << 8 | int(dev_id[8:10], 16) << 3 | int(dev_id[11])
+    )
 
 
 def _check(available: Sequence[str], topology: bytes, policy: int) -> list[tuple[int, int, int]]:
@@ -49,7 +67,7 @@ def _check(available: Sequence[str], topology: bytes, policy: int) -> list[tuple
     members = len(topology) // 12
     if members > MAX_MEMBERS or len(available) > MAX_MEMBERS:
         raise ValueError(f"at most {MAX_MEMBERS} devices per pool are supported")
-    triples = [struct.unpack_from("<iii", topology, 12 * i) for i in range(members)]
+    triples = list(struct.iter_unpack("<iii", topology))
     for numa, root, pf in triples:
         if not -1 <= numa < MAX_NUMA:
             raise ValueError(f"NUMA node {numa} out of range [-1, {MAX_NUMA})")
@@ -59,8 +77,17 @@ def _check(available: Sequence[str], topology: bytes, policy: int) -> list[tuple
     return triples
 
 
-def _member(index: Mapping[str, int], dev_id: str, members: int) -> int:
-    m = index.get(dev_id, -1)
+def _member(index: Mapping[str, int], dev_id: str, members: int, lookup: bytes) -> int:
+    bdf = parse_bdf(dev_id) if lookup else -1
+    if bdf >= 0:
+        for off in range(0, len(lookup), LOOKUP_BLOCK):
+            if struct.unpack_from("<I", lookup, off)[0] == bdf >> 16:
+                (m,) = struct.unpack_from("<i", lookup, off + 4 + 4 * (bdf & 0xFFFF))
+                break
+        else:
+            m = index.get(dev_id, -1)
+    else:
+        m = index.get(dev_id, -1)
     if m >= members:
         raise ValueError(f"index maps {dev_id!r} to {m}, beyond the topology's {members} members")
     return m
@@ -82,9 +109,12 @@ def pick_devices(
     index: Mapping[str, int],
     topology: bytes,
     policy: int,
+    lookup: bytes = b"",
 ) -> tuple[str, ...]:
     """Return the preferred IDs: the must-includes, then the best-ranked free IDs up to ``size``."""
     triples = _check(available, topology, policy)
+    if len(lookup) % LOOKUP_BLOCK:
+        raise ValueError(f"lookup is {len(lookup)} bytes, not a whole number of {LOOKUP_BLOCK}-byte blocks")
     members = len(triples)
 
     taken: set[int] = set()
@@ -92,7 +122,7 @@ def pick_devices(
     chosen: list[str] = []
     must: list[int] = []
     for dev_id in must_include:
-        m = _member(index, dev_id, members)
+        m = _member(index, dev_id, members, lookup)
         if m < 0:
             if dev_id in seen_unknown:
                 continue
@@ -110,7 +140,7 @@ def pick_devices(
     free: list[tuple[int, int]] = []  # (position in available, member), first occurrence only
     unknown: list[str] = []
     for pos, dev_id in enumerate(available):
-        m = _member(index, dev_id, members)
+        m = _member(index, dev_id, members, lookup)
         if m < 0:
             if dev_id not in seen_unknown:
                 seen_unknown.add(dev_id)

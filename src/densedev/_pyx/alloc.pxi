@@ -3,11 +3,20 @@
 # waits for the answer, so the per-ID work here is one dict lookup and a few array reads; the only
 # sorts are of the PF groups (qsort) and a bounded heap holding the `need` best device keys.
 
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, free, qsort
 from libc.string cimport memcpy
 from cpython.dict cimport PyDict_GetItem
 from cpython.object cimport PyObject
+
+
+cdef extern from "Python.h":
+    # PEP 393 compact strings: a 12-character ASCII ID is 12 bytes right after the object header.
+    bint PyUnicode_CheckExact(object o)
+    Py_ssize_t PyUnicode_GET_LENGTH(object o)
+    int PyUnicode_KIND(object o)
+    void* PyUnicode_DATA(object o)
+    int PyUnicode_1BYTE_KIND
 
 
 cdef enum:
@@ -20,6 +29,8 @@ cdef enum:
     ALLOC_MAX_ROUND = 0xFFFF
 
 cdef uint64_t ALLOC_MAX_MEMBERS = (1 << 20) - 1
+# lookup blocks: uint32 domain, then int32 member per (bus << 8 | devfn); see the twin's build_lookup.
+cdef Py_ssize_t ALLOC_LOOKUP_BLOCK = 4 + 4 * 65536
 
 
 # One pool member's topology, as packed by the allocator (three little-endian int32).
@@ -64,12 +75,69 @@ cdef inline void _alloc_sift_down(uint64_t* heap, Py_ssize_t n, Py_ssize_t i) no
     heap[i] = v
 
 
-cdef Py_ssize_t _alloc_member(dict index, object dev_id, Py_ssize_t members) except -2:
-    cdef PyObject* hit = PyDict_GetItem(index, dev_id)
-    cdef Py_ssize_t m
-    if hit == NULL:
+cdef inline int _alloc_hex(unsigned char c) noexcept nogil:
+    # Lower-case only: the kernel names PCI functions with "%04x:%02x:%02x.%d".
+    if 48 <= c <= 57:
+        return c - 48
+    if 97 <= c <= 102:
+        return c - 87
+    return -1
+
+
+cdef long _alloc_bdf(object dev_id):
+    # domain << 16 | bus << 8 | device << 3 | function of a canonical PCI address, else -1.
+    if not PyUnicode_CheckExact(dev_id) or PyUnicode_GET_LENGTH(dev_id) != 12:
         return -1
-    m = <object>hit
+    if PyUnicode_KIND(dev_id) != PyUnicode_1BYTE_KIND:
+        return -1
+    cdef const unsigned char* p = <const unsigned char*>PyUnicode_DATA(dev_id)
+    if p[4] != 58 or p[7] != 58 or p[10] != 46 or not (48 <= p[11] <= 55):
+        return -1
+    cdef int i, h
+    cdef long domain = 0, bus = 0, device = 0
+    for i in range(4):
+        h = _alloc_hex(p[i])
+        if h < 0:
+            return -1
+        domain = domain * 16 + h
+    for i in range(5, 7):
+        h = _alloc_hex(p[i])
+        if h < 0:
+            return -1
+        bus = bus * 16 + h
+    for i in range(8, 10):
+        h = _alloc_hex(p[i])
+        if h < 0:
+            return -1
+        device = device * 16 + h
+    if device > 0x1F:
+        return -1
+    return domain << 16 | bus << 8 | device << 3 | (p[11] - 48)
+
+
+cdef Py_ssize_t _alloc_member(dict index, object dev_id, Py_ssize_t members,
+                              const char* lookup, Py_ssize_t nblocks) except -2:
+    cdef PyObject* hit
+    cdef Py_ssize_t m, b
+    cdef long bdf = _alloc_bdf(dev_id) if nblocks else -1
+    cdef uint32_t domain
+    cdef int32_t v
+    m = -1
+    hit = NULL
+    if bdf >= 0:
+        for b in range(nblocks):
+            memcpy(&domain, lookup + b * ALLOC_LOOKUP_BLOCK, 4)
+            if domain == <uint32_t>(bdf >> 16):
+                memcpy(&v, lookup + b * ALLOC_LOOKUP_BLOCK + 4 + 4 * (bdf & 0xFFFF), 4)
+                m = v
+                break
+        else:
+            bdf = -1
+    if bdf < 0:
+        hit = PyDict_GetItem(index, dev_id)
+        if hit == NULL:
+            return -1
+        m = <object>hit
     if m >= members:
         raise ValueError(f"index maps {dev_id!r} to {m}, beyond the topology's {members} members")
     return -1 if m < 0 else m
@@ -86,13 +154,19 @@ cdef int _alloc_target(const Py_ssize_t* counts) noexcept nogil:
     return best
 
 
-def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology, int policy):
+def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology, int policy,
+                 bytes lookup=b""):
     """Return the preferred IDs: the must-includes, then the best-ranked free IDs up to ``size``."""
     if policy != ALLOC_POLICY_PACK and policy != ALLOC_POLICY_SPREAD and policy != ALLOC_POLICY_NONE:
         raise ValueError(f"unknown preferred-allocation policy {policy}")
     cdef Py_ssize_t tlen = len(topology)
     if tlen % 12:
         raise ValueError(f"topology is {tlen} bytes, not a whole number of int32 triples")
+    if len(lookup) % ALLOC_LOOKUP_BLOCK:
+        raise ValueError(
+            f"lookup is {len(lookup)} bytes, not a whole number of {ALLOC_LOOKUP_BLOCK}-byte blocks")
+    cdef Py_ssize_t nblocks = len(lookup) // ALLOC_LOOKUP_BLOCK
+    cdef const char* lk = lookup
     cdef Py_ssize_t members = tlen // 12
     if not isinstance(index, dict):
         index = dict(index)
@@ -125,7 +199,7 @@ def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology
                 raise ValueError(f"root {topo[i].root} / pf {topo[i].pf} out of range [0, {members})")
 
         for dev_id in must_include:
-            m = _alloc_member(index, dev_id, members)
+            m = _alloc_member(index, dev_id, members, lk, nblocks)
             if m < 0:
                 if dev_id in seen_unknown:
                     continue
@@ -143,7 +217,7 @@ def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology
 
         for i in range(navail):
             dev_id = available[i]
-            m = _alloc_member(index, dev_id, members)
+            m = _alloc_member(index, dev_id, members, lk, nblocks)
             if m < 0:
                 if dev_id not in seen_unknown:
                     seen_unknown.add(dev_id)
