@@ -1,0 +1,192 @@
+"""Benchmark the sysfs scan: extension vs plain-Python twin on simulated nodes of 1k, 4k and 16k VFs.
+
+Prints, per node size, the scan time of each implementation (best and median of ``--repeat`` runs in
+the same process, so both see the same machine state), their ratio, the 16k/4k linearity figure and
+the syscalls per device counted with ``strace -c -f`` (when strace is installed).
+
+    python bench/bench_scan.py            # 1,024 / 4,096 / 16,384 VFs with RDMA
+    python bench/bench_scan.py --quick    # 1,024 VFs only, a smoke run
+    python bench/bench_scan.py --json     # one JSON object on stdout
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+sys.path.insert(0, str(SRC))
+
+from densedev.testing.simnode import build_node  # noqa: E402
+
+SIZES = {1024: (4, 256), 4096: (16, 256), 16384: (64, 256)}  # VFs: (PFs, VFs per PF)
+TARGET_4K_MS = 50.0
+TARGET_LINEARITY = 4.5
+TARGET_RATIO = 5.0
+
+
+def _time(fn: Any, root: bytes, repeat: int) -> tuple[float, float, int]:
+    times = []
+    count = 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        rows, _warnings = fn(root, None)
+        times.append(time.perf_counter() - t0)
+        count = len(rows)
+    return min(times) * 1e3, statistics.median(times) * 1e3, count
+
+
+_STRACE_CHILD = """
+import os, sys
+sys.path.insert(0, {src!r})
+os.environ.pop("DENSEDEV_NO_EXTENSIONS", None)
+import importlib
+mod = importlib.import_module({module!r})
+if {scan}:
+    mod.scan_sysfs({root!r}, None)
+"""
+
+
+def _strace_calls(module: str, root: bytes, scan: bool) -> int | None:
+    """Total syscalls of a child that imports ``module`` and (optionally) scans once."""
+    code = _STRACE_CHILD.format(src=str(SRC), module=module, root=root, scan=scan)
+    with tempfile.NamedTemporaryFile("r", suffix=".strace") as out:
+        proc = subprocess.run(
+            ["strace", "-c", "-f", "-o", out.name, sys.executable, "-c", code],
+            capture_output=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            return None
+        for line in out.read().splitlines():
+            parts = line.split()
+            if parts and parts[-1] == "total":
+                # "100.00  secs  usecs/call  calls  errors  total" (errors may be absent)
+                nums = [p for p in parts[:-1] if p.replace(".", "").isdigit()]
+                return int(nums[3]) if len(nums) >= 4 else int(nums[-1])
+    return None
+
+
+def _syscalls_per_device(module: str, root: bytes, devices: int) -> float | None:
+    if shutil.which("strace") is None or devices == 0:
+        return None
+    base = _strace_calls(module, root, scan=False)
+    full = _strace_calls(module, root, scan=True)
+    if base is None or full is None:
+        return None
+    return (full - base) / devices
+
+
+def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) -> dict[str, Any]:
+    """Build each node, scan it with both implementations and return the figures."""
+    twin = importlib.import_module("densedev._fast_py")
+    fast: ModuleType | None
+    try:
+        fast = importlib.import_module("densedev._fast")
+    except ImportError:
+        fast = None
+    results: dict[str, Any] = {"rdma": rdma, "repeat": repeat, "extension": fast is not None, "nodes": []}
+    for vfs in sizes:
+        pfs, per_pf = SIZES[vfs]
+        root = workdir / f"node-{vfs}"
+        t0 = time.perf_counter()
+        if not (root / ".simnode").exists():
+            build_node(root, pfs=pfs, vfs_per_pf=per_pf, rdma=rdma)
+        build_s = time.perf_counter() - t0
+        raw = os.fsencode(root)
+        row: dict[str, Any] = {"vfs": vfs, "build_s": round(build_s, 2)}
+        py_best, py_med, devices = _time(twin.scan_sysfs, raw, repeat)
+        row.update(devices=devices, python_best_ms=round(py_best, 2), python_median_ms=round(py_med, 2))
+        if fast is not None:
+            assert fast.scan_sysfs(raw, None) == twin.scan_sysfs(raw, None), "extension and twin disagree"
+            cy_best, cy_med, _ = _time(fast.scan_sysfs, raw, repeat)
+            row.update(
+                cython_best_ms=round(cy_best, 2),
+                cython_median_ms=round(cy_med, 2),
+                ratio=round(py_best / cy_best, 2),
+                cython_us_per_device=round(cy_best * 1e3 / devices, 2),
+            )
+        if strace:
+            row["syscalls_per_device"] = {
+                "cython": _syscalls_per_device("densedev._fast", raw, devices) if fast else None,
+                "python": _syscalls_per_device("densedev._fast_py", raw, devices),
+            }
+        results["nodes"].append(row)
+    by_vfs = {n["vfs"]: n for n in results["nodes"]}
+    key = "cython_best_ms" if fast is not None else "python_best_ms"
+    if 4096 in by_vfs and 16384 in by_vfs:
+        results["linearity_16k_over_4k"] = round(by_vfs[16384][key] / by_vfs[4096][key], 2)
+    if 4096 in by_vfs and fast is not None:
+        n4 = by_vfs[4096]
+        results["targets"] = {
+            "4k_scan_ms<=50": n4["cython_best_ms"] <= TARGET_4K_MS,
+            "ratio>=5": n4["ratio"] >= TARGET_RATIO,
+            "linearity<=4.5": results.get("linearity_16k_over_4k", 0) <= TARGET_LINEARITY
+            if "linearity_16k_over_4k" in results
+            else None,
+        }
+    return results
+
+
+def _print(results: dict[str, Any]) -> None:
+    print(f"sysfs scan (rdma={results['rdma']}, best/median of {results['repeat']} runs)")
+    head = ("VFs", "devices", "cython ms", "python ms", "ratio", "us/dev", "syscalls/dev")
+    print("{:>6} {:>8} {:>16} {:>16} {:>6} {:>7} {:>14}".format(*head))
+    for n in results["nodes"]:
+        cy = f"{n.get('cython_best_ms', '-')}/{n.get('cython_median_ms', '-')}"
+        py = f"{n['python_best_ms']}/{n['python_median_ms']}"
+        sc = n.get("syscalls_per_device") or {}
+        scs = (
+            "/".join("-" if v is None else f"{v:.1f}" for v in (sc.get("cython"), sc.get("python")))
+            if sc
+            else "-"
+        )
+        print(
+            f"{n['vfs']:>6} {n['devices']:>8} {cy:>16} {py:>16} {n.get('ratio', '-'):>6} "
+            f"{n.get('cython_us_per_device', '-'):>7} {scs:>14}"
+        )
+    if "linearity_16k_over_4k" in results:
+        print(f"linearity 16k/4k: {results['linearity_16k_over_4k']} (target <= {TARGET_LINEARITY})")
+    if "targets" in results:
+        print("targets met:", ", ".join(f"{k}={v}" for k, v in results["targets"].items()))
+
+
+def main() -> int:
+    """Parse flags, run the benchmark and print a table or JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,024 VFs only (smoke run)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--repeat", type=int, default=0, help="scans per implementation (default 5, quick 3)")
+    parser.add_argument("--no-rdma", action="store_true", help="nodes without RDMA devices")
+    parser.add_argument("--no-strace", action="store_true", help="skip the syscall count")
+    parser.add_argument("--dir", type=Path, help="keep the simulated nodes here (reused when present)")
+    args = parser.parse_args()
+    sizes = [1024] if args.quick else [1024, 4096, 16384]
+    repeat = args.repeat or (3 if args.quick else 5)
+    workdir = args.dir or Path(tempfile.mkdtemp(prefix="densedev-bench-scan-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run(sizes, repeat, workdir, rdma=not args.no_rdma, strace=not args.no_strace)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        _print(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
