@@ -94,6 +94,12 @@ def test_default_prefix_is_the_plugins_and_overridable() -> None:
     )
 
 
+def test_an_empty_prefix_means_the_default_as_in_the_plugin() -> None:
+    assert parse(json.dumps(pool(resourcePrefix="")), default_prefix="example.org").pools[0].full_name == (
+        "example.org/p"
+    )
+
+
 def test_keys_are_case_insensitive_like_gos_decoder_and_null_go_internals_are_ignored() -> None:
     cfg = load(DATA / "plugin_node_specific.json")
     sel = cfg.pools[0].selectors[0]
@@ -289,6 +295,7 @@ def test_all_problems_are_reported_at_once_with_pool_key_and_reason() -> None:
         ({"resourceList": [], "reconcileSeconds": True}, "reconcileSeconds: expected a number, got boolean"),
         ({"resourceList": [], "coalesceMs": -1}, "coalesceMs: expected a number >= 0, got -1"),
         ({"resourceList": [{}]}, "resourceList[0] (no resourceName): resourceName: required"),
+        (pool(resourceName=""), "resourceList[0] (no resourceName): resourceName: empty"),
         (
             pool(resourceName=7),
             "resourceList[0] (no resourceName): resourceName: expected a string, got number",

@@ -484,6 +484,8 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         r.problem(where, "resourceName: required")
     else:
         name = r.string(f["resourceName"], f"{where}: resourceName") or ""
+        if f["resourceName"] == "":
+            r.problem(where, "resourceName: empty")
     prefix = r.default_prefix
     if "resourcePrefix" in f:
         prefix = r.string(f["resourcePrefix"], f"{where}: resourcePrefix") or prefix
