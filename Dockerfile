@@ -4,6 +4,8 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
 # A C compiler for the Cython extension; Cython itself comes from PyPI through the build requirements.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc libc6-dev \
@@ -23,7 +25,9 @@ LABEL org.opencontainers.image.title="densedev" \
       org.opencontainers.image.licenses="Apache-2.0"
 # The root filesystem is read-only in the DaemonSet: no .pyc writes at run time (pip compiled them).
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_ROOT_USER_ACTION=ignore
 # Installed from a bind mount of the build stage, so the wheels never become a layer of this image.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-cache-dir --no-index --find-links /wheels densedev \
