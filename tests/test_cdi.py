@@ -13,7 +13,7 @@ from test_allocation import DPDK, RDMA, dev, pool_of, touch
 
 from densedev import cdi
 from densedev.allocation import AllocationSettings, PoolAllocator
-from densedev.model import RequestError
+from densedev.model import PoolConfig, RequestError
 
 # From the CDI JSON schema and SPEC.md: what a runtime's CDI registry refuses to load.
 KIND_RE = re.compile(
@@ -236,3 +236,33 @@ def test_names_the_spec_rejects_are_refused() -> None:
     with pytest.raises(cdi.CdiError, match="device name"):
         cdi.qualified_name("intel.com/x", "0000:18:02.0/")
     assert cdi.qualified_name("intel.com/x", "mlx5_core.sf.4") == "intel.com/x=mlx5_core.sf.4"
+
+
+def test_reload_with_new_settings_replaces_the_old_files(tmp_path: Path, dev_root: Path) -> None:
+    a = dev("0000:18:02.0", driver="vfio-pci", iommu_group=83)
+    alloc = PoolAllocator(pool_of(DPDK, [a]), settings(tmp_path, dev_root), lambda _id: True)
+    old = spec_path(tmp_path, "densedev-intel.com-intel_sriov_dpdk.json")
+    assert old.exists()
+    renamed = PoolConfig("dpdk_renamed", "intel.com", preferred="spread")
+    alloc.update(pool_of(renamed, [a]))
+    assert not old.exists()
+    doc = json.loads(spec_path(tmp_path, "densedev-intel.com-dpdk_renamed.json").read_text())
+    validate_spec(doc)
+    assert doc["kind"] == "intel.com/dpdk_renamed"
+    resp = alloc.allocate(["0000:18:02.0"])
+    assert [c.name for c in resp.cdi_devices] == ["intel.com/dpdk_renamed=0000:18:02.0"]
+    assert "PCIDEVICE_INTEL_COM_DPDK_RENAMED" in resp.envs
+    assert alloc.options() == (False, True)
+
+
+def test_name_cdi_refuses_serves_device_specs(
+    tmp_path: Path, dev_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = dev("0000:18:02.0", driver="vfio-pci", iommu_group=83)
+    odd = PoolConfig("dpdk", "Intel.Com")  # upper case: not a CDI vendor
+    with caplog.at_level(logging.ERROR):
+        alloc = PoolAllocator(pool_of(odd, [a]), settings(tmp_path, dev_root), lambda _id: True)
+    assert "CDI off" in caplog.text
+    resp = alloc.allocate(["0000:18:02.0"])
+    assert list(resp.cdi_devices) == []
+    assert [d.container_path for d in resp.devices] == ["/dev/vfio/vfio", "/dev/vfio/83"]

@@ -133,3 +133,13 @@ def test_devinfo_off(tmp_path: Path, dev_root: Path) -> None:
     s = AllocationSettings(cdi_dir=None, devinfo_dir=None, dev_root=dev_root)
     PoolAllocator(pool_of(NET, [dev("0000:3b:00.2")]), s, lambda _id: True).allocate(["0000:3b:00.2"])
     assert not (tmp_path / "devinfo").exists()
+
+
+def test_reload_with_a_new_name_drops_the_old_files(tmp_path: Path, dev_root: Path) -> None:
+    vf = dev("0000:3b:00.2")
+    alloc = PoolAllocator(pool_of(NET, [vf]), settings(tmp_path, dev_root), lambda _id: True)
+    alloc.allocate(["0000:3b:00.2"])
+    alloc.update(pool_of(PoolConfig("renamed", "nvidia.com"), [vf]))
+    assert files(tmp_path) == {}
+    alloc.allocate(["0000:3b:00.2"])
+    assert list(files(tmp_path)) == ["nvidia.com-renamed-0000:3b:00.2-device.json"]

@@ -312,26 +312,36 @@ class PoolAllocator:
     """The PoolService of one pool: answers Allocate, GetPreferredAllocation and PreStartContainer."""
 
     def __init__(self, pool: Pool, settings: AllocationSettings, is_healthy: Callable[[str], bool]) -> None:
-        config = pool.config
+        self.settings = settings
+        self.is_healthy = is_healthy
+        self._devices: tuple[Device, ...] = ()
+        self._configure(pool.config)
+        self._load(pool)
+        self._refresh_cdi(self._devices)
+
+    def _configure(self, config: PoolConfig) -> None:
         if config.preferred not in POLICIES:
             raise ValueError(
                 f"pool {config.full_name}: preferred {config.preferred!r} is not one of {sorted(POLICIES)}"
             )
-        self.settings = settings
-        self.is_healthy = is_healthy
         self.config = config
-        self.kind = cdi.make_kind(config.resource_prefix, cdi_class(config))
-        self._cdi = cdi.SpecWriter(settings.cdi_dir) if settings.cdi_dir is not None else None
+        self._cdi: cdi.SpecWriter | None = None
+        self.kind = ""
+        if self.settings.cdi_dir is not None:
+            try:
+                self.kind = cdi.make_kind(config.resource_prefix, cdi_class(config))
+                self._cdi = cdi.SpecWriter(self.settings.cdi_dir)
+            except cdi.CdiError as e:
+                # The kubelet's resource-name rules are nearly CDI's; where they differ, serve the pool
+                # with plain device specs rather than not at all.
+                log.error("%s: CDI off for this pool: %s", config.full_name, e)
         self._cdi_entries: dict[str, dict[str, Any]] = {}
         self._cdi_current = False
         self._info = (
-            devinfo.InfoWriter(settings.devinfo_dir, config.resource_prefix, config.resource_name)
-            if settings.devinfo_dir is not None and config.device_type == NET_DEVICE
+            devinfo.InfoWriter(self.settings.devinfo_dir, config.resource_prefix, config.resource_name)
+            if self.settings.devinfo_dir is not None and config.device_type == NET_DEVICE
             else None
         )
-        self._devices: tuple[Device, ...] = ()
-        self._load(pool)
-        self._refresh_cdi(self._devices)
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -350,9 +360,17 @@ class PoolAllocator:
     def update(self, pool: Pool) -> None:
         """Take a new membership: rewrite the CDI spec if devices changed, drop files of devices that left."""
         if pool.config != self.config:
-            raise ValueError(
-                f"pool {self.config.full_name}: update() got the config of {pool.config.full_name}"
-            )
+            # A reload changed the pool's settings (policy, selectors, additionalInfo, name): start over,
+            # first dropping the files named after the old settings.
+            old_cdi, old_kind = self._cdi, self.kind
+            if self._info is not None:
+                self._info.close()
+            self._configure(pool.config)
+            if old_cdi is not None and old_kind != self.kind:
+                old_cdi.remove(old_kind)
+            self._load(pool)
+            self._refresh_cdi(self._devices)
+            return
         old = self._devices
         self._load(pool)
         if set(old) != set(self._devices) or not self._cdi_current:
