@@ -21,15 +21,19 @@ log = logging.getLogger("densedev.cli")
 DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's default resourcePrefix
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default=os.environ.get("DENSEDEV_LOG_LEVEL", "info"))
-    p.add_argument("--log-format", choices=("kv", "json"), default=os.environ.get("DENSEDEV_LOG_FORMAT", "kv"))
+def _add_common(p: argparse.ArgumentParser, level: str = "info") -> None:
+    p.add_argument("--log-level", default=os.environ.get("DENSEDEV_LOG_LEVEL", level))
+    p.add_argument(
+        "--log-format", choices=("kv", "json"), default=os.environ.get("DENSEDEV_LOG_FORMAT", "kv")
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of every sub-command."""
     parser = argparse.ArgumentParser(prog="densedev", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"densedev {__version__} ({accel.IMPLEMENTATION})")
+    parser.add_argument(
+        "--version", action="version", version=f"densedev {__version__} ({accel.IMPLEMENTATION})"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the device plugin daemon")
@@ -71,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--numa-nodes", type=int, default=2)
 
     demo = sub.add_parser("demo", help="run the plugin on a simulated node against the kubelet emulator")
-    _add_common(demo)
+    _add_common(demo, "warning")  # the live view is the demo's output; logs only for trouble
     demo.add_argument("--seconds", type=float, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
     demo.add_argument("--pfs", type=int, default=16)
     demo.add_argument("--vfs-per-pf", type=int, default=256)
@@ -132,7 +136,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     layout = simnode.simulate(args.out, args.pfs, args.vfs_per_pf, args.vendor, args.rdma, args.numa_nodes)
     nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
-    print(f"simulated node in {args.out}: {len(layout.pfs)} PFs, {nvfs} VFs; config {args.out / 'config.json'}")
+    print(
+        f"simulated node in {args.out}: {len(layout.pfs)} PFs, {nvfs} VFs; config {args.out / 'config.json'}"
+    )
     return 0
 
 

@@ -20,19 +20,13 @@ from . import accel, discovery, selectors
 from . import config as config_mod
 from .allocation import AllocationSettings, PoolAllocator
 from .feed import PoolFeed
-from .health import HealthTracker
+from .health import Coalescer, HealthTracker
 from .model import Config, Device, Pool, PoolConfig
+from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
 from .wire import ListEncoder
 
 log = logging.getLogger("densedev.manager")
-
-# rtnetlink constants (include/uapi/linux/rtnetlink.h, include/uapi/linux/if.h)
-RTM_NEWLINK = 16
-IFF_UP = 0x1
-IFF_LOWER_UP = 0x10000
-IF_OPER_UP = 6
-IF_OPER_UNKNOWN = 0
 
 
 @dataclass(frozen=True)
@@ -49,19 +43,6 @@ class DaemonSettings:
     metrics_addr: str | None = None
     netlink: bool = True  # watch rtnetlink links and kernel uevents
     config_poll_s: float = 1.0
-
-
-def link_is_up(flags: int, operstate: int, carrier: int) -> bool:
-    """Return whether an rtnetlink link report means "up": admin up, lower layer up, operstate not down.
-
-    The kernel sets IFF_LOWER_UP with the carrier (net/core/rtnetlink.c); veth and most drivers report
-    operstate UP, some report UNKNOWN while still passing traffic, so UNKNOWN counts as up.
-    """
-    if not flags & IFF_UP or not flags & IFF_LOWER_UP:
-        return False
-    if carrier == 0:
-        return False
-    return operstate in (IF_OPER_UP, IF_OPER_UNKNOWN, -1)
 
 
 def read_sysfs_links(sysfs_root: Path, ifnames: Iterable[str]) -> list[tuple[str, bool]]:
@@ -93,7 +74,9 @@ class PoolRuntime:
         self.encoder = self._new_encoder(pool)
         self.allocator = PoolAllocator(
             pool,
-            AllocationSettings(cdi_dir=settings.cdi_dir, devinfo_dir=settings.devinfo_dir, dev_root=settings.dev_root),
+            AllocationSettings(
+                cdi_dir=settings.cdi_dir, devinfo_dir=settings.devinfo_dir, dev_root=settings.dev_root
+            ),
             self.is_healthy,
         )
         name = pool.config.full_name
@@ -146,13 +129,22 @@ class Daemon:
         self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._flush_handle: asyncio.TimerHandle | None = None
+        # Coalescing: the first event of a burst arms one flush `coalesce_ms` later; later events in the
+        # window ride along, so a PF taking 256 VFs down becomes one message per pool.
+        self._coalescer = Coalescer(self.flush, config.coalesce_ms / 1e3)
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._reload_requested = asyncio.Event()
         self._rescan_requested = asyncio.Event()
         self._link_monitor: object | None = None
         self._uevent_monitor: object | None = None
-        self.stats = {"scans": 0, "flushes": 0, "events": 0, "reloads": 0, "reload_failures": 0, "overruns": 0}
+        self.stats = {
+            "scans": 0,
+            "flushes": 0,
+            "events": 0,
+            "reloads": 0,
+            "reload_failures": 0,
+            "overruns": 0,
+        }
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -194,9 +186,9 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        for h in (self._flush_handle, self._deadline_handle):
-            if h is not None:
-                h.cancel()
+        self._coalescer.cancel()
+        if self._deadline_handle is not None:
+            self._deadline_handle.cancel()
         for mon in (self._link_monitor, self._uevent_monitor):
             if mon is not None:
                 with contextlib.suppress(Exception):
@@ -279,7 +271,7 @@ class Daemon:
         assert self.tracker is not None
         self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
         self._poll_rdma()
-        self._schedule_flush()
+        self._coalescer.notify()
 
     def _apply(self, devices: tuple[Device, ...], config: Config) -> None:
         """Recompute pools from devices and config, and update pools whose membership changed."""
@@ -297,25 +289,22 @@ class Daemon:
                 log.info("pool %s now has %d devices", runtime.name, len(pool.members))
 
     # ----------------------------------------------------------------------------------- health
-    def on_links(self, links: Sequence[tuple[int, int, str, int, int, int, int]]) -> None:
+    def on_links(self, links: tuple[LinkTuple, ...]) -> None:
         """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
-        states = [
-            (name, link_is_up(flags, oper, carrier))
-            for (mtype, _idx, name, flags, oper, carrier, _parent) in links
-            if mtype == RTM_NEWLINK and name
-        ]
-        # RTM_DELLINK is left out on purpose: a VF netdev moved into a pod's namespace is deleted from the
-        # host's view, and that is not "down"; device-level removals arrive as uevents and rescans.
-        if states and self.tracker is not None:
-            self.stats["events"] += len(states)
-            self.tracker.set_links(states)
-            self._schedule_flush()
+        states, gone = link_states(links)
+        if self.tracker is None or not (states or gone):
+            return
+        self.stats["events"] += len(states) + len(gone)
+        self.tracker.set_links(states)
+        # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
+        self.tracker.drop_links(gone)
+        self._coalescer.notify()
 
     def set_links(self, states: Iterable[tuple[str, bool]]) -> None:
         """Take link states by interface name (the demo's and tests' way in)."""
         assert self.tracker is not None
         self.tracker.set_links(states)
-        self._schedule_flush()
+        self._coalescer.notify()
 
     def on_overrun(self) -> None:
         """A netlink overrun lost events: resynchronise everything, never guess."""
@@ -326,7 +315,7 @@ class Daemon:
                 self._link_monitor.resync()  # type: ignore[attr-defined]
         self.request_rescan()
 
-    def on_uevent(self, event: tuple[str, str, tuple[tuple[str, str], ...]]) -> None:
+    def on_uevent(self, event: UeventTuple) -> None:
         """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
         action, _devpath, env = event
         subsystem = dict(env).get("SUBSYSTEM", "")
@@ -352,20 +341,12 @@ class Daemon:
             await asyncio.sleep(self.config.rdma_poll_s)
             try:
                 self._poll_rdma()
-                self._schedule_flush()
+                self._coalescer.notify()
             except Exception:
                 log.exception("RDMA port poll failed")
 
-    def _schedule_flush(self) -> None:
-        # Coalescing: the first event of a burst arms one flush `coalesce_ms` later; later events in the
-        # window ride along, so a PF taking 256 VFs down becomes one message per pool.
-        if self._flush_handle is None:
-            loop = asyncio.get_running_loop()
-            self._flush_handle = loop.call_later(self.config.coalesce_ms / 1e3, self.flush)
-
     def flush(self) -> None:
         """Send one message to every pool whose advertised health changed, and arm the hold-down timer."""
-        self._flush_handle = None
         if self.tracker is None:
             return
         updates = self.tracker.collect()
@@ -388,8 +369,6 @@ class Daemon:
             self._deadline_handle = loop.call_later(delay, self.flush)
 
     async def _start_netlink(self) -> None:
-        from .netlink import LinkMonitor, UeventMonitor
-
         try:
             links = LinkMonitor(self.on_links, self.on_overrun)
             await links.start()
