@@ -581,3 +581,63 @@ def test_build_pools_agrees_with_the_per_device_reasons(devices: list[Device], c
         excluded = {e["id"] for e in pool["excluded"]}
         assert in_pool | excluded == {d.id for d in devices}
         assert not in_pool & excluded
+
+
+# --- end to end: simulated sysfs tree → discovery → pools ----------------------------------------------
+
+
+def test_simulated_node_to_pools(tmp_path: Path) -> None:
+    from densedev import discovery
+    from densedev.testing import simnode
+
+    layout = simnode.build_node(tmp_path / "sys", pfs=2, vfs_per_pf=8, rdma=True, extras=True)
+    extras = layout.extras
+    assert extras is not None
+    pf0, pf1 = layout.pfs
+    conf = cfg(
+        {"resourceName": "p0_low", "selectors": {"pfNames": [f"{pf0.netdev}#0-3"]}},
+        {"resourceName": "p1_by_root", "selectors": {"rootDevices": [f"{pf1.address}#2,4-5"]}},
+        {"resourceName": "mlx_rest", "selectors": {"vendors": ["15b3"], "devices": ["101e"], "isRdma": True}},
+        {
+            "resourceName": "intel_dpdk",
+            "selectors": {"vendors": ["8086"], "drivers": ["vfio-pci", "igb_uio"]},
+        },
+        {
+            "resourceName": "qat",
+            "deviceType": "accelerator",
+            "selectors": {"vendors": ["8086"], "devices": ["4941"]},
+        },
+        {"resourceName": "sf", "deviceType": "auxNetDevice", "selectors": {"auxTypes": ["sf"]}},
+        {"resourceName": "ib_shared", "rdmaShared": 2, "selectors": {"linkTypes": ["infiniband"]}},
+        {"resourceName": "plain", "selectors": {"drivers": ["igb"]}},
+    )
+
+    def pools_now() -> dict[str, list[str]]:
+        table = discovery.scan(tmp_path / "sys")
+        assert table.warnings == ()
+        return {p.config.resource_name: ids(p) for p in selectors.build_pools(conf, table.devices)}
+
+    pools = pools_now()
+    assert pools["p0_low"] == list(pf0.vf_addresses[:4])
+    assert pools["p1_by_root"] == [pf1.vf_addresses[i] for i in (2, 4, 5)]
+    taken = set(pools["p0_low"]) | set(pools["p1_by_root"])
+    mlx_vfs = [a for a in (*pf0.vf_addresses, *pf1.vf_addresses) if a not in taken]
+    assert set(mlx_vfs) <= set(pools["mlx_rest"])
+    assert pools["intel_dpdk"] == sorted([extras.uio_vf, extras.vfio_vf, extras.noiommu_vf])
+    assert pools["qat"] == list(extras.accel_vfs)
+    assert pools["sf"] == list(extras.sfs)
+    assert pools["ib_shared"] == [f"{extras.ib_pf}/0", f"{extras.ib_pf}/1"]
+    assert pools["plain"] == [extras.plain]
+    # No PF with VFs enabled is in a netDevice pool.
+    assert pf0.address not in pools["mlx_rest"] and pf1.address not in pools["mlx_rest"]
+
+    # A VF whose interface moved into a pod keeps its ID and its pool (its PF still names it).
+    simnode.move_netdev_to_pod(tmp_path / "sys", pf0.vf_addresses[1])
+    assert pools_now()["p0_low"] == list(pf0.vf_addresses[:4])
+
+    # Fewer VFs on PF 1: the range pool shrinks, nothing else moves.
+    simnode.set_num_vfs(tmp_path / "sys", pf1.address, 0)
+    remaining = simnode.set_num_vfs(tmp_path / "sys", pf1.address, 5)
+    after = pools_now()
+    assert after["p1_by_root"] == [remaining[i] for i in (2, 4)]
+    assert after["p0_low"] == pools["p0_low"]
