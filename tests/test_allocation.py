@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import shutil
+import tempfile
+from collections.abc import Callable, Coroutine, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -412,3 +414,70 @@ def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
         pool_of(NET, [dev("0000:3b:00.2")]), settings(tmp_path, dev_root), lambda _id: True
     )
     assert svc.preferred(["0000:3b:00.2"], [], 1) == ["0000:3b:00.2"]
+
+
+# -- through the kubelet emulator: the gRPC server, registration and the wire in between -----------
+
+
+def test_through_the_kubelet_emulator(run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Path) -> None:
+    import grpc
+
+    from densedev.feed import PoolFeed
+    from densedev.registration import PluginRunner
+    from densedev.testing.kubelet import KubeletEmulator
+    from densedev.wire import ListEncoder
+
+    sock_dir = Path(tempfile.mkdtemp(prefix="dd-alloc-", dir="/tmp"))  # sun_path is 108 bytes at most
+    dev_root = tmp_path / "dev"
+    touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/83", "/dev/vfio/noiommu-84", "/dev/infiniband/uverbs3")
+    vfs = [
+        dev("0000:18:02.0", driver="vfio-pci", iommu_group=83, pf="0000:18:00.0", numa_node=1),
+        dev("0000:18:02.1", driver="vfio-pci", iommu_group=84, noiommu=True, pf="0000:18:00.0", numa_node=1),
+        dev("0000:18:0a.0", driver="vfio-pci", iommu_group=85, pf="0000:18:00.1", numa_node=1),
+    ]
+    config = PoolConfig("dpdk", "intel.com", prestart=True, preferred="spread")
+    healthy = {d.id: True for d in vfs}
+    healthy["0000:18:0a.0"] = False
+    s = AllocationSettings(cdi_dir=tmp_path / "cdi", devinfo_dir=tmp_path / "devinfo", dev_root=dev_root)
+    alloc = PoolAllocator(pool_of(config, vfs), s, lambda i: healthy[i])
+    encoder = ListEncoder([d.id for d in vfs], [d.numa_node for d in vfs])
+    feed = PoolFeed(encoder.encode([healthy[d.id] for d in vfs]))
+    resource = config.full_name
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir, checkpoint=False)
+        await kubelet.start()
+        runner = PluginRunner(resource, sock_dir, "densedev-intel.com_dpdk.sock", feed, alloc)
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 2, 10.0)
+            options = kubelet.options(resource)
+            assert (
+                options is not None
+                and options.pre_start_required
+                and options.get_preferred_allocation_available
+            )
+            ids = [d.id for d in vfs]
+            assert await kubelet.preferred(resource, ids[:2], [], 2) == ids[:2]
+            resp = await kubelet.allocate(resource, ["0000:18:02.1"])
+            assert [c.name for c in resp.cdi_devices] == ["intel.com/dpdk=0000:18:02.1"]
+            assert resp.envs["PCIDEVICE_INTEL_COM_DPDK"] == "0000:18:02.1"
+            info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_DPDK_INFO"])
+            assert info["0000:18:02.1"]["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/84"}
+            await kubelet.prestart(resource, ["0000:18:02.1"])
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await kubelet.allocate(resource, ["0000:18:0a.0"], check=False)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "0000:18:0a.0" in (e.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await kubelet.allocate(resource, ["0000:99:00.0"], check=False)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await runner.stop()
+            await kubelet.stop()
+            alloc.close()
+            shutil.rmtree(sock_dir, ignore_errors=True)
+
+    run(main())
+    assert (tmp_path / "cdi" / "densedev-intel.com-dpdk.json").exists()
+    assert not list((tmp_path / "devinfo").iterdir())
