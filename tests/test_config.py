@@ -294,6 +294,7 @@ def test_all_problems_are_reported_at_once_with_pool_key_and_reason() -> None:
         ({"resourceList": [], "rdmaPollSeconds": 0}, "rdmaPollSeconds: expected a number > 0, got 0"),
         ({"resourceList": [], "reconcileSeconds": True}, "reconcileSeconds: expected a number, got boolean"),
         ({"resourceList": [], "coalesceMs": -1}, "coalesceMs: expected a number >= 0, got -1"),
+        ({"resourceList": [], "coalesceMs": 10**400}, f"coalesceMs: expected a number >= 0, got {10**400!r}"),
         ({"resourceList": [{}]}, "resourceList[0] (no resourceName): resourceName: required"),
         (pool(resourceName=""), "resourceList[0] (no resourceName): resourceName: empty"),
         (

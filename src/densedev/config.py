@@ -240,7 +240,11 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.problem(where, f"expected a number, got {_type_name(value)}")
             return default
-        if not math.isfinite(value) or value < minimum or (strict and value == minimum):
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer beyond any float
+            finite = False
+        if not finite or value < minimum or (strict and value == minimum):
             self.problem(where, f"expected a number {'>' if strict else '>='} {minimum:g}, got {value!r}")
             return default
         return float(value)
