@@ -7,9 +7,10 @@ Matching, as that plugin does it (see ``docs/config.md``):
 * a device belongs to at most one pool: the first pool in config order that selects it (the plugin's
   ``excludeAllocatedDevices``), so two pools never hand the same function to two pods;
 * ``netDevice`` pools take PCI network functions and skip a PF whose VFs are enabled (its VFs are the
-  devices); ``accelerator`` pools take any PCI function; ``auxNetDevice`` pools take subfunctions only.
+  devices); ``accelerator`` pools take any PCI function but a bridge; ``auxNetDevice`` pools take
+  subfunctions only.
 
-Speed: each selector is compiled once into a chain of list filters over frozensets, and every pool walks
+Speed: each selector is compiled (per selection) into list filters over frozensets, and every pool walks
 the (sorted once) device list in C-speed comprehensions: linear in devices times pools.
 """
 
