@@ -137,7 +137,7 @@ def parse_uevent(bytes buf):
     cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
     cdef Py_ssize_t start = 0, end, at, eq, k
     # udev's re-broadcast (group 2) starts with a binary "libudev\0" header: not ours.
-    if n >= 8 and memcmp_prefix(p, b"libudev\0", 8):
+    if n >= 8 and _ue_has_prefix(p, b"libudev\0", 8):
         return None
     end = 0
     while end < n and p[end] != 0:
@@ -169,7 +169,7 @@ def parse_uevent(bytes buf):
     return (action, devpath, tuple(pairs))
 
 
-cdef inline bint memcmp_prefix(const char* p, const char* prefix, Py_ssize_t n) noexcept:
+cdef inline bint _ue_has_prefix(const char* p, const char* prefix, Py_ssize_t n) noexcept:
     cdef Py_ssize_t k
     for k in range(n):
         if p[k] != prefix[k]:
