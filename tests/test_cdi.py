@@ -37,6 +37,7 @@ def validate_spec(doc: dict[str, Any]) -> None:
         assert set(d) <= {"name", "annotations", "containerEdits"}
         assert NAME_RE.match(d["name"]), d["name"]
         edits = d["containerEdits"]
+        assert edits, "runtimes refuse a device with empty container edits"
         assert set(edits) <= {
             "env",
             "deviceNodes",
@@ -266,3 +267,18 @@ def test_name_cdi_refuses_serves_device_specs(
     resp = alloc.allocate(["0000:18:02.0"])
     assert list(resp.cdi_devices) == []
     assert [d.container_path for d in resp.devices] == ["/dev/vfio/vfio", "/dev/vfio/83"]
+
+
+def test_a_rebound_device_gets_its_new_nodes(tmp_path: Path, dev_root: Path) -> None:
+    kernel = dev("0000:18:02.0", driver="iavf", iommu_group=83)
+    alloc = PoolAllocator(pool_of(DPDK, [kernel]), settings(tmp_path, dev_root), lambda _id: True)
+    path = spec_path(tmp_path, "densedev-intel.com-intel_sriov_dpdk.json")
+    (entry,) = json.loads(path.read_text())["devices"]
+    assert "deviceNodes" not in entry["containerEdits"]  # a kernel netdev: env only
+    alloc.update(pool_of(DPDK, [kernel._replace(driver="vfio-pci")]))  # rebound for DPDK
+    doc = json.loads(path.read_text())
+    validate_spec(doc)
+    assert [n["path"] for n in doc["devices"][0]["containerEdits"]["deviceNodes"]] == [
+        "/dev/vfio/vfio",
+        "/dev/vfio/83",
+    ]

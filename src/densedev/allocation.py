@@ -371,14 +371,18 @@ class PoolAllocator:
             self._load(pool)
             self._refresh_cdi(self._devices)
             return
-        old = self._devices
+        old = set(self._devices)
         self._load(pool)
-        if set(old) != set(self._devices) or not self._cdi_current:
+        if old != set(self._devices) or not self._cdi_current:
             present = {d.id for d in self._devices}
             gone = [d for d in self._cdi_entries if d not in present]
             for device_id in gone:
                 del self._cdi_entries[device_id]
-            self._refresh_cdi(self._devices, force=bool(gone))
+            # Only new or changed records need their entries rebuilt (a stat per node, 16k devices): a
+            # node that appears or vanishes under an unchanged record is caught when the device is
+            # allocated, which refreshes its entry first.
+            todo = [d for d in self._devices if d not in old] if self._cdi_current else self._devices
+            self._refresh_cdi(todo, force=bool(gone))
         if self._info is not None:
             present = {d.id for d in self._devices}
             self._info.remove(sorted(d for d in self._info.written if d not in present))

@@ -96,8 +96,11 @@ def spec_document(kind: str, entries: Iterable[dict[str, Any]]) -> dict[str, Any
 
 
 def encode(doc: Mapping[str, Any]) -> bytes:
-    """Return the canonical bytes of a spec (sorted keys, so equal content means equal bytes)."""
-    return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
+    """Return the canonical bytes of a spec (sorted keys, so equal content means equal bytes).
+
+    Compact, because a pool of 16k devices makes a spec of megabytes that runtimes re-read on change.
+    """
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
 
 
 def write_atomic(path: Path, data: bytes) -> bool:
