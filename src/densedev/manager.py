@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -18,12 +19,16 @@ from pathlib import Path
 
 from . import accel, discovery, selectors
 from . import config as config_mod
+from ._proto import api_pb2
 from .allocation import AllocationSettings, PoolAllocator
 from .feed import PoolFeed
-from .health import Coalescer, HealthTracker
-from .model import Config, Device, Pool, PoolConfig
+from .health import Coalescer, HealthTracker, PoolUpdate
+from .logs import log_event, summarise
+from .metrics import Metrics, MetricsServer, parse_addr
+from .model import Config, Device, Pool, PoolConfig, RequestError
 from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
+from .server import MAX_UNIX_PATH
 from .wire import ListEncoder
 
 log = logging.getLogger("densedev.manager")
@@ -42,7 +47,9 @@ class DaemonSettings:
     config_path: Path | None = None  # watched for changes when set
     metrics_addr: str | None = None
     netlink: bool = True  # watch rtnetlink links and kernel uevents
+    netns: str | None = None  # watch links and uevents in this named network namespace (tests)
     config_poll_s: float = 1.0
+    housekeeping_s: float = 1.0  # how often registration state is copied into metrics
 
 
 def read_sysfs_links(sysfs_root: Path, ifnames: Iterable[str]) -> list[tuple[str, bool]]:
@@ -63,10 +70,68 @@ def read_sysfs_links(sysfs_root: Path, ifnames: Iterable[str]) -> list[tuple[str
     return out
 
 
+def socket_name_for(resource: str, kubelet_dir: Path) -> str:
+    """Return the pool's socket file name: readable when it fits ``sun_path``, hashed when it would not.
+
+    Resource names may be 300+ characters while a unix socket path is limited to 107 bytes; the name
+    must also be stable across restarts so the kubelet's view does not churn.
+    """
+    readable = "densedev-" + resource.replace("/", "_") + ".sock"
+    if len(os.fsencode(kubelet_dir / readable)) <= MAX_UNIX_PATH:
+        return readable
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:16]
+    return f"densedev-{digest}.sock"
+
+
+class MeteredService:
+    """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
+
+    def __init__(self, resource: str, inner: PoolAllocator, metrics: Metrics) -> None:
+        self.resource = resource
+        self.inner = inner
+        self.metrics = metrics
+
+    def options(self) -> tuple[bool, bool]:
+        """Return the pool's options (read by the kubelet once per registration)."""
+        return self.inner.options()
+
+    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+        """Answer Allocate, timed."""
+        t0 = time.perf_counter()
+        try:
+            resp = self.inner.allocate(ids)
+        except RequestError as exc:
+            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, exc.kind)
+            raise
+        except Exception:
+            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, "internal")
+            raise
+        self.metrics.observe_allocate(self.resource, time.perf_counter() - t0)
+        return resp
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Answer GetPreferredAllocation, timed."""
+        t0 = time.perf_counter()
+        try:
+            out = self.inner.preferred(available, must_include, size)
+        except RequestError as exc:
+            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, exc.kind)
+            raise
+        except Exception:
+            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, "internal")
+            raise
+        self.metrics.observe_preferred(self.resource, time.perf_counter() - t0)
+        return out
+
+    def prestart(self, ids: Sequence[str]) -> None:
+        """Answer PreStartContainer."""
+        self.inner.prestart(ids)
+
+
 class PoolRuntime:
     """Everything that runs for one pool: its feed, encoder, allocator and kubelet-facing runner."""
 
-    def __init__(self, pool: Pool, settings: DaemonSettings) -> None:
+    def __init__(self, pool: Pool, settings: DaemonSettings, metrics: Metrics) -> None:
         self.pool = pool
         self.feed = PoolFeed()
         self.healthy: list[bool] = [True] * len(pool.members)
@@ -80,13 +145,15 @@ class PoolRuntime:
             self.is_healthy,
         )
         name = pool.config.full_name
-        socket_name = "densedev-" + name.replace("/", "_") + ".sock"
-        self.runner = PluginRunner(name, settings.kubelet_dir, socket_name, self.feed, self.allocator)
+        socket_name = socket_name_for(name, settings.kubelet_dir)
+        service = MeteredService(name, self.allocator, metrics)
+        self.runner = PluginRunner(name, settings.kubelet_dir, socket_name, self.feed, service)
+        self.registrations_seen = 0
 
     @staticmethod
     def _new_encoder(pool: Pool) -> ListEncoder:
         numa = [-1 if pool.config.exclude_topology else m.device.numa_node for m in pool.members]
-        return ListEncoder([m.id for m in pool.members], numa)
+        return ListEncoder([m.id for m in pool.members], numa, name=pool.config.full_name)
 
     @property
     def name(self) -> str:
@@ -98,18 +165,20 @@ class PoolRuntime:
         i = self._index.get(device_id)
         return i is not None and self.healthy[i]
 
-    def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> None:
-        """Encode the pool's list from the cache and hand it to the streams."""
+    def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
+        """Encode the pool's list from the cache, hand it to the streams, and return its size."""
         self.healthy = list(healthy)
-        self.feed.publish(self.encoder.encode(self.healthy, changed))
+        message = self.encoder.encode(self.healthy, changed)
+        self.feed.publish(message)
+        return len(message)
 
-    def replace(self, pool: Pool, healthy: Sequence[bool]) -> None:
+    def replace(self, pool: Pool, healthy: Sequence[bool]) -> int:
         """Adopt a new membership (rescan or reload) and publish the whole list once."""
         self.pool = pool
         self._index = {m.id: i for i, m in enumerate(pool.members)}
         self.encoder = self._new_encoder(pool)
         self.allocator.update(pool)
-        self.publish(healthy, None)
+        return self.publish(healthy, None)
 
 
 class Daemon:
@@ -120,23 +189,30 @@ class Daemon:
         settings: DaemonSettings,
         config: Config,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.config = config
         self._clock = clock
+        self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.devices: tuple[Device, ...] = ()
         self.pools: dict[str, PoolRuntime] = {}
         self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
+        self.started = False
         self._tasks: list[asyncio.Task[None]] = []
         # Coalescing: the first event of a burst arms one flush `coalesce_ms` later; later events in the
         # window ride along, so a PF taking 256 VFs down becomes one message per pool.
         self._coalescer = Coalescer(self.flush, config.coalesce_ms / 1e3)
+        self._burst_start: float | None = None  # when the first event of the pending burst arrived
+        self._burst_events = 0
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._reload_requested = asyncio.Event()
         self._rescan_requested = asyncio.Event()
-        self._link_monitor: object | None = None
-        self._uevent_monitor: object | None = None
+        self._reload_lock = asyncio.Lock()
+        self._link_monitor: LinkMonitor | None = None
+        self._uevent_monitor: UeventMonitor | None = None
+        self._metrics_server: MetricsServer | None = None
         self.stats = {
             "scans": 0,
             "flushes": 0,
@@ -149,6 +225,10 @@ class Daemon:
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Scan, build pools, serve and register every pool, then start the event sources."""
+        if self.settings.metrics_addr:
+            host, port = parse_addr(self.settings.metrics_addr)
+            self._metrics_server = MetricsServer(self.metrics, self.registered, host, port)
+            await self._metrics_server.start()
         table = self._scan()
         pools = selectors.build_pools(self.config, table.devices)
         self.devices = table.devices
@@ -157,29 +237,43 @@ class Daemon:
         self._poll_rdma()
         initial = self.tracker.collect()
         for i, pool in enumerate(pools):
-            runtime = PoolRuntime(pool, self.settings)
+            try:
+                runtime = PoolRuntime(pool, self.settings, self.metrics)
+            except Exception:
+                # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
+                log.exception("pool %s could not be set up; the other pools go on", pool.config.full_name)
+                continue
             upd = initial.get(i)
-            runtime.publish(upd.healthy if upd is not None else [True] * len(pool.members), None)
+            healthy = upd.healthy if upd is not None else self.tracker.pool_health(i)
+            runtime.publish(healthy, None)
+            self._report_counts(runtime.name, i, healthy)
             self.pools[pool.config.full_name] = runtime
-            self._order.append(pool.config.full_name)
+        self._order = [p.config.full_name for p in pools]
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
-        self._tasks.append(asyncio.create_task(self._rdma_loop(), name="rdma-poll"))
-        self._tasks.append(asyncio.create_task(self._rescan_loop(), name="rescan"))
+        self._spawn(self._rdma_loop(), "rdma-poll")
+        self._spawn(self._rescan_loop(), "rescan")
+        self._spawn(self._reload_loop(), "reload")
+        self._spawn(self._housekeeping_loop(), "housekeeping")
         if self.settings.config_path is not None:
-            self._tasks.append(asyncio.create_task(self._config_watch_loop(), name="config-watch"))
-        self._tasks.append(asyncio.create_task(self._reload_loop(), name="reload"))
-        log.info(
-            "daemon started: %d devices, %d pools (%s), implementation=%s",
-            len(self.devices),
-            len(self.pools),
-            ", ".join(f"{n}={len(r.pool.members)}" for n, r in self.pools.items()),
-            accel.IMPLEMENTATION,
+            self._spawn(self._config_watch_loop(), "config-watch")
+        self.started = True
+        log_event(
+            log,
+            "daemon started",
+            devices=len(self.devices),
+            pools=len(self.pools),
+            implementation=accel.IMPLEMENTATION,
+            sizes=",".join(f"{n}={len(r.pool.members)}" for n, r in self.pools.items()),
         )
+
+    def _spawn(self, coro: object, name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
 
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
+        self.started = False
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -192,16 +286,17 @@ class Daemon:
         for mon in (self._link_monitor, self._uevent_monitor):
             if mon is not None:
                 with contextlib.suppress(Exception):
-                    mon.stop()  # type: ignore[attr-defined]
+                    mon.stop()
         await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
-        log.info("daemon stopped")
+        if self._metrics_server is not None:
+            await self._metrics_server.stop()
+        log_event(log, "daemon stopped")
 
     async def _start_runner(self, runtime: PoolRuntime) -> None:
-        # A failure in one pool (bad socket dir, refused name) must never take down another.
         try:
             await runtime.runner.start()
         except Exception:
-            log.exception("pool %s failed to start", runtime.name)
+            log.exception("pool %s failed to start; the other pools go on", runtime.name)
 
     async def _stop_runtime(self, runtime: PoolRuntime) -> None:
         try:
@@ -212,20 +307,39 @@ class Daemon:
             runtime.allocator.close()
 
     def registered(self) -> tuple[bool, str]:
-        """Return whether every pool is registered with the kubelet, and which are not."""
+        """Return whether every pool is registered with the kubelet, and which are not (for /readyz)."""
+        if not self.started:
+            return False, "starting"
         missing = [n for n, r in self.pools.items() if not r.runner.registered]
-        return (not missing, "not registered: " + ", ".join(missing) if missing else "all pools registered")
+        if missing:
+            return False, "not registered: " + ", ".join(missing)
+        return True, f"{len(self.pools)} pools registered"
+
+    async def _housekeeping_loop(self) -> None:
+        while True:
+            for name, r in self.pools.items():
+                self.metrics.set_registered(name, r.runner.registered)
+                while r.registrations_seen < r.runner.registrations:
+                    r.registrations_seen += 1
+                    self.metrics.record_registration(name, True)
+            await asyncio.sleep(self.settings.housekeeping_s)
 
     # ----------------------------------------------------------------------------------- scanning
     def _scan(self) -> discovery.DeviceTable:
         t0 = time.perf_counter()
         table = discovery.scan(self.settings.sysfs_root)
+        elapsed = time.perf_counter() - t0
         self.stats["scans"] += 1
+        self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
         if table.warnings:
-            log.warning(
-                "scan skipped or degraded %d entries: %s", len(table.warnings), "; ".join(table.warnings[:5])
+            log_event(
+                log,
+                "scan skipped or degraded entries",
+                level=logging.WARNING,
+                count=len(table.warnings),
+                first=" | ".join(table.warnings[:3]),
             )
-        log.debug("scan: %d devices in %.1f ms", len(table.devices), (time.perf_counter() - t0) * 1e3)
+        log.debug("scan: %d devices in %.1f ms", len(table.devices), elapsed * 1e3)
         return table
 
     def _ifnames(self) -> set[str]:
@@ -237,12 +351,14 @@ class Daemon:
         return names
 
     def _ibdevs(self) -> list[str]:
+        # RDMA ports are polled only for RDMA devices some pool advertises (the policy may still ignore
+        # them, but then the facts are merely unused).
         seen: dict[str, None] = {}
         for r in self.pools.values():
             for m in r.pool.members:
                 if m.device.rdma_device:
                     seen[m.device.rdma_device] = None
-        if not self.pools:  # before the runtimes exist, ask the table
+        if not self.pools:
             for d in self.devices:
                 if d.rdma_device:
                     seen[d.rdma_device] = None
@@ -267,57 +383,86 @@ class Daemon:
     def rescan(self) -> None:
         """Rescan the node and apply the new device table to every pool (grow, shrink, no restart)."""
         table = self._scan()
+        self.metrics.record_resync("rescan")
         self._apply(table.devices, self.config)
         assert self.tracker is not None
         self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
+        if self._link_monitor is not None:
+            self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         self._poll_rdma()
-        self._coalescer.notify()
+        self._note_event(0)
 
-    def _apply(self, devices: tuple[Device, ...], config: Config) -> None:
+    def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
         """Recompute pools from devices and config, and update pools whose membership changed."""
         pools = selectors.build_pools(config, devices)
         self.devices = devices
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
-        for pool in pools:
+        for i, pool in enumerate(pools):
             runtime = self.pools.get(pool.config.full_name)
             if runtime is None:
                 continue
             if runtime.pool.members != pool.members or runtime.pool.config != pool.config:
-                runtime.replace(pool, self.tracker.pool_health(self._order.index(pool.config.full_name)))
-                log.info("pool %s now has %d devices", runtime.name, len(pool.members))
+                before = {m.id for m in runtime.pool.members}
+                after = {m.id for m in pool.members}
+                healthy = self.tracker.pool_health(i)
+                try:
+                    nbytes = runtime.replace(pool, healthy)
+                except Exception:
+                    log.exception("pool %s: applying the new membership failed", runtime.name)
+                    continue
+                self.metrics.record_send(runtime.name, nbytes, None)
+                self._report_counts(runtime.name, i, healthy)
+                log_event(
+                    log,
+                    "pool membership changed",
+                    pool=runtime.name,
+                    devices=len(pool.members),
+                    added=summarise(sorted(after - before)),
+                    removed=summarise(sorted(before - after)),
+                )
+        return pools
 
     # ----------------------------------------------------------------------------------- health
+    def _note_event(self, count: int) -> None:
+        if self._burst_start is None:
+            self._burst_start = time.monotonic()
+        self._burst_events += count
+        self._coalescer.notify()
+
     def on_links(self, links: tuple[LinkTuple, ...]) -> None:
         """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
         states, gone = link_states(links)
+        self.metrics.record_netlink("link", len(links))
         if self.tracker is None or not (states or gone):
             return
         self.stats["events"] += len(states) + len(gone)
         self.tracker.set_links(states)
         # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
         self.tracker.drop_links(gone)
-        self._coalescer.notify()
+        self._note_event(len(states) + len(gone))
 
-    def set_links(self, states: Iterable[tuple[str, bool]]) -> None:
+    def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
         """Take link states by interface name (the demo's and tests' way in)."""
         assert self.tracker is not None
         self.tracker.set_links(states)
-        self._coalescer.notify()
+        self._note_event(len(states))
 
     def on_overrun(self) -> None:
         """A netlink overrun lost events: resynchronise everything, never guess."""
         self.stats["overruns"] += 1
-        log.warning("netlink overrun: full resync")
+        self.metrics.record_overrun("netlink")
+        log_event(log, "netlink overrun, resyncing", level=logging.WARNING)
         if self._link_monitor is not None:
             with contextlib.suppress(Exception):
-                self._link_monitor.resync()  # type: ignore[attr-defined]
+                self._link_monitor.resync()
         self.request_rescan()
 
     def on_uevent(self, event: UeventTuple) -> None:
         """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
         action, _devpath, env = event
+        self.metrics.record_netlink("uevent")
         subsystem = dict(env).get("SUBSYSTEM", "")
         if subsystem in ("pci", "net", "infiniband", "auxiliary", "vdpa") and action in (
             "add",
@@ -350,33 +495,72 @@ class Daemon:
         if self.tracker is None:
             return
         updates = self.tracker.collect()
+        latency = None if self._burst_start is None else time.monotonic() - self._burst_start
+        events, self._burst_start, self._burst_events = self._burst_events, None, 0
         self.stats["flushes"] += 1
         for idx, upd in updates.items():
             runtime = self.pools.get(self._order[idx]) if idx < len(self._order) else None
             if runtime is None:
                 continue
             try:
-                runtime.publish(upd.healthy, upd.changed)
+                nbytes = runtime.publish(upd.healthy, upd.changed)
             except Exception:
                 log.exception("pool %s: publishing failed", runtime.name)
+                continue
+            self.metrics.record_send(runtime.name, nbytes, latency, events)
+            self._report_change(runtime, idx, upd)
         deadline = self.tracker.next_deadline()
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
             self._deadline_handle = None
         if deadline is not None:
             loop = asyncio.get_running_loop()
-            delay = max(0.0, deadline - self._clock())
-            self._deadline_handle = loop.call_later(delay, self.flush)
+            self._deadline_handle = loop.call_later(max(0.0, deadline - self._clock()), self.flush)
+
+    def _report_change(self, runtime: PoolRuntime, idx: int, upd: PoolUpdate) -> None:
+        """One log line per pool and direction, and the per-pool gauges; never a line per device."""
+        members = runtime.pool.members
+        down_pos = [p for p in upd.changed if not upd.healthy[p]]
+        down = [members[p].id for p in down_pos]
+        up = [members[p].id for p in upd.changed if upd.healthy[p]]
+        self.metrics.record_transitions(runtime.name, len(down), len(up))
+        if down:
+            assert self.tracker is not None
+            # Reasons of a sample are enough for the log line; the metrics count every device.
+            why = sorted({r for p in down_pos[:64] for r in self.tracker.reasons(members[p].device.id)})
+            log_event(
+                log,
+                "devices unhealthy",
+                level=logging.WARNING,
+                pool=runtime.name,
+                count=len(down),
+                reason=",".join(why) or "unknown",
+                devices=summarise(down),
+            )
+        if up:
+            log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
+        self._report_counts(runtime.name, idx, upd.healthy)
+
+    def _report_counts(self, name: str, idx: int, healthy: Sequence[bool]) -> None:
+        bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
+        reasons: dict[str, int] = {}
+        if bad and self.tracker is not None and name in self.pools:
+            members = self.pools[name].pool.members
+            for pos, ok in enumerate(healthy):
+                if not ok:
+                    for r in self.tracker.reasons(members[pos].device.id):
+                        reasons[r] = reasons.get(r, 0) + 1
+        self.metrics.set_pool_devices(name, len(healthy) - bad, bad, reasons)
 
     async def _start_netlink(self) -> None:
         try:
-            links = LinkMonitor(self.on_links, self.on_overrun)
+            links = LinkMonitor(self.on_links, self.on_overrun, netns=self.settings.netns)
             await links.start()
             self._link_monitor = links
         except OSError as exc:
             log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
         try:
-            uevents = UeventMonitor(self.on_uevent, self.on_overrun)
+            uevents = UeventMonitor(self.on_uevent, self.on_overrun, netns=self.settings.netns)
             await uevents.start()
             self._uevent_monitor = uevents
         except OSError as exc:
@@ -415,52 +599,71 @@ class Daemon:
             new = config_mod.load(path, default_prefix=self.settings.resource_prefix)
         except config_mod.ConfigError as exc:
             self.stats["reload_failures"] += 1
+            self.metrics.record_reload(False)
             for p in exc.problems:
-                log.error("config reload refused, keeping the last good config: %s", p)
+                log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=p)
             return False
         except OSError as exc:
             self.stats["reload_failures"] += 1
-            log.error("config reload refused, cannot read %s: %s", path, exc)
+            self.metrics.record_reload(False)
+            log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=str(exc))
             return False
+        if new == self.config:
+            return True
         await self.apply_config(new)
         return True
 
     async def apply_config(self, new: Config) -> None:
         """Diff pool definitions and apply them; untouched pools keep their streams and registration."""
-        old_by_name = {p.full_name: p for p in self.config.pools}
-        new_by_name = {p.full_name: p for p in new.pools}
-        removed = [n for n in old_by_name if n not in new_by_name]
-        added = [n for n in new_by_name if n not in old_by_name]
-        # The kubelet reads options only at registration: a pool whose options change must re-register.
-        reregister = [
-            n
-            for n in new_by_name
-            if n in old_by_name and _options_of(old_by_name[n]) != _options_of(new_by_name[n])
-        ]
-        for n in removed + reregister:
-            runtime = self.pools.pop(n)
-            await self._stop_runtime(runtime)
-        self.config = new
-        self._apply(self.devices, new)
-        assert self.tracker is not None
-        started: list[PoolRuntime] = []
-        for i, name in enumerate(self._order):
-            if name in self.pools:
-                continue
-            pool = selectors.build_pools(new, self.devices)[i]
-            runtime = PoolRuntime(pool, self.settings)
-            runtime.publish(self.tracker.pool_health(i), None)
-            self.pools[name] = runtime
-            started.append(runtime)
-        await asyncio.gather(*(self._start_runner(r) for r in started))
-        self.stats["reloads"] += 1
-        log.info(
-            "config reloaded: %d added, %d removed, %d re-registered, %d pools",
-            len(added),
-            len(removed),
-            len(reregister),
-            len(self.pools),
-        )
+        async with self._reload_lock:
+            old_by_name = {p.full_name: p for p in self.config.pools}
+            new_by_name = {p.full_name: p for p in new.pools}
+            removed = [n for n in old_by_name if n not in new_by_name]
+            added = [n for n in new_by_name if n not in old_by_name]
+            # The kubelet reads options only at registration: a pool whose options change re-registers.
+            reregister = [
+                n
+                for n in new_by_name
+                if n in old_by_name and _options_of(old_by_name[n]) != _options_of(new_by_name[n])
+            ]
+            changed = [n for n in new_by_name if n in old_by_name and old_by_name[n] != new_by_name[n]]
+            for n in removed + reregister:
+                runtime = self.pools.pop(n, None)
+                if runtime is not None:
+                    await self._stop_runtime(runtime)
+                if n in removed:
+                    self.metrics.remove_pool(n)
+            self.config = new
+            self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
+            pools = self._apply(self.devices, new)
+            assert self.tracker is not None
+            started: list[PoolRuntime] = []
+            for i, pool in enumerate(pools):
+                name = pool.config.full_name
+                if name in self.pools:
+                    continue
+                try:
+                    runtime = PoolRuntime(pool, self.settings, self.metrics)
+                except Exception:
+                    log.exception("pool %s could not be set up; the other pools go on", name)
+                    continue
+                healthy = self.tracker.pool_health(i)
+                runtime.publish(healthy, None)
+                self.pools[name] = runtime
+                self._report_counts(name, i, healthy)
+                started.append(runtime)
+            await asyncio.gather(*(self._start_runner(r) for r in started))
+            self.stats["reloads"] += 1
+            self.metrics.record_reload(True)
+            log_event(
+                log,
+                "config reloaded",
+                added=",".join(added) or "-",
+                removed=",".join(removed) or "-",
+                changed=",".join(changed) or "-",
+                reregistered=",".join(reregister) or "-",
+                pools=len(self.pools),
+            )
 
 
 def _options_of(pool: PoolConfig) -> tuple[bool, bool]:

@@ -60,6 +60,10 @@ def _identity(message: bytes) -> bytes:
     return message
 
 
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
+MAX_UNIX_PATH = 107
+
+
 class PluginServer:
     """Serves ``/v1beta1.DevicePlugin/*`` for one pool on ``socket_path``."""
 
@@ -93,9 +97,18 @@ class PluginServer:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers((self._handler(),))
         address = f"unix:{self.socket_path}"
-        if server.add_insecure_port(address) == 0:
-            raise OSError(f"{self.resource}: cannot listen on {address}")
-        await server.start()
+        if len(os.fsencode(self.socket_path)) > MAX_UNIX_PATH:
+            raise OSError(
+                f"{self.resource}: socket path {self.socket_path} exceeds {MAX_UNIX_PATH} bytes (sun_path)"
+            )
+        try:
+            if server.add_insecure_port(address) == 0:
+                raise OSError(f"{self.resource}: cannot listen on {address}")
+            await server.start()
+        except BaseException:
+            # Without an explicit stop, the half-made server's finaliser runs after the loop is gone.
+            await server.stop(None)
+            raise
         self._stopping = asyncio.Event()
         self._server = server
         st = os.stat(self.socket_path)

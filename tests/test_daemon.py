@@ -1,0 +1,274 @@
+"""The whole daemon end to end: simulated node → discovery → pools → health → gRPC → kubelet emulator.
+
+Waits are bounded by generous guards that only turn a hang into a failure; nothing asserts speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from densedev import config as config_mod
+from densedev.manager import Daemon, DaemonSettings
+from densedev.model import HEALTHY, UNHEALTHY
+from densedev.testing import simnode
+from densedev.testing.kubelet import KubeletEmulator
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+GUARD_S = 20.0
+PREFIX = "example.com"
+
+
+def pools_config(layout: simnode.NodeLayout, **top: object) -> dict[str, object]:
+    """Pools of a typical SR-IOV node: one per PF for two PFs, one for every other VF, shared RDMA."""
+    pfs = layout.pfs
+    resources: list[dict[str, object]] = [
+        {
+            "resourceName": f"sriov_{pf.netdev}",
+            "resourcePrefix": PREFIX,
+            "selectors": {"pfNames": [pf.netdev]},
+            "healthPolicy": {"holdDownSeconds": 0.2},
+        }
+        for pf in pfs[:2]
+    ]
+    resources.append(
+        {
+            "resourceName": "other_vfs",
+            "resourcePrefix": PREFIX,
+            "selectors": {"pfNames": [pf.netdev for pf in pfs[2:]]},
+            "healthPolicy": {"holdDownSeconds": 0.2},
+        }
+    )
+    resources.append(
+        {
+            "resourceName": "rdma_shared",
+            "resourcePrefix": PREFIX,
+            "deviceType": "accelerator",
+            "rdmaShared": 4,
+            "selectors": {"pciAddresses": [pf.address for pf in pfs], "isRdma": True},
+            "healthPolicy": {"holdDownSeconds": 0.2},
+        }
+    )
+    return {"resourceList": resources, "rdmaPollSeconds": 0.05, "coalesceMs": 2, **top}
+
+
+class Node:
+    """A simulated node, its config file and the paths a daemon on it uses."""
+
+    def __init__(self, tmp: Path, pfs: int = 4, vfs_per_pf: int = 8) -> None:
+        self.sysfs = tmp / "sys"
+        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=True)
+        self.config_path = tmp / "config.json"
+        self.write_config(pools_config(self.layout))
+        # A short dir like the kubelet's own: unix socket paths are limited to 107 bytes.
+        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+        self.tmp = tmp
+
+    def write_config(self, doc: dict[str, object]) -> None:
+        """Replace the config file atomically, as a ConfigMap update does."""
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.config_path)
+
+    def settings(self, **kw: Any) -> DaemonSettings:
+        """Daemon settings pointing every path into the temp dir."""
+        base: dict[str, Any] = dict(
+            sysfs_root=self.sysfs,
+            kubelet_dir=self.kubelet_dir,
+            dev_root=self.tmp / "dev",
+            cdi_dir=self.tmp / "cdi",
+            devinfo_dir=self.tmp / "devinfo",
+            resource_prefix=PREFIX,
+            config_path=self.config_path,
+            netlink=False,
+            config_poll_s=0.05,
+        )
+        base.update(kw)
+        return DaemonSettings(**base)
+
+    def daemon(self, **kw: Any) -> Daemon:
+        """A daemon on this node with its current config."""
+        return Daemon(self.settings(**kw), config_mod.load(self.config_path, default_prefix=PREFIX))
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    yield n
+    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
+
+
+def res(name: str) -> str:
+    return f"{PREFIX}/{name}"
+
+
+async def started(node: Node, **kw: Any) -> tuple[KubeletEmulator, Daemon]:
+    """Start the kubelet emulator and a daemon, and wait until every pool has sent its list."""
+    emu = KubeletEmulator(node.kubelet_dir)
+    await emu.start()
+    daemon = node.daemon(**kw)
+    await daemon.start()
+    names = {p.full_name for p in daemon.config.pools}
+    await emu.wait_for(lambda: names <= set(emu.resources()) and all(emu.updates(n) for n in names), GUARD_S)
+    return emu, daemon
+
+
+async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
+    await daemon.stop()
+    await emu.stop()
+
+
+def test_every_pool_registers_and_lists_every_device(run: Run, node: Node) -> None:
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            pfs = node.layout.pfs
+            for pf in pfs[:2]:
+                assert set(emu.devices(res(f"sriov_{pf.netdev}"))) == set(pf.vf_addresses)
+            others = {a for pf in pfs[2:] for a in pf.vf_addresses}
+            assert set(emu.devices(res("other_vfs"))) == others
+            shared = emu.devices(res("rdma_shared"))
+            assert set(shared) == {f"{pf.address}/{k}" for pf in pfs for k in range(4)}
+            for r in emu.resources():
+                assert set(emu.devices(r).values()) == {HEALTHY}
+                assert emu.registrations(r) == 1
+                assert emu.options(r) is not None and emu.options(r).get_preferred_allocation_available
+            # Topology: every VF carries its PF's NUMA node.
+            numa = emu.updates(res(f"sriov_{pfs[1].netdev}"))[-1].numa
+            assert set(numa.values()) == {(pfs[1].numa_node,)}
+            assert daemon.registered()[0]
+        finally:
+            await stopped(emu, daemon)
+        # Shutdown removes our sockets; the kubelet's own socket is not ours.
+        assert not [p for p in node.kubelet_dir.iterdir() if p.name.startswith("densedev-")]
+
+    run(main())
+
+
+def test_rdma_port_flip_in_the_tree_reaches_the_kubelet_and_recovers(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[3]
+    shared_ids = {f"{pf.address}/{k}" for k in range(4)}
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        r = res("rdma_shared")
+        try:
+            simnode.set_rdma_port(node.sysfs, pf.ibdev, 1, 1)  # DOWN, as the HCA reports it
+            await emu.wait_for(lambda: {i for i, h in emu.devices(r).items() if h == UNHEALTHY} == shared_ids, GUARD_S)
+            assert daemon.tracker is not None and "rdma-port-down" in daemon.tracker.reasons(pf.address)
+            simnode.set_rdma_port(node.sysfs, pf.ibdev, 1, 4)  # ACTIVE again: healthy after the hold-down
+            await emu.wait_for(lambda: set(emu.devices(r).values()) == {HEALTHY}, GUARD_S)
+            # Other pools never heard of it.
+            assert len(emu.updates(res("other_vfs"))) == 1
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
+
+
+def test_pf_link_down_takes_its_vfs_in_one_message(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[0]
+    r = res(f"sriov_{pf.netdev}")
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            before = len(emu.updates(r))
+            daemon.set_links([(pf.netdev, False)])
+            await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
+            assert len(emu.updates(r)) == before + 1  # the burst of 8 VFs is one message
+            assert emu.allocatable(r) == 0 and emu.capacity(r) == len(pf.vf_addresses)
+            daemon.set_links([(pf.netdev, True)])
+            await emu.wait_for(lambda: set(emu.devices(r).values()) == {HEALTHY}, GUARD_S)
+            assert len(emu.updates(res("other_vfs"))) == 1
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
+
+
+def test_allocate_statuses(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[0]
+    r = res(f"sriov_{pf.netdev}")
+    other = node.layout.pfs[2].vf_addresses[0]
+
+    async def status(emu: KubeletEmulator, ids: list[str]) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await emu.allocate(r, ids, check=False)
+        return err.value.code(), err.value.details() or ""
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            ok = await emu.allocate(r, list(pf.vf_addresses[:2]))
+            env = dict(ok.envs)
+            key = "PCIDEVICE_EXAMPLE_COM_SRIOV_" + pf.netdev.upper()
+            assert env[key] == ",".join(pf.vf_addresses[:2])
+            assert set(json.loads(env[key + "_INFO"])) == set(pf.vf_addresses[:2])
+            code, text = await status(emu, ["0000:ff:1f.7"])
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "0000:ff:1f.7" in text
+            code, text = await status(emu, [other])  # a device of another pool
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and other in text
+            daemon.set_links([(pf.netdev, False)])
+            await emu.wait_for(lambda: emu.allocatable(r) == 0, GUARD_S)
+            code, text = await status(emu, [pf.vf_addresses[3]])
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and pf.vf_addresses[3] in text
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
+
+
+def test_kubelet_restart_leads_to_reregistration_and_a_fresh_full_list(run: Run, node: Node) -> None:
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            names = [p.full_name for p in daemon.config.pools]
+            await emu.restart()
+            await emu.wait_for(
+                lambda: all(emu.registrations(n) >= 1 and emu.updates(n) for n in names), GUARD_S
+            )
+            for n in names:
+                assert len(emu.devices(n)) == len(daemon.pools[n].pool.members)
+            await asyncio.sleep(0)  # the daemon's housekeeping counts re-registrations
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
+
+
+def test_vfs_created_and_destroyed_grow_and_shrink_pools_live(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[1]
+    r = res(f"sriov_{pf.netdev}")
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            simnode.set_num_vfs(node.sysfs, pf.address, 0)
+            daemon.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
+            await emu.wait_for(lambda: emu.devices(r) == {}, GUARD_S)
+            created = simnode.set_num_vfs(node.sysfs, pf.address, 6)
+            daemon.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
+            await emu.wait_for(lambda: set(emu.devices(r)) == set(created), GUARD_S)
+            assert emu.registrations(r) == 1  # grew and shrank without re-registering
+            assert set(emu.devices(r).values()) == {HEALTHY}
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
+
+
+def test_bad_resource_name_is_refused_with_a_clear_message(node: Node) -> None:
+    doc = pools_config(node.layout)
+    doc["resourceList"][0]["resourceName"] = "bad name!"  # type: ignore[index]
+    node.write_config(doc)
+    problems = config_mod.check(node.config_path, default_prefix=PREFIX)
+    assert any("resourceList[0]" in p and "resourceName" in p for p in problems), problems
