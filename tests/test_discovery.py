@@ -123,6 +123,9 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
     # 1: looping symlink
     os.unlink(bus / vfs[1])
     os.symlink(vfs[1], bus / vfs[1])
+    # 2-6: the uevent is half-written (no usable ids), so the attribute files decide, and then:
+    for vf in vfs[2:7]:
+        (_dev_dir(tmp_path, vf) / "uevent").write_text("PCI_CLASS=20000\nPCI_ID=15B3:10")
     # 2: empty vendor; 3: garbage device; 4: vendor replaced by a directory (read fails: EISDIR)
     (_dev_dir(tmp_path, vfs[2]) / "vendor").write_text("")
     (_dev_dir(tmp_path, vfs[3]) / "device").write_text("0xzz1e\n")
@@ -133,7 +136,9 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
     (_dev_dir(tmp_path, vfs[5]) / "subsystem_device").write_text("\n")
     # 6: half-written class (missing): skipped
     (_dev_dir(tmp_path, vfs[6]) / "class").unlink()
-    # 7: dangling driver link (driver dir removed under us): the link's basename still names it
+    # 7: dangling driver link (driver dir removed under us): the link's basename still names it;
+    # its uevent is garbage but its attribute files are sound, so it is found all the same
+    (_dev_dir(tmp_path, vfs[7]) / "uevent").write_bytes(b"\x00\xff garbage")
     os.unlink(_dev_dir(tmp_path, vfs[7]) / "driver")
     os.symlink("../../../../bus/pci/drivers/ghost", _dev_dir(tmp_path, vfs[7]) / "driver")
     devs, warnings = _scan(impl, tmp_path)
@@ -142,6 +147,7 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
     assert devs[vfs[5]].numa_node == -1 and devs[vfs[5]].subsystem_device == ""
     assert devs[vfs[5]].vf_index == 5
     assert (devs[vfs[7]].vf_index, devs[vfs[7]].driver) == (7, "ghost")
+    assert devs[vfs[7]][2:7] == ("15b3", "101e", "020000", "15b3", "0016")
     assert layout.pfs[1].vf_addresses[0] in devs
     expected = [
         f"{vfs[0]}: skipped: No such file or directory",

@@ -92,7 +92,7 @@ def _apply(root: Path, kind: str, pick: int, attr: str, junk: bytes) -> None:
     elif kind == "bad_group" and (dev / "iommu_group").is_symlink():
         (dev / "iommu_group").unlink()
         os.symlink("../../../../kernel/iommu_groups/x" + junk.hex(), dev / "iommu_group")
-    elif kind == "bad_virtfn" and (dev / "virtfn0").is_symlink():
+    elif kind == "bad_virtfn" and (dev / "virtfn0").is_symlink() and not (dev / "virtfnX").is_symlink():
         os.symlink("../" + (junk.hex() or "0"), dev / "virtfn-1")
         (dev / "virtfnX").symlink_to("nowhere")
     elif kind == "to_pod" and (dev / "net").is_dir() and os.listdir(dev / "net"):
@@ -157,7 +157,8 @@ def test_attribute_parsing_agrees_on_arbitrary_bytes(
 ) -> None:
     fast, twin = both
     dev = (small_node / "bus/pci/devices/0000:19:00.0").resolve()
-    for attr in ("vendor", "numa_node", "sriov_numvfs", "subsystem_device", "acpi_index"):
+    # uevent too, so the attribute files decide (junk this short can never be a complete uevent)
+    for attr in ("uevent", "vendor", "numa_node", "sriov_numvfs", "subsystem_device", "acpi_index"):
         (dev / attr).write_bytes(junk)
     (small_node / "class/infiniband/mlx5_0/ports/1/state").write_bytes(junk)
     raw = os.fsencode(small_node)
@@ -172,3 +173,53 @@ def test_attribute_parsing_agrees_on_arbitrary_bytes(
         and body[:2] in (b"0x", b"0X")
         and all(c in b"0123456789abcdefABCDEF" for c in body[2:])
     )
+
+
+_hexish = st.text(alphabet="0123456789abcdefABCDEFxg: ", min_size=0, max_size=10)
+_uevent_lines = st.lists(
+    st.tuples(
+        st.sampled_from(["PCI_ID", "PCI_SUBSYS_ID", "PCI_CLASS", "DRIVER", "PCI_SLOT_NAME", "PCI_IDX"]),
+        _hexish,
+    ),
+    max_size=7,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=SHARED_FIXTURE)
+@given(_uevent_lines, st.booleans())
+def test_uevent_parsing_agrees(
+    both: tuple[ModuleType, ModuleType], small_node: Path, lines: list[tuple[str, str]], no_equals: bool
+) -> None:
+    fast, twin = both
+    dev = (small_node / "bus/pci/devices/0000:19:00.0").resolve()
+    for attr, text in (("vendor", "0x15b3"), ("device", "0x101d"), ("class", "0x020000")):
+        (dev / attr).write_text(text + "\n")
+    sep = "" if no_equals else "="
+    (dev / "uevent").write_text("".join(f"{k}{sep}{v}\n" for k, v in lines))
+    raw = os.fsencode(small_node)
+    result = fast.scan_sysfs(raw, None)
+    assert result == twin.scan_sysfs(raw, None)
+    pf = next(d for d in result[0] if d[0] == "0000:19:00.0")
+    values = {k: v for k, v in lines}  # the last line of a key wins
+    pid, sub, cls = values.get("PCI_ID"), values.get("PCI_SUBSYS_ID"), values.get("PCI_CLASS")
+    if (
+        not no_equals
+        and pid
+        and sub
+        and cls
+        and all(
+            len(x) == 9 and x[4] == ":" and all(c in "0123456789abcdefABCDEF" for c in x[:4] + x[5:])
+            for x in (pid, sub)
+        )
+        and 1 <= len(cls) <= 6
+        and all(c in "0123456789abcdefABCDEF" for c in cls)
+    ):
+        assert pf[2:7] == (
+            pid[:4].lower(),
+            pid[5:].lower(),
+            cls.lower().zfill(6),
+            sub[:4].lower(),
+            sub[5:].lower(),
+        )
+    else:
+        assert pf[2:5] == ("15b3", "101d", "020000")  # fell back to the attribute files

@@ -16,6 +16,7 @@ _ID, _ROLE, _DRIVER, _NUMA, _PF, _VF_INDEX, _PF_NETDEV, _NETDEVS = 0, 1, 7, 8, 1
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _O_FILE = os.O_RDONLY | os.O_CLOEXEC
 _READ_MAX = 255  # every attribute read here is one short line; sysfs hands out at most a page
+_UEVENT_MAX = 1023  # a PCI device's uevent is ~150 bytes (DRIVER, PCI_*, MODALIAS)
 # include/uapi/linux/if_arp.h: ARPHRD_ETHER 1, ARPHRD_INFINIBAND 32.
 _LINK_TYPES = {1: "ether", 32: "infiniband"}
 # RDMA character-device classes and the /dev/infiniband node each entry names (its ibdev file says whose).
@@ -25,14 +26,14 @@ _ABSENT = -1  # sentinel status codes of _read, shared with the Cython version
 _EMPTY = -2
 
 
-def _read(dirfd: int, name: bytes) -> tuple[int, bytes]:
+def _read(dirfd: int, name: bytes, cap: int = _READ_MAX) -> tuple[int, bytes]:
     """Read a small attribute; return (0, stripped text) or (errno | _EMPTY, b"")."""
     try:
         fd = os.open(name, _O_FILE, dir_fd=dirfd)
     except OSError as e:
         return e.errno or 1, b""
     try:
-        data = os.read(fd, _READ_MAX)
+        data = os.read(fd, cap)
     except OSError as e:
         return e.errno or 1, b""
     finally:
@@ -86,6 +87,40 @@ def _hex_id(data: bytes, digits: int) -> str | None:
         if not (48 <= c <= 57 or 97 <= c <= 102 or 65 <= c <= 70):
             return None
     return body.decode().lower()
+
+
+def _is_hex(data: bytes) -> bool:
+    return bool(data) and all(48 <= c <= 57 or 97 <= c <= 102 or 65 <= c <= 70 for c in data)
+
+
+def _pair(value: bytes) -> tuple[str, str] | None:
+    """``15B3:101E`` → ("15b3", "101e")."""
+    if len(value) != 9 or value[4:5] != b":" or not _is_hex(value[:4]) or not _is_hex(value[5:]):
+        return None
+    return value[:4].decode().lower(), value[5:].decode().lower()
+
+
+def _uevent_ids(data: bytes) -> tuple[str, str, str, str, str] | None:
+    """Vendor, device, class and subsystem ids from a PCI device's ``uevent``; None if incomplete.
+
+    drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
+    PCI_SUBSYS_ID=%04X:%04X: one read instead of five attribute files (the scan is syscall-bound).
+    """
+    pci_id = subsys = pci_class = None
+    for line in data.split(b"\n"):
+        key, _, value = line.partition(b"=")
+        if key == b"PCI_ID":
+            pci_id = value
+        elif key == b"PCI_SUBSYS_ID":
+            subsys = value
+        elif key == b"PCI_CLASS":
+            pci_class = value
+    if pci_id is None or subsys is None or pci_class is None:
+        return None
+    ids, sub = _pair(pci_id), _pair(subsys)
+    if ids is None or sub is None or not (1 <= len(pci_class) <= 6 and _is_hex(pci_class)):
+        return None
+    return ids[0], ids[1], pci_class.decode().lower().zfill(6), sub[0], sub[1]
 
 
 def _int(data: bytes) -> int | None:
@@ -201,27 +236,45 @@ def _scan_pci(
         warnings.append(f"{dev}: skipped: {os.strerror(e.errno or 1)}")
         return None
     try:
-        ids: list[str] = []
-        for attr, digits in ((b"vendor", 4), (b"device", 4), (b"class", 6)):
-            status, data = _read(devfd, attr)
-            value = _hex_id(data, digits) if status == 0 else None
-            if value is None:
-                why = _why(status) if status else "not a hex id"
-                warnings.append(f"{dev}: skipped: {attr.decode()}: {why}")
-                return None
-            ids.append(value)
-        subsys: list[str] = []
-        for attr in (b"subsystem_vendor", b"subsystem_device"):
-            status, data = _read(devfd, attr)
-            hex_id = _hex_id(data, 4) if status == 0 else None
-            if hex_id is None:
-                if status != 2:
+        status, data = _read(devfd, b"uevent", _UEVENT_MAX)
+        from_uevent = _uevent_ids(data) if status == 0 else None
+        if from_uevent is not None:
+            ids = list(from_uevent[:3])
+            subsys = list(from_uevent[3:])
+        else:
+            # No usable uevent (half-written or odd tree): the individual attribute files decide.
+            ids = []
+            for attr, digits in ((b"vendor", 4), (b"device", 4), (b"class", 6)):
+                status, data = _read(devfd, attr)
+                value = _hex_id(data, digits) if status == 0 else None
+                if value is None:
                     why = _why(status) if status else "not a hex id"
-                    warnings.append(f"{dev}: {attr.decode()}: {why}")
-                hex_id = ""
-            subsys.append(hex_id)
-        ints: list[int] = []
-        for attr, default in ((b"numa_node", -1), (b"acpi_index", -1), (b"sriov_totalvfs", -2)):
+                    warnings.append(f"{dev}: skipped: {attr.decode()}: {why}")
+                    return None
+                ids.append(value)
+            subsys = []
+            for attr in (b"subsystem_vendor", b"subsystem_device"):
+                status, data = _read(devfd, attr)
+                hex_id = _hex_id(data, 4) if status == 0 else None
+                if hex_id is None:
+                    if status != 2:
+                        why = _why(status) if status else "not a hex id"
+                        warnings.append(f"{dev}: {attr.decode()}: {why}")
+                    hex_id = ""
+                subsys.append(hex_id)
+        # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
+        # kernel shows neither sriov_* nor acpi_index on it: once physfn is found, skip those probes.
+        status, plink = _readlink(devfd, b"physfn")
+        pf = os.fsdecode(_basename(plink)) if status == 0 else ""
+        if status not in (0, 2):
+            warnings.append(f"{dev}: physfn: {_why(status)}")
+        attrs = (
+            ((b"numa_node", -1),)
+            if pf
+            else ((b"numa_node", -1), (b"acpi_index", -1), (b"sriov_totalvfs", -2))
+        )
+        ints: list[int] = [-1, -1, -2]
+        for i, (attr, default) in enumerate(attrs):
             status, data = _read(devfd, attr)
             number = _int(data) if status == 0 else None
             if number is None:
@@ -229,7 +282,7 @@ def _scan_pci(
                     warnings.append(f"{dev}: {attr.decode()}: {_why(status) if status else 'not an integer'}")
                 # absent: the default (-2 for sriov_totalvfs means "not a PF"); present but bad: -1
                 number = default if status == 2 else max(default, -1)
-            ints.append(number)
+            ints[i] = number
         numa, acpi, total = ints
         status, drv = _readlink(devfd, b"driver")
         driver = os.fsdecode(_basename(drv)) if status == 0 else ""
@@ -242,12 +295,13 @@ def _scan_pci(
                 warnings.append(f"{dev}: iommu_group: not a group number")
             else:
                 group = g
-                # drivers/vfio/group.c: a no-IOMMU group is named "vfio-noiommu".
-                status, gname = _read(devfd, b"iommu_group/name")
-                noiommu = status == 0 and gname == b"vfio-noiommu"
-        role = "pci"
+                # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device a
+                # vfio driver binds, so only those are asked.
+                if driver.startswith("vfio"):
+                    status, gname = _read(devfd, b"iommu_group/name")
+                    noiommu = status == 0 and gname == b"vfio-noiommu"
+        role = "vf" if pf else "pci"
         num = 0
-        pf = ""
         if total != -2:
             role = "pf"
             total = max(total, 0)
@@ -260,18 +314,13 @@ def _scan_pci(
             _virtfns(devfd, dev, vf_map, warnings)
         else:
             total = 0
-            status, plink = _readlink(devfd, b"physfn")
-            if status == 0:
-                role = "vf"
-                pf = os.fsdecode(_basename(plink))
-            elif status != 2:
-                warnings.append(f"{dev}: physfn: {_why(status)}")
         netdevs = tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
         link_type = _link_type(devfd, os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
         ibdevs = _listdir(devfd, b"infiniband")
         ibdev = ibdevs[0] if ibdevs else b""
         nodes = tuple(sorted(rdma.get(ibdev, ()))) if ibdev else ()
-        uios = _listdir(devfd, b"uio")
+        # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
+        uios = _listdir(devfd, b"uio") if "uio" in driver else []
         vdpa_name, vdpa_driver = vdpa.get(name, ("", ""))
         return [
             dev, role, ids[0], ids[1], ids[2], subsys[0], subsys[1], driver, numa, group, noiommu, acpi,

@@ -22,15 +22,20 @@ cdef extern from "<unistd.h>" nogil:
     ssize_t sc_readlinkat "readlinkat"(int dirfd, const char *path, char *buf, size_t size)
     int sc_dup "dup"(int fd)
 
-cdef extern from "<dirent.h>" nogil:
-    # struct dirent { ino_t d_ino; off_t d_off; unsigned short d_reclen; unsigned char d_type;
-    #                 char d_name[256]; };  (glibc; only d_name is used here)
-    struct sc_dirent "dirent":
-        char d_name[256]
-    ctypedef struct SC_DIR "DIR"
-    SC_DIR *sc_fdopendir "fdopendir"(int fd)
-    sc_dirent *sc_readdir "readdir"(SC_DIR *d)
-    int sc_closedir "closedir"(SC_DIR *d)
+cdef extern from "<sys/syscall.h>" nogil:
+    long sc_syscall "syscall"(long number, ...)
+    enum:
+        SC_SYS_getdents64 "SYS_getdents64"
+
+# include/linux/dirent.h:
+#   struct linux_dirent64 { u64 d_ino; s64 d_off; unsigned short d_reclen; unsigned char d_type;
+#                            char d_name[]; };
+cdef struct sc_dirent64:
+    unsigned long long d_ino
+    long long d_off
+    unsigned short d_reclen
+    unsigned char d_type
+    char d_name[1]
 
 cdef enum:
     SC_DIR_FLAGS = SC_O_RDONLY | SC_O_DIRECTORY | SC_O_CLOEXEC
@@ -39,6 +44,8 @@ cdef enum:
     SC_LINK_MAX = 4096     # PATH_MAX: sysfs link targets are far shorter
     SC_EMPTY = -2          # status of an attribute that exists but holds only whitespace
     SC_MAX_PARTS = 128
+    SC_UEVENT_MAX = 1023   # a PCI device's uevent is ~150 bytes (DRIVER, PCI_*, MODALIAS)
+    SC_DENTS_BUF = 32768   # one getdents64 call returns a whole device directory
     # include/uapi/linux/if_arp.h
     SC_ARPHRD_ETHER = 1
     SC_ARPHRD_INFINIBAND = 32
@@ -53,15 +60,19 @@ cdef inline bint _sc_space(char c) nogil:
     return c == 32 or (9 <= c <= 13)
 
 
-cdef int _sc_read(int dirfd, const char *name, char *buf, Py_ssize_t *n) nogil:
-    """Read and strip a small attribute into buf; 0, an errno, or SC_EMPTY."""
+cdef inline int _sc_read(int dirfd, const char *name, char *buf, Py_ssize_t *n) nogil:
+    return _sc_read_cap(dirfd, name, buf, n, SC_READ_MAX)
+
+
+cdef int _sc_read_cap(int dirfd, const char *name, char *buf, Py_ssize_t *n, Py_ssize_t cap) nogil:
+    """Read and strip a small attribute into buf (at least cap + 1 bytes); 0, an errno, or SC_EMPTY."""
     cdef int fd = sc_openat(dirfd, name, SC_FILE_FLAGS)
     cdef ssize_t got
     cdef Py_ssize_t start = 0, end
     n[0] = 0
     if fd < 0:
         return errno if errno else 1
-    got = sc_read(fd, buf, SC_READ_MAX)
+    got = sc_read(fd, buf, cap)
     if got < 0:
         end = errno
         sc_close(fd)
@@ -133,6 +144,74 @@ cdef bint _sc_hex(char *buf, Py_ssize_t n, int digits) nogil:
     return True
 
 
+cdef inline bint _sc_is_hex(char *buf, Py_ssize_t n) nogil:
+    """All hex digits (and at least one); lower-cases them in place."""
+    cdef Py_ssize_t i
+    cdef char c
+    if n < 1:
+        return False
+    for i in range(n):
+        c = buf[i]
+        if 65 <= c <= 70:
+            buf[i] = c + 32
+        elif not (48 <= c <= 57 or 97 <= c <= 102):
+            return False
+    return True
+
+
+cdef inline bint _sc_pair(char *buf, Py_ssize_t n) nogil:
+    """``15B3:101E``: two groups of four hex digits around a colon (lower-cased in place)."""
+    return n == 9 and buf[4] == 58 and _sc_is_hex(buf, 4) and _sc_is_hex(buf + 5, 4)
+
+
+cdef tuple _sc_uevent_ids(char *buf, Py_ssize_t n):
+    """Vendor, device, class and subsystem ids from a PCI device's uevent; None if incomplete.
+
+    drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
+    PCI_SUBSYS_ID=%04X:%04X: one read instead of five attribute files (the scan is syscall-bound).
+    """
+    cdef Py_ssize_t pos = 0, end, eq, klen, vat
+    cdef Py_ssize_t id_at = -1, id_n = 0, sub_at = -1, sub_n = 0, cls_at = -1, cls_n = 0
+    cdef char cls[6]
+    cdef Py_ssize_t i
+    while pos <= n:
+        end = pos
+        while end < n and buf[end] != 10:
+            end += 1
+        eq = pos
+        while eq < end and buf[eq] != 61:
+            eq += 1
+        klen = eq - pos
+        # value: after '=' up to the line end (empty when the line has no '=')
+        vat = eq + 1 if eq < end else end
+        if klen == 6 and memcmp(buf + pos, b"PCI_ID", 6) == 0:
+            id_at = vat
+            id_n = end - vat
+        elif klen == 13 and memcmp(buf + pos, b"PCI_SUBSYS_ID", 13) == 0:
+            sub_at = vat
+            sub_n = end - vat
+        elif klen == 9 and memcmp(buf + pos, b"PCI_CLASS", 9) == 0:
+            cls_at = vat
+            cls_n = end - vat
+        pos = end + 1
+    if id_at < 0 or sub_at < 0 or cls_at < 0:
+        return None
+    if not _sc_pair(buf + id_at, id_n) or not _sc_pair(buf + sub_at, sub_n):
+        return None
+    if not (1 <= cls_n <= 6) or not _sc_is_hex(buf + cls_at, cls_n):
+        return None
+    for i in range(6 - cls_n):
+        cls[i] = 48
+    memcpy(cls + 6 - cls_n, buf + cls_at, cls_n)
+    return (
+        PyUnicode_DecodeASCII(buf + id_at, 4, NULL),
+        PyUnicode_DecodeASCII(buf + id_at + 5, 4, NULL),
+        PyUnicode_DecodeASCII(cls, 6, NULL),
+        PyUnicode_DecodeASCII(buf + sub_at, 4, NULL),
+        PyUnicode_DecodeASCII(buf + sub_at + 5, 4, NULL),
+    )
+
+
 cdef inline str _sc_str(const char *buf, Py_ssize_t n):
     # os.fsdecode on Linux: UTF-8 with surrogateescape
     return PyUnicode_DecodeUTF8(buf, n, "surrogateescape")
@@ -178,24 +257,31 @@ cdef bytes _sc_parent(const char *buf, Py_ssize_t n):
 
 
 cdef list _sc_entries_fd(int fd):
-    """Sorted entries of an open directory (fd is consumed); '.' and '..' left out."""
-    cdef SC_DIR *d = sc_fdopendir(fd)
-    cdef sc_dirent *e
-    cdef list out = []
+    """Sorted entries of an open directory (fd is consumed); '.' and '..' left out.
+
+    getdents64 straight into a stack buffer: no DIR allocation and no fcntl as fdopendir would cost.
+    """
+    cdef char buf[SC_DENTS_BUF]
+    cdef long got
+    cdef long pos
+    cdef sc_dirent64 *e
     cdef const char *nm
-    if d == NULL:
-        sc_close(fd)
-        return out
+    cdef list out = []
     while True:
-        e = sc_readdir(d)
-        if e == NULL:
+        got = sc_syscall(SC_SYS_getdents64, fd, buf, SC_DENTS_BUF)
+        if got <= 0:
             break
-        nm = e.d_name
-        if nm[0] == 46 and (nm[1] == 0 or (nm[1] == 46 and nm[2] == 0)):
-            continue
-        out.append(PyBytes_FromStringAndSize(nm, strlen(nm)))
-    sc_closedir(d)
-    out.sort()
+        pos = 0
+        while pos < got:
+            e = <sc_dirent64 *>(buf + pos)
+            pos += e.d_reclen
+            nm = e.d_name
+            if nm[0] == 46 and (nm[1] == 0 or (nm[1] == 46 and nm[2] == 0)):
+                continue
+            out.append(PyBytes_FromStringAndSize(nm, strlen(nm)))
+    sc_close(fd)
+    if len(out) > 1:
+        out.sort()
     return out
 
 
@@ -327,24 +413,45 @@ cdef list _sc_scan_pci(int busfd, bytes name, dict rdma, dict vdpa, dict vf_map,
         warnings.append(f"{dev}: skipped: {_sc_os.strerror(status)}")
         return None
     try:
-        # Identity: vendor, device and class must be well-formed or the device is skipped.
-        for i, (attr, digits) in enumerate(((b"vendor", 4), (b"device", 4), (b"class", 6))):
-            status = _sc_read(devfd, <bytes>attr, buf, &n)
-            if status != 0 or not _sc_hex(buf, n, digits):
-                why = _sc_why(status) if status else "not a hex id"
-                warnings.append(f"{dev}: skipped: {(<bytes>attr).decode()}: {why}")
-                return None
-            ids[i] = PyUnicode_DecodeASCII(buf + 2, n - 2, NULL)
-        for i, attr in enumerate((b"subsystem_vendor", b"subsystem_device")):
-            status = _sc_read(devfd, <bytes>attr, buf, &n)
-            if status == 0 and _sc_hex(buf, n, 4):
-                subsys[i] = PyUnicode_DecodeASCII(buf + 2, n - 2, NULL)
-            elif status != ENOENT:
-                why = _sc_why(status) if status else "not a hex id"
-                warnings.append(f"{dev}: {(<bytes>attr).decode()}: {why}")
+        status = _sc_read_cap(devfd, b"uevent", buf, &n, SC_UEVENT_MAX)
+        from_uevent = _sc_uevent_ids(buf, n) if status == 0 else None
+        if from_uevent is not None:
+            ids = [from_uevent[0], from_uevent[1], from_uevent[2]]
+            subsys = [from_uevent[3], from_uevent[4]]
+        else:
+            # No usable uevent (half-written or odd tree): the individual attribute files decide.
+            # Identity: vendor, device and class must be well-formed or the device is skipped.
+            for i, (attr, digits) in enumerate(((b"vendor", 4), (b"device", 4), (b"class", 6))):
+                status = _sc_read(devfd, <bytes>attr, buf, &n)
+                if status != 0 or not _sc_hex(buf, n, digits):
+                    why = _sc_why(status) if status else "not a hex id"
+                    warnings.append(f"{dev}: skipped: {(<bytes>attr).decode()}: {why}")
+                    return None
+                ids[i] = PyUnicode_DecodeASCII(buf + 2, n - 2, NULL)
+            for i, attr in enumerate((b"subsystem_vendor", b"subsystem_device")):
+                status = _sc_read(devfd, <bytes>attr, buf, &n)
+                if status == 0 and _sc_hex(buf, n, 4):
+                    subsys[i] = PyUnicode_DecodeASCII(buf + 2, n - 2, NULL)
+                elif status != ENOENT:
+                    why = _sc_why(status) if status else "not a hex id"
+                    warnings.append(f"{dev}: {(<bytes>attr).decode()}: {why}")
+        # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
+        # kernel shows neither sriov_* nor acpi_index on it: once physfn is found, skip those probes.
+        status = _sc_readlink(devfd, b"physfn", buf, &n)
+        if status == 0:
+            b = _sc_base(buf, n)
+            pf = _sc_str(buf + b, n - b)
+        else:
+            pf = ""
+            if status != ENOENT:
+                warnings.append(f"{dev}: physfn: {_sc_why(status)}")
         numa = _sc_read_int(devfd, b"numa_node", -1, dev, warnings)
-        acpi = _sc_read_int(devfd, b"acpi_index", -1, dev, warnings)
-        total = _sc_read_int(devfd, b"sriov_totalvfs", -2, dev, warnings)
+        if pf:
+            acpi = -1
+            total = -2
+        else:
+            acpi = _sc_read_int(devfd, b"acpi_index", -1, dev, warnings)
+            total = _sc_read_int(devfd, b"sriov_totalvfs", -2, dev, warnings)
         status = _sc_readlink(devfd, b"driver", buf, &n)
         if status == 0:
             b = _sc_base(buf, n)
@@ -359,12 +466,13 @@ cdef list _sc_scan_pci(int busfd, bytes name, dict rdma, dict vdpa, dict vf_map,
                 warnings.append(f"{dev}: iommu_group: not a group number")
             else:
                 group = value
-                # drivers/vfio/group.c: a no-IOMMU group is named "vfio-noiommu".
-                status = _sc_read(devfd, b"iommu_group/name", buf, &n)
-                noiommu = status == 0 and n == 12 and memcmp(buf, b"vfio-noiommu", 12) == 0
-        role = "pci"
+                # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device
+                # a vfio driver binds, so only those are asked.
+                if driver.startswith("vfio"):
+                    status = _sc_read(devfd, b"iommu_group/name", buf, &n)
+                    noiommu = status == 0 and n == 12 and memcmp(buf, b"vfio-noiommu", 12) == 0
+        role = "vf" if pf else "pci"
         num = 0
-        pf = ""
         if total != -2:
             role = "pf"
             if total < 0:
@@ -376,13 +484,6 @@ cdef list _sc_scan_pci(int busfd, bytes name, dict rdma, dict vdpa, dict vf_map,
             _sc_virtfns(devfd, dev, vf_map, warnings)
         else:
             total = 0
-            status = _sc_readlink(devfd, b"physfn", buf, &n)
-            if status == 0:
-                role = "vf"
-                b = _sc_base(buf, n)
-                pf = _sc_str(buf + b, n - b)
-            elif status != ENOENT:
-                warnings.append(f"{dev}: physfn: {_sc_why(status)}")
         netdevs = _sc_names(_sc_listdir(devfd, b"net"))
         link_type = _sc_link_type(devfd, netdevs[0], dev, warnings) if netdevs else ""
         ibdevs = _sc_listdir(devfd, b"infiniband")
@@ -392,7 +493,8 @@ cdef list _sc_scan_pci(int busfd, bytes name, dict rdma, dict vdpa, dict vf_map,
             nodes = tuple(sorted(nodes)) if nodes else ()
         else:
             nodes = ()
-        uios = _sc_listdir(devfd, b"uio")
+        # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
+        uios = _sc_listdir(devfd, b"uio") if "uio" in driver else []
         vd = vdpa.get(name)
         vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
         return [

@@ -238,15 +238,17 @@ class _Writer:
         w(path + "/subsystem_device", f"0x{sub_device:04x}\n")
         w(path + "/numa_node", f"{numa}\n")
         w(path + "/enable", "1\n")
-        w(
-            path + "/modalias",
+        modalias = (
             f"pci:v{vendor:08X}d{device:08X}sv{sub_vendor:08X}sd{sub_device:08X}"
-            f"bc{pci_class >> 16:02X}sc{(pci_class >> 8) & 0xFF:02X}i{pci_class & 0xFF:02X}\n",
+            f"bc{pci_class >> 16:02X}sc{(pci_class >> 8) & 0xFF:02X}i{pci_class & 0xFF:02X}"
         )
+        w(path + "/modalias", modalias + "\n")
+        # drivers/pci/pci-driver.c pci_uevent(); the driver core's DRIVER= line is left out (it would
+        # go stale on every simulated rebind, and the scanner takes the driver from the link).
         w(
             path + "/uevent",
             f"PCI_CLASS={pci_class:X}\nPCI_ID={vendor:04X}:{device:04X}\n"
-            f"PCI_SUBSYS_ID={sub_vendor:04X}:{sub_device:04X}\nPCI_SLOT_NAME={bdf}\n",
+            f"PCI_SUBSYS_ID={sub_vendor:04X}:{sub_device:04X}\nPCI_SLOT_NAME={bdf}\nMODALIAS={modalias}\n",
         )
         if acpi_index is not None:
             w(path + "/acpi_index", f"{acpi_index}\n")
