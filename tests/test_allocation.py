@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from densedev import allocation
 from densedev._proto import api_pb2
@@ -481,3 +484,61 @@ def test_through_the_kubelet_emulator(run: Callable[[Coroutine[Any, Any, Any]], 
     run(main())
     assert (tmp_path / "cdi" / "densedev-intel.com-dpdk.json").exists()
     assert not list((tmp_path / "devinfo").iterdir())
+
+
+# -- properties over mixed allocations --------------------------------------------------------------
+
+_KINDS = st.sampled_from(["netdev", "vfio", "noiommu", "uio", "rdma", "vdpa"])
+
+
+def _mixed(kind: str, n: int) -> Device:
+    address = f"0000:3b:{2 + n // 8:02x}.{n % 8}"
+    if kind == "vfio":
+        return dev(address, driver="vfio-pci", iommu_group=n)
+    if kind == "noiommu":
+        return dev(address, driver="vfio-pci", iommu_group=n, noiommu=True)
+    if kind == "uio":
+        return dev(address, driver="igb_uio", uio=f"uio{n}")
+    if kind == "rdma":
+        return dev(address, rdma_device=f"mlx5_{n}", rdma_nodes=(f"uverbs{n}", f"umad{n}", f"issm{n}"))
+    if kind == "vdpa":
+        return dev(address, vdpa=f"vdpa{n}", vdpa_driver="vhost_vdpa")
+    return dev(address)
+
+
+@hypothesis_settings(max_examples=60, deadline=None)
+@given(kinds=st.lists(_KINDS, min_size=1, max_size=12), vhost=st.booleans(), data=st.data())
+def test_any_mix_of_devices_gives_one_consistent_response(
+    kinds: list[str], vhost: bool, data: st.DataObject
+) -> None:
+    devices = [_mixed(k, n) for n, k in enumerate(kinds)]
+    config = PoolConfig("mix", "example.com", selectors=(Selector(is_rdma=True, need_vhost_net=vhost),))
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        paths = ["/dev/vfio/vfio", "/dev/infiniband/rdma_cm", "/dev/vhost-net", "/dev/net/tun"]
+        for n in range(len(devices)):
+            paths += [f"/dev/vfio/{n}", f"/dev/vfio/noiommu-{n}", f"/dev/uio{n}", f"/dev/vhost-vdpa-{n}"]
+            # RDMA nodes are optional: some exist, some do not
+            paths += [
+                f"/dev/infiniband/{x}{n}" for x in ("uverbs", "umad", "issm") if data.draw(st.booleans())
+            ]
+        touch(root, *paths)
+        chosen = data.draw(st.permutations(devices)).copy()
+        parts, per_device = build_response(config, chosen, root)
+    hosts = [n.host_path for n in parts.devices]
+    assert len(hosts) == len(set(hosts)), "a node twice"
+    assert set(hosts) == {n.host_path for p in per_device for n in p.nodes}
+    assert parts.envs[env_name(config)] == ",".join(d.id for d in chosen)
+    info = json.loads(parts.envs[env_name(config) + "_INFO"])
+    assert list(info) == sorted(d.id for d in chosen)
+    for d in chosen:
+        assert info[d.id]["generic"] == {"deviceID": d.id}
+        for section in info[d.id].values():
+            for value in section.values():
+                if value.startswith("/dev/") and value not in hosts:
+                    # every node the env names is handed over (container path may differ: no-IOMMU)
+                    assert (
+                        value.startswith("/dev/vfio/")
+                        and value.replace("/dev/vfio/", "/dev/vfio/noiommu-") in hosts
+                    )
+    assert all(n.permissions == "rw" for n in parts.devices)
