@@ -7,6 +7,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from densedev.health import (
     REASON_DRIVER,
@@ -400,3 +402,116 @@ def test_coalescer_flush_now_and_cancel(run: Run) -> None:
     assert run(main()) == [1]
     with pytest.raises(ValueError, match="window must be >= 0"):
         Coalescer(lambda: None, window=-1)
+
+
+# ------------------------------------------------------------------------------ against a plain model
+class Model:
+    """The health rules restated per (pool, member) with plain sets and dicts: the tracker's spec."""
+
+    def __init__(self, devices: list[Device], pools: list[Pool]) -> None:
+        self.devices = {d.id: d for d in devices}
+        self.pools = pools
+        self.links: dict[str, bool] = {}
+        self.ports: dict[str, dict[int, int]] = {}
+        self.drivers = {d.id: d.driver for d in devices}
+        self.adv: dict[tuple[int, str], bool] = {}
+        self.sent: dict[tuple[int, str], bool] = {}
+        self.since: dict[tuple[int, str], float] = {}
+        self.first = True
+        self.settle(0.0)
+
+    def bad(self, p: int, selected: Device) -> bool:
+        pol = self.pools[p].config.health
+        d = self.devices[selected.id]
+        down = lambda n: not self.links.get(n, True)  # noqa: E731
+        return (
+            (pol.pf_link and d.role != ROLE_PF and bool(d.pf_netdev) and down(d.pf_netdev))
+            or (pol.own_link and any(down(n) for n in d.netdevs))
+            or (pol.rdma_port and any(s not in (4, 5) for s in self.ports.get(d.rdma_device, {}).values()))
+            or (pol.driver and (self.drivers[d.id] == "" or self.drivers[d.id] != selected.driver))
+        )
+
+    def settle(self, now: float) -> None:
+        for p, pl in enumerate(self.pools):
+            for m in pl.members:
+                key = (p, m.device.id)
+                if self.bad(p, m.device):
+                    self.adv[key] = True
+                    self.since.pop(key, None)
+                elif self.adv.get(key) and key not in self.since:
+                    self.since[key] = now
+
+    def collect(self, now: float) -> dict[int, tuple[tuple[bool, ...], tuple[int, ...]]]:
+        out = {}
+        for p, pl in enumerate(self.pools):
+            hold = pl.config.health.hold_down_s
+            for key, since in list(self.since.items()):
+                if key[0] == p and now - since >= hold and self.sent.get(key):
+                    self.adv[key] = False
+                    del self.since[key]
+            keys = [(p, m.device.id) for m in pl.members]
+            changed = tuple(
+                k for k, key in enumerate(keys) if self.adv.get(key, False) != self.sent.get(key, False)
+            )
+            if changed or self.first:
+                out[p] = (tuple(not self.adv.get(key, False) for key in keys), changed)
+            for key in keys:
+                self.sent[key] = self.adv.get(key, False)
+        self.first = False
+        return out
+
+
+_ops = st.one_of(
+    st.tuples(
+        st.just("link"),
+        st.sampled_from(["ens0f0", "ens1f0", "ens0f0v0", "ens0f0v1", "ens1f0v2"]),
+        st.booleans(),
+    ),
+    st.tuples(st.just("port"), st.sampled_from(["irdma0", "irdma1"]), st.integers(1, 2), st.integers(1, 5)),
+    st.tuples(
+        st.just("driver"),
+        st.sampled_from(["0000:01:00.1", "0000:01:00.2", "0000:02:00.3"]),
+        st.sampled_from(["iavf", "", "vfio-pci"]),
+    ),
+    st.tuples(st.just("tick"), st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0, 2.0])),
+    st.tuples(st.just("collect")),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ops, max_size=40))
+def test_tracker_matches_the_model(ops: list[tuple[Any, ...]]) -> None:
+    devices = node(2, 3)
+    vf0, vf1 = vfs_of(devices, "ens0f0"), vfs_of(devices, "ens1f0")
+    rdma = [d._replace(rdma_device="irdma0" if d.pf_netdev == "ens0f0" else "irdma1") for d in vf0 + vf1]
+    devices = [devices[0], *rdma[:3], devices[4], *rdma[3:]]
+    vf0, vf1 = vfs_of(devices, "ens0f0"), vfs_of(devices, "ens1f0")
+    pools = [
+        pool("all", vf0 + vf1),
+        pool("vf1-lenient", vf1, HealthPolicy(pf_link=False, driver=False, hold_down_s=0.5)),
+        pool("vf0-no-hold", vf0, HealthPolicy(own_link=False, hold_down_s=0.0)),
+        Pool(
+            PoolConfig("shared", "rdma", rdma_shared=2),
+            tuple(PoolMember(f"{d.id}-{k}", d) for d in vf0 for k in range(2)),
+        ),
+    ]
+    clock = FakeClock()
+    tracker = HealthTracker(devices, pools, clock=clock)
+    model = Model(devices, pools)
+    for op in [*ops, ("collect",)]:
+        if op[0] == "link":
+            tracker.set_links([(op[1], op[2])])
+            model.links[op[1]] = op[2]
+        elif op[0] == "port":
+            tracker.set_rdma_ports([(op[1], op[2], op[3])])
+            model.ports.setdefault(op[1], {})[op[2]] = op[3]
+        elif op[0] == "driver":
+            tracker.set_drivers([(op[1], op[2])])
+            model.drivers[op[1]] = op[2]
+        elif op[0] == "tick":
+            clock.now += op[1]
+        if op[0] != "collect":
+            model.settle(clock.now)
+            continue
+        got = {p: (u.healthy, u.changed) for p, u in tracker.collect().items()}
+        assert got == model.collect(clock.now)
