@@ -125,6 +125,7 @@ def main() -> int:
                         size: int = size,
                         policy: int = POLICIES[policy],
                     ) -> tuple[str, ...]:
+                        """Return the answer of one implementation for this case."""
                         # As PoolAllocator does: the lookup table only for the extension (the twin
                         # would parse every address in Python; its dict path is faster there).
                         table = lookup if mod is not _fast_py else b""

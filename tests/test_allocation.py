@@ -14,10 +14,10 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from densedev import allocation
 from densedev._proto import api_pb2
 from densedev.allocation import AllocationSettings, PoolAllocator, build_response, env_name
 from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
+from densedev.server import PoolService
 
 # -- hand-built device records, shaped like what discovery reads from a real node ------------------
 
@@ -413,7 +413,7 @@ def test_response_is_the_protocol_message(tmp_path: Path, dev_root: Path) -> Non
 
 
 def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
-    svc: allocation.PoolService = PoolAllocator(
+    svc: PoolService = PoolAllocator(
         pool_of(NET, [dev("0000:3b:00.2")]), settings(tmp_path, dev_root), lambda _id: True
     )
     assert svc.preferred(["0000:3b:00.2"], [], 1) == ["0000:3b:00.2"]

@@ -1,7 +1,7 @@
 """What a container gets for a pool's devices: env, device nodes, CDI names, device-info files.
 
 ``build_response`` and the helpers above it are pure (they only ``stat`` the dev root to learn which
-optional nodes exist); ``PoolAllocator`` is the ``PoolService`` the gRPC server calls, and owns the
+nodes exist); ``PoolAllocator`` is the ``server.PoolService`` the gRPC server calls, and owns the
 files written for runtimes (CDI specs) and CNI plugins (device-info files).  The env and ``_INFO``
 schema is documented in ``docs/allocation.md``; it matches the SR-IOV network device plugin's, which
 CNI plugins and DPDK/RDMA applications already parse.
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from . import accel, cdi, devinfo
 from ._proto import api_pb2
@@ -40,15 +40,6 @@ VFIO_CONTAINER = "/dev/vfio/vfio"  # the VFIO container node every vfio-pci user
 RDMA_CM = "/dev/infiniband/rdma_cm"  # one node for the whole host (rdma_ucm module)
 VHOST_NET = "/dev/vhost-net"
 TUN = "/dev/net/tun"
-
-
-class PoolService(Protocol):
-    """What the gRPC server calls for one pool (see server.py)."""
-
-    def options(self) -> tuple[bool, bool]: ...
-    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse: ...
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]: ...
-    def prestart(self, ids: Sequence[str]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -146,7 +137,7 @@ def device_parts(config: PoolConfig, device: Device, dev_root: Path = DEFAULT_DE
     missing: list[str] = []
     info: dict[str, dict[str, str]] = {"generic": {"deviceID": device.id}}
 
-    def need(container: str, host: str | None = None) -> None:
+    def _need(container: str, host: str | None = None) -> None:
         host = host or container
         if os.path.exists(_host(dev_root, host)):
             nodes.append(NodeSpec(container, host, PERMISSIONS))
@@ -160,11 +151,11 @@ def device_parts(config: PoolConfig, device: Device, dev_root: Path = DEFAULT_DE
             missing.append(f"IOMMU group of {device.id} (bound to vfio-pci without one)")
         else:
             group = f"/dev/vfio/{device.iommu_group}"
-            need(VFIO_CONTAINER)
-            need(group, f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else group)
+            _need(VFIO_CONTAINER)
+            _need(group, f"/dev/vfio/noiommu-{device.iommu_group}" if device.noiommu else group)
             info["vfio"] = {"mount": VFIO_CONTAINER, "dev-mount": group}
     if device.uio:
-        need(f"/dev/{device.uio}")
+        _need(f"/dev/{device.uio}")
         info["uio"] = {"mount": f"/dev/{device.uio}"}
     if wants_rdma(config) and (device.rdma_device or device.rdma_nodes):
         rdma: dict[str, str] = {}
@@ -182,12 +173,12 @@ def device_parts(config: PoolConfig, device: Device, dev_root: Path = DEFAULT_DE
                     rdma["rdma_cm"] = node
         info["rdma"] = rdma
     if needs_vhost_net(config):
-        need(VHOST_NET)
-        need(TUN)
+        _need(VHOST_NET)
+        _need(TUN)
         info["vhost"] = {"net-mount": VHOST_NET, "tun-mount": TUN}
     path = vdpa_path(device)
     if path:
-        need(path)
+        _need(path)
         info["vdpa"] = {"mount": path}
     extra = extra_info(config, device.id)
     if extra:
