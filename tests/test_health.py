@@ -358,7 +358,12 @@ def test_coalescer_folds_a_burst_into_one_flush(run: Run) -> None:
         loop = asyncio.get_running_loop()
         flushes: list[float] = []
         first = asyncio.Event()
-        coalescer = Coalescer(lambda: (flushes.append(loop.time()), first.set()), window=0.05)
+
+        def flush() -> None:
+            flushes.append(loop.time())
+            first.set()
+
+        coalescer = Coalescer(flush, window=0.05)
         start = loop.time()
         for _ in range(100):
             coalescer.notify()
