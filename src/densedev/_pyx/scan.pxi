@@ -46,6 +46,7 @@ cdef enum:
     SC_MAX_PARTS = 128
     SC_UEVENT_MAX = 1023   # a PCI device's uevent is ~150 bytes (DRIVER, PCI_*, MODALIAS)
     SC_DENTS_BUF = 32768   # one getdents64 call returns a whole device directory
+    SC_DIRENT_MAX = 280    # largest linux_dirent64: 19-byte header + 255-byte name + NUL, 8-aligned
     # include/uapi/linux/if_arp.h
     SC_ARPHRD_ETHER = 1
     SC_ARPHRD_INFINIBAND = 32
@@ -279,6 +280,11 @@ cdef list _sc_entries_fd(int fd):
             if nm[0] == 46 and (nm[1] == 0 or (nm[1] == 46 and nm[2] == 0)):
                 continue
             out.append(PyBytes_FromStringAndSize(nm, strlen(nm)))
+        # fs/readdir.c: getdents64 fills the buffer until the next record does not fit or the
+        # directory ends (kernfs, ext4 and tmpfs all emit until full), so a reply with room left
+        # for a maximal record is the end: skip the extra call that would return 0.
+        if got < SC_DENTS_BUF - SC_DIRENT_MAX:
+            break
     sc_close(fd)
     if len(out) > 1:
         out.sort()
