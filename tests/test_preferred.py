@@ -90,6 +90,22 @@ def test_extension_and_twin_agree(both: tuple[ModuleType, ModuleType], s: Scenar
 
 
 @QUICK
+@given(s=scenarios(), policy=st.sampled_from([PACK, SPREAD, NONE]), data=st.data())
+def test_extension_and_twin_agree_on_messy_requests(
+    both: tuple[ModuleType, ModuleType], s: Scenario, policy: int, data: st.DataObject
+) -> None:
+    # Repeated IDs and IDs the pool never advertised: no sane kubelet sends them, both must cope alike.
+    strangers = ["0000:ff:1f.7", "mlx5_core.sf.99", ""]
+    s.available = s.available + data.draw(st.lists(st.sampled_from(s.available + strangers), max_size=6))
+    s.must = s.must + s.must[:1] + data.draw(st.lists(st.sampled_from(strangers), max_size=2))
+    fast, twin = both
+    result = pick(fast, s, policy)
+    assert result == pick(twin, s, policy)
+    assert len(result) == len(set(result))
+    assert list(result[: len(dict.fromkeys(s.must))]) == list(dict.fromkeys(s.must))
+
+
+@QUICK
 @given(s=scenarios(), policy=st.sampled_from([PACK, SPREAD, NONE]))
 def test_lookup_table_resolves_like_the_dict(impl: ModuleType, s: Scenario, policy: int) -> None:
     s.use_lookup = True
