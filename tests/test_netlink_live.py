@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
@@ -20,6 +21,7 @@ import pytest
 from densedev.health import Coalescer, HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
 from densedev.netlink import (
+    DEFAULT_RCVBUF,
     NETLINK_KOBJECT_UEVENT,
     RTM_DELLINK,
     LinkMonitor,
@@ -355,3 +357,26 @@ def test_pf_down_makes_its_vfs_unhealthy_end_to_end(run: Run, netns: str) -> Non
 
     published = run(main())
     assert published[-2:] == [(True,) * 4 + (False,) * 4, (True,) * 8]
+
+
+def test_host_namespace_dump_and_large_buffer(run: Run) -> None:
+    # Without netns the socket lives in the caller's namespace; only reads, so safe on any host.
+    async def main() -> tuple[set[str], int]:
+        links = Links()
+        monitor = LinkMonitor(links.on_links, links.on_overrun)
+        await monitor.start()
+        try:
+            await links.until(lambda: monitor.dumps >= 1)
+            probe = socket.fromfd(monitor.fileno, socket.AF_NETLINK, socket.SOCK_RAW, 0)
+            try:
+                rcvbuf = probe.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            finally:
+                probe.close()
+        finally:
+            monitor.stop()
+        return {r[2] for r in links.rows}, rcvbuf
+
+    names, rcvbuf = run(main())
+    assert "lo" in names
+    # SO_RCVBUFFORCE (root) bypasses net.core.rmem_max; the kernel reports double what was asked.
+    assert rcvbuf >= DEFAULT_RCVBUF
