@@ -218,9 +218,13 @@ def test_prune_deletes_only_our_own_specs(tmp_path: Path) -> None:
         "densedev.yaml",
     ):
         (d / name).write_text("{}")
+    (d / ".densedev-intel.com-kept.json.4242.tmp").write_text("{")  # a crash between write and rename
     writer = cdi.SpecWriter(d)
     removed = writer.prune(["intel.com/kept"])
-    assert [p.name for p in removed] == ["densedev-intel.com-old_pool.json"]
+    assert [p.name for p in removed] == [
+        "densedev-intel.com-old_pool.json",
+        ".densedev-intel.com-kept.json.4242.tmp",
+    ]
     assert sorted(p.name for p in d.iterdir()) == [
         "densedev-intel.com-kept.json",
         "densedev.yaml",

@@ -147,11 +147,13 @@ class SpecWriter:
             self.path_of(kind).unlink()
 
     def prune(self, keep_kinds: Iterable[str]) -> list[Path]:
-        """Delete our specs (``densedev-*.json``) for kinds not in ``keep_kinds``; return what was deleted."""
+        """Delete our specs (``densedev-*.json``) of kinds not in ``keep_kinds`` and our stale temp files."""
         keep = {spec_file_name(k) for k in keep_kinds}
         removed: list[Path] = []
         try:
             candidates = sorted(self.directory.glob(FILE_PREFIX + "*.json"))
+            # Temporary files of ours that a crash between write and rename left behind.
+            candidates += sorted(self.directory.glob(f".{FILE_PREFIX}*.json.*.tmp"))
         except OSError as e:
             log.warning("cannot list CDI dir %s: %s", self.directory, e)
             return removed
