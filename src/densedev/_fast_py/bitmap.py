@@ -6,7 +6,7 @@ operation looks at (a pool's members).  All bitmaps given to one call must have 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 def _check_lengths(**bitmaps: bytes) -> int:
@@ -55,7 +55,7 @@ def or_bitmaps(bitmaps: Sequence[bytes], mask: bytes) -> bytes:
     return (acc & int.from_bytes(mask, "little")).to_bytes(len(mask), "little")
 
 
-def set_bits(bitmap: bytes, indexes: Sequence[int], value: bool) -> bytes:
+def set_bits(bitmap: bytes, indexes: Iterable[int], value: bool) -> bytes:
     """Return a copy of ``bitmap`` with the bits at ``indexes`` set (``value`` true) or cleared."""
     out = bytearray(bitmap)
     size = len(out) * 8
