@@ -20,6 +20,7 @@ from .model import Device
 __all__ = [
     "DeviceTable",
     "PciNames",
+    "format_table",
     "pf_family",
     "read_rdma_ports",
     "rescan_devices",
@@ -98,8 +99,9 @@ def _table(result: tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]) -> De
     rows, warnings = result
     make = Device._make
     for w in warnings:
-        # A vanishing or half-written entry is normal on a busy node: warn, never fail the scan.
-        log.warning("discovery: %s", w)
+        # A vanishing or half-written entry is normal on a busy node: never fail the scan.  Callers
+        # report the warnings (summarised); here they are only traced.
+        log.debug("discovery: %s", w)
     return DeviceTable(tuple([make(r) for r in rows]), warnings)
 
 
@@ -208,3 +210,32 @@ class PciNames:
         if self._vendors is None:
             self._load()
         return self._devices.get((vendor.lower(), device.lower()), "")
+
+
+def format_table(table: DeviceTable, names: PciNames | None = None) -> str:
+    """Render a device table for people: one line per device, with ``pci.ids`` names when available."""
+    names = names if names is not None else PciNames()
+    head = ("ID", "ROLE", "VENDOR:DEV", "CLASS", "DRIVER", "NUMA", "PF#VF", "NETDEV", "RDMA", "ROOT", "NAME")
+    rows = [head]
+    for d in table.devices:
+        pf = f"{d.pf}#{d.vf_index}" if d.vf_index >= 0 else d.pf
+        extra = d.uio or d.vdpa or ("noiommu" if d.noiommu else "")
+        rows.append(
+            (
+                d.id,
+                d.role,
+                f"{d.vendor}:{d.device}",
+                d.pci_class,
+                d.driver or "-",
+                str(d.numa_node),
+                pf or "-",
+                ",".join(d.netdevs) or "-",
+                d.rdma_device or "-",
+                d.pcie_root or "-",
+                " ".join(x for x in (names.device(d.vendor, d.device), extra) if x),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    lines.append(f"{len(table.devices)} devices, {len(table.warnings)} warnings")
+    return "\n".join(line.rstrip() for line in lines)

@@ -476,6 +476,16 @@ class _Writer:
         shutil.rmtree(path + "/uio", ignore_errors=True)
 
 
+def _write(path: str, text: str) -> None:
+    # Attribute writes replace the content in place, as a sysfs store does (no rename: readers
+    # holding the path must see the new value).
+    fd = os.open(path, _WFLAGS, _FILE_MODE)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 def _read_text(path: str) -> str:
     with open(path) as f:
         return f.read().strip()
@@ -682,10 +692,9 @@ def set_link(root: Path | str, ifname: str, up: bool) -> None:
     path = os.path.join(str(root), "class/net", ifname)
     if not os.path.isdir(path):
         raise FileNotFoundError(errno.ENOENT, f"no interface {ifname} under {root}/class/net")
-    w = _Writer(Path(root))
-    w.write(path + "/operstate", "up\n" if up else "down\n")
     # carrier is unreadable (EINVAL) while the link is admin-down; "0" stands in for that.
-    w.write(path + "/carrier", "1\n" if up else "0\n")
+    _write(path + "/operstate", "up\n" if up else "down\n")
+    _write(path + "/carrier", "1\n" if up else "0\n")
 
 
 def set_num_vfs(root: Path | str, pf_address: str, n: int) -> tuple[str, ...]:
@@ -766,9 +775,8 @@ def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
     pdir = os.path.join(str(root), "class/infiniband", ibdev, "ports", str(port))
     if not os.path.isdir(pdir):
         raise FileNotFoundError(errno.ENOENT, f"no RDMA port {ibdev}/{port} under {root}")
-    w = _Writer(Path(root))
-    w.write(pdir + "/state", f"{state}: {_PORT_STATES[state]}\n")
-    w.write(pdir + "/phys_state", "5: LinkUp\n" if state >= 2 else "3: Disabled\n")
+    _write(pdir + "/state", f"{state}: {_PORT_STATES[state]}\n")
+    _write(pdir + "/phys_state", "5: LinkUp\n" if state >= 2 else "3: Disabled\n")
 
 
 # ---------------------------------------------------------------------------------------------- config
