@@ -162,7 +162,9 @@ def test_rdma_port_flip_in_the_tree_reaches_the_kubelet_and_recovers(run: Run, n
         r = res("rdma_shared")
         try:
             simnode.set_rdma_port(node.sysfs, pf.ibdev, 1, 1)  # DOWN, as the HCA reports it
-            await emu.wait_for(lambda: {i for i, h in emu.devices(r).items() if h == UNHEALTHY} == shared_ids, GUARD_S)
+            await emu.wait_for(
+                lambda: {i for i, h in emu.devices(r).items() if h == UNHEALTHY} == shared_ids, GUARD_S
+            )
             assert daemon.tracker is not None and "rdma-port-down" in daemon.tracker.reasons(pf.address)
             simnode.set_rdma_port(node.sysfs, pf.ibdev, 1, 4)  # ACTIVE again: healthy after the hold-down
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {HEALTHY}, GUARD_S)
