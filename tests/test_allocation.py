@@ -270,6 +270,13 @@ def test_vdpa_vhost_device(tmp_path: Path, dev_root: Path) -> None:
     assert info == {"generic": {"deviceID": "0000:65:00.3"}, "vdpa": {"mount": "/dev/vhost-vdpa-2"}}
 
 
+def test_vdpa_node_name_recorded_by_discovery_is_used_as_is(tmp_path: Path, dev_root: Path) -> None:
+    touch(dev_root, "/dev/vhost-vdpa-5")
+    vf = dev("0000:65:00.3", vdpa="vhost-vdpa-5", vdpa_driver="vhost_vdpa")
+    parts, _ = build_response(NET, [vf], dev_root)
+    assert parts.devices == ((("/dev/vhost-vdpa-5", "/dev/vhost-vdpa-5", "rw")),)
+
+
 def test_vdpa_virtio_device_has_no_node(tmp_path: Path, dev_root: Path) -> None:
     vf = dev("0000:65:00.4", vdpa="vdpa3", vdpa_driver="virtio_vdpa")
     resp = PoolAllocator(pool_of(NET, [vf]), settings(tmp_path, dev_root), lambda _id: True).allocate(

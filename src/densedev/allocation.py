@@ -122,10 +122,14 @@ def _rdma_path(node: str) -> str:
 
 def vdpa_path(device: Device) -> str:
     """Return the vhost-vdpa node path of a device, or "" when it has none."""
-    # vhost_vdpa creates /dev/vhost-vdpa-<n> for bus device vdpa<n> (drivers/vhost/vdpa.c).
-    if device.vdpa and device.vdpa_driver == "vhost_vdpa":
-        return f"/dev/vhost-{device.vdpa.replace('vdpa', 'vdpa-', 1)}"
-    return ""
+    if not device.vdpa or device.vdpa_driver != "vhost_vdpa":
+        return ""
+    # drivers/vhost/vdpa.c numbers its char devices from its own ida, so the node's number is the
+    # vdpa<n> bus number only when devices were bound in order; discovery may record the node name
+    # itself (the vhost-vdpa-<m> entry under /sys/bus/vdpa/devices/vdpa<n>/), which is then used as is.
+    if device.vdpa.startswith("vhost-vdpa-"):
+        return f"/dev/{device.vdpa}"
+    return f"/dev/vhost-{device.vdpa.replace('vdpa', 'vdpa-', 1)}"
 
 
 _RDMA_KEYS = (("uverbs", "uverbs"), ("umad", "umad"), ("issm", "issm"), ("ucm", ""))
