@@ -7,6 +7,7 @@ import asyncio
 import importlib
 import os
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -53,3 +54,14 @@ def run() -> Callable[[Coroutine[Any, Any, Any]], Any]:
         return result
 
     return _run
+
+
+@pytest.fixture
+def child_env() -> dict[str, str]:
+    """Environment for a ``python -m densedev.cli`` child that imports the same densedev as the tests."""
+    import densedev
+
+    here = str(Path(densedev.__file__).resolve().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import shutil
 import signal
 import sys
@@ -171,11 +170,11 @@ def test_invalid_config_keeps_the_last_good_one(run: Run, node: Node) -> None:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="signals to a child process")
-def test_sighup_reloads_and_sigterm_exits_cleanly(run: Run, node: Node) -> None:
+def test_sighup_reloads_and_sigterm_exits_cleanly(run: Run, node: Node, child_env: dict[str, str]) -> None:
     async def main() -> None:
         emu = KubeletEmulator(node.kubelet_dir)
         await emu.start()
-        env = dict(os.environ)
+        env = child_env
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -1,0 +1,73 @@
+"""The ``densedev`` command as a user runs it: simulate, scan, check-config, demo."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from densedev import cli
+
+
+def test_simulate_then_scan_json_lists_every_vf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "node"
+    assert cli.main(["simulate", "--out", str(out), "--pfs", "3", "--vfs-per-pf", "5", "--rdma"]) == 0
+    assert "3 PFs, 15 VFs" in capsys.readouterr().out
+    assert cli.main(["scan", "--sysfs-root", str(out), "--json"]) == 0
+    devices = json.loads(capsys.readouterr().out)["devices"]
+    vfs = [d for d in devices if d["role"] == "vf"]
+    assert len(vfs) == 15
+    assert all(d["pf"] and d["vf_index"] >= 0 and d["rdma_device"] for d in vfs)
+
+
+def test_scan_with_config_reports_pools(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "node"
+    cli.main(["simulate", "--out", str(out), "--pfs", "2", "--vfs-per-pf", "4"])
+    capsys.readouterr()
+    assert cli.main(["scan", "--sysfs-root", str(out), "--config", str(out / "config.json"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    sizes = {p["resource"]: len(p["devices"]) for p in result["pools"]}
+    assert sizes["intel.com/sriov_ens1f0"] == 4 and sizes["intel.com/sriov_ens1f1"] == 4
+
+
+def test_check_config_names_every_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({"resourceList": [{"resourceName": "ok_one"}, {"resourceName": "bad name!"}]}))
+    assert cli.main(["check-config", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "resourceList[1]" in out and "resourceName" in out
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"resourceList": [{"resourceName": "ok_one"}]}))
+    assert cli.main(["check-config", str(good)]) == 0
+
+
+def test_run_refuses_an_invalid_config(tmp_path: Path, child_env: dict[str, str]) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"resourceList": [{"resourceName": "x", "selectors": {"vendors": "15b3"}}]}')
+    proc = subprocess.run(
+        [sys.executable, "-m", "densedev.cli", "run", "--config", str(bad), "--kubelet-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env,
+    )
+    assert proc.returncode == 2
+    assert "vendors" in proc.stderr
+
+
+def test_demo_ends_with_its_summary(tmp_path: Path, child_env: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "densedev.cli", "demo", "--seconds", "2", "--pfs", "4", "--vfs-per-pf", "16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=child_env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("demo summary: 64 devices") or summary.startswith("demo summary: 128 devices")
+    assert " 0 errors" in summary
