@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-from collections.abc import Callable, Coroutine
+import shutil
+import subprocess
+import uuid
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -65,3 +68,20 @@ def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A fresh network namespace (root only), deleted afterwards; skips with the reason otherwise."""
+    if os.geteuid() != 0:
+        pytest.skip("creating a network namespace needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's ip is not installed")
+    name = f"densedev-t-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"ip netns add failed: {made.stderr.strip()}")
+    try:
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
