@@ -274,3 +274,35 @@ def test_bad_resource_name_is_refused_with_a_clear_message(node: Node) -> None:
     node.write_config(doc)
     problems = config_mod.check(node.config_path, default_prefix=PREFIX)
     assert any("resourceList[0]" in p and "resourceName" in p for p in problems), problems
+
+
+def test_cdi_specs_follow_the_pools(run: Run, node: Node) -> None:
+    cdi_dir = node.tmp / "cdi"
+    cdi_dir.mkdir()
+    stale = cdi_dir / "densedev-example.com-gone_pool.json"
+    stale.write_text("{}")
+    foreign = cdi_dir / "vendor-other.json"  # not ours: never touched
+    foreign.write_text("{}")
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            ours = sorted(p.name for p in cdi_dir.glob("densedev-*.json"))
+            assert stale.name not in ours and foreign.exists()
+            assert len(ours) == len(daemon.pools)
+            spec = json.loads((cdi_dir / ours[0]).read_text())
+            assert spec["kind"].startswith(PREFIX + "/") and spec["devices"]
+            # Deleting a pool from the config takes its spec along.
+            doc = pools_config(node.layout)
+            removed = doc["resourceList"].pop(0)  # type: ignore[attr-defined]
+            node.write_config(doc)
+            await emu.wait_for(lambda: daemon.stats["reloads"] == 1, GUARD_S)
+            left = sorted(p.name for p in cdi_dir.glob("densedev-*.json"))
+            assert len(left) == len(ours) - 1
+            assert not any(removed["resourceName"] in name for name in left)
+        finally:
+            await stopped(emu, daemon)
+        # A restart (stop) keeps the specs: the kubelet restarts containers from its checkpoint.
+        assert sorted(p.name for p in cdi_dir.glob("densedev-*.json")) == left
+
+    run(main())

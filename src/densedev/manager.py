@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import accel, discovery, selectors
+from . import accel, cdi, discovery, selectors
 from . import config as config_mod
 from ._proto import api_pb2
 from .allocation import AllocationSettings, PoolAllocator
@@ -249,6 +249,7 @@ class Daemon:
             self._report_counts(runtime.name, i, healthy)
             self.pools[pool.config.full_name] = runtime
         self._order = [p.config.full_name for p in pools]
+        self._prune_cdi()
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
@@ -298,13 +299,25 @@ class Daemon:
         except Exception:
             log.exception("pool %s failed to start; the other pools go on", runtime.name)
 
-    async def _stop_runtime(self, runtime: PoolRuntime) -> None:
+    async def _stop_runtime(self, runtime: PoolRuntime, deleted: bool = False) -> None:
         try:
             await runtime.runner.stop()
         except Exception:
             log.exception("pool %s failed to stop cleanly", runtime.name)
-        with contextlib.suppress(Exception):
-            runtime.allocator.close()
+        try:
+            # A daemon restart keeps the CDI spec (the kubelet restarts containers from its checkpointed
+            # response, which names our CDI devices); a pool deleted from the config takes it along.
+            runtime.allocator.close(remove_cdi=deleted)
+        except Exception:
+            log.exception("pool %s: cleaning up its files failed", runtime.name)
+
+    def _prune_cdi(self) -> None:
+        """Delete our CDI specs of pools that are no longer configured (left by an earlier run)."""
+        if self.settings.cdi_dir is None:
+            return
+        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(r.allocator.kind for r in self.pools.values())
+        if removed:
+            log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
 
     def registered(self) -> tuple[bool, str]:
         """Return whether every pool is registered with the kubelet, and which are not (for /readyz)."""
@@ -630,7 +643,7 @@ class Daemon:
             for n in removed + reregister:
                 runtime = self.pools.pop(n, None)
                 if runtime is not None:
-                    await self._stop_runtime(runtime)
+                    await self._stop_runtime(runtime, deleted=n in removed)
                 if n in removed:
                     self.metrics.remove_pool(n)
             self.config = new
