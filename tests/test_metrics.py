@@ -381,7 +381,7 @@ def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_
             assert body.startswith(b"not registered: ")
             assert all(p.encode() in body for p in pools)
             await emulator.start()
-            assert await readyz_until(server.port, 200) == b"all pools registered\n"
+            assert await readyz_until(server.port, 200) == f"{len(pools)} pools registered\n".encode()
             assert sorted(emulator.resources()) == pools
             await emulator.stop()  # the kubelet exits: its socket goes, the pools must register again
             body = await readyz_until(server.port, 503)
