@@ -73,6 +73,9 @@ def _apply(root: Path, kind: str, pick: int, attr: str, junk: bytes) -> None:
     if not link.exists():
         return
     dev = link.resolve()
+    if (dev / attr).is_dir() and kind in ("empty", "garbage", "dir", "missing", "long_int"):
+        (dev / attr).rmdir()  # an earlier "dir" step: turn it back into a file first
+        (dev / attr).write_bytes(b"")
     if kind == "vanish":
         shutil.rmtree(dev)
     elif kind == "loop":
