@@ -9,7 +9,7 @@ test: compile
 	DENSEDEV_NO_EXTENSIONS=1 $(PY) -m pytest -q
 
 bench: compile
-	$(PY) bench/run_all.py
+	$(PY) bench/run_all.py $(BENCHFLAGS)
 
 proto:
 	cd src/densedev/_proto && $(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. api.proto

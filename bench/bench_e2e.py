@@ -1,0 +1,222 @@
+"""End-to-end: from a real ``ip link set <pf> down`` to the kubelet emulator holding that PF's VFs Unhealthy.
+
+A simulated node of 64 PFs x 256 VFs (16,384 devices) in 16 pools of 1,024; each PF's netdev is a real
+veth link in a private network namespace, so the kernel's rtnetlink event drives the daemon exactly as on
+a node.  Measured in one run:
+  * start-up: daemon start until every pool's full list reached the emulator;
+  * flip latency: the link change is sent as a raw RTM_NEWLINK request (t0 just before send) and the
+    latency is the emulator's receive time of the message holding the PF's VFs Unhealthy; p50/p99;
+  * idle CPU over N seconds with nothing changing (process CPU time / wall time; the emulator shares
+    the process and is idle too), and resident memory before and after the daemon started.
+
+Needs root (network namespaces).  ``--quick``: 8 PFs x 64 VFs, 20 flips, 3 s idle.
+
+    PYTHONPATH=src python bench/bench_e2e.py [--quick] [--json] [--pfs 64 --vfs-per-pf 256 --flips 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import resource
+import shutil
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import uvloop
+
+from densedev import accel
+from densedev import config as config_mod
+from densedev.manager import Daemon, DaemonSettings
+from densedev.model import UNHEALTHY
+from densedev.netlink import NETLINK_ROUTE, open_netlink_socket, resolve_netns
+from densedev.testing import simnode
+from densedev.testing.kubelet import KubeletEmulator
+
+RTM_NEWLINK = 16
+NLM_F_REQUEST = 0x1
+IFF_UP = 0x1
+
+
+def rss_mib() -> float:
+    """Resident memory of this process now, in MiB (/proc/self/statm, second field, in pages)."""
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def link_request(ifindex: int, up: bool, seq: int) -> bytes:
+    """RTM_NEWLINK changing only IFF_UP (struct nlmsghdr + struct ifinfomsg, uapi/linux/rtnetlink.h)."""
+    ifinfo = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, ifindex, IFF_UP if up else 0, IFF_UP)
+    return struct.pack("=IHHII", 16 + len(ifinfo), RTM_NEWLINK, NLM_F_REQUEST, seq, 0) + ifinfo
+
+
+def ifindexes(ns: str) -> dict[str, int]:
+    out = subprocess.run(["ip", "-j", "-n", ns, "link", "show"], check=True, capture_output=True, text=True)
+    return {link["ifname"]: link["ifindex"] for link in json.loads(out.stdout)}
+
+
+async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, object]:
+    sysfs = work / "sys"
+    t = time.perf_counter()
+    layout = simnode.build_node(sysfs, pfs=args.pfs, vfs_per_pf=args.vfs_per_pf, numa_nodes=2)
+    build_s = time.perf_counter() - t
+    batch = subprocess.run(
+        ["ip", "-n", ns, "-batch", "-"],
+        input="".join(
+            f"link add {pf.netdev} type veth peer name p{i}\nlink set p{i} up\nlink set {pf.netdev} up\n"
+            for i, pf in enumerate(layout.pfs)
+        ),
+        text=True,
+        capture_output=True,
+    )
+    if batch.returncode:
+        raise RuntimeError(batch.stderr)
+    per_pool = max(1, args.pfs // 16)
+    groups = [layout.pfs[i : i + per_pool] for i in range(0, len(layout.pfs), per_pool)]
+    doc = {
+        "resourceList": [
+            {
+                "resourceName": f"vfs_{n}",
+                "selectors": {"pfNames": [pf.netdev for pf in group]},
+                "healthPolicy": {"holdDownSeconds": args.hold_down},
+            }
+            for n, group in enumerate(groups)
+        ],
+        "coalesceMs": args.coalesce_ms,
+    }
+    (work / "config.json").write_text(json.dumps(doc))
+    cfg = config_mod.load(work / "config.json")
+    kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    rss_before = rss_mib()
+    daemon = Daemon(
+        DaemonSettings(
+            sysfs_root=sysfs, kubelet_dir=kubelet_dir, dev_root=work / "dev", netlink=True, netns=ns
+        ),
+        cfg,
+    )
+    t = time.perf_counter()
+    await daemon.start()
+    names = [p.full_name for p in cfg.pools]
+    await emu.wait_for(lambda: all(emu.updates(n) for n in names), 120)
+    startup_s = time.perf_counter() - t
+    pool_of = {pf.netdev: f"intel.com/vfs_{n}" for n, g in enumerate(groups) for pf in g}
+    index = ifindexes(ns)
+    sock = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(ns))
+    rng = random.Random(7)
+    down_lat: list[float] = []
+    up_lat: list[float] = []
+    try:
+        for seq in range(args.flips):
+            pf = rng.choice(layout.pfs)
+            res = pool_of[pf.netdev]
+            before = len(emu.updates(res))
+            t0 = time.monotonic()
+            sock.send(link_request(index[pf.netdev], False, 2 * seq + 1))
+            await emu.wait_for(lambda r=res, b=before: len(emu.updates(r)) > b, 10)
+            upd = emu.updates(res)[-1]
+            assert all(upd.devices[a] == UNHEALTHY for a in pf.vf_addresses)
+            down_lat.append(upd.received - t0)
+            before = len(emu.updates(res))
+            t0 = time.monotonic()
+            sock.send(link_request(index[pf.netdev], True, 2 * seq + 2))
+            await emu.wait_for(lambda r=res, b=before: len(emu.updates(r)) > b, 10)
+            up_lat.append(emu.updates(res)[-1].received - t0)
+        await asyncio.sleep(args.hold_down + 0.1)
+        # Idle: nothing changes; only timers (reconcile, housekeeping, config watch) may run.
+        usage0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        await asyncio.sleep(args.idle)
+        usage1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+        rss_after = rss_mib()
+    finally:
+        sock.close()
+        await daemon.stop()
+        await emu.stop()
+        shutil.rmtree(kubelet_dir, ignore_errors=True)
+    return {
+        "implementation": accel.IMPLEMENTATION,
+        "devices": sum(len(pf.vf_addresses) for pf in layout.pfs),
+        "pools": len(names),
+        "vfs_per_pf": args.vfs_per_pf,
+        "build_node_s": round(build_s, 2),
+        "startup_ms": round(startup_s * 1e3, 1),
+        "flips": args.flips,
+        "down_p50_ms": round(percentile(down_lat, 0.5) * 1e3, 3),
+        "down_p99_ms": round(percentile(down_lat, 0.99) * 1e3, 3),
+        "down_max_ms": round(max(down_lat) * 1e3, 3),
+        "up_p50_ms": round(percentile(up_lat, 0.5) * 1e3, 3),
+        "up_p99_ms": round(percentile(up_lat, 0.99) * 1e3, 3),
+        "hold_down_s": args.hold_down,
+        "idle_s": args.idle,
+        "idle_cpu_percent": round(100 * cpu / (wall1 - wall0), 3),
+        "rss_before_daemon_mib": round(rss_before, 1),
+        "rss_with_daemon_mib": round(rss_after, 1),
+        "mean_down_ms": round(statistics.fmean(down_lat) * 1e3, 3),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--pfs", type=int, default=64)
+    p.add_argument("--vfs-per-pf", type=int, default=256)
+    p.add_argument("--flips", type=int, default=100)
+    p.add_argument("--idle", type=float, default=60.0)
+    p.add_argument(
+        "--hold-down", type=float, default=0.0, help="holdDownSeconds of the pools (0: time recovery too)"
+    )
+    p.add_argument("--coalesce-ms", type=float, default=2.0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.ERROR)  # the daemon's warnings per flip are the point, not news
+    if args.quick:
+        args.pfs, args.vfs_per_pf, args.flips, args.idle = 8, 64, 20, 3.0
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        print("bench_e2e: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
+        return 0
+    ns = f"densedev-b-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    work = Path(tempfile.mkdtemp(prefix="densedev-bench-"))
+    try:
+        result = uvloop.run(measure(args, work, ns))
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        r = result
+        print(
+            f"e2e [{r['implementation']}] {r['devices']} devices in {r['pools']} pools: "
+            f"start-up {r['startup_ms']} ms; PF down → kubelet ({r['vfs_per_pf']} VFs Unhealthy) "
+            f"p50 {r['down_p50_ms']} ms p99 {r['down_p99_ms']} ms max {r['down_max_ms']} ms over "
+            f"{r['flips']} flips; up p50 {r['up_p50_ms']} ms p99 {r['up_p99_ms']} ms "
+            f"(hold-down {r['hold_down_s']} s); idle CPU {r['idle_cpu_percent']} % of a core over "
+            f"{r['idle_s']} s; RSS {r['rss_before_daemon_mib']} → {r['rss_with_daemon_mib']} MiB"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
