@@ -1,7 +1,8 @@
 """Link and uevent monitors against the real kernel, inside a network namespace each test creates.
 
-Needs root (``ip netns add``); skipped with the reason otherwise.  Waits are bounded by generous
-timeouts that only turn a hang into a failure; nothing asserts how fast the kernel or loop is.
+Needs root (``ip netns add``; the ``netns`` fixture is conftest's); skipped with the reason otherwise.
+Waits are bounded by generous timeouts that only turn a hang into a failure; nothing asserts how fast
+the kernel or loop is.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
-import uuid
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -52,19 +52,6 @@ async def aip(ns: str, *args: str) -> None:
     """Run ``ip -n ns ...`` without blocking the loop."""
     proc = await asyncio.create_subprocess_exec("ip", "-n", ns, *args)
     assert await proc.wait() == 0
-
-
-@pytest.fixture
-def netns() -> Iterator[str]:
-    """A fresh network namespace, deleted afterwards."""
-    name = f"densedev-t-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"ip netns add failed: {made.stderr.strip()}")
-    try:
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
 
 
 class Links:
