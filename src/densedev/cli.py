@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--numa-nodes", type=int, default=2)
 
     demo = sub.add_parser("demo", help="run the plugin on a simulated node against the kubelet emulator")
-    _add_common(demo, "warning")  # the live view is the demo's output; logs only for trouble
+    _add_common(demo, "error")  # the live view is the demo's output; device warnings are its content
     demo.add_argument("--seconds", type=float, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
     demo.add_argument("--pfs", type=int, default=16)
     demo.add_argument("--vfs-per-pf", type=int, default=256)

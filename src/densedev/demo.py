@@ -130,8 +130,9 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
     view = DemoView(emulator)
     rng = random.Random(1)
     latencies: list[float] = []
-    flips = allocations = errors = absorbed = 0
+    flips = port_flips = allocations = errors = absorbed = 0
     down: set[str] = set()
+    ports_down: set[str] = set()
     deadline = time.monotonic() + args.seconds if args.seconds > 0 else float("inf")
     next_render = 0.0
     pool_of_pf = _pool_of_pf(daemon, layout)
@@ -142,29 +143,34 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
                 view.render(latencies, flips, allocations)
                 next_render = now + 1.0
             pf = rng.choice(layout.pfs)
-            going_down = pf.netdev not in down
-            resource = pool_of_pf.get(pf.address)
-            before = len(emulator.updates(resource)) if resource else 0
-            simnode.set_link(sysfs, pf.netdev, not going_down)
-            t_flip = time.monotonic()
-            daemon.set_links([(pf.netdev, not going_down)])
-            flips += 1
-            if going_down:
-                down.add(pf.netdev)
-                # A PF that went up less than the hold-down ago is still advertised Unhealthy: its flap
-                # is absorbed (nothing to send), so only flips of advertised-healthy VFs are timed.
-                if resource is not None and _advertised_healthy(emulator, resource, pf.vf_addresses):
-                    try:
-                        await emulator.wait_for(
-                            lambda r=resource, b=before: len(emulator.updates(r)) > b, 2.0
-                        )
-                        latencies.append(emulator.updates(resource)[-1].received - t_flip)
-                    except TimeoutError:
-                        errors += 1
-                else:
-                    absorbed += 1
+            if pf.ibdev and rng.random() < 0.25:
+                # An RDMA port flip goes through the tree for real: the daemon's port poll reads it.
+                port_down = pf.ibdev not in ports_down
+                simnode.set_rdma_port(sysfs, pf.ibdev, 1, 1 if port_down else 4)
+                (ports_down.add if port_down else ports_down.discard)(pf.ibdev)
+                port_flips += 1
             else:
-                down.discard(pf.netdev)
+                going_down = pf.netdev not in down
+                resource = pool_of_pf.get(pf.address)
+                before = len(emulator.updates(resource)) if resource else 0
+                # The tree and the daemon learn together, as sysfs and rtnetlink do on a node (the
+                # simulated PF netdevs do not exist in this namespace, so the link event is injected).
+                simnode.set_link(sysfs, pf.netdev, not going_down)
+                t_flip = time.monotonic()
+                daemon.set_links([(pf.netdev, not going_down)])
+                flips += 1
+                if not going_down:
+                    down.discard(pf.netdev)
+                else:
+                    down.add(pf.netdev)
+                    # A PF that went up less than the hold-down ago is still advertised Unhealthy: its
+                    # flap is absorbed (nothing to send), so only flips of advertised-healthy VFs are timed.
+                    if resource is None or not _advertised_healthy(emulator, resource, pf.vf_addresses):
+                        absorbed += 1
+                    elif await _updated(emulator, resource, before):
+                        latencies.append(emulator.updates(resource)[-1].received - t_flip)
+                    else:
+                        errors += 1
             allocations += await _allocate_one(emulator, rng)
             await asyncio.sleep(args.flip_interval)
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -177,7 +183,8 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
     updates = sum(len(emulator.updates(r)) for r in emulator.resources())
     p50, p99 = _percentile(latencies, 0.5) * 1e3, _percentile(latencies, 0.99) * 1e3
     print(
-        f"demo summary: {total} devices in {len(expected)} pools, {flips} link flips, {updates} updates, "
+        f"demo summary: {total} devices in {len(expected)} pools, {flips} link flips, "
+        f"{port_flips} RDMA port flips, {updates} updates, "
         f"{allocations} allocations, {absorbed} flaps absorbed by the hold-down, "
         f"flip-to-kubelet latency p50 {p50:.2f} ms p99 {p99:.2f} ms, {errors} errors, "
         f"implementation={accel.IMPLEMENTATION}"
@@ -211,7 +218,21 @@ def write_demo_config(path: Path, layout: simnode.NodeLayout) -> None:
                 "selectors": {"pciAddresses": [pf.address for pf in layout.pfs], "isRdma": True},
             }
         )
-    path.write_text(json.dumps({"resourceList": resources, "coalesceMs": 2, "rdmaPollSeconds": 0.2}, indent=2))
+    doc = {"resourceList": resources, "coalesceMs": 2, "rdmaPollSeconds": 0.2}
+    path.write_text(json.dumps(doc, indent=2))
+
+
+async def _updated(emulator: KubeletEmulator, resource: str, before: int, timeout: float = 2.0) -> bool:
+    """Wait until the emulator holds more than ``before`` updates of ``resource``; False on timeout."""
+
+    def arrived() -> bool:
+        return len(emulator.updates(resource)) > before
+
+    try:
+        await emulator.wait_for(arrived, timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _advertised_healthy(emulator: KubeletEmulator, resource: str, ids: Sequence[str]) -> bool:
