@@ -306,3 +306,28 @@ def test_cdi_specs_follow_the_pools(run: Run, node: Node) -> None:
         assert sorted(p.name for p in cdi_dir.glob("densedev-*.json")) == left
 
     run(main())
+
+
+def test_restart_advertises_the_same_devices_including_vfs_moved_into_pods(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[0]
+    moved = pf.vf_addresses[:3]
+    r = res(f"sriov_{pf.netdev}")
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            first = {n: dict(emu.devices(n)) for n in emu.resources()}
+            for address in moved:  # the CNI moved these VFs' interfaces into pods
+                simnode.move_netdev_to_pod(node.sysfs, address)
+            await daemon.stop()
+            daemon = node.daemon()
+            await daemon.start()
+            await emu.wait_for(lambda: all(emu.registrations(n) == 2 for n in first), GUARD_S)
+            await emu.wait_for(lambda: all(len(emu.updates(n)) >= 2 for n in first), GUARD_S)
+            assert {n: dict(emu.devices(n)) for n in first} == first
+            # Gone from the host's view is not down: the moved VFs stay Healthy.
+            assert all(emu.devices(r)[a] == HEALTHY for a in moved)
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
