@@ -176,8 +176,14 @@ def main() -> int:
     parser.add_argument("--no-rdma", action="store_true", help="nodes without RDMA devices")
     parser.add_argument("--no-strace", action="store_true", help="skip the syscall count")
     parser.add_argument("--dir", type=Path, help="keep the simulated nodes here (reused when present)")
+    parser.add_argument("--sizes", default="", help="comma-separated VF counts out of 1024,4096,16384")
     args = parser.parse_args()
     sizes = [1024] if args.quick else [1024, 4096, 16384]
+    if args.sizes:
+        sizes = [int(x) for x in args.sizes.split(",")]
+        unknown = [x for x in sizes if x not in SIZES]
+        if unknown:
+            parser.error(f"--sizes {unknown}: choose from {sorted(SIZES)}")
     repeat = args.repeat or (3 if args.quick else 5)
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="densedev-bench-scan-"))
     workdir.mkdir(parents=True, exist_ok=True)
