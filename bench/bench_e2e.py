@@ -24,14 +24,11 @@ import os
 import random
 import resource
 import shutil
-import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -42,13 +39,9 @@ from densedev import accel
 from densedev import config as config_mod
 from densedev.manager import Daemon, DaemonSettings
 from densedev.model import UNHEALTHY
-from densedev.netlink import NETLINK_ROUTE, open_netlink_socket, resolve_netns
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
-
-RTM_NEWLINK = 16
-NLM_F_REQUEST = 0x1
-IFF_UP = 0x1
+from densedev.testing.netns import LinkSwitch, namespace
 
 
 def rss_mib() -> float:
@@ -61,17 +54,6 @@ def rss_mib() -> float:
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def link_request(ifindex: int, up: bool, seq: int) -> bytes:
-    """RTM_NEWLINK changing only IFF_UP (struct nlmsghdr + struct ifinfomsg, uapi/linux/rtnetlink.h)."""
-    ifinfo = struct.pack("=BxHiII", socket.AF_UNSPEC, 0, ifindex, IFF_UP if up else 0, IFF_UP)
-    return struct.pack("=IHHII", 16 + len(ifinfo), RTM_NEWLINK, NLM_F_REQUEST, seq, 0) + ifinfo
-
-
-def ifindexes(ns: str) -> dict[str, int]:
-    out = subprocess.run(["ip", "-j", "-n", ns, "link", "show"], check=True, capture_output=True, text=True)
-    return {link["ifname"]: link["ifindex"] for link in json.loads(out.stdout)}
 
 
 async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, object]:
@@ -121,25 +103,24 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
     await emu.wait_for(lambda: all(emu.updates(n) for n in names), 120)
     startup_s = time.perf_counter() - t
     pool_of = {pf.netdev: f"intel.com/vfs_{n}" for n, g in enumerate(groups) for pf in g}
-    index = ifindexes(ns)
-    sock = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(ns))
+    switch = LinkSwitch(ns)
     rng = random.Random(7)
     down_lat: list[float] = []
     up_lat: list[float] = []
     try:
-        for seq in range(args.flips):
+        for _ in range(args.flips):
             pf = rng.choice(layout.pfs)
             res = pool_of[pf.netdev]
             before = len(emu.updates(res))
             t0 = time.monotonic()
-            sock.send(link_request(index[pf.netdev], False, 2 * seq + 1))
+            switch.set(pf.netdev, False)
             await emu.wait_for(lambda r=res, b=before: len(emu.updates(r)) > b, 10)
             upd = emu.updates(res)[-1]
             assert all(upd.devices[a] == UNHEALTHY for a in pf.vf_addresses)
             down_lat.append(upd.received - t0)
             before = len(emu.updates(res))
             t0 = time.monotonic()
-            sock.send(link_request(index[pf.netdev], True, 2 * seq + 2))
+            switch.set(pf.netdev, True)
             await emu.wait_for(lambda r=res, b=before: len(emu.updates(r)) > b, 10)
             up_lat.append(emu.updates(res)[-1].received - t0)
         await asyncio.sleep(args.hold_down + 0.1)
@@ -150,7 +131,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
         rss_after = rss_mib()
     finally:
-        sock.close()
+        switch.close()
         await daemon.stop()
         await emu.stop()
         shutil.rmtree(kubelet_dir, ignore_errors=True)
@@ -195,13 +176,11 @@ def main() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("bench_e2e: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
         return 0
-    ns = f"densedev-b-{uuid.uuid4().hex[:8]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
     work = Path(tempfile.mkdtemp(prefix="densedev-bench-"))
     try:
-        result = uvloop.run(measure(args, work, ns))
+        with namespace("densedev-b") as ns:
+            result = uvloop.run(measure(args, work, ns))
     finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(result))

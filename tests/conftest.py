@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
-import shutil
-import subprocess
-import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -73,15 +70,10 @@ def child_env() -> dict[str, str]:
 @pytest.fixture
 def netns() -> Iterator[str]:
     """A fresh network namespace (root only), deleted afterwards; skips with the reason otherwise."""
-    if os.geteuid() != 0:
-        pytest.skip("creating a network namespace needs root")
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's ip is not installed")
-    name = f"densedev-t-{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"ip netns add failed: {made.stderr.strip()}")
-    try:
+    from densedev.testing import netns as nsmod
+
+    why = nsmod.available()
+    if why is not None:
+        pytest.skip(why)
+    with nsmod.namespace() as name:
         yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)

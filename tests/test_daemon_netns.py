@@ -6,10 +6,8 @@ namespace, so rtnetlink events, parsed by the accelerator, drive the health the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -23,20 +21,12 @@ from densedev.model import HEALTHY, UNHEALTHY
 from densedev.netlink import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.netns import aip, ip
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 20.0
 PREFIX = "example.com"
 pytestmark = pytest.mark.netns
-
-
-def ip(ns: str, *args: str) -> None:
-    subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
-
-
-async def aip(ns: str, *args: str) -> None:
-    proc = await asyncio.create_subprocess_exec("ip", "-n", ns, *args)
-    assert await proc.wait() == 0
 
 
 @pytest.fixture
@@ -91,8 +81,8 @@ def test_pf_down_and_up_on_a_real_link(run: Run, tmp_path: Path, netns: str, kub
         daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
         await daemon.start()
         try:
-            await emu.wait_for(lambda: len(emu.devices(r)) == 8 and emu.allocatable(r) == 8, GUARD_S)
             other = f"{PREFIX}/sriov_{layout.pfs[0].netdev}"
+            await emu.wait_for(lambda: emu.allocatable(r) == 8 and bool(emu.updates(other)), GUARD_S)
             quiet = len(emu.updates(other))
             await aip(netns, "link", "set", pf.netdev, "down")
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)

@@ -32,6 +32,7 @@ from densedev.netlink import (
     open_netlink_socket,
     resolve_netns,
 )
+from densedev.testing.netns import aip, ip
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 20.0  # only turns a hang into a failure
@@ -41,17 +42,6 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="creating a network namespace needs root"),
     pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's ip is not installed"),
 ]
-
-
-def ip(ns: str, *args: str) -> None:
-    """Run ``ip -n ns ...``; fail loudly."""
-    subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
-
-
-async def aip(ns: str, *args: str) -> None:
-    """Run ``ip -n ns ...`` without blocking the loop."""
-    proc = await asyncio.create_subprocess_exec("ip", "-n", ns, *args)
-    assert await proc.wait() == 0
 
 
 class Links:

@@ -7,6 +7,7 @@ import copy
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Coroutine, Iterator
@@ -175,24 +176,27 @@ def test_sighup_reloads_and_sigterm_exits_cleanly(run: Run, node: Node, child_en
         emu = KubeletEmulator(node.kubelet_dir)
         await emu.start()
         env = child_env
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "densedev.cli",
-            "run",
-            "--config",
-            str(node.config_path),
-            "--sysfs-root",
-            str(node.sysfs),
-            "--kubelet-dir",
-            str(node.kubelet_dir),
-            "--devinfo-dir",
-            "",
-            "--resource-prefix",
-            PREFIX,
-            "--no-netlink",
+        # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "densedev.cli",
+                "run",
+                "--config",
+                str(node.config_path),
+                "--sysfs-root",
+                str(node.sysfs),
+                "--kubelet-dir",
+                str(node.kubelet_dir),
+                "--devinfo-dir",
+                "",
+                "--resource-prefix",
+                PREFIX,
+                "--no-netlink",
+            ],
             env=env,
-            stderr=asyncio.subprocess.PIPE,
+            stderr=subprocess.PIPE,
         )
         try:
             await emu.wait_for(lambda: bool(emu.updates(res("pf2"))), GUARD_S)
@@ -203,15 +207,15 @@ def test_sighup_reloads_and_sigterm_exits_cleanly(run: Run, node: Node, child_en
             proc.send_signal(signal.SIGHUP)
             await emu.wait_for(lambda: bool(emu.updates(res("pf3"))), GUARD_S)
             proc.send_signal(signal.SIGTERM)
-            code = await asyncio.wait_for(proc.wait(), GUARD_S)
+            code = await asyncio.to_thread(proc.wait, GUARD_S)
             assert code == 0
             assert not [p for p in node.kubelet_dir.iterdir() if p.name.startswith("densedev-")]
         finally:
-            if proc.returncode is None:
+            if proc.poll() is None:
                 proc.kill()
-                await proc.wait()
+                await asyncio.to_thread(proc.wait)
             assert proc.stderr is not None
-            await proc.stderr.read()
+            proc.stderr.close()
             await emu.stop()
 
     run(main())

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .feed import PoolFeed
 from .health import Coalescer, HealthTracker, PoolUpdate
 from .logs import log_event, summarise
 from .metrics import Metrics, MetricsServer, parse_addr
-from .model import Config, Device, Pool, PoolConfig, RequestError
+from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
 from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
 from .server import MAX_UNIX_PATH
@@ -50,6 +51,19 @@ class DaemonSettings:
     netns: str | None = None  # watch links and uevents in this named network namespace (tests)
     config_poll_s: float = 1.0
     housekeeping_s: float = 1.0  # how often registration state is copied into metrics
+
+
+# Kernel uevents that change what discovery would find (lib/kobject_uevent.c action names).
+UEVENT_SUBSYSTEMS = frozenset(("pci", "net", "infiniband", "auxiliary", "vdpa"))
+UEVENT_ACTIONS = frozenset(("add", "remove", "bind", "unbind", "change", "move"))
+MAX_TARGETED_RESCANS = 32
+_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+
+
+def pci_address_in(devpath: str) -> str | None:
+    """Return the last PCI address among DEVPATH's components, or None (then rescan everything)."""
+    found = [part for part in devpath.split("/") if _BDF.fullmatch(part)]
+    return found[-1] if found else None
 
 
 def read_sysfs_links(sysfs_root: Path, ifnames: Iterable[str]) -> list[tuple[str, bool]]:
@@ -195,7 +209,9 @@ class Daemon:
         self.config = config
         self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
-        self.devices: tuple[Device, ...] = ()
+        self.table = discovery.DeviceTable(())
+        self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
+        self._full_rescan = False
         self.pools: dict[str, PoolRuntime] = {}
         self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
@@ -231,7 +247,7 @@ class Daemon:
             await self._metrics_server.start()
         table = self._scan()
         pools = selectors.build_pools(self.config, table.devices)
-        self.devices = table.devices
+        self.table = table
         self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
         self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
         self._poll_rdma()
@@ -377,14 +393,25 @@ class Daemon:
                     seen[d.rdma_device] = None
         return list(seen)
 
-    def request_rescan(self) -> None:
-        """Ask for a full rescan soon (uevent, overrun, or the reconcile interval)."""
+    @property
+    def devices(self) -> tuple[Device, ...]:
+        """Return the current device table's devices."""
+        return self.table.devices
+
+    def request_rescan(self, address: str | None = None) -> None:
+        """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
+        if address is None:
+            self._full_rescan = True
+        else:
+            self._rescan_targets.add(address)
         self._rescan_requested.set()
 
     async def _rescan_loop(self) -> None:
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
+            try:
                 await asyncio.wait_for(self._rescan_requested.wait(), self.config.reconcile_s)
+            except TimeoutError:
+                self._full_rescan = True  # the safety net: reconcile everything now and then
             # Events come in bursts (writing sriov_numvfs creates hundreds of VFs): let them settle.
             await asyncio.sleep(0.05)
             self._rescan_requested.clear()
@@ -394,9 +421,17 @@ class Daemon:
                 log.exception("rescan failed; keeping the previous device table")
 
     def rescan(self) -> None:
-        """Rescan the node and apply the new device table to every pool (grow, shrink, no restart)."""
-        table = self._scan()
-        self.metrics.record_resync("rescan")
+        """Rescan what changed (or everything) and apply it to every pool: grow, shrink, no restart."""
+        targets, self._rescan_targets = self._rescan_targets, set()
+        full, self._full_rescan = self._full_rescan or not targets, False
+        # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
+        if full or len(targets) > MAX_TARGETED_RESCANS:
+            table = self._scan()
+            self.metrics.record_resync("rescan")
+        else:
+            table = self._rescan_targets_of(targets)
+            self.metrics.record_resync("targeted")
+        self.table = table
         self._apply(table.devices, self.config)
         assert self.tracker is not None
         self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
@@ -405,10 +440,28 @@ class Daemon:
         self._poll_rdma()
         self._note_event(0)
 
+    def _rescan_targets_of(self, targets: set[str]) -> discovery.DeviceTable:
+        """Rescan only the named devices: a PF with its whole VF family, anything else alone."""
+        t0 = time.perf_counter()
+        root = self.settings.sysfs_root
+        table = self.table
+        for address in sorted(targets):
+            known = table.by_id().get(address)
+            is_pf = (known is not None and known.role == ROLE_PF) or os.path.exists(
+                os.path.join(root, "bus/pci/devices", address, "sriov_totalvfs")
+            )
+            if is_pf:
+                table = discovery.rescan_pf(root, address, table)
+            else:
+                table = table.merged(discovery.rescan_devices(root, [address]), [address])
+        elapsed = time.perf_counter() - t0
+        self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
+        log.debug("targeted rescan of %s in %.2f ms", summarise(sorted(targets)), elapsed * 1e3)
+        return table
+
     def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
         """Recompute pools from devices and config, and update pools whose membership changed."""
         pools = selectors.build_pools(config, devices)
-        self.devices = devices
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
@@ -474,19 +527,14 @@ class Daemon:
 
     def on_uevent(self, event: UeventTuple) -> None:
         """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
-        action, _devpath, env = event
+        action, devpath, env = event
         self.metrics.record_netlink("uevent")
-        subsystem = dict(env).get("SUBSYSTEM", "")
-        if subsystem in ("pci", "net", "infiniband", "auxiliary", "vdpa") and action in (
-            "add",
-            "remove",
-            "bind",
-            "unbind",
-            "change",
-            "move",
-        ):
+        fields = dict(env)
+        if fields.get("SUBSYSTEM", "") in UEVENT_SUBSYSTEMS and action in UEVENT_ACTIONS:
             self.stats["events"] += 1
-            self.request_rescan()
+            # The device is named by PCI_SLOT_NAME (pci) or is the last PCI function in DEVPATH
+            # (net, infiniband, auxiliary and vdpa devices hang below their PCI function).
+            self.request_rescan(fields.get("PCI_SLOT_NAME") or pci_address_in(devpath))
 
     def _poll_rdma(self) -> None:
         ibdevs = self._ibdevs()
