@@ -72,6 +72,7 @@ def test_special_kinds(impl: ModuleType, node: NodeLayout) -> None:
         assert (d.role, d.aux_type, d.pf, d.pf_netdev) == (ROLE_SF, "sf", ex.sf_pf, "ens90f0")
         assert (d.netdevs, d.rdma_device, d.driver) == ((ifname,), ibdev, "mlx5_core.sf")
         assert d.vendor == "15b3" and d.pcie_root == devs[ex.sf_pf].pcie_root
+        assert d.vf_index == int(sf.rsplit(".", 1)[1])  # the SF number (sfnum), for ranged pfNames
     assert "mlx5_core.eth.0" not in devs  # not a subfunction
     v = devs[ex.vdpa_vf]
     assert (v.vdpa, v.vdpa_driver) == ("vdpa0", "vhost_vdpa")
@@ -243,3 +244,15 @@ def test_format_table_lists_every_device_with_names(tmp_path: Path) -> None:
     assert ex is not None
     assert "uio0" in next(line for line in lines if line.startswith(ex.uio_vf))
     assert "noiommu" in next(line for line in lines if line.startswith(ex.noiommu_vf))
+
+
+def test_subfunction_number_mess(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=0, vfs_per_pf=0, extras=True)
+    ex = layout.extras
+    assert ex is not None
+    sf1, sf2 = (tmp_path / "bus/auxiliary/devices" / n for n in ex.sfs)
+    (sf1 / "sfnum").write_text("one\n")
+    (sf2 / "sfnum").unlink()
+    devs, warnings = _scan(impl, tmp_path)
+    assert devs[ex.sfs[0]].vf_index == -1 and devs[ex.sfs[1]].vf_index == -1
+    assert warnings == (f"{ex.sfs[0]}: sfnum: not an integer",)  # absent is not worth a warning

@@ -383,6 +383,15 @@ def _scan_sfs(
                 continue
             try:
                 status, drv = _readlink(devfd, b"driver")
+                # mlx5's SF device shows its SF number (sf/dev/dev.c sfnum_show); ranged pfNames select
+                # SFs by it, so it goes where a VF keeps its index.
+                sf_status, data = _read(devfd, b"sfnum")
+                sfnum = _int(data) if sf_status == 0 else None
+                if sfnum is None or sfnum < 0:
+                    if sf_status != 2:
+                        why = _why(sf_status) if sf_status else "not an integer"
+                        warnings.append(f"{sf}: sfnum: {why}")
+                    sfnum = -1
                 netdevs = tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
                 link_type = _link_type(devfd, os.fsencode(netdevs[0]), sf, warnings) if netdevs else ""
                 ibdevs = _listdir(devfd, b"infiniband")
@@ -394,7 +403,7 @@ def _scan_sfs(
             out.append([
                 sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6],
                 os.fsdecode(_basename(drv)) if status == 0 else "", parent[_NUMA], -1, False, -1, 0, 0,
-                parent[_ID], -1, pf_netdevs[0] if pf_netdevs else "", netdevs, link_type,
+                parent[_ID], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs, link_type,
                 os.fsdecode(ibdev), tuple(sorted(rdma.get(ibdev, ()))) if ibdev else (), "",
                 vdpa_name, vdpa_driver, _pcie_root(link), "sf",
             ])  # fmt: skip

@@ -545,6 +545,7 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
     cdef Py_ssize_t n, b
     cdef int status, devfd
     cdef int afd = sc_openat(rootfd, b"bus/auxiliary/devices", SC_DIR_FLAGS)
+    cdef long sfnum
     cdef bytes name
     if afd < 0:
         return out
@@ -574,6 +575,14 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
                     driver = _sc_str(buf + b, n - b)
                 else:
                     driver = ""
+                # mlx5's SF device shows its SF number (sf/dev/dev.c sfnum_show); ranged pfNames
+                # select SFs by it, so it goes where a VF keeps its index.
+                status = _sc_read(devfd, b"sfnum", buf, &n)
+                if status != 0 or not _sc_int(buf, n, &sfnum) or sfnum < 0:
+                    if status != ENOENT:
+                        why = _sc_why(status) if status else "not an integer"
+                        warnings.append(f"{sf}: sfnum: {why}")
+                    sfnum = -1
                 netdevs = _sc_names(_sc_listdir(devfd, b"net"))
                 link_type = _sc_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
                 ibdevs = _sc_listdir(devfd, b"infiniband")
@@ -585,7 +594,7 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
             vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
             out.append([
                 sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6], driver, parent[8],
-                -1, False, -1, 0, 0, parent[0], -1, pf_netdevs[0] if pf_netdevs else "", netdevs,
+                -1, False, -1, 0, 0, parent[0], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs,
                 link_type, _sc_os.fsdecode(ibdev), tuple(sorted(rdma.get(ibdev, ()))) if ibdev else (),
                 "", vdpa_name, vdpa_driver, pcie_root, "sf",
             ])
