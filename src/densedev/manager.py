@@ -212,6 +212,7 @@ class Daemon:
         self.table = discovery.DeviceTable(())
         self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
         self._full_rescan = False
+        self._ibdev_cache: list[str] | None = None
         self.pools: dict[str, PoolRuntime] = {}
         self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
@@ -249,7 +250,8 @@ class Daemon:
         pools = selectors.build_pools(self.config, table.devices)
         self.table = table
         self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
-        self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
+        if not self.settings.netlink:
+            self._read_sysfs_links()
         self._poll_rdma()
         initial = self.tracker.collect()
         for i, pool in enumerate(pools):
@@ -357,7 +359,10 @@ class Daemon:
     def _scan(self) -> discovery.DeviceTable:
         t0 = time.perf_counter()
         table = discovery.scan(self.settings.sysfs_root)
-        elapsed = time.perf_counter() - t0
+        self._note_scan(table, time.perf_counter() - t0)
+        return table
+
+    def _note_scan(self, table: discovery.DeviceTable, elapsed: float) -> None:
         self.stats["scans"] += 1
         self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
         if table.warnings:
@@ -369,7 +374,6 @@ class Daemon:
                 first=" | ".join(table.warnings[:3]),
             )
         log.debug("scan: %d devices in %.1f ms", len(table.devices), elapsed * 1e3)
-        return table
 
     def _ifnames(self) -> set[str]:
         names: set[str] = set()
@@ -380,18 +384,20 @@ class Daemon:
         return names
 
     def _ibdevs(self) -> list[str]:
-        # RDMA ports are polled only for RDMA devices some pool advertises (the policy may still ignore
-        # them, but then the facts are merely unused).
-        seen: dict[str, None] = {}
-        for r in self.pools.values():
-            for m in r.pool.members:
-                if m.device.rdma_device:
-                    seen[m.device.rdma_device] = None
-        if not self.pools:
-            for d in self.devices:
-                if d.rdma_device:
-                    seen[d.rdma_device] = None
-        return list(seen)
+        # RDMA ports are polled only for RDMA devices some pool advertises; the list changes only with
+        # the pools, so it is kept rather than rebuilt from 16k members every poll.
+        if self._ibdev_cache is None:
+            seen: dict[str, None] = {}
+            for r in self.pools.values():
+                for m in r.pool.members:
+                    if m.device.rdma_device:
+                        seen[m.device.rdma_device] = None
+            if not self.pools:
+                for d in self.devices:
+                    if d.rdma_device:
+                        seen[d.rdma_device] = None
+            self._ibdev_cache = list(seen)
+        return self._ibdev_cache
 
     @property
     def devices(self) -> tuple[Device, ...]:
@@ -416,35 +422,47 @@ class Daemon:
             await asyncio.sleep(0.05)
             self._rescan_requested.clear()
             try:
-                self.rescan()
+                await self.rescan()
             except Exception:
                 log.exception("rescan failed; keeping the previous device table")
 
-    def rescan(self) -> None:
-        """Rescan what changed (or everything) and apply it to every pool: grow, shrink, no restart."""
+    async def rescan(self) -> None:
+        """Rescan what changed (or everything) and apply it to every pool: grow, shrink, no restart.
+
+        The sysfs reading runs in a worker thread so the loop keeps serving the kubelet meanwhile; the
+        result is applied on the loop, and only when the device table really changed.
+        """
         targets, self._rescan_targets = self._rescan_targets, set()
         full, self._full_rescan = self._full_rescan or not targets, False
+        t0 = time.perf_counter()
         # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
         if full or len(targets) > MAX_TARGETED_RESCANS:
-            table = self._scan()
+            table = await asyncio.to_thread(discovery.scan, self.settings.sysfs_root)
             self.metrics.record_resync("rescan")
         else:
-            table = self._rescan_targets_of(targets)
+            table = await asyncio.to_thread(self._rescan_targets_of, self.table, targets)
             self.metrics.record_resync("targeted")
+        self._note_scan(table, time.perf_counter() - t0)
+        changed = table.devices != self.table.devices
         self.table = table
-        self._apply(table.devices, self.config)
-        assert self.tracker is not None
-        self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
+        if changed:
+            self._ibdev_cache = None
+            self._apply(table.devices, self.config)
+            if not self.settings.netlink:
+                self._read_sysfs_links()
         if self._link_monitor is not None:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         self._poll_rdma()
         self._note_event(0)
 
-    def _rescan_targets_of(self, targets: set[str]) -> discovery.DeviceTable:
+    def _read_sysfs_links(self) -> None:
+        """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
+        assert self.tracker is not None
+        self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
+
+    def _rescan_targets_of(self, table: discovery.DeviceTable, targets: set[str]) -> discovery.DeviceTable:
         """Rescan only the named devices: a PF with its whole VF family, anything else alone."""
-        t0 = time.perf_counter()
         root = self.settings.sysfs_root
-        table = self.table
         for address in sorted(targets):
             known = table.by_id().get(address)
             is_pf = (known is not None and known.role == ROLE_PF) or os.path.exists(
@@ -454,9 +472,6 @@ class Daemon:
                 table = discovery.rescan_pf(root, address, table)
             else:
                 table = table.merged(discovery.rescan_devices(root, [address]), [address])
-        elapsed = time.perf_counter() - t0
-        self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
-        log.debug("targeted rescan of %s in %.2f ms", summarise(sorted(targets)), elapsed * 1e3)
         return table
 
     def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
@@ -696,6 +711,7 @@ class Daemon:
                     self.metrics.remove_pool(n)
             self.config = new
             self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
+            self._ibdev_cache = None
             pools = self._apply(self.devices, new)
             assert self.tracker is not None
             started: list[PoolRuntime] = []
