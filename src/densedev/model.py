@@ -37,7 +37,7 @@ class Device(NamedTuple):
     total_vfs: int  # PF: sriov_totalvfs; 0 otherwise
     num_vfs: int  # PF: sriov_numvfs; 0 otherwise
     pf: str  # VF/SF: parent PF address; "" otherwise
-    vf_index: int  # VF: k of the PF's virtfn<k>; -1 otherwise
+    vf_index: int  # VF: k of the PF's virtfn<k>; SF: its sfnum; -1 otherwise
     pf_netdev: str  # VF/SF: the PF's first netdev name; "" when none
     netdevs: tuple[str, ...]  # interface names under net/ (host namespace only)
     link_type: str  # "ether", "infiniband", or "" when no netdev
@@ -121,9 +121,12 @@ class Config:
     warnings: tuple[str, ...] = ()  # accepted but unsupported keys (pKeys, ddpProfiles): log them at load
 
 
-@dataclass(frozen=True)
-class PoolMember:
-    """One ID a pool advertises and the device behind it (shared RDMA pools map many IDs to one)."""
+class PoolMember(NamedTuple):
+    """One ID a pool advertises and the device behind it (shared RDMA pools map many IDs to one).
+
+    A named tuple for the same reason as ``Device``: pools of a 16k-device node build one per ID on
+    every rescan and reload.
+    """
 
     id: str
     device: Device

@@ -16,10 +16,10 @@ from .bitmap import set_bits as set_bits
 from .netlink import parse_links as parse_links
 from .netlink import parse_uevent as parse_uevent
 
-# wire: Device and ListAndWatchResponse bytes
-from .wire import encode_device as encode_device
-from .wire import encode_list as encode_list
-
 # scan: the sysfs scan of PCI functions, subfunctions and RDMA ports (discovery.py)
 from .scan import read_rdma_ports as read_rdma_ports
 from .scan import scan_sysfs as scan_sysfs
+
+# wire: Device and ListAndWatchResponse bytes
+from .wire import encode_device as encode_device
+from .wire import encode_list as encode_list
