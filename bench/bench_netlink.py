@@ -41,6 +41,7 @@ from densedev import accel
 from densedev.health import Coalescer, HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
 from densedev.netlink import NETLINK_ROUTE, LinkMonitor, link_states, open_netlink_socket, resolve_netns
+from densedev.testing.reference import pyroute2_links
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "netlink" / "dump_veth.hex"
@@ -94,32 +95,11 @@ def build_dump(count: int) -> list[bytes]:
 
 
 def pyroute2_decode(datagrams: list[bytes]) -> list[tuple[int, int, str, int, int, int, int]]:
-    """Decode with pyroute2 and extract parse_links' fields."""
-    from pyroute2.netlink.rtnl.ifinfmsg import state_by_name
+    """Decode with pyroute2 (one marshal for every datagram) and extract parse_links' fields."""
     from pyroute2.netlink.rtnl.marshal import MarshalRtnl
 
     marshal = MarshalRtnl()
-    out = []
-    for data in datagrams:
-        for msg in marshal.parse(data):
-            mtype = msg["header"]["type"]
-            if mtype not in (16, 17):
-                continue
-            oper = msg.get_attr("IFLA_OPERSTATE")
-            carrier = msg.get_attr("IFLA_CARRIER")
-            link = msg.get_attr("IFLA_LINK")
-            out.append(
-                (
-                    mtype,
-                    msg["index"],
-                    msg.get_attr("IFLA_IFNAME") or "",
-                    msg["flags"],
-                    -1 if oper is None else state_by_name[oper],
-                    -1 if carrier is None else carrier,
-                    -1 if link is None else link,
-                )
-            )
-    return out
+    return [row for data in datagrams for row in pyroute2_links(data, marshal)]
 
 
 def decode_with(mod: ModuleType, datagrams: list[bytes]) -> list[tuple[int, int, str, int, int, int, int]]:

@@ -14,39 +14,13 @@ from types import ModuleType
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pyroute2.netlink.rtnl.ifinfmsg import state_by_name
-from pyroute2.netlink.rtnl.marshal import MarshalRtnl
+
+from densedev.testing.reference import LinkRow, pyroute2_links
 
 DATA = Path(__file__).parent / "data" / "netlink"
 FIXTURE_SAFE = settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-LinkRow = tuple[int, int, str, int, int, int, int]
-
-
-def pyroute2_links(data: bytes) -> list[LinkRow]:
-    """Decode with pyroute2 (the reference) into parse_links' layout."""
-    out = []
-    for msg in MarshalRtnl().parse(data):
-        mtype = msg["header"]["type"]
-        if mtype not in (16, 17):
-            continue
-        oper = msg.get_attr("IFLA_OPERSTATE")
-        carrier = msg.get_attr("IFLA_CARRIER")
-        link = msg.get_attr("IFLA_LINK")
-        out.append(
-            (
-                mtype,
-                msg["index"],
-                msg.get_attr("IFLA_IFNAME") or "",
-                msg["flags"],
-                -1 if oper is None else state_by_name[oper],
-                -1 if carrier is None else carrier,
-                -1 if link is None else link,
-            )
-        )
-    return out
 
 
 def _golden(name: str) -> list[tuple[bytes, list[object]]]:

@@ -16,36 +16,10 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from pyroute2.netlink.rtnl.ifinfmsg import state_by_name
-from pyroute2.netlink.rtnl.marshal import MarshalRtnl
-
 from densedev.netlink import NETLINK_KOBJECT_UEVENT, NETLINK_ROUTE, RTMGRP_LINK, open_netlink_socket
+from densedev.testing.reference import pyroute2_links
 
 HERE = Path(__file__).resolve().parent
-
-
-def pyroute2_links(data: bytes) -> list[list[object]]:
-    """Decode link messages with pyroute2, the reference, into parse_links' tuple layout."""
-    out: list[list[object]] = []
-    for msg in MarshalRtnl().parse(data):
-        mtype = msg["header"]["type"]
-        if mtype not in (16, 17):
-            continue
-        oper = msg.get_attr("IFLA_OPERSTATE")
-        carrier = msg.get_attr("IFLA_CARRIER")
-        link = msg.get_attr("IFLA_LINK")
-        out.append(
-            [
-                mtype,
-                msg["index"],
-                msg.get_attr("IFLA_IFNAME") or "",
-                msg["flags"],
-                -1 if oper is None else state_by_name[oper],
-                -1 if carrier is None else carrier,
-                -1 if link is None else link,
-            ]
-        )
-    return out
 
 
 def uevent_fields(data: bytes) -> list[object]:
