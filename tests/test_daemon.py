@@ -331,3 +331,36 @@ def test_restart_advertises_the_same_devices_including_vfs_moved_into_pods(run: 
             await stopped(emu, daemon)
 
     run(main())
+
+
+def test_driver_rules_unbound_and_rebound(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[0]
+    r = res(f"sriov_{pf.netdev}")
+    unbound, rebound = pf.vf_addresses[0], pf.vf_addresses[1]
+
+    def uevent(daemon: Daemon, action: str, address: str) -> None:
+        daemon.on_uevent((action, f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            simnode.bind_driver(node.sysfs, unbound, None)
+            uevent(daemon, "unbind", unbound)
+            simnode.bind_driver(node.sysfs, rebound, "vfio-pci")
+            uevent(daemon, "bind", rebound)
+            await emu.wait_for(
+                lambda: emu.devices(r).get(unbound) == UNHEALTHY and emu.devices(r).get(rebound) == UNHEALTHY,
+                GUARD_S,
+            )
+            assert daemon.tracker is not None
+            assert "driver-unbound" in daemon.tracker.reasons(unbound)
+            assert "driver-changed" in daemon.tracker.reasons(rebound)
+            assert len(emu.devices(r)) == len(pf.vf_addresses)  # still listed: present but unusable
+            # Bound back to the driver it was selected with: healthy again after the hold-down.
+            simnode.bind_driver(node.sysfs, rebound, "mlx5_core")
+            uevent(daemon, "bind", rebound)
+            await emu.wait_for(lambda: emu.devices(r).get(rebound) == HEALTHY, GUARD_S)
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())

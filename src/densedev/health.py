@@ -337,6 +337,18 @@ class HealthTracker:
             prev = old.get(state.pool.config.full_name)
             if prev is None:
                 continue  # a new pool: force-reported at the next collect
+            # The driver a device was selected with sticks while it stays in the pool: a VF rebound
+            # (iavf → vfio-pci) under a pool that does not filter by driver is "driver-changed", not
+            # silently re-selected with whatever it is bound to now.
+            carried = False
+            for i_old, driver in prev.selected_driver.items():
+                i = self._index.get(old_devices[i_old].id)
+                if i is not None and i in state.selected_driver and state.selected_driver[i] != driver:
+                    state.selected_driver[i] = driver
+                    carried = True
+            if carried:
+                state.driver_bad = self._driver_bitmap(state, state.selected_driver)
+                state.raw = self._raw(state)
             # Carry "advertised unhealthy", "last sent" and running hold-downs over by device id.
             adv = [self._index.get(old_devices[i].id) for i in accel.select_bits(prev.advertised, prev.mask)]
             sent = [self._index.get(old_devices[i].id) for i in accel.select_bits(prev.sent, prev.mask)]
