@@ -452,7 +452,11 @@ class Daemon:
                 self._read_sysfs_links()
         if self._link_monitor is not None:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
-        self._poll_rdma()
+        ibdevs = self._ibdevs()
+        if ibdevs:
+            self._take_ports(
+                await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
+            )
         self._note_event(0)
 
     def _read_sysfs_links(self) -> None:
@@ -552,19 +556,30 @@ class Daemon:
             self.request_rescan(fields.get("PCI_SLOT_NAME") or pci_address_in(devpath))
 
     def _poll_rdma(self) -> None:
+        """Read RDMA port states now, on the caller's thread (start-up, before anything is served)."""
         ibdevs = self._ibdevs()
-        if ibdevs and self.tracker is not None:
-            ports = discovery.read_rdma_ports(self.settings.sysfs_root, ibdevs)
+        if ibdevs:
+            self._take_ports(discovery.read_rdma_ports(self.settings.sysfs_root, ibdevs))
+
+    def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
+        if self.tracker is not None:
             self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
 
     async def _rdma_loop(self) -> None:
+        # RDMA port state has no event source (sysfs-sriov-rdma reference): poll.  At 16k RDMA devices a
+        # poll reads 32k small files, so it runs in a worker thread and only the result touches the loop.
         while True:
             await asyncio.sleep(self.config.rdma_poll_s)
+            ibdevs = self._ibdevs()
+            if not ibdevs:
+                continue
             try:
-                self._poll_rdma()
-                self._coalescer.notify()
+                ports = await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
             except Exception:
                 log.exception("RDMA port poll failed")
+                continue
+            self._take_ports(ports)
+            self._note_event(0)
 
     def flush(self) -> None:
         """Send one message to every pool whose advertised health changed, and arm the hold-down timer."""
