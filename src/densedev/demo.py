@@ -12,7 +12,9 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -73,6 +75,17 @@ class DemoView:
         self.out.flush()
 
 
+def _scratch(need: int = 2 << 30) -> str | None:
+    """Prefer tmpfs for the simulated tree (thousands of tiny files build ~5x faster than on disk)."""
+    shm = "/dev/shm"
+    try:
+        if os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need:
+            return shm
+    except OSError:
+        pass
+    return None
+
+
 async def run_demo(args: argparse.Namespace) -> int:
     """Run the demo until ``--seconds`` elapse (or Ctrl-C) and print a one-line summary."""
     with contextlib.ExitStack() as stack:
@@ -80,7 +93,9 @@ async def run_demo(args: argparse.Namespace) -> int:
             work = Path(args.workdir)
             work.mkdir(parents=True, exist_ok=True)
         else:
-            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="densedev-demo-")))
+            work = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="densedev-demo-", dir=_scratch()))
+            )
         return await _run(args, work)
     return 0
 
