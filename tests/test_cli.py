@@ -71,3 +71,13 @@ def test_demo_ends_with_its_summary(tmp_path: Path, child_env: dict[str, str]) -
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("demo summary: 64 devices") or summary.startswith("demo summary: 128 devices")
     assert " 0 errors" in summary
+
+
+def test_check_config_prints_warnings_for_accepted_but_unsupported_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"resourceList": [{"resourceName": "ib", "selectors": {"pKeys": ["0x1"]}}]}))
+    assert cli.main(["check-config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "warning:" in out and "pKeys" in out and out.rstrip().endswith("OK")

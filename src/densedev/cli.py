@@ -97,9 +97,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
     problems = config.check(args.file, default_prefix=args.resource_prefix)
     for p in problems:
         print(f"{args.file}: {p}")
-    if not problems:
-        print(f"{args.file}: OK")
-    return 1 if problems else 0
+    if problems:
+        return 1
+    for w in config.load(args.file, default_prefix=args.resource_prefix).warnings:
+        print(f"{args.file}: warning: {w}")
+    print(f"{args.file}: OK")
+    return 0
 
 
 def _cmd_scan(args: argparse.Namespace) -> int:

@@ -246,6 +246,8 @@ class Daemon:
             host, port = parse_addr(self.settings.metrics_addr)
             self._metrics_server = MetricsServer(self.metrics, self.registered, host, port)
             await self._metrics_server.start()
+        for warning in self.config.warnings:
+            log_event(log, "config warning", level=logging.WARNING, problem=warning)
         table = self._scan()
         pools = selectors.build_pools(self.config, table.devices)
         self.table = table
@@ -699,6 +701,8 @@ class Daemon:
             self.metrics.record_reload(False)
             log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=str(exc))
             return False
+        for warning in new.warnings:
+            log_event(log, "config warning", level=logging.WARNING, file=str(path), problem=warning)
         if new == self.config:
             return True
         await self.apply_config(new)
