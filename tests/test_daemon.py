@@ -364,3 +364,62 @@ def test_driver_rules_unbound_and_rebound(run: Run, node: Node) -> None:
             await stopped(emu, daemon)
 
     run(main())
+
+
+def test_metrics_endpoint_of_a_running_daemon(run: Run, node: Node) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    pf = node.layout.pfs[0]
+    r = res(f"sriov_{pf.netdev}")
+
+    def scrape(port: int, path: str) -> tuple[int, str]:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    async def main() -> None:
+        emu, daemon = await started(node, metrics_addr="127.0.0.1:0")
+        try:
+            assert daemon.metrics_port is not None
+            port = daemon.metrics_port
+            await emu.wait_for(lambda: daemon.registered()[0], GUARD_S)
+            assert (await asyncio.to_thread(scrape, port, "/readyz"))[0] == 200
+            daemon.set_links([(pf.netdev, False)])
+            await emu.wait_for(lambda: emu.allocatable(r) == 0, GUARD_S)
+            await emu.allocate(res("other_vfs"), [node.layout.pfs[2].vf_addresses[0]])
+            status, text = await asyncio.to_thread(scrape, port, "/metrics")
+            assert status == 200
+            got = samples(text)
+            assert got[("densedev_pool_devices", (("health", "Unhealthy"), ("resource", r)))] == 8
+            assert got[("densedev_pool_devices", (("health", "Healthy"), ("resource", r)))] == 0
+            assert (
+                got[("densedev_pool_unhealthy_devices", (("reason", "pf-link-down"), ("resource", r)))] == 8
+            )
+            assert got[("densedev_health_transitions_total", (("resource", r), ("to", "Unhealthy")))] == 8
+            assert any(
+                name == "densedev_event_to_send_seconds_count" and v >= 1 for (name, _), v in got.items()
+            )
+            assert any(
+                name.startswith("densedev_listandwatch_bytes") and v > 0 for (name, _), v in got.items()
+            )
+            other = res("other_vfs")
+            assert (
+                got[("densedev_plugin_rpc_calls_total", (("method", "Allocate"), ("resource", other)))] == 1
+            )
+            assert (await asyncio.to_thread(scrape, port, "/healthz"))[0] == 200
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())

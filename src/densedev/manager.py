@@ -25,7 +25,7 @@ from .allocation import AllocationSettings, PoolAllocator
 from .feed import PoolFeed
 from .health import Coalescer, HealthTracker, PoolUpdate
 from .logs import log_event, summarise
-from .metrics import Metrics, MetricsServer, parse_addr
+from .metrics import PRESTART, Metrics, MetricsServer, parse_addr
 from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
 from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
@@ -97,6 +97,11 @@ def socket_name_for(resource: str, kubelet_dir: Path) -> str:
     return f"densedev-{digest}.sock"
 
 
+def _status_name(exc: RequestError) -> str:
+    """Return the gRPC status code name the server answers a refused request with."""
+    return "FAILED_PRECONDITION" if exc.kind == RequestError.PRECONDITION else "INVALID_ARGUMENT"
+
+
 class MeteredService:
     """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
 
@@ -115,10 +120,10 @@ class MeteredService:
         try:
             resp = self.inner.allocate(ids)
         except RequestError as exc:
-            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, exc.kind)
+            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, _status_name(exc))
             raise
         except Exception:
-            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, "internal")
+            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, "INTERNAL")
             raise
         self.metrics.observe_allocate(self.resource, time.perf_counter() - t0)
         return resp
@@ -129,17 +134,26 @@ class MeteredService:
         try:
             out = self.inner.preferred(available, must_include, size)
         except RequestError as exc:
-            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, exc.kind)
+            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, _status_name(exc))
             raise
         except Exception:
-            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, "internal")
+            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, "INTERNAL")
             raise
         self.metrics.observe_preferred(self.resource, time.perf_counter() - t0)
         return out
 
     def prestart(self, ids: Sequence[str]) -> None:
-        """Answer PreStartContainer."""
-        self.inner.prestart(ids)
+        """Answer PreStartContainer, timed."""
+        t0 = time.perf_counter()
+        try:
+            self.inner.prestart(ids)
+        except RequestError as exc:
+            self.metrics.observe_rpc(self.resource, PRESTART, time.perf_counter() - t0, _status_name(exc))
+            raise
+        except Exception:
+            self.metrics.observe_rpc(self.resource, PRESTART, time.perf_counter() - t0, "INTERNAL")
+            raise
+        self.metrics.observe_rpc(self.resource, PRESTART, time.perf_counter() - t0)
 
 
 class PoolRuntime:
@@ -338,6 +352,11 @@ class Daemon:
         removed = cdi.SpecWriter(self.settings.cdi_dir).prune(r.allocator.kind for r in self.pools.values())
         if removed:
             log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
+
+    @property
+    def metrics_port(self) -> int | None:
+        """Return the port /metrics is served on (an ephemeral one when asked for port 0), or None."""
+        return self._metrics_server.port if self._metrics_server is not None else None
 
     def registered(self) -> tuple[bool, str]:
         """Return whether every pool is registered with the kubelet, and which are not (for /readyz)."""
