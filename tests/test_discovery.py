@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -256,3 +260,47 @@ def test_subfunction_number_mess(impl: ModuleType, tmp_path: Path) -> None:
     devs, warnings = _scan(impl, tmp_path)
     assert devs[ex.sfs[0]].vf_index == -1 and devs[ex.sfs[1]].vf_index == -1
     assert warnings == (f"{ex.sfs[0]}: sfnum: not an integer",)  # absent is not worth a warning
+
+
+def test_scan_in_a_worker_thread_lets_the_event_loop_run(
+    impl: ModuleType, node: NodeLayout, run: Callable[[Coroutine[Any, Any, Any]], Any]
+) -> None:
+    # The daemon scans with asyncio.to_thread so that health messages keep flowing: that needs the
+    # scan to let go of the GIL while it waits on the kernel.  CPython would also force a hand-over
+    # every sys.getswitchinterval() (5 ms) from code that calls back into Python; a 60 s interval
+    # turns that off, so the count below shows only the GIL releases of the scan itself (a scan
+    # holding the GIL throughout would leave the counter at 0 or 1, and take a minute to do so).
+    root = os.fsencode(node.root)
+    scans = 20
+
+    def scan_repeatedly() -> int:
+        return sum(len(impl.scan_sysfs(root, None)[0]) for _ in range(scans))
+
+    async def count_ticks_during_scans() -> tuple[int, int]:
+        ticks = 0
+        done = False
+
+        async def counter() -> None:
+            nonlocal ticks
+            while not done:
+                await asyncio.sleep(0.0005)
+                ticks += 1
+
+        task = asyncio.create_task(counter())
+        await asyncio.sleep(0)
+        start = ticks
+        found = await asyncio.to_thread(scan_repeatedly)
+        during = ticks - start
+        done = True
+        await task
+        return found, during
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(60.0)
+    try:
+        found, ticks = run(count_ticks_during_scans())
+    finally:
+        sys.setswitchinterval(old)
+    assert found == scans * len(_scan(impl, node.root)[0])
+    # ~20 scans of ~60 devices: thousands of GIL releases, each a chance for the loop to wake up.
+    assert ticks >= 5, f"the event loop ran only {ticks} times during {scans} scans in a worker thread"

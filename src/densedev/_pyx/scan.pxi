@@ -1,11 +1,15 @@
 # The sysfs scan of PCI functions, subfunctions and RDMA ports; the twin is _fast_py/scan.py (the spec).
 #
-# Every file and link is reached relative to an open directory fd (openat/readlinkat), read into a stack
-# buffer and parsed in C; Python objects are made only for the values that go into a device's tuple.
-# Warnings are built with the same Python expressions as the twin so both return identical strings.
+# Every file and link is reached relative to an open directory fd (openat/readlinkat), read into a C
+# buffer and parsed in C.  The daemon runs the full scan in a worker thread (asyncio.to_thread), so the
+# syscalls run without the GIL: each PCI function is read whole into a ``sc_pci`` struct inside
+# ``with nogil``, then the GIL is taken only to build that device's tuple and warnings.  Warnings are
+# built with the same Python expressions as the twin so both return identical strings.
 
 from libc.errno cimport errno, ENOENT
-from libc.string cimport strlen, memcmp, memcpy
+from libc.string cimport strlen, memcmp, memcpy, memset, strcmp
+from libc.stdlib cimport malloc, realloc, free, qsort
+from libc.stdio cimport snprintf
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
 
@@ -43,10 +47,13 @@ cdef enum:
     SC_READ_MAX = 255      # one short attribute line, as the twin's os.read(fd, 255)
     SC_LINK_MAX = 4096     # PATH_MAX: sysfs link targets are far shorter
     SC_EMPTY = -2          # status of an attribute that exists but holds only whitespace
+    SC_UNREAD = -3         # status of an attribute this device does not need read
     SC_MAX_PARTS = 128
     SC_UEVENT_MAX = 1023   # a PCI device's uevent is ~150 bytes (DRIVER, PCI_*, MODALIAS)
     SC_DENTS_BUF = 32768   # one getdents64 call returns a whole device directory
     SC_DIRENT_MAX = 280    # largest linux_dirent64: 19-byte header + 255-byte name + NUL, 8-aligned
+    SC_NAME_MAX = 255
+    SC_YIELD_ROWS = 1023   # a GIL hand-over point every 1,024 rows of the whole-table loops
     # include/uapi/linux/if_arp.h
     SC_ARPHRD_ETHER = 1
     SC_ARPHRD_INFINIBAND = 32
@@ -56,16 +63,18 @@ import os as _sc_os
 _SC_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
 
 
-cdef inline bint _sc_space(char c) nogil:
+# ------------------------------------------------------------------ C primitives (no GIL needed)
+
+cdef inline bint _sc_space(char c) noexcept nogil:
     # bytes.strip() whitespace: space \t \n \r \v \f
     return c == 32 or (9 <= c <= 13)
 
 
-cdef inline int _sc_read(int dirfd, const char *name, char *buf, Py_ssize_t *n) nogil:
+cdef inline int _sc_read(int dirfd, const char *name, char *buf, Py_ssize_t *n) noexcept nogil:
     return _sc_read_cap(dirfd, name, buf, n, SC_READ_MAX)
 
 
-cdef int _sc_read_cap(int dirfd, const char *name, char *buf, Py_ssize_t *n, Py_ssize_t cap) nogil:
+cdef int _sc_read_cap(int dirfd, const char *name, char *buf, Py_ssize_t *n, Py_ssize_t cap) noexcept nogil:
     """Read and strip a small attribute into buf (at least cap + 1 bytes); 0, an errno, or SC_EMPTY."""
     cdef int fd = sc_openat(dirfd, name, SC_FILE_FLAGS)
     cdef ssize_t got
@@ -93,7 +102,7 @@ cdef int _sc_read_cap(int dirfd, const char *name, char *buf, Py_ssize_t *n, Py_
     return 0
 
 
-cdef int _sc_readlink(int dirfd, const char *name, char *buf, Py_ssize_t *n) nogil:
+cdef int _sc_readlink(int dirfd, const char *name, char *buf, Py_ssize_t *n) noexcept nogil:
     cdef ssize_t got = sc_readlinkat(dirfd, name, buf, SC_LINK_MAX - 1)
     n[0] = 0
     if got < 0:
@@ -103,7 +112,7 @@ cdef int _sc_readlink(int dirfd, const char *name, char *buf, Py_ssize_t *n) nog
     return 0
 
 
-cdef inline Py_ssize_t _sc_base(const char *buf, Py_ssize_t n) nogil:
+cdef inline Py_ssize_t _sc_base(const char *buf, Py_ssize_t n) noexcept nogil:
     """Offset of the basename (after the last '/')."""
     cdef Py_ssize_t i = n
     while i > 0 and buf[i - 1] != 47:
@@ -111,7 +120,7 @@ cdef inline Py_ssize_t _sc_base(const char *buf, Py_ssize_t n) nogil:
     return i
 
 
-cdef bint _sc_int(const char *buf, Py_ssize_t n, long *out) nogil:
+cdef bint _sc_int(const char *buf, Py_ssize_t n, long *out) noexcept nogil:
     """Optional '-' then 1..9 decimal digits, as the twin's _int."""
     cdef Py_ssize_t i = 0
     cdef long v = 0
@@ -130,7 +139,7 @@ cdef bint _sc_int(const char *buf, Py_ssize_t n, long *out) nogil:
     return True
 
 
-cdef bint _sc_hex(char *buf, Py_ssize_t n, int digits) nogil:
+cdef bint _sc_hex(char *buf, Py_ssize_t n, int digits) noexcept nogil:
     """0x + exactly ``digits`` hex digits; lower-cases them in place."""
     cdef Py_ssize_t i
     cdef char c
@@ -145,7 +154,7 @@ cdef bint _sc_hex(char *buf, Py_ssize_t n, int digits) nogil:
     return True
 
 
-cdef inline bint _sc_is_hex(char *buf, Py_ssize_t n) nogil:
+cdef inline bint _sc_is_hex(char *buf, Py_ssize_t n) noexcept nogil:
     """All hex digits (and at least one); lower-cases them in place."""
     cdef Py_ssize_t i
     cdef char c
@@ -160,58 +169,163 @@ cdef inline bint _sc_is_hex(char *buf, Py_ssize_t n) nogil:
     return True
 
 
-cdef inline bint _sc_pair(char *buf, Py_ssize_t n) nogil:
+cdef inline bint _sc_pair(char *buf, Py_ssize_t n) noexcept nogil:
     """``15B3:101E``: two groups of four hex digits around a colon (lower-cased in place)."""
     return n == 9 and buf[4] == 58 and _sc_is_hex(buf, 4) and _sc_is_hex(buf + 5, 4)
 
 
-cdef tuple _sc_uevent_ids(char *buf, Py_ssize_t n):
-    """Vendor, device, class and subsystem ids from a PCI device's uevent; None if incomplete.
-
-    drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
-    PCI_SUBSYS_ID=%04X:%04X: one read instead of five attribute files (the scan is syscall-bound).
-    """
-    cdef Py_ssize_t pos = 0, end, eq, klen, vat
-    cdef Py_ssize_t id_at = -1, id_n = 0, sub_at = -1, sub_n = 0, cls_at = -1, cls_n = 0
-    cdef char cls[6]
+cdef bint _sc_contains(const char *buf, Py_ssize_t n, const char *sub, Py_ssize_t m) noexcept nogil:
+    """``sub in buf`` over lengths (a driver name read from a file may hold any byte)."""
     cdef Py_ssize_t i
-    while pos <= n:
-        end = pos
-        while end < n and buf[end] != 10:
-            end += 1
-        eq = pos
-        while eq < end and buf[eq] != 61:
-            eq += 1
-        klen = eq - pos
-        # value: after '=' up to the line end (empty when the line has no '=')
-        vat = eq + 1 if eq < end else end
-        if klen == 6 and memcmp(buf + pos, b"PCI_ID", 6) == 0:
-            id_at = vat
-            id_n = end - vat
-        elif klen == 13 and memcmp(buf + pos, b"PCI_SUBSYS_ID", 13) == 0:
-            sub_at = vat
-            sub_n = end - vat
-        elif klen == 9 and memcmp(buf + pos, b"PCI_CLASS", 9) == 0:
-            cls_at = vat
-            cls_n = end - vat
-        pos = end + 1
-    if id_at < 0 or sub_at < 0 or cls_at < 0:
-        return None
-    if not _sc_pair(buf + id_at, id_n) or not _sc_pair(buf + sub_at, sub_n):
-        return None
-    if not (1 <= cls_n <= 6) or not _sc_is_hex(buf + cls_at, cls_n):
-        return None
-    for i in range(6 - cls_n):
-        cls[i] = 48
-    memcpy(cls + 6 - cls_n, buf + cls_at, cls_n)
-    return (
-        PyUnicode_DecodeASCII(buf + id_at, 4, NULL),
-        PyUnicode_DecodeASCII(buf + id_at + 5, 4, NULL),
-        PyUnicode_DecodeASCII(cls, 6, NULL),
-        PyUnicode_DecodeASCII(buf + sub_at, 4, NULL),
-        PyUnicode_DecodeASCII(buf + sub_at + 5, 4, NULL),
-    )
+    for i in range(n - m + 1):
+        if memcmp(buf + i, sub, m) == 0:
+            return True
+    return False
 
+
+# ------------------------------------------------------------------ directory listings without the GIL
+
+cdef struct sc_names:
+    # A sorted directory listing as C strings.
+    char *data            # the names, NUL-terminated, back to back
+    Py_ssize_t used
+    Py_ssize_t cap
+    Py_ssize_t *offs      # where each name starts in data (data moves while it grows)
+    char **names          # count pointers into data, sorted once the listing is complete
+    Py_ssize_t count
+    Py_ssize_t ncap
+    bint oom
+
+
+cdef int _sc_cmp(const void *a, const void *b) noexcept nogil:
+    # Directory entries hold no NUL, and strcmp compares as unsigned char: the order of sorted(bytes).
+    return strcmp((<const char **>a)[0], (<const char **>b)[0])
+
+
+cdef bint _sc_names_add(sc_names *l, const char *nm, Py_ssize_t ln) noexcept nogil:
+    cdef Py_ssize_t cap
+    cdef char *d
+    cdef Py_ssize_t *o
+    cdef char **p
+    if l.used + ln + 1 > l.cap:
+        cap = 2 * l.cap
+        if cap < l.used + ln + 1:
+            cap = l.used + ln + 1 + 4096
+        d = <char *>realloc(l.data, cap)
+        if d == NULL:
+            l.oom = True
+            return False
+        l.data = d
+        l.cap = cap
+    if l.count == l.ncap:
+        cap = 2 * l.ncap if l.ncap else 64
+        o = <Py_ssize_t *>realloc(l.offs, cap * sizeof(Py_ssize_t))
+        if o == NULL:
+            l.oom = True
+            return False
+        l.offs = o
+        p = <char **>realloc(l.names, cap * sizeof(char *))
+        if p == NULL:
+            l.oom = True
+            return False
+        l.names = p
+        l.ncap = cap
+    memcpy(l.data + l.used, nm, ln + 1)
+    l.offs[l.count] = l.used
+    l.used += ln + 1
+    l.count += 1
+    return True
+
+
+cdef void _sc_names_fill(sc_names *l, int fd) noexcept nogil:
+    """List an open directory (fd is consumed) into l, sorted; '.' and '..' left out.
+
+    getdents64 straight into a stack buffer: no DIR allocation and no fcntl as fdopendir would cost.
+    """
+    cdef char buf[SC_DENTS_BUF]
+    cdef long got, pos
+    cdef Py_ssize_t i
+    cdef sc_dirent64 *e
+    cdef const char *nm
+    l.used = 0
+    l.count = 0
+    while True:
+        got = sc_syscall(SC_SYS_getdents64, fd, buf, SC_DENTS_BUF)
+        if got <= 0:
+            break
+        pos = 0
+        while pos < got:
+            e = <sc_dirent64 *>(buf + pos)
+            pos += e.d_reclen
+            nm = e.d_name
+            if nm[0] == 46 and (nm[1] == 0 or (nm[1] == 46 and nm[2] == 0)):
+                continue
+            if not _sc_names_add(l, nm, strlen(nm)):
+                break
+        # fs/readdir.c: getdents64 fills the buffer until the next record does not fit or the
+        # directory ends (kernfs, ext4 and tmpfs all emit until full), so a reply with room left
+        # for a maximal record is the end: skip the extra call that would return 0.
+        if l.oom or got < SC_DENTS_BUF - SC_DIRENT_MAX:
+            break
+    sc_close(fd)
+    for i in range(l.count):
+        l.names[i] = l.data + l.offs[i]
+    if l.count > 1:
+        qsort(l.names, l.count, sizeof(char *), _sc_cmp)
+
+
+cdef void _sc_names_open(sc_names *l, int dirfd, const char *name) noexcept nogil:
+    """List a subdirectory into l; empty when it is absent or unreadable."""
+    cdef int fd = sc_openat(dirfd, name, SC_DIR_FLAGS)
+    l.used = 0
+    l.count = 0
+    if fd >= 0:
+        _sc_names_fill(l, fd)
+
+
+cdef void _sc_names_free(sc_names *l) noexcept nogil:
+    free(l.data)
+    free(l.offs)
+    free(l.names)
+    memset(l, 0, sizeof(sc_names))
+
+
+cdef list _sc_names_list(sc_names *l):
+    """The listing as a list of bytes; raises MemoryError if it could not be held."""
+    cdef Py_ssize_t i
+    if l.oom:
+        raise MemoryError("sysfs scan: out of memory listing a directory")
+    return [PyBytes_FromStringAndSize(l.names[i], strlen(l.names[i])) for i in range(l.count)]
+
+
+cdef list _sc_entries_fd(int fd):
+    """Sorted entries of an open directory (fd is consumed); '.' and '..' left out."""
+    cdef sc_names l
+    memset(&l, 0, sizeof(sc_names))
+    try:
+        with nogil:
+            _sc_names_fill(&l, fd)
+        return _sc_names_list(&l)
+    finally:
+        _sc_names_free(&l)
+
+
+cdef list _sc_listdir(int dirfd, const char *name):
+    cdef sc_names l
+    memset(&l, 0, sizeof(sc_names))
+    try:
+        with nogil:
+            _sc_names_open(&l, dirfd, name)
+        return _sc_names_list(&l)
+    finally:
+        _sc_names_free(&l)
+
+
+cdef int _sc_open_dir(int dirfd, const char *name) noexcept nogil:
+    return sc_openat(dirfd, name, SC_DIR_FLAGS)
+
+
+# ------------------------------------------------------------------ Python objects (GIL held)
 
 cdef inline str _sc_str(const char *buf, Py_ssize_t n):
     # os.fsdecode on Linux: UTF-8 with surrogateescape
@@ -257,47 +371,6 @@ cdef bytes _sc_parent(const char *buf, Py_ssize_t n):
     return PyBytes_FromStringAndSize(buf + i, end - i)
 
 
-cdef list _sc_entries_fd(int fd):
-    """Sorted entries of an open directory (fd is consumed); '.' and '..' left out.
-
-    getdents64 straight into a stack buffer: no DIR allocation and no fcntl as fdopendir would cost.
-    """
-    cdef char buf[SC_DENTS_BUF]
-    cdef long got
-    cdef long pos
-    cdef sc_dirent64 *e
-    cdef const char *nm
-    cdef list out = []
-    while True:
-        got = sc_syscall(SC_SYS_getdents64, fd, buf, SC_DENTS_BUF)
-        if got <= 0:
-            break
-        pos = 0
-        while pos < got:
-            e = <sc_dirent64 *>(buf + pos)
-            pos += e.d_reclen
-            nm = e.d_name
-            if nm[0] == 46 and (nm[1] == 0 or (nm[1] == 46 and nm[2] == 0)):
-                continue
-            out.append(PyBytes_FromStringAndSize(nm, strlen(nm)))
-        # fs/readdir.c: getdents64 fills the buffer until the next record does not fit or the
-        # directory ends (kernfs, ext4 and tmpfs all emit until full), so a reply with room left
-        # for a maximal record is the end: skip the extra call that would return 0.
-        if got < SC_DENTS_BUF - SC_DIRENT_MAX:
-            break
-    sc_close(fd)
-    if len(out) > 1:
-        out.sort()
-    return out
-
-
-cdef list _sc_listdir(int dirfd, const char *name):
-    cdef int fd = sc_openat(dirfd, name, SC_DIR_FLAGS)
-    if fd < 0:
-        return []
-    return _sc_entries_fd(fd)
-
-
 def _sc_why(int status):
     if status == SC_EMPTY:
         return "empty"
@@ -308,82 +381,118 @@ def _sc_why(int status):
 
 cdef dict _sc_rdma_map(int rootfd):
     cdef dict out = {}
-    cdef int cfd
+    cdef int cfd, status
     cdef char buf[SC_READ_MAX + 1]
+    cdef char path[SC_NAME_MAX + 8]
     cdef Py_ssize_t n
-    cdef bytes entry, path
+    cdef bytes entry
+    cdef const char *e
+    cdef const char *cpath
+    cdef bytes cls_path
     for cls in _SC_RDMA_CLASSES:
-        cfd = sc_openat(rootfd, b"class/" + cls, SC_DIR_FLAGS)
+        cls_path = b"class/" + cls
+        cpath = cls_path
+        with nogil:
+            cfd = _sc_open_dir(rootfd, cpath)
         if cfd < 0:
             continue
-        for entry in _sc_entries_fd(sc_dup(cfd)):
-            path = entry + b"/ibdev"
-            if _sc_read(cfd, path, buf, &n) == 0:
-                key = PyBytes_FromStringAndSize(buf, n)
-                node = "/dev/infiniband/" + _sc_os.fsdecode(entry)
-                lst = out.get(key)
-                if lst is None:
-                    out[key] = [node]
-                else:
-                    lst.append(node)
-        sc_close(cfd)
+        try:
+            for entry in _sc_entries_fd(sc_dup(cfd)):
+                e = entry
+                # one class device per RDMA port or device: read its ibdev without the GIL
+                with nogil:
+                    snprintf(path, sizeof(path), "%s/ibdev", e)
+                    status = _sc_read(cfd, path, buf, &n)
+                if status == 0:
+                    key = PyBytes_FromStringAndSize(buf, n)
+                    node = "/dev/infiniband/" + _sc_str(entry, len(entry))
+                    lst = out.get(key)
+                    if lst is None:
+                        out[key] = [node]
+                    else:
+                        lst.append(node)
+        finally:
+            sc_close(cfd)
     return out
 
 
 cdef dict _sc_vdpa_map(int rootfd):
     cdef dict out = {}
-    cdef int bfd = sc_openat(rootfd, b"bus/vdpa/devices", SC_DIR_FLAGS)
+    cdef int bfd
     cdef char buf[SC_LINK_MAX]
     cdef Py_ssize_t n, b
+    cdef int status
     cdef bytes entry, parent, path
+    cdef const char *cpath
+    with nogil:
+        bfd = _sc_open_dir(rootfd, "bus/vdpa/devices")
     if bfd < 0:
         return out
-    for entry in _sc_entries_fd(sc_dup(bfd)):
-        if _sc_readlink(bfd, entry, buf, &n) != 0:
-            continue
-        parent = _sc_parent(buf, n)
-        if parent in out:
-            continue
-        path = entry + b"/driver"
-        if _sc_readlink(bfd, path, buf, &n) == 0:
-            b = _sc_base(buf, n)
-            drv = _sc_str(buf + b, n - b)
-        else:
-            drv = ""
-        out[parent] = (_sc_os.fsdecode(entry), drv)
-    sc_close(bfd)
+    try:
+        for entry in _sc_entries_fd(sc_dup(bfd)):
+            cpath = entry
+            with nogil:
+                status = _sc_readlink(bfd, cpath, buf, &n)
+            if status != 0:
+                continue
+            parent = _sc_parent(buf, n)
+            if parent in out:
+                continue
+            path = entry + b"/driver"
+            cpath = path
+            with nogil:
+                status = _sc_readlink(bfd, cpath, buf, &n)
+            if status == 0:
+                b = _sc_base(buf, n)
+                drv = _sc_str(buf + b, n - b)
+            else:
+                drv = ""
+            out[parent] = (_sc_os.fsdecode(entry), drv)
+    finally:
+        sc_close(bfd)
     return out
 
 
-cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings):
+cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings) except *:
+    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, each read without the GIL."""
     cdef char buf[SC_LINK_MAX]
-    cdef Py_ssize_t n, b
+    cdef Py_ssize_t n, b, i, ln
     cdef long k
     cdef int status
-    cdef bytes entry
+    cdef bint ok
     cdef const char *e
-    for entry in _sc_listdir(devfd, b"."):
-        e = entry
-        if len(entry) < 6 or memcmp(e, b"virtfn", 6) != 0:
-            continue
-        ok = _sc_int(e + 6, len(entry) - 6, &k)
-        status = _sc_readlink(devfd, e, buf, &n)
-        if not ok or k < 0 or status != 0:
-            warnings.append(
-                f"{pf}: {_sc_os.fsdecode(entry)}: {_sc_why(status) if status else 'not a VF link'}"
-            )
-            continue
-        b = _sc_base(buf, n)
-        vf_map[PyBytes_FromStringAndSize(buf + b, n - b)] = (pf, k)
+    cdef sc_names l
+    memset(&l, 0, sizeof(sc_names))
+    try:
+        with nogil:
+            _sc_names_open(&l, devfd, ".")
+        if l.oom:
+            raise MemoryError("sysfs scan: out of memory listing a directory")
+        for i in range(l.count):
+            e = l.names[i]
+            ln = strlen(e)
+            if ln < 6 or memcmp(e, b"virtfn", 6) != 0:
+                continue
+            ok = _sc_int(e + 6, ln - 6, &k)
+            with nogil:
+                status = _sc_readlink(devfd, e, buf, &n)
+            if not ok or k < 0 or status != 0:
+                entry = PyBytes_FromStringAndSize(e, ln)
+                warnings.append(
+                    f"{pf}: {_sc_os.fsdecode(entry)}: {_sc_why(status) if status else 'not a VF link'}"
+                )
+                continue
+            b = _sc_base(buf, n)
+            vf_map[_sc_str(buf + b, n - b)] = (pf, k)  # keyed by the device id, as rows are
+    finally:
+        _sc_names_free(&l)
 
 
-cdef str _sc_link_type(int devfd, str ifname, str dev, list warnings):
-    cdef char buf[SC_READ_MAX + 1]
-    cdef Py_ssize_t n
+cdef str _sc_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
+    """The link type of a ``net/<if>/type`` read (the twin's _link_type)."""
     cdef long v
-    cdef bytes path = b"net/" + _sc_os.fsencode(ifname) + b"/type"
-    if _sc_read(devfd, path, buf, &n) != 0:
-        return ""
+    if status != 0:
+        return ""  # the interface left the host namespace between listing and reading
     if not _sc_int(buf, n, &v):
         warnings.append(f"{dev}: net/{ifname}/type: not an integer")
         return ""
@@ -394,147 +503,332 @@ cdef str _sc_link_type(int devfd, str ifname, str dev, list warnings):
     return ""
 
 
-cdef tuple _sc_names(list entries):
-    return tuple([_sc_os.fsdecode(e) for e in entries]) if entries else ()
+cdef str _sc_link_type(int devfd, str ifname, str dev, list warnings):
+    cdef char buf[SC_READ_MAX + 1]
+    cdef Py_ssize_t n
+    cdef int status
+    cdef bytes path = b"net/" + _sc_os.fsencode(ifname) + b"/type"
+    cdef const char *cpath = path
+    with nogil:
+        status = _sc_read(devfd, cpath, buf, &n)
+    return _sc_type_name(status, buf, n, ifname, dev, warnings)
 
 
-cdef list _sc_scan_pci(int busfd, bytes name, dict rdma, dict vdpa, dict vf_map, list warnings):
-    """One PCI function in Device field order (PF netdev and VF index are filled in afterwards)."""
-    cdef char buf[SC_LINK_MAX]
-    cdef Py_ssize_t n, b
-    cdef int status, devfd, i
-    cdef long value, numa, acpi, total, num, group
-    cdef bint noiommu = False
-    cdef const char *cname = name
-    cdef str dev = _sc_os.fsdecode(name)
-    cdef str pcie_root = ""
-    cdef list ids = [None, None, None]
-    cdef list subsys = ["", ""]
-    status = _sc_readlink(busfd, cname, buf, &n)
-    if status == 0:
-        pcie_root = _sc_pcie_root(buf, n)
-    devfd = sc_openat(busfd, cname, SC_DIR_FLAGS)
-    if devfd < 0:
-        status = errno if errno else 1
-        warnings.append(f"{dev}: skipped: {_sc_os.strerror(status)}")
+cdef tuple _sc_names_tuple(sc_names *l):
+    cdef Py_ssize_t i
+    if l.oom:
+        raise MemoryError("sysfs scan: out of memory listing a directory")
+    return tuple([_sc_str(l.names[i], strlen(l.names[i])) for i in range(l.count)])
+
+
+# ------------------------------------------------------------------ one PCI function
+
+cdef struct sc_attr:
+    # One small attribute file: status 0, an errno, SC_EMPTY or SC_UNREAD; its stripped text.
+    int status
+    Py_ssize_t n
+    char buf[SC_READ_MAX + 1]
+
+
+cdef struct sc_link:
+    # One symlink: status 0 or an errno; the target and where its basename starts.
+    int status
+    Py_ssize_t n
+    Py_ssize_t base
+    char buf[SC_LINK_MAX]
+
+
+cdef struct sc_pci:
+    # Everything the scan reads of one PCI function, filled without the GIL by _sc_read_pci.
+    sc_link bus            # bus/pci/devices/<name> → the device's path (its PCIe root)
+    int devfd              # the device directory; -1 when it would not open (open_err says why)
+    int open_err
+    int uevent_status
+    Py_ssize_t uevent_n
+    char uevent[SC_UEVENT_MAX + 1]
+    bint from_uevent       # ids (and maybe the driver) came from uevent; the offsets point into it
+    Py_ssize_t id_at, sub_at, cls_at, cls_n, drv_at, drv_n
+    sc_attr ids[5]         # vendor, device, class, subsystem_vendor, subsystem_device: without uevent
+    sc_link physfn
+    bint is_vf
+    sc_attr numa, acpi, total
+    long numa_v, acpi_v, total_v
+    sc_link driver
+    const char *drv        # the driver name: into uevent or driver.buf; drv_len 0 when unbound
+    Py_ssize_t drv_len
+    sc_link group
+    long group_v
+    bint group_bad
+    bint noiommu
+    sc_attr numvfs
+    sc_names net
+    sc_attr net_type
+    sc_names ib
+    sc_names uio
+
+
+cdef bint _sc_uevent_parse(sc_pci *d) noexcept nogil:
+    """Ids (and the bound driver) from a PCI device's uevent; False if the ids are incomplete.
+
+    drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
+    PCI_SUBSYS_ID=%04X:%04X, and the driver core's dev_uevent() (drivers/base/core.c) DRIVER=<name>
+    while a driver is bound: one read instead of five attribute files and the driver link.
+    """
+    cdef char *buf = d.uevent
+    cdef Py_ssize_t n = d.uevent_n
+    cdef Py_ssize_t pos = 0, end, eq, klen, vat
+    cdef Py_ssize_t id_n = 0, sub_n = 0
+    d.id_at = d.sub_at = d.cls_at = d.drv_at = -1
+    d.cls_n = d.drv_n = 0
+    while pos <= n:
+        end = pos
+        while end < n and buf[end] != 10:
+            end += 1
+        eq = pos
+        while eq < end and buf[eq] != 61:
+            eq += 1
+        klen = eq - pos
+        # value: after '=' up to the line end (empty when the line has no '=')
+        vat = eq + 1 if eq < end else end
+        if klen == 6 and memcmp(buf + pos, b"PCI_ID", 6) == 0:
+            d.id_at = vat
+            id_n = end - vat
+        elif klen == 13 and memcmp(buf + pos, b"PCI_SUBSYS_ID", 13) == 0:
+            d.sub_at = vat
+            sub_n = end - vat
+        elif klen == 9 and memcmp(buf + pos, b"PCI_CLASS", 9) == 0:
+            d.cls_at = vat
+            d.cls_n = end - vat
+        elif klen == 6 and memcmp(buf + pos, b"DRIVER", 6) == 0:
+            d.drv_at = vat
+            d.drv_n = end - vat
+        pos = end + 1
+    if d.id_at < 0 or d.sub_at < 0 or d.cls_at < 0:
+        return False
+    if not _sc_pair(buf + d.id_at, id_n) or not _sc_pair(buf + d.sub_at, sub_n):
+        return False
+    return 1 <= d.cls_n <= 6 and _sc_is_hex(buf + d.cls_at, d.cls_n)
+
+
+cdef inline void _sc_get_link(int dirfd, const char *name, sc_link *l) noexcept nogil:
+    l.status = _sc_readlink(dirfd, name, l.buf, &l.n)
+    l.base = _sc_base(l.buf, l.n) if l.status == 0 else 0
+
+
+cdef inline long _sc_int_value(sc_attr *a, long default) noexcept nogil:
+    """An integer attribute; ``default`` when absent, max(default, -1) when bad (the twin's rule)."""
+    cdef long value
+    if a.status == 0 and _sc_int(a.buf, a.n, &value):
+        return value
+    if a.status == ENOENT:
+        return default
+    return default if default > -1 else -1
+
+
+cdef inline const char *_sc_id_attr(int i) noexcept nogil:
+    if i == 0:
+        return "vendor"
+    if i == 1:
+        return "device"
+    if i == 2:
+        return "class"
+    if i == 3:
+        return "subsystem_vendor"
+    return "subsystem_device"
+
+
+cdef void _sc_read_pci(int busfd, const char *name, sc_pci *d) noexcept nogil:
+    """Read one PCI function into d without the GIL; d.devfd is left open for _sc_build_pci."""
+    cdef int i
+    cdef long v
+    cdef char path[SC_NAME_MAX + 16]
+    d.devfd = -1
+    d.from_uevent = False
+    d.is_vf = False
+    d.drv = NULL
+    d.drv_len = 0
+    d.group_v = -1
+    d.group_bad = False
+    d.noiommu = False
+    d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = SC_UNREAD
+    d.acpi_v = -1
+    d.total_v = -2
+    d.net.count = d.ib.count = d.uio.count = 0
+    for i in range(5):
+        d.ids[i].status = SC_UNREAD
+    _sc_get_link(busfd, name, &d.bus)
+    d.devfd = sc_openat(busfd, name, SC_DIR_FLAGS)
+    if d.devfd < 0:
+        d.open_err = errno if errno else 1
+        return
+    d.uevent_status = _sc_read_cap(d.devfd, "uevent", d.uevent, &d.uevent_n, SC_UEVENT_MAX)
+    if d.uevent_status == 0:
+        d.from_uevent = _sc_uevent_parse(d)
+    if not d.from_uevent:
+        # No usable uevent (half-written or odd tree): the individual attribute files decide, and a
+        # bad identity file skips the device (so nothing more is read).
+        for i in range(5):
+            d.ids[i].status = _sc_read(d.devfd, _sc_id_attr(i), d.ids[i].buf, &d.ids[i].n)
+            if i < 3 and (d.ids[i].status != 0 or not _sc_hex(d.ids[i].buf, d.ids[i].n, 6 if i == 2 else 4)):
+                return
+    # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
+    # kernel shows neither sriov_* nor acpi_index on it: once physfn is found, skip those probes.
+    _sc_get_link(d.devfd, "physfn", &d.physfn)
+    d.is_vf = d.physfn.status == 0 and d.physfn.n > d.physfn.base
+    d.numa.status = _sc_read(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
+    d.numa_v = _sc_int_value(&d.numa, -1)
+    if not d.is_vf:
+        d.acpi.status = _sc_read(d.devfd, "acpi_index", d.acpi.buf, &d.acpi.n)
+        d.acpi_v = _sc_int_value(&d.acpi, -1)
+        d.total.status = _sc_read(d.devfd, "sriov_totalvfs", d.total.buf, &d.total.n)
+        d.total_v = _sc_int_value(&d.total, -2)
+    if d.from_uevent and d.drv_n > 0:
+        d.drv = d.uevent + d.drv_at
+        d.drv_len = d.drv_n
+    else:
+        # No DRIVER= line (unbound, or the attribute files decided): the driver link says.
+        _sc_get_link(d.devfd, "driver", &d.driver)
+        if d.driver.status == 0:
+            d.drv = d.driver.buf + d.driver.base
+            d.drv_len = d.driver.n - d.driver.base
+    _sc_get_link(d.devfd, "iommu_group", &d.group)
+    if d.group.status == 0:
+        if not _sc_int(d.group.buf + d.group.base, d.group.n - d.group.base, &v) or v < 0:
+            d.group_bad = True
+        else:
+            d.group_v = v
+            # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device a
+            # vfio driver binds, so only those are asked.
+            if d.drv_len >= 4 and memcmp(d.drv, b"vfio", 4) == 0:
+                i = _sc_read(d.devfd, "iommu_group/name", d.net_type.buf, &d.net_type.n)
+                d.noiommu = i == 0 and d.net_type.n == 12 and memcmp(d.net_type.buf, b"vfio-noiommu", 12) == 0
+    if d.total_v != -2:
+        d.numvfs.status = _sc_read(d.devfd, "sriov_numvfs", d.numvfs.buf, &d.numvfs.n)
+    _sc_names_open(&d.net, d.devfd, "net")
+    if d.net.count:
+        snprintf(path, sizeof(path), "net/%s/type", d.net.names[0])
+        d.net_type.status = _sc_read(d.devfd, path, d.net_type.buf, &d.net_type.n)
+    _sc_names_open(&d.ib, d.devfd, "infiniband")
+    # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
+    if _sc_contains(d.drv, d.drv_len, "uio", 3):
+        _sc_names_open(&d.uio, d.devfd, "uio")
+
+
+cdef inline str _sc_attr_why(sc_attr *a, str what):
+    return _sc_why(a.status) if a.status else what
+
+
+cdef void _sc_int_warn(sc_attr *a, str attr, str dev, list warnings) except *:
+    """The twin's warning for an integer attribute that is present but unreadable or not a number."""
+    cdef long value
+    if a.status == SC_UNREAD or a.status == ENOENT:
+        return
+    if a.status == 0 and _sc_int(a.buf, a.n, &value):
+        return
+    warnings.append(f"{dev}: {attr}: {_sc_attr_why(a, 'not an integer')}")
+
+
+cdef list _sc_build_pci(sc_pci *d, bytes name, dict rdma, dict vdpa, dict vf_map, list warnings):
+    """One PCI function in Device field order from what _sc_read_pci read (closes d.devfd).
+
+    The PF netdev and VF index are filled in afterwards; warnings come in the twin's order.
+    """
+    cdef str dev = _sc_str(name, len(name))
+    cdef str pcie_root = _sc_pcie_root(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
+    cdef int i
+    cdef long num, total
+    cdef sc_attr *a
+    if d.devfd < 0:
+        warnings.append(f"{dev}: skipped: {_sc_os.strerror(d.open_err)}")
         return None
     try:
-        status = _sc_read_cap(devfd, b"uevent", buf, &n, SC_UEVENT_MAX)
-        from_uevent = _sc_uevent_ids(buf, n) if status == 0 else None
-        if from_uevent is not None:
-            ids = [from_uevent[0], from_uevent[1], from_uevent[2]]
-            subsys = [from_uevent[3], from_uevent[4]]
+        if d.from_uevent:
+            u = d.uevent
+            cls = "0" * (6 - d.cls_n) + PyUnicode_DecodeASCII(u + d.cls_at, d.cls_n, NULL)
+            ids = [
+                PyUnicode_DecodeASCII(u + d.id_at, 4, NULL),
+                PyUnicode_DecodeASCII(u + d.id_at + 5, 4, NULL),
+                cls,
+                PyUnicode_DecodeASCII(u + d.sub_at, 4, NULL),
+                PyUnicode_DecodeASCII(u + d.sub_at + 5, 4, NULL),
+            ]
         else:
-            # No usable uevent (half-written or odd tree): the individual attribute files decide.
-            # Identity: vendor, device and class must be well-formed or the device is skipped.
-            for i, (attr, digits) in enumerate(((b"vendor", 4), (b"device", 4), (b"class", 6))):
-                status = _sc_read(devfd, <bytes>attr, buf, &n)
-                if status != 0 or not _sc_hex(buf, n, digits):
-                    why = _sc_why(status) if status else "not a hex id"
-                    warnings.append(f"{dev}: skipped: {(<bytes>attr).decode()}: {why}")
+            ids = ["", "", "", "", ""]
+            for i in range(5):
+                a = &d.ids[i]
+                if a.status == 0 and _sc_hex(a.buf, a.n, 6 if i == 2 else 4):
+                    ids[i] = PyUnicode_DecodeASCII(a.buf + 2, a.n - 2, NULL)
+                elif i < 3:
+                    why = _sc_attr_why(a, "not a hex id")
+                    warnings.append(f"{dev}: skipped: {_sc_id_attr(i).decode()}: {why}")
                     return None
-                ids[i] = PyUnicode_DecodeASCII(buf + 2, n - 2, NULL)
-            for i, attr in enumerate((b"subsystem_vendor", b"subsystem_device")):
-                status = _sc_read(devfd, <bytes>attr, buf, &n)
-                if status == 0 and _sc_hex(buf, n, 4):
-                    subsys[i] = PyUnicode_DecodeASCII(buf + 2, n - 2, NULL)
-                elif status != ENOENT:
-                    why = _sc_why(status) if status else "not a hex id"
-                    warnings.append(f"{dev}: {(<bytes>attr).decode()}: {why}")
-        # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
-        # kernel shows neither sriov_* nor acpi_index on it: once physfn is found, skip those probes.
-        status = _sc_readlink(devfd, b"physfn", buf, &n)
-        if status == 0:
-            b = _sc_base(buf, n)
-            pf = _sc_str(buf + b, n - b)
+                elif a.status != ENOENT:
+                    why = _sc_attr_why(a, "not a hex id")
+                    warnings.append(f"{dev}: {_sc_id_attr(i).decode()}: {why}")
+        if d.physfn.status == 0:
+            pf = _sc_str(d.physfn.buf + d.physfn.base, d.physfn.n - d.physfn.base)
         else:
             pf = ""
-            if status != ENOENT:
-                warnings.append(f"{dev}: physfn: {_sc_why(status)}")
-        numa = _sc_read_int(devfd, b"numa_node", -1, dev, warnings)
-        if pf:
-            acpi = -1
-            total = -2
-        else:
-            acpi = _sc_read_int(devfd, b"acpi_index", -1, dev, warnings)
-            total = _sc_read_int(devfd, b"sriov_totalvfs", -2, dev, warnings)
-        status = _sc_readlink(devfd, b"driver", buf, &n)
-        if status == 0:
-            b = _sc_base(buf, n)
-            driver = _sc_str(buf + b, n - b)
-        else:
-            driver = ""
-        group = -1
-        status = _sc_readlink(devfd, b"iommu_group", buf, &n)
-        if status == 0:
-            b = _sc_base(buf, n)
-            if not _sc_int(buf + b, n - b, &value) or value < 0:
-                warnings.append(f"{dev}: iommu_group: not a group number")
-            else:
-                group = value
-                # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device
-                # a vfio driver binds, so only those are asked.
-                if driver.startswith("vfio"):
-                    status = _sc_read(devfd, b"iommu_group/name", buf, &n)
-                    noiommu = status == 0 and n == 12 and memcmp(buf, b"vfio-noiommu", 12) == 0
+            if d.physfn.status != ENOENT:
+                warnings.append(f"{dev}: physfn: {_sc_why(d.physfn.status)}")
+        _sc_int_warn(&d.numa, "numa_node", dev, warnings)
+        _sc_int_warn(&d.acpi, "acpi_index", dev, warnings)
+        _sc_int_warn(&d.total, "sriov_totalvfs", dev, warnings)
+        driver = _sc_str(d.drv, d.drv_len) if d.drv_len else ""
+        if d.group_bad:
+            warnings.append(f"{dev}: iommu_group: not a group number")
         role = "vf" if pf else "pci"
         num = 0
+        total = d.total_v
         if total != -2:
             role = "pf"
             if total < 0:
                 total = 0
-            status = _sc_read(devfd, b"sriov_numvfs", buf, &n)
-            if status != 0 or not _sc_int(buf, n, &num):
-                warnings.append(f"{dev}: sriov_numvfs: {_sc_why(status) if status else 'not an integer'}")
+            a = &d.numvfs
+            if a.status != 0 or not _sc_int(a.buf, a.n, &num):
+                warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
                 num = 0
-            _sc_virtfns(devfd, dev, vf_map, warnings)
+            _sc_virtfns(d.devfd, dev, vf_map, warnings)
         else:
             total = 0
-        netdevs = _sc_names(_sc_listdir(devfd, b"net"))
-        link_type = _sc_link_type(devfd, netdevs[0], dev, warnings) if netdevs else ""
-        ibdevs = _sc_listdir(devfd, b"infiniband")
-        ibdev = ibdevs[0] if ibdevs else b""
+        netdevs = _sc_names_tuple(&d.net)
+        if netdevs:
+            a = &d.net_type
+            link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
+        else:
+            link_type = ""
+        if d.ib.oom or d.uio.oom:
+            raise MemoryError("sysfs scan: out of memory listing a directory")
+        ibdev = PyBytes_FromStringAndSize(d.ib.names[0], strlen(d.ib.names[0])) if d.ib.count else b""
         if ibdev:
             nodes = rdma.get(ibdev)
             nodes = tuple(sorted(nodes)) if nodes else ()
         else:
             nodes = ()
-        # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
-        uios = _sc_listdir(devfd, b"uio") if "uio" in driver else []
+        uio = _sc_str(d.uio.names[0], strlen(d.uio.names[0])) if d.uio.count else ""
         vd = vdpa.get(name)
         vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
         return [
-            dev, role, ids[0], ids[1], ids[2], subsys[0], subsys[1], driver, numa, group, noiommu, acpi,
-            total, num, pf, -1, "", netdevs, link_type, _sc_os.fsdecode(ibdev), nodes,
-            _sc_os.fsdecode(uios[0]) if uios else "", vdpa_name, vdpa_driver, pcie_root, "",
+            dev, role, ids[0], ids[1], ids[2], ids[3], ids[4], driver, d.numa_v, d.group_v, d.noiommu,
+            d.acpi_v, total, num, pf, -1, "", netdevs, link_type, _sc_str(ibdev, len(ibdev)), nodes, uio,
+            vdpa_name, vdpa_driver, pcie_root, "",
         ]
     finally:
-        sc_close(devfd)
-
-
-cdef long _sc_read_int(int devfd, const char *attr, long default, str dev, list warnings):
-    """An integer attribute; ``default`` when absent, max(default, -1) with a warning when bad."""
-    cdef char buf[SC_READ_MAX + 1]
-    cdef Py_ssize_t n
-    cdef long value
-    cdef int status = _sc_read(devfd, attr, buf, &n)
-    if status == 0 and _sc_int(buf, n, &value):
-        return value
-    if status == ENOENT:
-        return default
-    why = _sc_why(status) if status else "not an integer"
-    warnings.append(f"{dev}: {(<bytes>attr).decode()}: {why}")
-    return default if default > -1 else -1
+        sc_close(d.devfd)
+        d.devfd = -1
 
 
 cdef tuple _sc_pf_facts(int busfd, str pf, dict vf_map, list warnings):
     cdef bytes name = _sc_os.fsencode(pf)
-    cdef int devfd = sc_openat(busfd, name, SC_DIR_FLAGS)
+    cdef const char *cname = name
+    cdef int devfd
+    with nogil:
+        devfd = _sc_open_dir(busfd, cname)
     if devfd < 0:
         return ()
     try:
         _sc_virtfns(devfd, pf, vf_map, warnings)
-        return _sc_names(_sc_listdir(devfd, b"net"))
+        return tuple([_sc_os.fsdecode(e) for e in _sc_listdir(devfd, b"net")])
     finally:
         sc_close(devfd)
 
@@ -543,10 +837,12 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
     cdef list out = []
     cdef char buf[SC_LINK_MAX]
     cdef Py_ssize_t n, b
-    cdef int status, devfd
-    cdef int afd = sc_openat(rootfd, b"bus/auxiliary/devices", SC_DIR_FLAGS)
+    cdef int status, devfd, afd
     cdef long sfnum
     cdef bytes name
+    cdef const char *cname
+    with nogil:
+        afd = _sc_open_dir(rootfd, "bus/auxiliary/devices")
     if afd < 0:
         return out
     try:
@@ -555,7 +851,9 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
             if b".sf." not in name:
                 continue
             sf = _sc_os.fsdecode(name)
-            status = _sc_readlink(afd, name, buf, &n)
+            cname = name
+            with nogil:
+                status = _sc_readlink(afd, cname, buf, &n)
             if status != 0:
                 warnings.append(f"{sf}: skipped: {_sc_why(status)}")
                 continue
@@ -563,13 +861,15 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
             if parent is None:
                 continue
             pcie_root = _sc_pcie_root(buf, n)
-            devfd = sc_openat(afd, name, SC_DIR_FLAGS)
+            with nogil:
+                devfd = _sc_open_dir(afd, cname)
+                status = (errno if errno else 1) if devfd < 0 else 0
             if devfd < 0:
-                status = errno if errno else 1
                 warnings.append(f"{sf}: skipped: {_sc_os.strerror(status)}")
                 continue
             try:
-                status = _sc_readlink(devfd, b"driver", buf, &n)
+                with nogil:
+                    status = _sc_readlink(devfd, "driver", buf, &n)
                 if status == 0:
                     b = _sc_base(buf, n)
                     driver = _sc_str(buf + b, n - b)
@@ -577,13 +877,14 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
                     driver = ""
                 # mlx5's SF device shows its SF number (sf/dev/dev.c sfnum_show); ranged pfNames
                 # select SFs by it, so it goes where a VF keeps its index.
-                status = _sc_read(devfd, b"sfnum", buf, &n)
+                with nogil:
+                    status = _sc_read(devfd, "sfnum", buf, &n)
                 if status != 0 or not _sc_int(buf, n, &sfnum) or sfnum < 0:
                     if status != ENOENT:
                         why = _sc_why(status) if status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                netdevs = _sc_names(_sc_listdir(devfd, b"net"))
+                netdevs = tuple([_sc_os.fsdecode(e) for e in _sc_listdir(devfd, b"net")])
                 link_type = _sc_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
                 ibdevs = _sc_listdir(devfd, b"infiniband")
             finally:
@@ -603,38 +904,79 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
     return out
 
 
+cdef inline void _sc_yield() noexcept:
+    # A point where a thread waiting for the GIL (the event loop) can take it: CPython hands the GIL
+    # over here once the waiter has asked for it (after sys.getswitchinterval()), as between bytecodes.
+    with nogil:
+        pass
+
+
 def _sc_row_id(row):
     return row[0]
+
+
+cdef list _sc_scan_pcis(int busfd, list names, dict rdma, dict vdpa, dict vf_map, list warnings):
+    """Every named PCI function: the syscalls of each run without the GIL, then its row is built."""
+    cdef list rows = []
+    cdef sc_pci *d = <sc_pci *>malloc(sizeof(sc_pci))
+    cdef const char *cname
+    cdef bytes name
+    if d == NULL:
+        raise MemoryError("sysfs scan: out of memory")
+    memset(d, 0, sizeof(sc_pci))
+    d.devfd = -1
+    try:
+        for name in names:
+            cname = name
+            with nogil:
+                _sc_read_pci(busfd, cname, d)
+            row = _sc_build_pci(d, name, rdma, vdpa, vf_map, warnings)
+            if row is not None:
+                rows.append(row)
+    finally:
+        if d.devfd >= 0:
+            sc_close(d.devfd)
+        _sc_names_free(&d.net)
+        _sc_names_free(&d.ib)
+        _sc_names_free(&d.uio)
+        free(d)
+    return rows
 
 
 def scan_sysfs(bytes root, tuple addresses=None):
     """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root."""
     cdef list warnings = []
     cdef int rootfd, busfd
-    cdef list rows = []
+    cdef list rows
     cdef dict vf_map = {}
     cdef dict pf_netdevs = {}
-    cdef list row
+    cdef dict by_id
+    cdef list row, out
     cdef int err
-    rootfd = sc_openat(-100, root, SC_DIR_FLAGS)  # AT_FDCWD
+    cdef Py_ssize_t i
+    cdef const char *croot = root
+    with nogil:
+        rootfd = sc_openat(-100, croot, SC_DIR_FLAGS)  # AT_FDCWD
+        err = (errno if errno else 1) if rootfd < 0 else 0
     if rootfd < 0:
-        err = errno if errno else 1
         return (), (f"{_sc_os.fsdecode(root)}: cannot open sysfs root: {_sc_os.strerror(err)}",)
     try:
-        busfd = sc_openat(rootfd, b"bus/pci/devices", SC_DIR_FLAGS)
+        with nogil:
+            busfd = _sc_open_dir(rootfd, "bus/pci/devices")
+            err = (errno if errno else 1) if busfd < 0 else 0
         if busfd < 0:
-            err = errno if errno else 1
             return (), (f"{_sc_os.fsdecode(root)}/bus/pci/devices: {_sc_os.strerror(err)}",)
         try:
             rdma = _sc_rdma_map(rootfd)
             vdpa = _sc_vdpa_map(rootfd)
             names = _sc_entries_fd(sc_dup(busfd)) if addresses is None else sorted(set(addresses))
-            for name in names:
-                row = _sc_scan_pci(busfd, name, rdma, vdpa, vf_map, warnings)
-                if row is not None:
-                    rows.append(row)
+            rows = _sc_scan_pcis(busfd, names, rdma, vdpa, vf_map, warnings)
             by_id = {r[0]: r for r in rows}
+            i = 0
             for row in rows:
+                i += 1
+                if not i & SC_YIELD_ROWS:
+                    _sc_yield()
                 if row[1] != "vf":
                     continue
                 pf = row[14]
@@ -646,7 +988,7 @@ def scan_sysfs(bytes root, tuple addresses=None):
                 else:
                     netdevs = pf_netdevs[pf] = _sc_pf_facts(busfd, pf, vf_map, warnings)
                 row[16] = netdevs[0] if netdevs else ""
-                hit = vf_map.get(_sc_os.fsencode(row[0]))
+                hit = vf_map.get(row[0])
                 row[15] = hit[1] if hit is not None and hit[0] == pf else -1
             rows.extend(_sc_scan_sfs(rootfd, by_id, rdma, vdpa, warnings))
         finally:
@@ -654,7 +996,16 @@ def scan_sysfs(bytes root, tuple addresses=None):
     finally:
         sc_close(rootfd)
     rows.sort(key=_sc_row_id)
-    return tuple([tuple(r) for r in rows]), tuple(warnings)
+    # Each working list is freed as its tuple is made (by_id and vf_map first let go of them), so
+    # no single dealloc of 16k lists holds the GIL at the end.
+    by_id = vf_map = pf_netdevs = None
+    out = []
+    for i in range(len(rows)):
+        if not (i + 1) & SC_YIELD_ROWS:
+            _sc_yield()
+        out.append(tuple(<list>rows[i]))
+        rows[i] = None
+    return tuple(out), tuple(warnings)
 
 
 cdef long _sc_leading_int(const char *buf, Py_ssize_t n):
