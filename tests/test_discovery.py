@@ -167,6 +167,24 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
     assert sorted(warnings) == sorted(expected)
 
 
+def test_driver_from_uevent_or_else_the_driver_link(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=1, vfs_per_pf=3)
+    a, b, c = layout.pfs[0].vf_addresses
+    # a: the uevent's DRIVER= line names the driver (the link is not read: it would say "linkonly")
+    dev = _dev_dir(tmp_path, a)
+    os.unlink(dev / "driver")
+    os.symlink("../../../../bus/pci/drivers/linkonly", dev / "driver")
+    # b: no DRIVER= line (as while unbound) but a driver link: the link decides
+    dev = _dev_dir(tmp_path, b)
+    text = (dev / "uevent").read_text()
+    (dev / "uevent").write_text("".join(x for x in text.splitlines(True) if not x.startswith("DRIVER=")))
+    # c: unbound through the simulator: neither
+    bind_driver(tmp_path, c, None)
+    devs, warnings = _scan(impl, tmp_path)
+    assert (devs[a].driver, devs[b].driver, devs[c].driver) == ("mlx5_core", "mlx5_core", "")
+    assert warnings == ()
+
+
 def test_bad_roots_warn_instead_of_raising(impl: ModuleType, tmp_path: Path) -> None:
     rows, warnings = impl.scan_sysfs(os.fsencode(tmp_path / "nope"), None)
     assert rows == () and "cannot open sysfs root" in warnings[0]

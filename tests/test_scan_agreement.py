@@ -34,6 +34,7 @@ MESS = (
     "sriov_off",  # sriov_numvfs set to 0: the PF's VFs are destroyed
 )
 ATTRS = (
+    "uevent",  # ids and DRIVER= in one file; anything short of complete ids: the files decide
     "vendor",
     "device",
     "class",

@@ -214,6 +214,32 @@ def test_bind_driver_and_move_to_pod(tmp_path: Path) -> None:
     assert not [p for p in _links(tmp_path) if not p.exists()]
 
 
+def _uevent_drivers(dev: Path) -> list[str]:
+    return [line[7:] for line in _read(dev / "uevent").splitlines() if line.startswith("DRIVER=")]
+
+
+def test_uevent_driver_line_follows_every_bind(tmp_path: Path) -> None:
+    # The kernel generates uevent on read, so its DRIVER= line (drivers/base/core.c dev_uevent) always
+    # names the bound driver, first, and is absent while unbound; the simulated file must keep up.
+    layout = build_node(tmp_path, pfs=1, vfs_per_pf=1, extras=True)
+    assert layout.extras is not None
+    pf, vf = layout.pfs[0].address, layout.pfs[0].vf_addresses[0]
+    for address in (pf, vf, layout.extras.uio_vf, layout.extras.vfio_vf, layout.extras.plain):
+        dev = (tmp_path / "bus/pci/devices" / address).resolve()
+        assert _uevent_drivers(dev) == [(dev / "driver").resolve().name]
+        assert _read(dev / "uevent").startswith("DRIVER=")
+    port = (tmp_path / "bus/pci/devices" / pf).resolve().parent
+    assert _uevent_drivers(port) == ["pcieport"]
+    dev = (tmp_path / "bus/pci/devices" / vf).resolve()
+    before = _read(dev / "uevent")
+    bind_driver(tmp_path, vf, None)
+    assert _uevent_drivers(dev) == [] and "PCI_ID=15B3:101E" in _read(dev / "uevent")
+    bind_driver(tmp_path, vf, "vfio-pci")
+    assert _uevent_drivers(dev) == ["vfio-pci"]
+    bind_driver(tmp_path, vf, "mlx5_core")
+    assert _read(dev / "uevent") == before
+
+
 def test_set_rdma_port(tmp_path: Path) -> None:
     layout = build_node(tmp_path, pfs=2, vfs_per_pf=1, rdma=True)
     ibdev = layout.pfs[0].ibdev

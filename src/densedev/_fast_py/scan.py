@@ -100,13 +100,16 @@ def _pair(value: bytes) -> tuple[str, str] | None:
     return value[:4].decode().lower(), value[5:].decode().lower()
 
 
-def _uevent_ids(data: bytes) -> tuple[str, str, str, str, str] | None:
-    """Vendor, device, class and subsystem ids from a PCI device's ``uevent``; None if incomplete.
+def _uevent_fields(data: bytes) -> tuple[list[str], bytes] | None:
+    """Vendor, device, class and subsystem ids and the bound driver from a PCI device's ``uevent``.
 
     drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
-    PCI_SUBSYS_ID=%04X:%04X: one read instead of five attribute files (the scan is syscall-bound).
+    PCI_SUBSYS_ID=%04X:%04X, and the driver core's dev_uevent() (drivers/base/core.c) DRIVER=<name>
+    while a driver is bound: one read instead of five attribute files and the driver link (the scan
+    is syscall-bound).  None if the ids are incomplete; the driver is b"" without a DRIVER= line.
     """
     pci_id = subsys = pci_class = None
+    driver = b""
     for line in data.split(b"\n"):
         key, _, value = line.partition(b"=")
         if key == b"PCI_ID":
@@ -115,12 +118,14 @@ def _uevent_ids(data: bytes) -> tuple[str, str, str, str, str] | None:
             subsys = value
         elif key == b"PCI_CLASS":
             pci_class = value
+        elif key == b"DRIVER":
+            driver = value
     if pci_id is None or subsys is None or pci_class is None:
         return None
     ids, sub = _pair(pci_id), _pair(subsys)
     if ids is None or sub is None or not (1 <= len(pci_class) <= 6 and _is_hex(pci_class)):
         return None
-    return ids[0], ids[1], pci_class.decode().lower().zfill(6), sub[0], sub[1]
+    return [ids[0], ids[1], pci_class.decode().lower().zfill(6), sub[0], sub[1]], driver
 
 
 def _int(data: bytes) -> int | None:
@@ -237,10 +242,12 @@ def _scan_pci(
         return None
     try:
         status, data = _read(devfd, b"uevent", _UEVENT_MAX)
-        from_uevent = _uevent_ids(data) if status == 0 else None
+        from_uevent = _uevent_fields(data) if status == 0 else None
+        uevent_driver = b""
         if from_uevent is not None:
-            ids = list(from_uevent[:3])
-            subsys = list(from_uevent[3:])
+            ids = from_uevent[0][:3]
+            subsys = from_uevent[0][3:]
+            uevent_driver = from_uevent[1]
         else:
             # No usable uevent (half-written or odd tree): the individual attribute files decide.
             ids = []
@@ -284,8 +291,12 @@ def _scan_pci(
                 number = default if status == 2 else max(default, -1)
             ints[i] = number
         numa, acpi, total = ints
-        status, drv = _readlink(devfd, b"driver")
-        driver = os.fsdecode(_basename(drv)) if status == 0 else ""
+        if uevent_driver:
+            driver = os.fsdecode(uevent_driver)
+        else:
+            # No DRIVER= line (unbound, or the attribute files decided): the driver link says.
+            status, drv = _readlink(devfd, b"driver")
+            driver = os.fsdecode(_basename(drv)) if status == 0 else ""
         group = -1
         noiommu = False
         status, glink = _readlink(devfd, b"iommu_group")

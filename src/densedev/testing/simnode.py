@@ -229,6 +229,7 @@ class _Writer:
         sub_device: int,
         numa: int,
         acpi_index: int | None,
+        driver: str = "",
     ) -> None:
         w = self.write
         w(path + "/vendor", f"0x{vendor:04x}\n")
@@ -243,11 +244,13 @@ class _Writer:
             f"bc{pci_class >> 16:02X}sc{(pci_class >> 8) & 0xFF:02X}i{pci_class & 0xFF:02X}"
         )
         w(path + "/modalias", modalias + "\n")
-        # drivers/pci/pci-driver.c pci_uevent(); the driver core's DRIVER= line is left out (it would
-        # go stale on every simulated rebind, and the scanner takes the driver from the link).
+        # The driver core's dev_uevent() (drivers/base/core.c) puts DRIVER=<name> first while a driver
+        # is bound, then the bus's vars: drivers/pci/pci-driver.c pci_uevent().  bind() keeps DRIVER=
+        # in step with the driver link, as the kernel's (generated on read) uevent is.
         w(
             path + "/uevent",
-            f"PCI_CLASS={pci_class:X}\nPCI_ID={vendor:04X}:{device:04X}\n"
+            (f"DRIVER={driver}\n" if driver else "")
+            + f"PCI_CLASS={pci_class:X}\nPCI_ID={vendor:04X}:{device:04X}\n"
             f"PCI_SUBSYS_ID={sub_vendor:04X}:{sub_device:04X}\nPCI_SLOT_NAME={bdf}\nMODALIAS={modalias}\n",
         )
         if acpi_index is not None:
@@ -257,10 +260,22 @@ class _Writer:
         link = path + "/driver"
         if os.path.islink(link):
             os.unlink(link)
+        self.uevent_driver(path, driver)
         if driver is None:
             return
         self.mkdir(os.path.join(self.root, "bus/pci/drivers", driver))
         self.link(f"{self.up_to_root(path)}/bus/pci/drivers/{driver}", link)
+
+    def uevent_driver(self, path: str, driver: str | None) -> None:
+        """Rewrite the DRIVER= line of a function's uevent (dropped when unbound) in place."""
+        try:
+            with open(path + "/uevent", "rb") as f:
+                lines = f.read().splitlines()
+        except (FileNotFoundError, IsADirectoryError):
+            return  # a test broke the file on purpose: leave it broken
+        kept = [line for line in lines if not line.startswith(b"DRIVER=")]
+        head = [b"DRIVER=" + driver.encode()] if driver else []
+        _write_bytes(path + "/uevent", b"".join(line + b"\n" for line in head + kept))
 
     def iommu(self, path: str, bdf: str, noiommu: bool = False) -> int:
         group = self.counter("iommu")
@@ -430,7 +445,7 @@ class _Writer:
             bdf = _bdf(domain, base + offset + k * stride)
             path = f"{parent}/{bdf}"
             os.mkdir(path)
-            self.pci_files(path, bdf, vendor, vf_device, pci_class, vendor, sub_device, numa, None)
+            self.pci_files(path, bdf, vendor, vf_device, pci_class, vendor, sub_device, numa, None, vf_driver)
             os.symlink(f"../{pf_bdf}", path + "/physfn")
             os.symlink(f"../{bdf}", f"{pf_path}/virtfn{k}")
             os.symlink(f"../../../{rel_parent}/{bdf}", f"{bus_dir}/{bdf}")
@@ -477,11 +492,15 @@ class _Writer:
 
 
 def _write(path: str, text: str) -> None:
+    _write_bytes(path, text.encode())
+
+
+def _write_bytes(path: str, data: bytes) -> None:
     # Attribute writes replace the content in place, as a sysfs store does (no rename: readers
     # holding the path must see the new value).
     fd = os.open(path, _WFLAGS, _FILE_MODE)
     try:
-        os.write(fd, text.encode())
+        os.write(fd, data)
     finally:
         os.close(fd)
 
