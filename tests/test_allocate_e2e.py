@@ -2,9 +2,10 @@
 
 One config holds a pool per device kind of ``build_node(extras=True)`` (kernel-netdev VF, vfio-pci VF
 with and without an IOMMU, RoCE VF, InfiniBand PF, shared RDMA, vDPA, uio, QAT accelerator,
-needVhostNet) plus a ``pack`` and a ``spread`` pool.  Every expectation is written per kind from what
-the tree shows (IOMMU groups, the char devices under a function's ``infiniband_*`` class dirs), never
-from the allocator's own helpers, so a wrong env, node, CDI entry or device-info file fails here.
+needVhostNet, subfunctions) plus a ``pack`` and a ``spread`` pool.  Every expectation is written per
+kind from what the tree shows (IOMMU groups, the char devices under a function's ``infiniband_*``
+class dirs), never from the allocator's own helpers, so a wrong env, node, CDI entry or device-info
+file fails here.
 
 Waits are bounded by generous guards that only turn a hang into a failure; nothing asserts speed.
 """
@@ -96,8 +97,9 @@ class Node:
 
     # -- the tree, read the way udev and the kernel name things ------------------------------------
     def function_path(self, address: str) -> str:
-        """Return the real sysfs directory of a PCI function."""
-        return os.path.realpath(self.sysfs / "bus/pci/devices" / address)
+        """Return the real sysfs directory of a PCI function or an auxiliary-bus subfunction."""
+        bus = "auxiliary" if address.startswith("mlx5_core.sf.") else "pci"
+        return os.path.realpath(self.sysfs / "bus" / bus / "devices" / address)
 
     def group(self, address: str) -> int:
         """Return a function's IOMMU group number (the ``iommu_group`` link's target)."""
@@ -180,6 +182,7 @@ class Node:
                     },
                 ),
                 pool("vhost_vf", {"pfNames": [f"{pfs[3].netdev}#2-3"], "needVhostNet": True}),
+                pool("sf", {"auxTypes": ["sf"], "isRdma": True}, deviceType="auxNetDevice"),
                 # Preferred allocation: pfs[1] is on NUMA node 0, pfs[2] on node 1.
                 pool("pack_vf", {"pfNames": [pfs[1].netdev, pfs[2].netdev]}, preferredAllocation="pack"),
                 pool(
@@ -361,6 +364,13 @@ class Node:
             {a: ({**generic(a), "vhost": vhost}, vhost_nodes) for a in vfs},
             {a: pci_doc(a, pfs[3].address, ib, vhost=True) for a, ib in zip(vfs, ibs, strict=True)},
         )
+        # Subfunctions (auxNetDevice): named by their aux device, RDMA from their own ibdev; no
+        # device-info file (CNI finds SFs by name, the spec covers PCI and vDPA devices only).
+        devices = {}
+        for sf, ib in zip(ex.sfs, ex.sf_ibdevs, strict=True):
+            section, nodes = self.rdma_parts(sf, ib)
+            devices[sf] = ({**generic(sf), "rdma": section}, nodes)
+        kinds["sf"] = Kind("sf", (ex.sfs[1], ex.sfs[0]), devices, None)
         return kinds
 
 
@@ -383,6 +393,7 @@ async def started(node: Node, cdi: bool = True) -> tuple[KubeletEmulator, Daemon
 
 
 async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
+    """Stop the daemon (it removes its device-info files), then the kubelet emulator."""
     await daemon.stop()
     await emu.stop()
 
@@ -408,10 +419,9 @@ def expected_spec(kind: Kind) -> dict[str, Any]:
     """Return the CDI spec of a kind's pool: one entry per device with its nodes and own _INFO env."""
     entries = []
     for device, (info, nodes) in sorted(kind.devices.items()):
-        edits: dict[str, Any] = {
-            "env": [f"{env_of(kind.pool)}_{device.replace(':', '_').replace('.', '_').upper()}_INFO="
-                    + compact({device: info})],
-        }  # fmt: skip
+        # Each entry carries its own device's _INFO only: CDI env of several devices would collide.
+        var = f"{env_of(kind.pool)}_{device.replace(':', '_').replace('.', '_').upper()}_INFO"
+        edits: dict[str, Any] = {"env": [f"{var}={compact({device: info})}"]}
         if nodes:
             edits["deviceNodes"] = [{"path": c, "hostPath": h, "permissions": p} for c, h, p in nodes]
         entries.append({"name": device, "containerEdits": edits})
@@ -428,7 +438,7 @@ def unordered_nodes(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_response(node: Node, kind: Kind, resp: api_pb2.ContainerAllocateResponse, cdi: bool) -> None:
+def check_response(kind: Kind, resp: api_pb2.ContainerAllocateResponse, cdi: bool) -> None:
     """Assert the exact response a kind's allocation must get."""
     distinct = kind.distinct()
     name = env_of(kind.pool)
@@ -461,7 +471,7 @@ def test_every_kind_gets_its_exact_response_spec_and_device_info(run: Run, node:
             for kind in kinds.values():
                 # The default check=True: the emulated kubelet itself sees the IDs listed Healthy.
                 resp = await emu.allocate(res(kind.pool), list(kind.ids))
-                check_response(node, kind, resp, cdi)
+                check_response(kind, resp, cdi)
                 for device, doc in (kind.devinfo or {}).items():
                     assert json.loads(devinfo_path(node, kind.pool, device).read_text()) == doc, device
             # Only the allocated devices of netDevice pools have files, nothing for accelerator pools.
@@ -700,6 +710,33 @@ def test_prestart_passes_while_healthy_and_fails_once_not(run: Run, node: Node) 
                 await emu.prestart(r, vfs)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert all(v in (err.value.details() or "") for v in vfs), err.value.details()
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())
+
+
+def test_a_node_that_appears_later_gets_its_cdi_entry_at_allocate(run: Run, node: Node) -> None:
+    # udev has not created /dev/uio0 yet when the daemon starts (the driver was bound just before).
+    uio = node.dev_root / node.ex.uio
+    uio.unlink()
+    kind = node.kinds()["uio_vf"]
+    spec = spec_path(node, "uio_vf")
+
+    async def main() -> None:
+        emu, daemon = await started(node)
+        try:
+            # A device missing a required node gets no CDI entry; a pool with no entry has no spec.
+            assert not spec.exists() and spec_path(node, "vfio_vf").exists()
+            code, text = await refused(emu, "uio_vf", list(kind.ids))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and f"/dev/{node.ex.uio}" in text, text
+            assert not spec.exists() and files(node.devinfo_dir) == {}
+            uio.touch()
+            resp = await emu.allocate(res("uio_vf"), list(kind.ids))
+            check_response(kind, resp, cdi=True)
+            # The runtime resolves the name the response carries: the spec holds it by now.
+            assert unordered_nodes(json.loads(spec.read_text())) == unordered_nodes(expected_spec(kind))
+            assert set(files(node.devinfo_dir)) == {devinfo_path(node, "uio_vf", d).name for d in kind.ids}
         finally:
             await stopped(emu, daemon)
 
