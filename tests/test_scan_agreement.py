@@ -32,6 +32,7 @@ MESS = (
     "bad_type",  # net/<if>/type garbage
     "long_int",  # an integer too long for the kernel's %d
     "sriov_off",  # sriov_numvfs set to 0: the PF's VFs are destroyed
+    "class_link",  # an RDMA class link (read to find a node's function) points somewhere odd
 )
 ATTRS = (
     "uevent",  # ids and DRIVER= in one file; anything short of complete ids: the files decide
@@ -111,6 +112,14 @@ def _apply(root: Path, kind: str, pick: int, attr: str, junk: bytes) -> None:
     elif kind == "sriov_off" and (dev / "virtfn0").is_symlink():
         with contextlib.suppress(OSError, ValueError):  # earlier mess may have broken the PF's files
             set_num_vfs(root, name, 0)
+    elif kind == "class_link":
+        cls = root / "class" / ("infiniband_verbs", "infiniband_mad")[pick % 2]
+        entries = sorted(os.listdir(cls)) if cls.is_dir() else []
+        if entries:
+            node = cls / entries[pick % len(entries)]
+            node.unlink()
+            odd = ("x", "/", "a//b", name + "/", f"../{name}/infiniband_verbs//", junk.hex() + "/umad0")
+            os.symlink(odd[pick % len(odd)], node)
     elif kind == "long_int":
         (dev / attr).write_bytes(b"12345678901234567890\n")
 

@@ -155,8 +155,22 @@ def _parent(link: bytes) -> bytes:
     return parts[-2] if len(parts) >= 2 else b""
 
 
+def _class_owner(link: bytes, cls: bytes) -> bytes:
+    """``../../devices/.../<function>/<cls>/<node>`` → ``<function>``; b"" for any other shape."""
+    parts = link.rstrip(b"/").split(b"/")
+    if len(parts) < 3 or parts[-2] != cls:
+        return b""
+    return parts[-3]
+
+
 def _rdma_map(rootfd: int) -> dict[bytes, list[str]]:
-    """ibdev → its /dev/infiniband nodes, from each class map read once per scan."""
+    """Function (PCI address or SF name) → its /dev/infiniband nodes, from each class read once per scan.
+
+    A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the function itself
+    (drivers/infiniband/core/uverbs_main.c ib_uverbs_add_one: ``uverbs_dev->dev.parent =
+    device->dev.parent``; user_mad.c and ucma likewise), so its class link names the function: one
+    readlink per node instead of opening, reading and closing its ``ibdev`` file.
+    """
     out: dict[bytes, list[str]] = {}
     for cls in _RDMA_CLASSES:
         try:
@@ -165,9 +179,10 @@ def _rdma_map(rootfd: int) -> dict[bytes, list[str]]:
             continue
         try:
             for entry in _entries(cfd):
-                status, ibdev = _read(cfd, entry + b"/ibdev")
-                if status == 0:
-                    out.setdefault(ibdev, []).append("/dev/infiniband/" + os.fsdecode(entry))
+                status, link = _readlink(cfd, entry)
+                owner = _class_owner(link, cls) if status == 0 else b""
+                if owner:
+                    out.setdefault(owner, []).append("/dev/infiniband/" + os.fsdecode(entry))
         except OSError:
             pass
         finally:
@@ -329,7 +344,7 @@ def _scan_pci(
         link_type = _link_type(devfd, os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
         ibdevs = _listdir(devfd, b"infiniband")
         ibdev = ibdevs[0] if ibdevs else b""
-        nodes = tuple(sorted(rdma.get(ibdev, ()))) if ibdev else ()
+        nodes = tuple(sorted(rdma.get(name, ()))) if ibdev else ()
         # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
         uios = _listdir(devfd, b"uio") if "uio" in driver else []
         vdpa_name, vdpa_driver = vdpa.get(name, ("", ""))
@@ -415,7 +430,7 @@ def _scan_sfs(
                 sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6],
                 os.fsdecode(_basename(drv)) if status == 0 else "", parent[_NUMA], -1, False, -1, 0, 0,
                 parent[_ID], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs, link_type,
-                os.fsdecode(ibdev), tuple(sorted(rdma.get(ibdev, ()))) if ibdev else (), "",
+                os.fsdecode(ibdev), tuple(sorted(rdma.get(name, ()))) if ibdev else (), "",
                 vdpa_name, vdpa_driver, _pcie_root(link), "sf",
             ])  # fmt: skip
     finally:

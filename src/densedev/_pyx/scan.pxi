@@ -379,13 +379,38 @@ def _sc_why(int status):
     return f"unreadable ({_sc_os.strerror(status)})"
 
 
+cdef bytes _sc_class_owner(const char *buf, Py_ssize_t n, bytes cls):
+    """``../../devices/.../<function>/<cls>/<node>`` → ``<function>``; b"" for any other shape."""
+    cdef Py_ssize_t end = n, i, j, k, e2, e3
+    cdef Py_ssize_t cn = len(cls)
+    cdef const char *c = cls
+    while end > 0 and buf[end - 1] == 47:
+        end -= 1
+    i = end
+    while i > 0 and buf[i - 1] != 47:
+        i -= 1
+    if i == 0:
+        return b""
+    e2 = i - 1
+    j = e2
+    while j > 0 and buf[j - 1] != 47:
+        j -= 1
+    if j == 0 or e2 - j != cn or memcmp(buf + j, c, cn) != 0:
+        return b""
+    e3 = j - 1
+    k = e3
+    while k > 0 and buf[k - 1] != 47:
+        k -= 1
+    return PyBytes_FromStringAndSize(buf + k, e3 - k)
+
+
 cdef dict _sc_rdma_map(int rootfd):
+    """Function (PCI address or SF name) → its /dev/infiniband nodes (the twin's _rdma_map)."""
     cdef dict out = {}
     cdef int cfd, status
-    cdef char buf[SC_READ_MAX + 1]
-    cdef char path[SC_NAME_MAX + 8]
+    cdef char buf[SC_LINK_MAX]
     cdef Py_ssize_t n
-    cdef bytes entry
+    cdef bytes entry, cls, owner
     cdef const char *e
     cdef const char *cpath
     cdef bytes cls_path
@@ -399,18 +424,21 @@ cdef dict _sc_rdma_map(int rootfd):
         try:
             for entry in _sc_entries_fd(sc_dup(cfd)):
                 e = entry
-                # one class device per RDMA port or device: read its ibdev without the GIL
+                # A class device's parent is its ib_device's parent, the function itself (uverbs_main.c
+                # ib_uverbs_add_one, user_mad.c, ucma): one readlink, without the GIL, names it.
                 with nogil:
-                    snprintf(path, sizeof(path), "%s/ibdev", e)
-                    status = _sc_read(cfd, path, buf, &n)
-                if status == 0:
-                    key = PyBytes_FromStringAndSize(buf, n)
-                    node = "/dev/infiniband/" + _sc_str(entry, len(entry))
-                    lst = out.get(key)
-                    if lst is None:
-                        out[key] = [node]
-                    else:
-                        lst.append(node)
+                    status = _sc_readlink(cfd, e, buf, &n)
+                if status != 0:
+                    continue
+                owner = _sc_class_owner(buf, n, cls)
+                if not owner:
+                    continue
+                node = "/dev/infiniband/" + _sc_str(entry, len(entry))
+                lst = out.get(owner)
+                if lst is None:
+                    out[owner] = [node]
+                else:
+                    lst.append(node)
         finally:
             sc_close(cfd)
     return out
@@ -801,7 +829,7 @@ cdef list _sc_build_pci(sc_pci *d, bytes name, dict rdma, dict vdpa, dict vf_map
             raise MemoryError("sysfs scan: out of memory listing a directory")
         ibdev = PyBytes_FromStringAndSize(d.ib.names[0], strlen(d.ib.names[0])) if d.ib.count else b""
         if ibdev:
-            nodes = rdma.get(ibdev)
+            nodes = rdma.get(name)
             nodes = tuple(sorted(nodes)) if nodes else ()
         else:
             nodes = ()
@@ -896,7 +924,7 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
             out.append([
                 sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6], driver, parent[8],
                 -1, False, -1, 0, 0, parent[0], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs,
-                link_type, _sc_os.fsdecode(ibdev), tuple(sorted(rdma.get(ibdev, ()))) if ibdev else (),
+                link_type, _sc_os.fsdecode(ibdev), tuple(sorted(rdma.get(name, ()))) if ibdev else (),
                 "", vdpa_name, vdpa_driver, pcie_root, "sf",
             ])
     finally:
