@@ -8,7 +8,7 @@ runs the scan in a worker thread on uvloop while a probe task sleeps 1 ms in a l
 late each wake-up is.  Printed per implementation: the scan's wall time, the probe's overshoot
 (median, p99, max) during the scans and while idle, and how many probe ticks ran per scan.  A
 garbage collection the scan's allocations trigger also stops the loop (it holds the GIL); it is left
-on, as in the daemon.
+on, as in the daemon, unless ``--no-gc`` (which shows what the scan alone costs the loop).
 
     python bench/bench_scan_loop.py --quick
     python bench/bench_scan_loop.py --dir /dev/shm/scan --json     # tree on tmpfs, kept for reruns
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -43,8 +44,11 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _measure(root: str, repeat: int, idle_s: float) -> dict[str, Any]:
+async def _measure(root: str, repeat: int, idle_s: float, no_gc: bool) -> dict[str, Any]:
     from densedev import accel, discovery
+
+    if no_gc:
+        gc.disable()
 
     overshoot: list[float] = []
     running = True
@@ -78,6 +82,7 @@ async def _measure(root: str, repeat: int, idle_s: float) -> dict[str, Any]:
     ms = 1e3
     return {
         "implementation": accel.IMPLEMENTATION,
+        "gc": not no_gc,
         "devices": devices,
         "scan_ms_median": round(statistics.median(scans) * ms, 1),
         "scan_ms_best": round(min(scans) * ms, 1),
@@ -95,18 +100,20 @@ async def _measure(root: str, repeat: int, idle_s: float) -> dict[str, Any]:
     }
 
 
-def _child(root: str, repeat: int, idle_s: float) -> None:
+def _child(root: str, repeat: int, idle_s: float, no_gc: bool) -> None:
     import uvloop
 
-    print(json.dumps(uvloop.run(_measure(root, repeat, idle_s))))
+    print(json.dumps(uvloop.run(_measure(root, repeat, idle_s, no_gc))))
 
 
-def _run_child(root: Path, repeat: int, idle_s: float, no_ext: bool) -> dict[str, Any] | None:
+def _run_child(root: Path, repeat: int, idle_s: float, no_ext: bool, no_gc: bool) -> dict[str, Any] | None:
     env = dict(os.environ)
     env.pop("DENSEDEV_NO_EXTENSIONS", None)
     if no_ext:
         env["DENSEDEV_NO_EXTENSIONS"] = "1"
     cmd = [sys.executable, __file__, "--child", str(root), "--repeat", str(repeat), "--idle", str(idle_s)]
+    if no_gc:
+        cmd.append("--no-gc")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
@@ -115,7 +122,7 @@ def _run_child(root: Path, repeat: int, idle_s: float, no_ext: bool) -> dict[str
     return result
 
 
-def run(vfs: int, repeat: int, idle_s: float, workdir: Path) -> dict[str, Any]:
+def run(vfs: int, repeat: int, idle_s: float, workdir: Path, no_gc: bool = False) -> dict[str, Any]:
     """Build (or reuse) the node and measure both implementations in child processes."""
     from densedev.testing.simnode import build_node
 
@@ -126,14 +133,16 @@ def run(vfs: int, repeat: int, idle_s: float, workdir: Path) -> dict[str, Any]:
         build_node(root, pfs=pfs, vfs_per_pf=per_pf, rdma=True)
     results: dict[str, Any] = {"vfs": vfs, "build_s": round(time.perf_counter() - t0, 1), "runs": []}
     for no_ext in (False, True):
-        row = _run_child(root, repeat, idle_s, no_ext)
+        row = _run_child(root, repeat, idle_s, no_ext, no_gc)
         if row is not None:
             results["runs"].append(row)
     return results
 
 
 def _print(results: dict[str, Any]) -> None:
-    print(f"event-loop lag during a full scan in asyncio.to_thread on uvloop ({results['vfs']} VFs, RDMA)")
+    gc_note = "" if all(r["gc"] for r in results["runs"]) else ", gc off"
+    what = f"{results['vfs']} VFs, RDMA{gc_note}"
+    print(f"event-loop lag during a full scan in asyncio.to_thread on uvloop ({what})")
     print(f"probe: asyncio.sleep({PROBE_S}) in a loop; overshoot = wake-up minus the asked delay")
     head = ("impl", "devices", "scan ms", "lag med", "lag p99", "lag max", "idle max", "ticks/scan")
     print("{:>10} {:>8} {:>9} {:>8} {:>8} {:>8} {:>9} {:>14}".format(*head))
@@ -154,16 +163,17 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="scans per implementation")
     parser.add_argument("--idle", type=float, default=0.5, help="seconds of probing before the scans")
     parser.add_argument("--dir", type=Path, help="keep the simulated node here (reused when present)")
+    parser.add_argument("--no-gc", action="store_true", help="garbage collector off during the scans")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.repeat, args.idle)
+        _child(args.child, args.repeat, args.idle, args.no_gc)
         return 0
     vfs = 2048 if args.quick else 16384
     workdir = args.dir or Path(tempfile.mkdtemp(prefix="densedev-bench-loop-"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
-        results = run(vfs, args.repeat, args.idle, workdir)
+        results = run(vfs, args.repeat, args.idle, workdir, args.no_gc)
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
