@@ -505,7 +505,7 @@ def test_every_kind_gets_its_exact_response_spec_and_device_info(run: Run, node:
     run(main())
 
 
-def test_device_info_follows_the_pool_across_a_rescan(run: Run, node: Node) -> None:
+def test_device_info_and_cdi_follow_the_pool_across_rescans(run: Run, node: Node) -> None:
     pf0 = node.layout.pfs[0]
     kinds = node.kinds()
 
@@ -533,6 +533,25 @@ def test_device_info_follows_the_pool_across_a_rescan(run: Run, node: Node) -> N
             assert not spec_path(node, "kernel_vf").exists() and not spec_path(node, "rdma_vf").exists()
             # The specs of pools the rescan did not change are not rewritten (same bytes, same inode).
             assert files(node.cdi_dir) == untouched
+            # The VFs come back (same routing IDs, so the same addresses): the pool, its spec and its
+            # files with them; the device-info file names the VF's new ibdev (the RDMA core renumbers).
+            simnode.set_num_vfs(node.sysfs, pf0.address, 4)
+            daemon.request_rescan(pf0.address)
+            r = res("kernel_vf")
+            await emu.wait_for(
+                lambda: emu.devices(r) == dict.fromkeys(pf0.vf_addresses[:2], HEALTHY), GUARD_S
+            )
+            spec = json.loads(spec_path(node, "kernel_vf").read_text())
+            assert unordered_nodes(spec) == unordered_nodes(expected_spec(kinds["kernel_vf"]))
+            vf = pf0.vf_addresses[0]
+            await emu.allocate(r, [vf])
+            (ibdev,) = os.listdir(node.function_path(vf) + "/infiniband")
+            assert ibdev != pf0.vf_ibdevs[0]
+            assert json.loads(devinfo_path(node, "kernel_vf", vf).read_text()) == {
+                "type": "pci",
+                "version": DEVINFO_VERSION,
+                "pci": {"pci-address": vf, "pf-pci-address": pf0.address, "rdma-device": ibdev},
+            }
         finally:
             await stopped(emu, daemon)
         assert files(node.devinfo_dir) == {}
