@@ -698,6 +698,10 @@ def test_preferred_allocation_pack_and_spread(run: Run, node: Node) -> None:
             assert got == [ids[0], sf_vf0], got
             got = await emu.preferred(spread, ids, [], 3)
             assert sorted(got) == sorted(ids), got
+            # Shared RDMA under pack: a pod's IDs stay on the must-include's HCA.
+            shared = [f"{pf.address}/{k}" for pf in (pfs[0], pfs[2]) for k in (0, 1)]
+            got = await emu.preferred(res("rdma_shared"), shared, [f"{pfs[2].address}/1"], 2)
+            assert got == [f"{pfs[2].address}/1", f"{pfs[2].address}/0"], got
             # A pool with preferredAllocation none does not offer the call at all.
             with pytest.raises(KubeletError):
                 await emu.preferred(res("uio_vf"), [node.ex.uio_vf], [], 1)
