@@ -423,3 +423,22 @@ def test_metrics_endpoint_of_a_running_daemon(run: Run, node: Node) -> None:
             await stopped(emu, daemon)
 
     run(main())
+
+
+def test_cdi_annotations_when_asked(run: Run, node: Node) -> None:
+    pf = node.layout.pfs[0]
+    r = res(f"sriov_{pf.netdev}")
+
+    async def main() -> None:
+        emu, daemon = await started(node, cdi_annotations=True)
+        try:
+            resp = await emu.allocate(r, [pf.vf_addresses[0]])
+            names = [d.name for d in resp.cdi_devices]
+            assert names and all(n.startswith(PREFIX + "/") for n in names)
+            annotations = dict(resp.annotations)
+            assert [k for k in annotations if k.startswith("cdi.k8s.io/")]
+            assert ",".join(names) in annotations.values()
+        finally:
+            await stopped(emu, daemon)
+
+    run(main())

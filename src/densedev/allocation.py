@@ -374,8 +374,8 @@ class PoolAllocator:
             for device_id in gone:
                 del self._cdi_entries[device_id]
             # Only new or changed records need their entries rebuilt (a stat per node, 16k devices): a
-            # node that appears or vanishes under an unchanged record is caught when the device is
-            # allocated, which refreshes its entry first.
+            # node that appears under an unchanged record is added when the device is allocated; one
+            # that vanishes makes that Allocate fail naming it (the stale entry goes with the record).
             todo = [d for d in self._devices if d not in old] if self._cdi_current else self._devices
             self._refresh_cdi(todo, force=bool(gone))
         if self._info is not None:

@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dev-root", type=Path, default=Path("/dev"))
     run.add_argument("--cdi-dir", type=Path, default=None, help="write CDI specs here (e.g. /var/run/cdi)")
     run.add_argument(
+        "--cdi-annotations",
+        action="store_true",
+        help="also return cdi.k8s.io/ annotations, for runtimes that do not read the CDI devices field",
+    )
+    run.add_argument(
         "--devinfo-dir",
         type=Path,
         default=Path("/var/run/k8s.cni.cncf.io/devinfo/dp"),
@@ -160,6 +165,7 @@ async def _serve(args: argparse.Namespace) -> int:
         kubelet_dir=args.kubelet_dir,
         dev_root=args.dev_root,
         cdi_dir=args.cdi_dir,
+        cdi_annotations=args.cdi_annotations,
         devinfo_dir=args.devinfo_dir if str(args.devinfo_dir) not in ("", ".") else None,
         resource_prefix=args.resource_prefix,
         config_path=args.config,

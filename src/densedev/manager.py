@@ -44,6 +44,7 @@ class DaemonSettings:
     dev_root: Path = Path("/dev")
     cdi_dir: Path | None = None
     devinfo_dir: Path | None = None
+    cdi_annotations: bool = False  # also return cdi.k8s.io/ annotations (runtimes without CRI CDI fields)
     resource_prefix: str = "intel.com"
     config_path: Path | None = None  # watched for changes when set
     metrics_addr: str | None = None
@@ -168,7 +169,10 @@ class PoolRuntime:
         self.allocator = PoolAllocator(
             pool,
             AllocationSettings(
-                cdi_dir=settings.cdi_dir, devinfo_dir=settings.devinfo_dir, dev_root=settings.dev_root
+                cdi_dir=settings.cdi_dir,
+                devinfo_dir=settings.devinfo_dir,
+                dev_root=settings.dev_root,
+                cdi_annotations=settings.cdi_annotations,
             ),
             self.is_healthy,
         )
