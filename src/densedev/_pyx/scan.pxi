@@ -932,6 +932,16 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
     return out
 
 
+cdef void _sc_drain(object table) except *:
+    """Empty a big dict or list entry by entry, with GIL hand-over points (see _sc_yield)."""
+    cdef Py_ssize_t i = 0
+    while table:
+        table.popitem() if type(table) is dict else table.pop()
+        i += 1
+        if not i & SC_YIELD_ROWS:
+            _sc_yield()
+
+
 cdef inline void _sc_yield() noexcept:
     # A point where a thread waiting for the GIL (the event loop) can take it: CPython hands the GIL
     # over here once the waiter has asked for it (after sys.getswitchinterval()), as between bytecodes.
@@ -1024,9 +1034,12 @@ def scan_sysfs(bytes root, tuple addresses=None):
     finally:
         sc_close(rootfd)
     rows.sort(key=_sc_row_id)
-    # Each working list is freed as its tuple is made (by_id and vf_map first let go of them), so
-    # no single dealloc of 16k lists holds the GIL at the end.
-    by_id = vf_map = pf_netdevs = None
+    # Working tables are emptied piecemeal and each row list is freed as its tuple is made (by_id
+    # first lets go of them): one dealloc of 16k entries would hold the GIL for milliseconds.
+    by_id = None
+    _sc_drain(vf_map)
+    _sc_drain(rdma)
+    _sc_drain(names)
     out = []
     for i in range(len(rows)):
         if not (i + 1) & SC_YIELD_ROWS:
