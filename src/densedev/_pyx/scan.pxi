@@ -1049,7 +1049,7 @@ def scan_sysfs(bytes root, tuple addresses=None):
     return tuple(out), tuple(warnings)
 
 
-cdef long _sc_leading_int(const char *buf, Py_ssize_t n):
+cdef long _sc_leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
     """``4: ACTIVE`` → 4; -1 when the text before ':' (stripped) is not a number."""
     cdef Py_ssize_t end = 0, start = 0
     cdef long v
@@ -1071,7 +1071,10 @@ def read_rdma_ports(bytes root, tuple ibdevs):
     cdef Py_ssize_t n
     cdef long port_n, state, phys
     cdef int cfd = sc_openat(-100, _sc_os.path.join(root, b"class/infiniband"), SC_DIR_FLAGS)
-    cdef bytes pdir, base
+    cdef bytes pdir, base, state_path, phys_path
+    cdef const char *state_c
+    cdef const char *phys_c
+    cdef int rc
     if cfd < 0:
         return ()
     try:
@@ -1081,13 +1084,19 @@ def read_rdma_ports(bytes root, tuple ibdevs):
                 if not _sc_int(port, len(port), &port_n):
                     continue
                 base = pdir + b"/" + port
-                if _sc_read(cfd, base + b"/state", buf, &n) != 0:
+                state_path = base + b"/state"
+                phys_path = base + b"/phys_state"
+                state_c = state_path
+                phys_c = phys_path
+                # The poll reads two files per port for every RDMA device in a pool, every second: the
+                # reads run without the GIL so a poll in a worker thread leaves the event loop free.
+                with nogil:
+                    rc = _sc_read(cfd, state_c, buf, &n)
+                    if rc == 0:
+                        state = _sc_leading_int(buf, n)
+                        phys = _sc_leading_int(buf, n) if _sc_read(cfd, phys_c, buf, &n) == 0 else -1
+                if rc != 0:
                     continue
-                state = _sc_leading_int(buf, n)
-                if _sc_read(cfd, base + b"/phys_state", buf, &n) == 0:
-                    phys = _sc_leading_int(buf, n)
-                else:
-                    phys = -1
                 out.append((_sc_os.fsdecode(ibdev), port_n, state, phys))
     finally:
         sc_close(cfd)
