@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -298,6 +299,9 @@ class Daemon:
         if self.settings.config_path is not None:
             self._spawn(self._config_watch_loop(), "config-watch")
         self.started = True
+        # The device table, pools and caches live as long as the daemon: keep the cyclic GC from walking
+        # 16k devices' objects on every full collection (a 50 ms stall of the loop at 16k devices).
+        gc.freeze()
         log_event(
             log,
             "daemon started",
@@ -473,6 +477,7 @@ class Daemon:
         if changed:
             self._ibdev_cache = None
             self._apply(table.devices, self.config)
+            gc.freeze()
             if not self.settings.netlink:
                 self._read_sysfs_links()
         if self._link_monitor is not None:
