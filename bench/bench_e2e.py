@@ -169,6 +169,7 @@ def main() -> int:
         "--hold-down", type=float, default=0.0, help="holdDownSeconds of the pools (0: time recovery too)"
     )
     p.add_argument("--coalesce-ms", type=float, default=2.0)
+    p.add_argument("--dir", default=None, help="where to build the simulated node (default: tmpfs if room)")
     args = p.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the daemon's warnings per flip are the point, not news
     if args.quick:
@@ -176,7 +177,12 @@ def main() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("bench_e2e: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
         return 0
-    work = Path(tempfile.mkdtemp(prefix="densedev-bench-"))
+    shm = (
+        "/dev/shm"
+        if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free > 4 << 30
+        else None
+    )
+    work = Path(tempfile.mkdtemp(prefix="densedev-bench-", dir=args.dir or shm))
     try:
         with namespace("densedev-b") as ns:
             result = uvloop.run(measure(args, work, ns))
