@@ -252,16 +252,25 @@ def test_set_rdma_port(tmp_path: Path) -> None:
 
 def test_write_config_in_the_sriov_plugin_format(tmp_path: Path) -> None:
     layout = build_node(tmp_path / "node", pfs=2, vfs_per_pf=2, rdma=True)
-    write_config(tmp_path / "config.json", layout, prefix="example.com")
+    write_config(tmp_path / "config.json", layout, prefix="example.com", top={"coalesceMs": 5})
     doc = json.loads((tmp_path / "config.json").read_text())
     pools = doc["resourceList"]
+    assert doc["coalesceMs"] == 5
     assert pools[0] == {
         "resourceName": f"sriov_{layout.pfs[0].netdev}",
         "resourcePrefix": "example.com",
         "selectors": {"pfNames": [layout.pfs[0].netdev]},
     }
-    assert pools[2]["selectors"] == {"vendors": ["15b3"], "devices": ["101e"], "drivers": ["mlx5_core"]}
-    assert pools[3]["selectors"]["isRdma"] is True
+    assert pools[1]["selectors"] == {"vendors": ["15b3"], "devices": ["101e"], "drivers": ["mlx5_core"]}
+    assert pools[2]["selectors"]["isRdma"] is True and pools[2]["rdmaShared"] == 16
+    # Every pool selects something (first match wins, so later pools only take what is left).
+    from densedev import config as config_mod
+    from densedev import discovery, selectors
+
+    built = selectors.build_pools(
+        config_mod.load(tmp_path / "config.json"), discovery.scan(layout.root).devices
+    )
+    assert [len(p.members) for p in built] == [2, 2, 2 * 16]
 
 
 def test_simulate_writes_tree_and_config(tmp_path: Path) -> None:

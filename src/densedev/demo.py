@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import shutil
@@ -112,7 +111,7 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
         numa_nodes=2,
     )
     cfg_path = work / "config.json"
-    write_demo_config(cfg_path, layout)
+    simnode.write_config(cfg_path, layout, top={"coalesceMs": 2, "rdmaPollSeconds": 0.2})
     nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
     print(f"simulated node: {len(layout.pfs)} PFs, {nvfs} VFs in {time.perf_counter() - t0:.1f} s ({work})")
     cfg = config_mod.load(cfg_path)
@@ -205,36 +204,6 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
         f"implementation={accel.IMPLEMENTATION}"
     )
     return 0 if errors == 0 else 1
-
-
-def write_demo_config(path: Path, layout: simnode.NodeLayout) -> None:
-    """Write the demo's pools: one per PF for half the PFs, one for every other VF, a shared RDMA pool.
-
-    The order matters: the first pool that selects a device keeps it, as in the SR-IOV device plugin.
-    """
-    half = max(1, len(layout.pfs) // 2)
-    resources: list[dict[str, object]] = [
-        {"resourceName": f"sriov_{pf.netdev}", "selectors": {"pfNames": [pf.netdev]}}
-        for pf in layout.pfs[:half]
-    ]
-    resources.append(
-        {
-            "resourceName": f"{layout.vendor}_vfs",
-            "selectors": {"pfNames": [pf.netdev for pf in layout.pfs[half:]]},
-            "preferredAllocation": "spread",
-        }
-    )
-    if layout.rdma:
-        resources.append(
-            {
-                "resourceName": "rdma_shared",
-                "deviceType": "accelerator",
-                "rdmaShared": 16,
-                "selectors": {"pciAddresses": [pf.address for pf in layout.pfs], "isRdma": True},
-            }
-        )
-    doc = {"resourceList": resources, "coalesceMs": 2, "rdmaPollSeconds": 0.2}
-    path.write_text(json.dumps(doc, indent=2))
 
 
 async def _updated(emulator: KubeletEmulator, resource: str, before: int, timeout: float = 2.0) -> bool:

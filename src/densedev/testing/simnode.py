@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -801,25 +802,34 @@ def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
 # ---------------------------------------------------------------------------------------------- config
 
 
-def write_config(path: Path | str, layout: NodeLayout, prefix: str = "intel.com") -> None:
-    """Write an SR-IOV-network-device-plugin ``config.json`` matching the node's pools.
+def write_config(
+    path: Path | str,
+    layout: NodeLayout,
+    prefix: str = "intel.com",
+    top: Mapping[str, object] | None = None,
+) -> None:
+    """Write an SR-IOV-network-device-plugin ``config.json`` whose every pool selects something.
 
-    One pool per PF (``pfNames``), one per vendor/VF driver, and an RDMA pool when the node has RDMA.
+    Pools, in order (the first pool that selects a device keeps it, as in that plugin): one per PF for
+    the first half of the PFs (``pfNames``), one for every other VF of the vendor (``vendors``,
+    ``devices``, ``drivers``; spread over PFs), and with RDMA a shared RDMA pool of the PFs.  ``top``
+    adds top-level keys (``coalesceMs``, ``rdmaPollSeconds`` ...).
     """
-    resources: list[dict[str, object]] = []
-    for pf in layout.pfs:
-        resources.append(
-            {
-                "resourceName": f"sriov_{pf.netdev}",
-                "resourcePrefix": prefix,
-                "selectors": {"pfNames": [pf.netdev]},
-            }
-        )
     spec = _VENDORS[layout.vendor]
+    half = max(1, len(layout.pfs) // 2)
+    resources: list[dict[str, object]] = [
+        {
+            "resourceName": f"sriov_{pf.netdev}",
+            "resourcePrefix": prefix,
+            "selectors": {"pfNames": [pf.netdev]},
+        }
+        for pf in layout.pfs[:half]
+    ]
     resources.append(
         {
             "resourceName": f"{layout.vendor}_vfs",
             "resourcePrefix": prefix,
+            "preferredAllocation": "spread",
             "selectors": {
                 "vendors": [f"{spec.vendor:04x}"],
                 "devices": [f"{spec.vf_device:04x}"],
@@ -830,18 +840,16 @@ def write_config(path: Path | str, layout: NodeLayout, prefix: str = "intel.com"
     if layout.rdma:
         resources.append(
             {
-                "resourceName": f"{layout.vendor}_rdma",
+                "resourceName": "rdma_shared",
                 "resourcePrefix": prefix,
-                "selectors": {
-                    "vendors": [f"{spec.vendor:04x}"],
-                    "devices": [f"{spec.vf_device:04x}"],
-                    "isRdma": True,
-                },
+                "deviceType": "accelerator",
+                "rdmaShared": 16,
+                "selectors": {"pciAddresses": [pf.address for pf in layout.pfs], "isRdma": True},
             }
         )
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"resourceList": resources}, f, indent=2)
+        json.dump({"resourceList": resources, **(top or {})}, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
 
