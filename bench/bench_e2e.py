@@ -3,11 +3,14 @@
 A simulated node of 64 PFs x 256 VFs (16,384 devices) in 16 pools of 1,024; each PF's netdev is a real
 veth link in a private network namespace, so the kernel's rtnetlink event drives the daemon exactly as on
 a node.  Measured in one run:
-  * start-up: daemon start until every pool's full list reached the emulator;
+  * start-up: ``densedev run`` started until every pool's full list reached the emulator (process start,
+    imports, scan, pools, servers, registration);
   * flip latency: the link change is sent as a raw RTM_NEWLINK request (t0 just before send) and the
-    latency is the emulator's receive time of the message holding the PF's VFs Unhealthy; p50/p99;
-  * idle CPU over N seconds with nothing changing (process CPU time / wall time; the emulator shares
-    the process and is idle too), and resident memory before and after the daemon started.
+    latency is the emulator's receive time of the message holding the PF's VFs Unhealthy; p50/p99
+    (both processes read the same CLOCK_MONOTONIC);
+  * kubelet restart: until every pool registered again and sent a fresh full list;
+  * idle CPU of the daemon process over N seconds with nothing changing (/proc/<pid>/stat), and its
+    resident memory; the daemon runs as its own process, exactly the command a DaemonSet runs.
 
 Needs root (network namespaces).  ``--quick``: 8 PFs x 64 VFs, 20 flips, 3 s idle.
 
@@ -22,8 +25,8 @@ import json
 import logging
 import os
 import random
-import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,18 +40,24 @@ import uvloop
 
 from densedev import accel
 from densedev import config as config_mod
-from densedev.manager import Daemon, DaemonSettings
 from densedev.model import UNHEALTHY
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import LinkSwitch, namespace
 
 
-def rss_mib() -> float:
-    """Resident memory of this process now, in MiB (/proc/self/statm, second field, in pages)."""
-    with open("/proc/self/statm") as f:
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process now, in MiB (/proc/<pid>/statm, second field, in pages)."""
+    with open(f"/proc/{pid}/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15, in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -90,16 +99,33 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
     kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
     emu = KubeletEmulator(kubelet_dir)
     await emu.start()
-    rss_before = rss_mib()
-    daemon = Daemon(
-        DaemonSettings(
-            sysfs_root=sysfs, kubelet_dir=kubelet_dir, dev_root=work / "dev", netlink=True, netns=ns
-        ),
-        cfg,
-    )
-    t = time.perf_counter()
-    await daemon.start()
+    # The daemon runs as its own process, as deployed, so its CPU and memory are its own; the emulator
+    # here receives its messages, and CLOCK_MONOTONIC is shared, so latencies compare across processes.
     names = [p.full_name for p in cfg.pools]
+    t = time.perf_counter()
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "densedev.cli",
+            "run",
+            "--config",
+            str(work / "config.json"),
+            "--sysfs-root",
+            str(sysfs),
+            "--kubelet-dir",
+            str(kubelet_dir),
+            "--dev-root",
+            str(work / "dev"),
+            "--devinfo-dir",
+            "",
+            "--netns",
+            ns,
+            "--log-level",
+            "error",
+        ],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+    )
     await emu.wait_for(lambda: all(emu.updates(n) for n in names), 120)
     startup_s = time.perf_counter() - t
     pool_of = {pf.netdev: f"intel.com/vfs_{n}" for n, g in enumerate(groups) for pf in g}
@@ -134,15 +160,17 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
             lambda: all(emu.registrations(n) > regs[n] and len(emu.updates(n)) > lists[n] for n in names), 60
         )
         restart_s = time.perf_counter() - t
-        # Idle: nothing changes; only timers (reconcile, housekeeping, config watch) may run.
-        usage0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+        # Idle: nothing changes; only timers (reconcile, registration watch, port poll) may run.
+        rss_start = rss_mib(daemon.pid)
+        cpu0, wall0 = cpu_seconds(daemon.pid), time.monotonic()
         await asyncio.sleep(args.idle)
-        usage1, wall1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-        cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-        rss_after = rss_mib()
+        cpu1, wall1 = cpu_seconds(daemon.pid), time.monotonic()
+        cpu = cpu1 - cpu0
+        rss_after = rss_mib(daemon.pid)
     finally:
         switch.close()
-        await daemon.stop()
+        daemon.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(daemon.wait, 30)
         await emu.stop()
         shutil.rmtree(kubelet_dir, ignore_errors=True)
     return {
@@ -162,8 +190,9 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         "hold_down_s": args.hold_down,
         "idle_s": args.idle,
         "idle_cpu_percent": round(100 * cpu / (wall1 - wall0), 3),
-        "rss_before_daemon_mib": round(rss_before, 1),
-        "rss_with_daemon_mib": round(rss_after, 1),
+        "daemon_rss_after_flips_mib": round(rss_start, 1),
+        "daemon_rss_after_idle_mib": round(rss_after, 1),
+        "daemon_exit_code": code,
         "mean_down_ms": round(statistics.fmean(down_lat) * 1e3, 3),
     }
 
@@ -209,7 +238,8 @@ def main() -> int:
             f"p50 {r['down_p50_ms']} ms p99 {r['down_p99_ms']} ms max {r['down_max_ms']} ms over "
             f"{r['flips']} flips; up p50 {r['up_p50_ms']} ms p99 {r['up_p99_ms']} ms "
             f"(hold-down {r['hold_down_s']} s); idle CPU {r['idle_cpu_percent']} % of a core over "
-            f"{r['idle_s']} s; RSS {r['rss_before_daemon_mib']} → {r['rss_with_daemon_mib']} MiB; "
+            f"{r['idle_s']} s; daemon RSS {r['daemon_rss_after_flips_mib']} / "
+            f"{r['daemon_rss_after_idle_mib']} MiB; exit {r['daemon_exit_code']} on SIGTERM; "
             f"kubelet restart → all pools registered with full lists in "
             f"{r['kubelet_restart_to_all_registered_ms']} ms"
         )

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
     run.add_argument("--metrics-addr", default=None, help="serve /metrics, /healthz, /readyz on HOST:PORT")
     run.add_argument("--no-netlink", action="store_true", help="do not watch netlink (simulated nodes)")
+    run.add_argument(
+        "--netns",
+        default=None,
+        help="watch links and uevents in this named network namespace (tests, benches)",
+    )
 
     scan = sub.add_parser("scan", help="print the devices discovery finds (and pools with --config)")
     _add_common(scan)
@@ -171,6 +176,7 @@ async def _serve(args: argparse.Namespace) -> int:
         config_path=args.config,
         metrics_addr=args.metrics_addr,
         netlink=not args.no_netlink,
+        netns=args.netns,
     )
     daemon = Daemon(settings, cfg)
     stop = asyncio.Event()
