@@ -111,7 +111,7 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
         numa_nodes=2,
     )
     cfg_path = work / "config.json"
-    simnode.write_config(cfg_path, layout, top={"coalesceMs": 2, "rdmaPollSeconds": 0.2})
+    simnode.write_config(cfg_path, layout)
     nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
     print(f"simulated node: {len(layout.pfs)} PFs, {nvfs} VFs in {time.perf_counter() - t0:.1f} s ({work})")
     cfg = config_mod.load(cfg_path)
