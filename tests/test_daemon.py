@@ -6,10 +6,11 @@ Waits are bounded by generous guards that only turn a hang into a failure; nothi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +127,19 @@ async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
     await emu.stop()
 
 
+@contextlib.asynccontextmanager
+async def running(node: Node, **kw: Any) -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
+    """A kubelet emulator and a started daemon on the node, both stopped afterwards."""
+    emu, daemon = await started(node, **kw)
+    try:
+        yield emu, daemon
+    finally:
+        await stopped(emu, daemon)
+
+
 def test_every_pool_registers_and_lists_every_device(run: Run, node: Node) -> None:
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             pfs = node.layout.pfs
             for pf in pfs[:2]:
                 assert set(emu.devices(res(f"sriov_{pf.netdev}"))) == set(pf.vf_addresses)
@@ -145,8 +155,6 @@ def test_every_pool_registers_and_lists_every_device(run: Run, node: Node) -> No
             numa = emu.updates(res(f"sriov_{pfs[1].netdev}"))[-1].numa
             assert set(numa.values()) == {(pfs[1].numa_node,)}
             assert daemon.registered()[0]
-        finally:
-            await stopped(emu, daemon)
         # Shutdown removes our sockets; the kubelet's own socket is not ours.
         assert not [p for p in node.kubelet_dir.iterdir() if p.name.startswith("densedev-")]
 
@@ -181,8 +189,7 @@ def test_pf_link_down_takes_its_vfs_in_one_message(run: Run, node: Node) -> None
     r = res(f"sriov_{pf.netdev}")
 
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             before = len(emu.updates(r))
             daemon.set_links([(pf.netdev, False)])
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
@@ -191,8 +198,6 @@ def test_pf_link_down_takes_its_vfs_in_one_message(run: Run, node: Node) -> None
             daemon.set_links([(pf.netdev, True)])
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {HEALTHY}, GUARD_S)
             assert len(emu.updates(res("other_vfs"))) == 1
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
 
@@ -208,8 +213,7 @@ def test_allocate_statuses(run: Run, node: Node) -> None:
         return err.value.code(), err.value.details() or ""
 
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             ok = await emu.allocate(r, list(pf.vf_addresses[:2]))
             env = dict(ok.envs)
             key = "PCIDEVICE_EXAMPLE_COM_SRIOV_" + pf.netdev.upper()
@@ -223,16 +227,13 @@ def test_allocate_statuses(run: Run, node: Node) -> None:
             await emu.wait_for(lambda: emu.allocatable(r) == 0, GUARD_S)
             code, text = await status(emu, [pf.vf_addresses[3]])
             assert code == grpc.StatusCode.FAILED_PRECONDITION and pf.vf_addresses[3] in text
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
 
 
 def test_kubelet_restart_leads_to_reregistration_and_a_fresh_full_list(run: Run, node: Node) -> None:
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             names = [p.full_name for p in daemon.config.pools]
             await emu.restart()
             await emu.wait_for(
@@ -241,8 +242,6 @@ def test_kubelet_restart_leads_to_reregistration_and_a_fresh_full_list(run: Run,
             for n in names:
                 assert len(emu.devices(n)) == len(daemon.pools[n].pool.members)
             await asyncio.sleep(0)  # the daemon's housekeeping counts re-registrations
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
 
@@ -252,8 +251,7 @@ def test_vfs_created_and_destroyed_grow_and_shrink_pools_live(run: Run, node: No
     r = res(f"sriov_{pf.netdev}")
 
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             simnode.set_num_vfs(node.sysfs, pf.address, 0)
             daemon.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
             await emu.wait_for(lambda: emu.devices(r) == {}, GUARD_S)
@@ -262,8 +260,6 @@ def test_vfs_created_and_destroyed_grow_and_shrink_pools_live(run: Run, node: No
             await emu.wait_for(lambda: set(emu.devices(r)) == set(created), GUARD_S)
             assert emu.registrations(r) == 1  # grew and shrank without re-registering
             assert set(emu.devices(r).values()) == {HEALTHY}
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
 
@@ -285,8 +281,7 @@ def test_cdi_specs_follow_the_pools(run: Run, node: Node) -> None:
     foreign.write_text("{}")
 
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             ours = sorted(p.name for p in cdi_dir.glob("densedev-*.json"))
             assert stale.name not in ours and foreign.exists()
             assert len(ours) == len(daemon.pools)
@@ -300,8 +295,6 @@ def test_cdi_specs_follow_the_pools(run: Run, node: Node) -> None:
             left = sorted(p.name for p in cdi_dir.glob("densedev-*.json"))
             assert len(left) == len(ours) - 1
             assert not any(removed["resourceName"] in name for name in left)
-        finally:
-            await stopped(emu, daemon)
         # A restart (stop) keeps the specs: the kubelet restarts containers from its checkpoint.
         assert sorted(p.name for p in cdi_dir.glob("densedev-*.json")) == left
 
@@ -342,8 +335,7 @@ def test_driver_rules_unbound_and_rebound(run: Run, node: Node) -> None:
         daemon.on_uevent((action, f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
 
     async def main() -> None:
-        emu, daemon = await started(node)
-        try:
+        async with running(node) as (emu, daemon):
             simnode.bind_driver(node.sysfs, unbound, None)
             uevent(daemon, "unbind", unbound)
             simnode.bind_driver(node.sysfs, rebound, "vfio-pci")
@@ -360,8 +352,6 @@ def test_driver_rules_unbound_and_rebound(run: Run, node: Node) -> None:
             simnode.bind_driver(node.sysfs, rebound, "mlx5_core")
             uevent(daemon, "bind", rebound)
             await emu.wait_for(lambda: emu.devices(r).get(rebound) == HEALTHY, GUARD_S)
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
 
@@ -390,8 +380,7 @@ def test_metrics_endpoint_of_a_running_daemon(run: Run, node: Node) -> None:
         return out
 
     async def main() -> None:
-        emu, daemon = await started(node, metrics_addr="127.0.0.1:0")
-        try:
+        async with running(node, metrics_addr="127.0.0.1:0") as (emu, daemon):
             assert daemon.metrics_port is not None
             port = daemon.metrics_port
             await emu.wait_for(lambda: daemon.registered()[0], GUARD_S)
@@ -419,8 +408,6 @@ def test_metrics_endpoint_of_a_running_daemon(run: Run, node: Node) -> None:
                 got[("densedev_plugin_rpc_calls_total", (("method", "Allocate"), ("resource", other)))] == 1
             )
             assert (await asyncio.to_thread(scrape, port, "/healthz"))[0] == 200
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
 
@@ -430,15 +417,12 @@ def test_cdi_annotations_when_asked(run: Run, node: Node) -> None:
     r = res(f"sriov_{pf.netdev}")
 
     async def main() -> None:
-        emu, daemon = await started(node, cdi_annotations=True)
-        try:
+        async with running(node, cdi_annotations=True) as (emu, _daemon):
             resp = await emu.allocate(r, [pf.vf_addresses[0]])
             names = [d.name for d in resp.cdi_devices]
             assert names and all(n.startswith(PREFIX + "/") for n in names)
             annotations = dict(resp.annotations)
             assert [k for k in annotations if k.startswith("cdi.k8s.io/")]
             assert ",".join(names) in annotations.values()
-        finally:
-            await stopped(emu, daemon)
 
     run(main())
