@@ -15,9 +15,10 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import accel, cdi, discovery, selectors
 from . import config as config_mod
@@ -316,8 +317,8 @@ class Daemon:
             sizes=",".join(f"{n}={len(r.pool.members)}" for n, r in self.pools.items()),
         )
 
-    def _spawn(self, coro: object, name: str) -> None:
-        self._tasks.append(asyncio.create_task(coro, name=name))  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))
 
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
