@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import accel, cdi, discovery, selectors
 from . import config as config_mod
@@ -27,14 +27,15 @@ from .allocation import AllocationSettings, PoolAllocator
 from .feed import PoolFeed
 from .health import Coalescer, HealthTracker, PoolUpdate
 from .logs import log_event, summarise
-from .metrics import PRESTART, Metrics, MetricsServer, parse_addr
+from .metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
 from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
 from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
-from .server import MAX_UNIX_PATH
+from .server import MAX_UNIX_PATH, status_of
 from .wire import ListEncoder
 
 log = logging.getLogger("densedev.manager")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,6 @@ def socket_name_for(resource: str, kubelet_dir: Path) -> str:
     return f"densedev-{digest}.sock"
 
 
-def _status_name(exc: RequestError) -> str:
-    """Return the gRPC status code name the server answers a refused request with."""
-    return "FAILED_PRECONDITION" if exc.kind == RequestError.PRECONDITION else "INVALID_ARGUMENT"
-
-
 class MeteredService:
     """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
 
@@ -120,44 +116,29 @@ class MeteredService:
 
     def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
         """Answer Allocate, timed."""
-        t0 = time.perf_counter()
-        try:
-            resp = self.inner.allocate(ids)
-        except RequestError as exc:
-            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, _status_name(exc))
-            raise
-        except Exception:
-            self.metrics.observe_allocate(self.resource, time.perf_counter() - t0, "INTERNAL")
-            raise
-        self.metrics.observe_allocate(self.resource, time.perf_counter() - t0)
-        return resp
+        return self._timed(ALLOCATE, self.inner.allocate, ids)
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Answer GetPreferredAllocation, timed."""
-        t0 = time.perf_counter()
-        try:
-            out = self.inner.preferred(available, must_include, size)
-        except RequestError as exc:
-            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, _status_name(exc))
-            raise
-        except Exception:
-            self.metrics.observe_preferred(self.resource, time.perf_counter() - t0, "INTERNAL")
-            raise
-        self.metrics.observe_preferred(self.resource, time.perf_counter() - t0)
-        return out
+        return self._timed(PREFERRED, self.inner.preferred, available, must_include, size)
 
     def prestart(self, ids: Sequence[str]) -> None:
         """Answer PreStartContainer, timed."""
+        self._timed(PRESTART, self.inner.prestart, ids)
+
+    def _timed(self, method: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one kubelet call, recording its latency and, if it fails, the status it is answered with."""
         t0 = time.perf_counter()
         try:
-            self.inner.prestart(ids)
+            result = call(*args)
         except RequestError as exc:
-            self.metrics.observe_rpc(self.resource, PRESTART, time.perf_counter() - t0, _status_name(exc))
+            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, status_of(exc).name)
             raise
         except Exception:
-            self.metrics.observe_rpc(self.resource, PRESTART, time.perf_counter() - t0, "INTERNAL")
+            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, "INTERNAL")
             raise
-        self.metrics.observe_rpc(self.resource, PRESTART, time.perf_counter() - t0)
+        self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0)
+        return result
 
 
 class PoolRuntime:
@@ -488,11 +469,7 @@ class Daemon:
                 self._read_sysfs_links()
         if self._link_monitor is not None:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
-        ibdevs = self._ibdevs()
-        if ibdevs:
-            self._take_ports(
-                await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
-            )
+        await self._refresh_ports()
         self._note_event(0)
 
     def _read_sysfs_links(self) -> None:
@@ -601,20 +578,23 @@ class Daemon:
         if self.tracker is not None:
             self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
 
+    async def _refresh_ports(self) -> None:
+        """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
+        ibdevs = self._ibdevs()
+        if ibdevs:
+            self._take_ports(
+                await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
+            )
+
     async def _rdma_loop(self) -> None:
-        # RDMA port state has no event source (sysfs-sriov-rdma reference): poll.  At 16k RDMA devices a
-        # poll reads 32k small files, so it runs in a worker thread and only the result touches the loop.
+        # RDMA port state has no event source (sysfs-sriov-rdma reference): poll it.
         while True:
             await asyncio.sleep(self.config.rdma_poll_s)
-            ibdevs = self._ibdevs()
-            if not ibdevs:
-                continue
             try:
-                ports = await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
+                await self._refresh_ports()
             except Exception:
                 log.exception("RDMA port poll failed")
                 continue
-            self._take_ports(ports)
             self._note_event(0)
 
     def flush(self) -> None:

@@ -35,6 +35,11 @@ _STATUS = {
 }
 
 
+def status_of(exc: RequestError) -> grpc.StatusCode:
+    """Return the gRPC status a refused request is answered with."""
+    return _STATUS.get(exc.kind, grpc.StatusCode.INVALID_ARGUMENT)
+
+
 class PoolService(Protocol):
     """What a pool answers to the kubelet's unary calls (implemented by ``allocation``)."""
 
@@ -243,7 +248,7 @@ class PluginServer:
         return api_pb2.PreStartContainerResponse()
 
     async def _refuse(self, context: grpc.aio.ServicerContext, call: str, exc: RequestError) -> NoReturn:
-        code = _STATUS.get(exc.kind, grpc.StatusCode.INVALID_ARGUMENT)
+        code = status_of(exc)
         log.warning("%s: %s refused (%s): %s", self.resource, call, code.name, exc.message)
         await context.abort(code, f"{self.resource}: {exc.message}")
 
