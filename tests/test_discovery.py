@@ -122,12 +122,11 @@ def _dev_dir(root: Path, address: str) -> Path:
 def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) -> None:
     layout = build_node(tmp_path, pfs=2, vfs_per_pf=8)
     vfs = layout.pfs[0].vf_addresses
-    bus = tmp_path / "bus/pci/devices"
     # 0: vanished mid-scan: its bus link dangles
     os.rename(_dev_dir(tmp_path, vfs[0]), tmp_path / "gone")
-    # 1: looping symlink
-    os.unlink(bus / vfs[1])
-    os.symlink(vfs[1], bus / vfs[1])
+    # 1: looping symlink (where the function's directory was: a VF is read beside its PF's)
+    os.rename(_dev_dir(tmp_path, vfs[1]), tmp_path / "gone1")
+    os.symlink(vfs[1], _dev_dir(tmp_path, vfs[0]).parent / vfs[1])
     # 2-6: the uevent is half-written (no usable ids), so the attribute files decide, and then:
     for vf in vfs[2:7]:
         (_dev_dir(tmp_path, vf) / "uevent").write_text("PCI_CLASS=20000\nPCI_ID=15B3:10")
@@ -136,9 +135,12 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
     (_dev_dir(tmp_path, vfs[3]) / "device").write_text("0xzz1e\n")
     (_dev_dir(tmp_path, vfs[4]) / "vendor").unlink()
     (_dev_dir(tmp_path, vfs[4]) / "vendor").mkdir()
-    # 5: garbage numa_node and subsystem id: kept, fields emptied
+    # 5: garbage subsystem id: kept, field emptied; its numa_node is not read (a VF's is its PF's)
     (_dev_dir(tmp_path, vfs[5]) / "numa_node").write_text("banana\n")
     (_dev_dir(tmp_path, vfs[5]) / "subsystem_device").write_text("\n")
+    # the second PF's garbage numa_node: kept, field emptied, and its VFs' with it
+    pf1 = layout.pfs[1]
+    (_dev_dir(tmp_path, pf1.address) / "numa_node").write_text("banana\n")
     # 6: half-written class (missing): skipped
     (_dev_dir(tmp_path, vfs[6]) / "class").unlink()
     # 7: dangling driver link (driver dir removed under us): the link's basename still names it;
@@ -149,7 +151,9 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
     devs, warnings = _scan(impl, tmp_path)
     for bad in (*vfs[:5], vfs[6]):
         assert bad not in devs
-    assert devs[vfs[5]].numa_node == -1 and devs[vfs[5]].subsystem_device == ""
+    assert devs[vfs[5]].numa_node == devs[layout.pfs[0].address].numa_node >= 0
+    assert devs[vfs[5]].subsystem_device == ""
+    assert {devs[a].numa_node for a in (pf1.address, *pf1.vf_addresses)} == {-1}
     assert devs[vfs[5]].vf_index == 5
     assert (devs[vfs[7]].vf_index, devs[vfs[7]].driver) == (7, "ghost")
     assert devs[vfs[7]][2:7] == ("15b3", "101e", "020000", "15b3", "0016")
@@ -161,7 +165,7 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
         f"{vfs[3]}: skipped: device: not a hex id",
         f"{vfs[4]}: skipped: vendor: unreadable (Is a directory)",
         f"{vfs[5]}: subsystem_device: empty",
-        f"{vfs[5]}: numa_node: not an integer",
+        f"{pf1.address}: numa_node: not an integer",
         f"{vfs[6]}: skipped: class: missing",
     ]
     assert sorted(warnings) == sorted(expected)

@@ -236,3 +236,81 @@ def test_uevent_parsing_agrees(
         )
     else:
         assert pf[2:5] == ("15b3", "101d", "020000")  # fell back to the attribute files
+
+
+def _rows(result: tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]) -> dict[str, tuple[object, ...]]:
+    return {str(row[0]): row for row in result[0]}
+
+
+def test_a_vf_read_beside_its_pf_equals_its_full_read(impl: ModuleType, tmp_path: Path) -> None:
+    # A full scan reads each VF relative to its PF's parent directory (after the PF); a VF scanned
+    # without its PF takes the full read through its bus link.  Both must say the same.
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=4, rdma=True, extras=True, numa_nodes=2)
+    raw = os.fsencode(tmp_path)
+    bind_driver(tmp_path, layout.pfs[0].vf_addresses[1], "vfio-pci")
+    bind_driver(tmp_path, layout.pfs[1].vf_addresses[2], None)
+    full, warnings = impl.scan_sysfs(raw, None)
+    assert warnings == ()
+    rows = _rows((full, warnings))
+    vfs = [a for pf in layout.pfs for a in pf.vf_addresses]
+    for vf in vfs:
+        alone, alone_warnings = impl.scan_sysfs(raw, (os.fsencode(vf),))
+        assert alone_warnings == ()
+        assert alone == (rows[vf],)
+    assert {rows[vf][8] for vf in layout.pfs[1].vf_addresses} == {rows[layout.pfs[1].address][8]}
+
+
+def test_a_vf_not_beside_its_pf_is_found_through_its_bus_link(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=1, vfs_per_pf=3)
+    raw = os.fsencode(tmp_path)
+    before = _rows(impl.scan_sysfs(raw, None))
+    vf = layout.pfs[0].vf_addresses[1]
+    bus = tmp_path / "bus/pci/devices"
+    elsewhere = tmp_path / "devices/pci0000:99"
+    elsewhere.mkdir(parents=True)
+    os.rename((bus / vf).resolve(), elsewhere / vf)
+    (bus / vf).unlink()
+    os.symlink(f"../../../devices/pci0000:99/{vf}", bus / vf)
+    after, warnings = impl.scan_sysfs(raw, None)
+    assert warnings == ()
+    moved = _rows((after, warnings))[vf]
+    assert moved[:24] == before[vf][:24] and moved[24] == "pci0000:99"
+
+
+def test_parallel_reads_agree_across_batches(both: tuple[ModuleType, ModuleType], tmp_path: Path) -> None:
+    # More VFs than one read-ahead batch (512) and than one class-link batch per PF family, with odd
+    # VFs spread over the batches: the extension with and without helper threads equals the twin.
+    fast, twin = both
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=600, rdma=True)
+    vfs = layout.pfs[0].vf_addresses
+    for k in (0, 511, 512, 513, 599):
+        bind_driver(tmp_path, vfs[k], "vfio-pci" if k % 2 else None)
+    for k in (100, 530):
+        dev = (tmp_path / "bus/pci/devices" / vfs[k]).resolve()
+        for ifname in os.listdir(dev / "net"):
+            (dev / "net" / ifname / "type").write_bytes(b"ether\n")
+        (dev / "uevent").write_bytes(b"PCI_ID=15B3:\n")  # no usable uevent: the full read decides
+    # Class and virtfn links longer than a read-ahead slot holds are read again with room for them.
+    pf = (tmp_path / "bus/pci/devices" / layout.pfs[1].address).resolve()
+    os.unlink(pf / "virtfn3")
+    os.symlink("./" * 200 + "../" + layout.pfs[1].vf_addresses[3], pf / "virtfn3")
+    os.symlink(
+        "../../devices/" + "./" * 200 + f"{layout.pfs[1].vf_addresses[4]}/net/longif",
+        tmp_path / "class/net/longif",
+    )
+    raw = os.fsencode(tmp_path)
+    expected = twin.scan_sysfs(raw, None)
+    assert fast.scan_sysfs(raw, None) == expected
+    helpers = fast._SC_HELPERS
+    try:
+        fast._SC_HELPERS = 0
+        assert fast.scan_sysfs(raw, None) == expected
+    finally:
+        fast._SC_HELPERS = helpers
+    rows = _rows(expected)
+    assert rows[layout.pfs[1].vf_addresses[3]][15] == 3
+    assert "longif" in rows[layout.pfs[1].vf_addresses[4]][17]
+    assert sum(1 for r in expected[0] if r[1] == "vf") == 1200
+    assert [w for w in expected[1] if "type" in w] == [
+        f"{vfs[k]}: net/{rows[vfs[k]][17][0]}/type: not an integer" for k in (100, 530)
+    ]

@@ -4,6 +4,21 @@ This file is the spec.  ``scan_sysfs`` returns ``(devices, warnings)`` where eac
 in the field order of ``densedev.model.Device``, sorted by id, and each warning a string naming the
 device and the reason it was skipped or a field left empty.  Nothing here raises for a messy tree:
 devices vanish mid-scan, files are half-written, symlinks dangle or loop on real nodes.
+
+The scan is syscall-bound (each open, read, close or readlink costs 1-3 us on a VM), so it reads what
+the kernel keeps per device only once and takes the rest from where the kernel says it is the same:
+
+- netdevs and RDMA devices come from one pass over ``class/net`` and ``class/infiniband`` (one
+  readlink per interface, naming its function) instead of listing every function's ``net/`` and
+  ``infiniband/``: both views are the same kobjects, filtered by the same network namespace.
+- A VF's NUMA node is its PF's: pci_device_add() sets a function's node from its bus
+  (``pcibus_to_node``), a VF's bus is its PF's or a child bus sharing its host bridge data
+  (drivers/pci/iov.c virtfn_add_bus), and a VF has no ACPI companion of its own.
+- A VF's directory is a sibling of its PF's (drivers/pci/iov.c pci_iov_add_virtfn sets
+  ``virtfn->dev.parent = dev->dev.parent``; the PF's ``virtfn<k>`` links say ``../<vf>``), so once its
+  PF has been read, a VF is read relative to that parent: its uevent, IOMMU group and link type, with
+  the PF's PCIe root.  Sorted addresses put every PF before its VFs (a VF's routing ID is the PF's
+  plus a positive offset, PCIe SR-IOV spec 3.3.9-10).  Anything odd falls back to the full read.
 """
 
 from __future__ import annotations
@@ -190,6 +205,31 @@ def _rdma_map(rootfd: int) -> dict[bytes, list[str]]:
     return out
 
 
+def _class_map(rootfd: int, cls: bytes) -> dict[bytes, list[bytes]]:
+    """Function → sorted names of its ``class/<cls>`` devices (netdevs or RDMA devices), one readlink each.
+
+    ``class/net/<if>`` → ``../../devices/.../<function>/net/<if>`` (and likewise ``class/infiniband``):
+    the component before ``<cls>`` names the function that owns it, the view a listing of the
+    function's own ``net/`` or ``infiniband/`` directory would give.
+    """
+    out: dict[bytes, list[bytes]] = {}
+    try:
+        cfd = os.open(b"class/" + cls, _O_DIR, dir_fd=rootfd)
+    except OSError:
+        return out
+    try:
+        for entry in _entries(cfd):
+            status, link = _readlink(cfd, entry)
+            owner = _class_owner(link, cls) if status == 0 else b""
+            if owner:
+                out.setdefault(owner, []).append(entry)
+    except OSError:
+        pass
+    finally:
+        os.close(cfd)
+    return out
+
+
 def _vdpa_map(rootfd: int) -> dict[bytes, tuple[str, str]]:
     """Parent device name → (vdpaN, driver) from bus/vdpa/devices (first vDPA device per parent)."""
     out: dict[bytes, tuple[str, str]] = {}
@@ -227,8 +267,9 @@ def _virtfns(devfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings
         vf_map[_basename(link)] = (pf, k)
 
 
-def _link_type(devfd: int, ifname: bytes, dev: str, warnings: list[str]) -> str:
-    status, data = _read(devfd, b"net/" + ifname + b"/type")
+def _link_type(dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: list[str]) -> str:
+    """``ether``/``infiniband`` from ``<prefix>net/<if>/type`` (ARPHRD); "" for any other type."""
+    status, data = _read(dirfd, prefix + b"net/" + ifname + b"/type")
     if status != 0:
         return ""  # the interface left the host namespace between listing and reading: no link type
     value = _int(data)
@@ -238,18 +279,96 @@ def _link_type(devfd: int, ifname: bytes, dev: str, warnings: list[str]) -> str:
     return _LINK_TYPES.get(value, "")
 
 
-def _scan_pci(
-    busfd: int,
-    name: bytes,
-    rdma: dict[bytes, list[str]],
-    vdpa: dict[bytes, tuple[str, str]],
-    vf_map: dict[bytes, tuple[str, int]],
-    warnings: list[str],
-) -> list[object] | None:
-    """One PCI function as a list in Device field order (PF netdev and VF index filled in later)."""
+class _Maps:
+    """What one scan reads once and every device looks up: class maps, vDPA parents, PFs' VFs."""
+
+    __slots__ = ("ibs", "nets", "parents", "pfs", "rdma", "vdpa", "vf_map")
+
+    def __init__(self, rootfd: int) -> None:
+        self.rdma = _rdma_map(rootfd)
+        self.vdpa = _vdpa_map(rootfd)
+        self.nets = _class_map(rootfd, b"net")
+        self.ibs = _class_map(rootfd, b"infiniband")
+        self.vf_map: dict[bytes, tuple[str, int]] = {}  # VF address → (PF, index), from virtfn links
+        self.pfs: dict[str, tuple[int, str]] = {}  # PF read in this scan → (parent dir fd, PCIe root)
+        self.parents: dict[bytes, int] = {}  # parent dir (link text) → open fd, shared by its PFs
+
+    def parent_fd(self, busfd: int, link: bytes) -> int:
+        """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
+        parent = link[: link.rfind(b"/")] if b"/" in link else b"."
+        fd = self.parents.get(parent)
+        if fd is None:
+            try:
+                fd = os.open(parent, _O_DIR, dir_fd=busfd)
+            except OSError:
+                fd = -1
+            self.parents[parent] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.parents.values():
+            if fd >= 0:
+                os.close(fd)
+        self.parents.clear()
+
+
+def _functions(maps: _Maps, name: bytes) -> tuple[tuple[str, ...], bytes, tuple[str, ...]]:
+    """A function's netdevs, first RDMA device and its /dev/infiniband nodes, from the class maps."""
+    netdevs = tuple(os.fsdecode(n) for n in maps.nets.get(name, ()))
+    ibdevs = maps.ibs.get(name)
+    ibdev = ibdevs[0] if ibdevs else b""
+    nodes = tuple(sorted(maps.rdma.get(name, ()))) if ibdev else ()
+    return netdevs, ibdev, nodes
+
+
+def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> list[object] | None:
+    """A VF whose PF this scan has read, relative to the PF's parent; None to take the full read."""
+    pf, _index = maps.vf_map[name]
+    parentfd, pcie_root = maps.pfs[pf]
+    status, data = _read(parentfd, name + b"/uevent", _UEVENT_MAX)
+    fields = _uevent_fields(data) if status == 0 else None
+    if fields is None:
+        return None
+    ids, uevent_driver = fields
     dev = os.fsdecode(name)
-    status, link = _readlink(busfd, name)
-    pcie_root = _pcie_root(link) if status == 0 else ""
+    driver = os.fsdecode(uevent_driver)
+    if not driver:
+        status, drv = _readlink(parentfd, name + b"/driver")
+        driver = os.fsdecode(_basename(drv)) if status == 0 else ""
+    group, noiommu = _iommu_group(parentfd, name + b"/", driver, dev, warnings)
+    netdevs, ibdev, nodes = _functions(maps, name)
+    link_type = _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
+    uios = _listdir(parentfd, name + b"/uio") if "uio" in driver else []
+    vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
+    return [
+        dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, -1, group, noiommu, -1, 0, 0, pf, -1,
+        "", netdevs, link_type, os.fsdecode(ibdev), nodes, os.fsdecode(uios[0]) if uios else "",
+        vdpa_name, vdpa_driver, pcie_root, "",
+    ]  # fmt: skip
+
+
+def _iommu_group(dirfd: int, prefix: bytes, driver: str, dev: str, warnings: list[str]) -> tuple[int, bool]:
+    """The function's IOMMU group number (-1 without one) and whether it is a vfio no-IOMMU group."""
+    status, glink = _readlink(dirfd, prefix + b"iommu_group")
+    if status != 0:
+        return -1, False
+    g = _int(_basename(glink))
+    if g is None or g < 0:
+        warnings.append(f"{dev}: iommu_group: not a group number")
+        return -1, False
+    # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device a vfio
+    # driver binds, so only those are asked.
+    if driver.startswith("vfio"):
+        status, gname = _read(dirfd, prefix + b"iommu_group/name")
+        return g, status == 0 and gname == b"vfio-noiommu"
+    return g, False
+
+
+def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list[object] | None:
+    """One PCI function as a list in Device field order (PF netdev, VF index, VF NUMA filled in later)."""
+    dev = os.fsdecode(name)
+    link_status, link = _readlink(busfd, name)
+    pcie_root = _pcie_root(link) if link_status == 0 else ""
     try:
         devfd = os.open(name, _O_DIR, dir_fd=busfd)
     except OSError as e:
@@ -285,16 +404,13 @@ def _scan_pci(
                     hex_id = ""
                 subsys.append(hex_id)
         # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
-        # kernel shows neither sriov_* nor acpi_index on it: once physfn is found, skip those probes.
+        # kernel shows neither sriov_* nor acpi_index on it, and its NUMA node is its PF's (see the
+        # module docstring): once physfn is found, skip those probes.
         status, plink = _readlink(devfd, b"physfn")
         pf = os.fsdecode(_basename(plink)) if status == 0 else ""
         if status not in (0, 2):
             warnings.append(f"{dev}: physfn: {_why(status)}")
-        attrs = (
-            ((b"numa_node", -1),)
-            if pf
-            else ((b"numa_node", -1), (b"acpi_index", -1), (b"sriov_totalvfs", -2))
-        )
+        attrs = () if pf else ((b"numa_node", -1), (b"acpi_index", -1), (b"sriov_totalvfs", -2))
         ints: list[int] = [-1, -1, -2]
         for i, (attr, default) in enumerate(attrs):
             status, data = _read(devfd, attr)
@@ -312,20 +428,7 @@ def _scan_pci(
             # No DRIVER= line (unbound, or the attribute files decided): the driver link says.
             status, drv = _readlink(devfd, b"driver")
             driver = os.fsdecode(_basename(drv)) if status == 0 else ""
-        group = -1
-        noiommu = False
-        status, glink = _readlink(devfd, b"iommu_group")
-        if status == 0:
-            g = _int(_basename(glink))
-            if g is None or g < 0:
-                warnings.append(f"{dev}: iommu_group: not a group number")
-            else:
-                group = g
-                # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device a
-                # vfio driver binds, so only those are asked.
-                if driver.startswith("vfio"):
-                    status, gname = _read(devfd, b"iommu_group/name")
-                    noiommu = status == 0 and gname == b"vfio-noiommu"
+        group, noiommu = _iommu_group(devfd, b"", driver, dev, warnings)
         role = "vf" if pf else "pci"
         num = 0
         if total != -2:
@@ -337,17 +440,17 @@ def _scan_pci(
                 warnings.append(f"{dev}: sriov_numvfs: {_why(status) if status else 'not an integer'}")
                 numvfs = 0
             num = numvfs
-            _virtfns(devfd, dev, vf_map, warnings)
+            _virtfns(devfd, dev, maps.vf_map, warnings)
+            parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
+            if parentfd >= 0:
+                maps.pfs[dev] = (parentfd, pcie_root)
         else:
             total = 0
-        netdevs = tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
-        link_type = _link_type(devfd, os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
-        ibdevs = _listdir(devfd, b"infiniband")
-        ibdev = ibdevs[0] if ibdevs else b""
-        nodes = tuple(sorted(rdma.get(name, ()))) if ibdev else ()
+        netdevs, ibdev, nodes = _functions(maps, name)
+        link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
         # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
         uios = _listdir(devfd, b"uio") if "uio" in driver else []
-        vdpa_name, vdpa_driver = vdpa.get(name, ("", ""))
+        vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
         return [
             dev, role, ids[0], ids[1], ids[2], subsys[0], subsys[1], driver, numa, group, noiommu, acpi,
             total, num, pf, -1, "", netdevs, link_type, os.fsdecode(ibdev), nodes,
@@ -357,27 +460,23 @@ def _scan_pci(
         os.close(devfd)
 
 
-def _pf_facts(
-    busfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings: list[str]
-) -> tuple[str, ...]:
-    """For a partial scan: a PF outside the set still gives its VFs their index and its netdev name."""
+def _pf_facts(busfd: int, pf: str, maps: _Maps, warnings: list[str]) -> tuple[tuple[str, ...], int]:
+    """For a partial scan: a PF outside the set still gives its VFs their index, netdev and NUMA node."""
     try:
         devfd = os.open(os.fsencode(pf), _O_DIR, dir_fd=busfd)
     except OSError:
-        return ()
+        return (), -1
     try:
-        _virtfns(devfd, pf, vf_map, warnings)
-        return tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
+        _virtfns(devfd, pf, maps.vf_map, warnings)
+        status, data = _read(devfd, b"numa_node")
+        numa = _int(data) if status == 0 else None
+        return tuple(os.fsdecode(n) for n in maps.nets.get(os.fsencode(pf), ())), -1 if numa is None else numa
     finally:
         os.close(devfd)
 
 
 def _scan_sfs(
-    rootfd: int,
-    by_id: dict[str, list[object]],
-    rdma: dict[bytes, list[str]],
-    vdpa: dict[bytes, tuple[str, str]],
-    warnings: list[str],
+    rootfd: int, by_id: dict[str, list[object]], maps: _Maps, warnings: list[str]
 ) -> list[list[object]]:
     """Auxiliary-bus subfunctions (``*.sf.<n>``) whose parent PF is among the scanned devices."""
     out: list[list[object]] = []
@@ -407,6 +506,7 @@ def _scan_sfs(
             except OSError as e:
                 warnings.append(f"{sf}: skipped: {os.strerror(e.errno or 1)}")
                 continue
+            netdevs, ibdev, nodes = _functions(maps, name)
             try:
                 status, drv = _readlink(devfd, b"driver")
                 # mlx5's SF device shows its SF number (sf/dev/dev.c sfnum_show); ranged pfNames select
@@ -418,20 +518,16 @@ def _scan_sfs(
                         why = _why(sf_status) if sf_status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                netdevs = tuple(os.fsdecode(n) for n in _listdir(devfd, b"net"))
-                link_type = _link_type(devfd, os.fsencode(netdevs[0]), sf, warnings) if netdevs else ""
-                ibdevs = _listdir(devfd, b"infiniband")
+                link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), sf, warnings) if netdevs else ""
             finally:
                 os.close(devfd)
-            ibdev = ibdevs[0] if ibdevs else b""
             pf_netdevs: tuple[str, ...] = parent[_NETDEVS]  # type: ignore[assignment]
-            vdpa_name, vdpa_driver = vdpa.get(name, ("", ""))
+            vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
             out.append([
                 sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6],
                 os.fsdecode(_basename(drv)) if status == 0 else "", parent[_NUMA], -1, False, -1, 0, 0,
                 parent[_ID], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs, link_type,
-                os.fsdecode(ibdev), tuple(sorted(rdma.get(name, ()))) if ibdev else (), "",
-                vdpa_name, vdpa_driver, _pcie_root(link), "sf",
+                os.fsdecode(ibdev), nodes, "", vdpa_name, vdpa_driver, _pcie_root(link), "sf",
             ])  # fmt: skip
     finally:
         os.close(afd)
@@ -456,34 +552,38 @@ def scan_sysfs(
             busfd = os.open(b"bus/pci/devices", _O_DIR, dir_fd=rootfd)
         except OSError as e:
             return (), (f"{os.fsdecode(root)}/bus/pci/devices: {os.strerror(e.errno or 1)}",)
+        maps = _Maps(rootfd)
         try:
-            rdma = _rdma_map(rootfd)
-            vdpa = _vdpa_map(rootfd)
             names = _entries(busfd) if addresses is None else sorted(set(addresses))
-            vf_map: dict[bytes, tuple[str, int]] = {}
             rows: list[list[object]] = []
             for name in names:
-                row = _scan_pci(busfd, name, rdma, vdpa, vf_map, warnings)
+                hit = maps.vf_map.get(name)
+                row = _scan_vf(maps, name, warnings) if hit is not None and hit[0] in maps.pfs else None
+                if row is None:
+                    row = _scan_pci(busfd, name, maps, warnings)
                 if row is not None:
                     rows.append(row)
             by_id: dict[str, list[object]] = {row[_ID]: row for row in rows}  # type: ignore[misc]
-            pf_netdevs: dict[str, tuple[str, ...]] = {}
+            pf_facts: dict[str, tuple[tuple[str, ...], int]] = {}
             for row in rows:
                 if row[_ROLE] != "vf":
                     continue
                 pf: str = row[_PF]  # type: ignore[assignment]
                 parent = by_id.get(pf)
                 if parent is not None:
-                    netdevs: tuple[str, ...] = parent[_NETDEVS]  # type: ignore[assignment]
-                elif pf in pf_netdevs:
-                    netdevs = pf_netdevs[pf]
+                    facts = (parent[_NETDEVS], parent[_NUMA])
+                elif pf in pf_facts:
+                    facts = pf_facts[pf]
                 else:
-                    netdevs = pf_netdevs[pf] = _pf_facts(busfd, pf, vf_map, warnings)
+                    facts = pf_facts[pf] = _pf_facts(busfd, pf, maps, warnings)
+                netdevs: tuple[str, ...] = facts[0]  # type: ignore[assignment]
                 row[_PF_NETDEV] = netdevs[0] if netdevs else ""
-                hit = vf_map.get(os.fsencode(row[_ID]))  # type: ignore[arg-type]
+                row[_NUMA] = facts[1]
+                hit = maps.vf_map.get(os.fsencode(row[_ID]))  # type: ignore[arg-type]
                 row[_VF_INDEX] = hit[1] if hit is not None and hit[0] == pf else -1
-            rows.extend(_scan_sfs(rootfd, by_id, rdma, vdpa, warnings))
+            rows.extend(_scan_sfs(rootfd, by_id, maps, warnings))
         finally:
+            maps.close()
             os.close(busfd)
     finally:
         os.close(rootfd)

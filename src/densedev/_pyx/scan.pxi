@@ -1,10 +1,14 @@
-# The sysfs scan of PCI functions, subfunctions and RDMA ports; the twin is _fast_py/scan.py (the spec).
+# The sysfs scan of PCI functions, subfunctions and RDMA ports; the twin is _fast_py/scan.py (the spec,
+# and where the kernel facts behind each shortcut are written down).
 #
 # Every file and link is reached relative to an open directory fd (openat/readlinkat), read into a C
-# buffer and parsed in C.  The daemon runs the full scan in a worker thread (asyncio.to_thread), so the
-# syscalls run without the GIL: each PCI function is read whole into a ``sc_pci`` struct inside
-# ``with nogil``, then the GIL is taken only to build that device's tuple and warnings.  Warnings are
-# built with the same Python expressions as the twin so both return identical strings.
+# buffer and parsed in C.  The scan is syscall-bound, so the syscalls run without the GIL and, where
+# there are many independent ones, on more than one thread: the class links (one per netdev, RDMA
+# device and RDMA node), a PF's virtfn links and runs of VFs are read ahead by this thread and up to
+# three helper pthreads taking the next item each (_sc_rl_run, _ScVfReader), while this thread builds
+# rows in order with the GIL.  The daemon runs the full scan in a worker thread (asyncio.to_thread), so
+# the event loop keeps running meanwhile.  Warnings are built with the same Python expressions as the
+# twin so both return identical strings.
 
 from libc.errno cimport errno, ENOENT
 from libc.string cimport strlen, memcmp, memcpy, memset, strcmp
@@ -404,46 +408,6 @@ cdef bytes _sc_class_owner(const char *buf, Py_ssize_t n, bytes cls):
     return PyBytes_FromStringAndSize(buf + k, e3 - k)
 
 
-cdef dict _sc_rdma_map(int rootfd):
-    """Function (PCI address or SF name) → its /dev/infiniband nodes (the twin's _rdma_map)."""
-    cdef dict out = {}
-    cdef int cfd, status
-    cdef char buf[SC_LINK_MAX]
-    cdef Py_ssize_t n
-    cdef bytes entry, cls, owner
-    cdef const char *e
-    cdef const char *cpath
-    cdef bytes cls_path
-    for cls in _SC_RDMA_CLASSES:
-        cls_path = b"class/" + cls
-        cpath = cls_path
-        with nogil:
-            cfd = _sc_open_dir(rootfd, cpath)
-        if cfd < 0:
-            continue
-        try:
-            for entry in _sc_entries_fd(sc_dup(cfd)):
-                e = entry
-                # A class device's parent is its ib_device's parent, the function itself (uverbs_main.c
-                # ib_uverbs_add_one, user_mad.c, ucma): one readlink, without the GIL, names it.
-                with nogil:
-                    status = _sc_readlink(cfd, e, buf, &n)
-                if status != 0:
-                    continue
-                owner = _sc_class_owner(buf, n, cls)
-                if not owner:
-                    continue
-                node = "/dev/infiniband/" + _sc_str(entry, len(entry))
-                lst = out.get(owner)
-                if lst is None:
-                    out[owner] = [node]
-                else:
-                    lst.append(node)
-        finally:
-            sc_close(cfd)
-    return out
-
-
 cdef dict _sc_vdpa_map(int rootfd):
     cdef dict out = {}
     cdef int bfd
@@ -481,39 +445,278 @@ cdef dict _sc_vdpa_map(int rootfd):
     return out
 
 
+cdef extern from "<pthread.h>" nogil:
+    ctypedef unsigned long sc_pthread_t "pthread_t"
+    int sc_pthread_create "pthread_create"(sc_pthread_t *t, const void *attr, void *(*start)(void *) noexcept nogil, void *arg)
+    int sc_pthread_join "pthread_join"(sc_pthread_t t, void **ret)
+
+cdef extern from "Python.h":
+    int PyGC_Disable()
+    int PyGC_Enable()
+
+cdef extern from "<sched.h>" nogil:
+    int sc_sched_yield "sched_yield"()
+
+cdef extern from *:
+    """
+    static inline Py_ssize_t sc_fetch_add(Py_ssize_t *p) { return __atomic_fetch_add(p, 1, __ATOMIC_RELAXED); }
+    static inline void sc_set_done(int *p) { __atomic_store_n(p, 1, __ATOMIC_RELEASE); }
+    static inline int sc_is_done(int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+    static inline void sc_store(Py_ssize_t *p, Py_ssize_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+    """
+    Py_ssize_t sc_fetch_add(Py_ssize_t *p) nogil
+    void sc_set_done(int *p) nogil
+    int sc_is_done(int *p) nogil
+    void sc_store(Py_ssize_t *p, Py_ssize_t v) nogil
+
+
+# ------------------------------------------------------------------ what one scan reads once
+
+cdef class _ScMaps:
+    """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
+
+    cdef dict rdma, vdpa, nets, ibs
+    cdef dict vf_map      # VF address (str) → (PF, index), from virtfn links
+    cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root)
+    cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
+
+    def __cinit__(self):
+        self.vf_map = {}
+        self.pfs = {}
+        self.parents = {}
+
+    cdef int parent_fd(self, int busfd, const char *link, Py_ssize_t n) except? -2:
+        """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
+        cdef Py_ssize_t b = _sc_base(link, n)
+        cdef bytes parent = PyBytes_FromStringAndSize(link, b - 1) if b > 0 else b"."
+        cdef const char *cparent = parent
+        cdef int fd
+        got = self.parents.get(parent)
+        if got is not None:
+            return got
+        with nogil:
+            fd = sc_openat(busfd, cparent, SC_DIR_FLAGS)
+        if fd < 0:
+            fd = -1
+        self.parents[parent] = fd
+        return fd
+
+    cdef void close(self) noexcept:
+        for fd in self.parents.values():
+            if fd >= 0:
+                sc_close(fd)
+        self.parents.clear()
+
+
+cdef enum:
+    SC_RL_MAX = 256        # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
+    SC_RL_BATCH = 4096     # class links read ahead at once (~270 bytes each)
+    SC_RL_LONG = -4        # status of a link longer than SC_RL_MAX: read again with room for PATH_MAX
+
+
+cdef struct sc_rl:
+    # One class link to read: where, and what it says.
+    int dirfd
+    const char *name
+    int status
+    Py_ssize_t n
+    char buf[SC_RL_MAX]
+
+
+cdef struct sc_rl_batch:
+    sc_rl *items
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void _sc_rl_read(sc_rl *r) noexcept nogil:
+    cdef ssize_t got = sc_readlinkat(r.dirfd, r.name, r.buf, SC_RL_MAX)
+    if got < 0:
+        r.status = errno if errno else 1
+    elif got >= SC_RL_MAX:
+        r.status = SC_RL_LONG
+    else:
+        r.status = 0
+        r.n = got
+
+
+cdef void *_sc_rl_reader(void *arg) noexcept nogil:
+    cdef sc_rl_batch *b = <sc_rl_batch *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_rl_read(&b.items[i])
+
+
+cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
+    """Read every link of the batch, this thread and up to ``helpers`` more taking the next one each."""
+    cdef sc_pthread_t threads[3]
+    cdef int started = 0, t
+    cdef Py_ssize_t i
+    b.next = 0
+    if b.n < 64:
+        helpers = 0
+    for t in range(helpers):
+        if sc_pthread_create(&threads[t], NULL, _sc_rl_reader, b) != 0:
+            break
+        started += 1
+    _sc_rl_reader(b)
+    for t in range(started):
+        sc_pthread_join(threads[t], NULL)
+
+
+cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
+    """Every class map of the scan (the twin's _rdma_map and _class_map), their links read in parallel.
+
+    One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
+    (netdev, ibdev, uverbs, umad) these links are a third of the scan, so they are read ahead by this
+    thread and the helpers together, then sorted into maps here in the twin's order.
+    """
+    cdef char big[SC_LINK_MAX]
+    cdef Py_ssize_t n, i, k, total = 0
+    cdef int cfd
+    cdef bytes entry, owner, cls, cls_path
+    cdef const char *cpath
+    cdef sc_rl_batch b
+    cdef sc_rl *r
+    cdef list jobs = []  # (class, dirfd, entries)
+    cdef int helpers = _SC_HELPERS
+    rdma = {}
+    maps.rdma = rdma
+    maps.nets = {}
+    maps.ibs = {}
+    b.items = NULL
+    try:
+        for cls in _SC_RDMA_CLASSES + (b"net", b"infiniband"):
+            cls_path = b"class/" + cls
+            cpath = cls_path
+            with nogil:
+                cfd = _sc_open_dir(rootfd, cpath)
+            if cfd < 0:
+                continue
+            try:
+                entries = _sc_entries_fd(sc_dup(cfd))
+            except BaseException:
+                sc_close(cfd)
+                raise
+            jobs.append((cls, cfd, entries))
+        b.items = <sc_rl *>malloc(SC_RL_BATCH * sizeof(sc_rl))
+        if b.items == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        for cls, cfd, entries in jobs:
+            out = rdma if cls in _SC_RDMA_CLASSES else (maps.nets if cls == b"net" else maps.ibs)
+            for k in range(0, len(entries), SC_RL_BATCH):
+                chunk = entries[k:k + SC_RL_BATCH]
+                b.n = len(chunk)
+                for i in range(b.n):
+                    entry = chunk[i]
+                    b.items[i].dirfd = cfd
+                    b.items[i].name = entry
+                with nogil:
+                    _sc_rl_run(&b, helpers)
+                for i in range(b.n):
+                    r = &b.items[i]
+                    entry = chunk[i]
+                    if r.status == SC_RL_LONG:
+                        with nogil:
+                            r.status = _sc_readlink(cfd, r.name, big, &n)
+                        owner = _sc_class_owner(big, n, cls) if r.status == 0 else b""
+                    elif r.status == 0:
+                        owner = _sc_class_owner(r.buf, r.n, cls)
+                    else:
+                        continue
+                    if not owner:
+                        continue
+                    # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
+                    # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
+                    item = ("/dev/infiniband/" + _sc_str(entry, len(entry))) if out is rdma else entry
+                    lst = out.get(owner)
+                    if lst is None:
+                        out[owner] = [item]
+                    else:
+                        lst.append(item)
+    finally:
+        free(b.items)
+        for job in jobs:
+            sc_close(job[1])
+
+
 cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings) except *:
-    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, each read without the GIL."""
-    cdef char buf[SC_LINK_MAX]
-    cdef Py_ssize_t n, b, i, ln
+    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, read in parallel without the GIL."""
+    cdef char big[SC_LINK_MAX]
+    cdef Py_ssize_t n, b, i, ln, count = 0
     cdef long k
-    cdef int status
     cdef bint ok
     cdef const char *e
+    cdef const char *buf
     cdef sc_names l
+    cdef sc_rl_batch batch
+    cdef sc_rl *r
+    cdef int helpers = _SC_HELPERS
     memset(&l, 0, sizeof(sc_names))
+    batch.items = NULL
     try:
         with nogil:
             _sc_names_open(&l, devfd, ".")
         if l.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
+        batch.items = <sc_rl *>malloc((l.count or 1) * sizeof(sc_rl))
+        if batch.items == NULL:
+            raise MemoryError("sysfs scan: out of memory")
         for i in range(l.count):
             e = l.names[i]
+            if strlen(e) >= 6 and memcmp(e, b"virtfn", 6) == 0:
+                batch.items[count].dirfd = devfd
+                batch.items[count].name = e
+                count += 1
+        batch.n = count
+        with nogil:
+            _sc_rl_run(&batch, helpers)
+        for i in range(count):
+            r = &batch.items[i]
+            e = r.name
             ln = strlen(e)
-            if ln < 6 or memcmp(e, b"virtfn", 6) != 0:
-                continue
             ok = _sc_int(e + 6, ln - 6, &k)
-            with nogil:
-                status = _sc_readlink(devfd, e, buf, &n)
-            if not ok or k < 0 or status != 0:
+            buf = r.buf
+            n = r.n
+            if r.status == SC_RL_LONG:
+                with nogil:
+                    r.status = _sc_readlink(devfd, e, big, &n)
+                buf = big
+            if not ok or k < 0 or r.status != 0:
                 entry = PyBytes_FromStringAndSize(e, ln)
                 warnings.append(
-                    f"{pf}: {_sc_os.fsdecode(entry)}: {_sc_why(status) if status else 'not a VF link'}"
+                    f"{pf}: {_sc_os.fsdecode(entry)}: {_sc_why(r.status) if r.status else 'not a VF link'}"
                 )
                 continue
             b = _sc_base(buf, n)
             vf_map[_sc_str(buf + b, n - b)] = (pf, k)  # keyed by the device id, as rows are
     finally:
+        free(batch.items)
         _sc_names_free(&l)
+
+
+cdef tuple _sc_functions(_ScMaps maps, bytes name):
+    """A function's netdevs, first RDMA device and its /dev/infiniband nodes, from the class maps."""
+    nets = maps.nets.get(name)
+    netdevs = tuple([_sc_str(e, len(e)) for e in nets]) if nets else ()
+    ibs = maps.ibs.get(name)
+    if ibs:
+        ibdev = ibs[0]
+        nodes = maps.rdma.get(name)
+        return netdevs, _sc_str(ibdev, len(ibdev)), tuple(sorted(nodes)) if nodes else ()
+    return netdevs, "", ()
+
+
+cdef const char *_sc_first_netdev(_ScMaps maps, bytes name):
+    """The first netdev's name as a C string (kept alive by the map), or NULL."""
+    nets = maps.nets.get(name)
+    if not nets:
+        return NULL
+    cdef bytes first = nets[0]
+    return first
 
 
 cdef str _sc_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
@@ -542,14 +745,66 @@ cdef str _sc_link_type(int devfd, str ifname, str dev, list warnings):
     return _sc_type_name(status, buf, n, ifname, dev, warnings)
 
 
-cdef tuple _sc_names_tuple(sc_names *l):
-    cdef Py_ssize_t i
-    if l.oom:
-        raise MemoryError("sysfs scan: out of memory listing a directory")
-    return tuple([_sc_str(l.names[i], strlen(l.names[i])) for i in range(l.count)])
+# ------------------------------------------------------------------ uevent
+
+cdef struct sc_uev:
+    # Where a PCI uevent's fields start in its buffer (-1: absent) and how long the class and driver are.
+    Py_ssize_t id_at, sub_at, cls_at, cls_n, drv_at, drv_n
 
 
-# ------------------------------------------------------------------ one PCI function
+cdef bint _sc_uevent_parse(char *buf, Py_ssize_t n, sc_uev *u) noexcept nogil:
+    """Ids (and the bound driver) from a PCI device's uevent; False if the ids are incomplete.
+
+    drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
+    PCI_SUBSYS_ID=%04X:%04X, and the driver core's dev_uevent() (drivers/base/core.c) DRIVER=<name>
+    while a driver is bound: one read instead of five attribute files and the driver link.
+    """
+    cdef Py_ssize_t pos = 0, end, eq, klen, vat
+    cdef Py_ssize_t id_n = 0, sub_n = 0
+    u.id_at = u.sub_at = u.cls_at = u.drv_at = -1
+    u.cls_n = u.drv_n = 0
+    while pos <= n:
+        end = pos
+        while end < n and buf[end] != 10:
+            end += 1
+        eq = pos
+        while eq < end and buf[eq] != 61:
+            eq += 1
+        klen = eq - pos
+        # value: after '=' up to the line end (empty when the line has no '=')
+        vat = eq + 1 if eq < end else end
+        if klen == 6 and memcmp(buf + pos, b"PCI_ID", 6) == 0:
+            u.id_at = vat
+            id_n = end - vat
+        elif klen == 13 and memcmp(buf + pos, b"PCI_SUBSYS_ID", 13) == 0:
+            u.sub_at = vat
+            sub_n = end - vat
+        elif klen == 9 and memcmp(buf + pos, b"PCI_CLASS", 9) == 0:
+            u.cls_at = vat
+            u.cls_n = end - vat
+        elif klen == 6 and memcmp(buf + pos, b"DRIVER", 6) == 0:
+            u.drv_at = vat
+            u.drv_n = end - vat
+        pos = end + 1
+    if u.id_at < 0 or u.sub_at < 0 or u.cls_at < 0:
+        return False
+    if not _sc_pair(buf + u.id_at, id_n) or not _sc_pair(buf + u.sub_at, sub_n):
+        return False
+    return 1 <= u.cls_n <= 6 and _sc_is_hex(buf + u.cls_at, u.cls_n)
+
+
+cdef list _sc_uevent_ids(const char *u, sc_uev *e):
+    """vendor, device, class (6 digits), subsystem vendor and device from a parsed uevent."""
+    return [
+        PyUnicode_DecodeASCII(u + e.id_at, 4, NULL),
+        PyUnicode_DecodeASCII(u + e.id_at + 5, 4, NULL),
+        "0" * (6 - e.cls_n) + PyUnicode_DecodeASCII(u + e.cls_at, e.cls_n, NULL),
+        PyUnicode_DecodeASCII(u + e.sub_at, 4, NULL),
+        PyUnicode_DecodeASCII(u + e.sub_at + 5, 4, NULL),
+    ]
+
+
+# ------------------------------------------------------------------ one PCI function, read in full
 
 cdef struct sc_attr:
     # One small attribute file: status 0, an errno, SC_EMPTY or SC_UNREAD; its stripped text.
@@ -574,8 +829,8 @@ cdef struct sc_pci:
     int uevent_status
     Py_ssize_t uevent_n
     char uevent[SC_UEVENT_MAX + 1]
-    bint from_uevent       # ids (and maybe the driver) came from uevent; the offsets point into it
-    Py_ssize_t id_at, sub_at, cls_at, cls_n, drv_at, drv_n
+    bint from_uevent       # ids (and maybe the driver) came from uevent; ue points into it
+    sc_uev ue
     sc_attr ids[5]         # vendor, device, class, subsystem_vendor, subsystem_device: without uevent
     sc_link physfn
     bint is_vf
@@ -589,53 +844,8 @@ cdef struct sc_pci:
     bint group_bad
     bint noiommu
     sc_attr numvfs
-    sc_names net
     sc_attr net_type
-    sc_names ib
     sc_names uio
-
-
-cdef bint _sc_uevent_parse(sc_pci *d) noexcept nogil:
-    """Ids (and the bound driver) from a PCI device's uevent; False if the ids are incomplete.
-
-    drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
-    PCI_SUBSYS_ID=%04X:%04X, and the driver core's dev_uevent() (drivers/base/core.c) DRIVER=<name>
-    while a driver is bound: one read instead of five attribute files and the driver link.
-    """
-    cdef char *buf = d.uevent
-    cdef Py_ssize_t n = d.uevent_n
-    cdef Py_ssize_t pos = 0, end, eq, klen, vat
-    cdef Py_ssize_t id_n = 0, sub_n = 0
-    d.id_at = d.sub_at = d.cls_at = d.drv_at = -1
-    d.cls_n = d.drv_n = 0
-    while pos <= n:
-        end = pos
-        while end < n and buf[end] != 10:
-            end += 1
-        eq = pos
-        while eq < end and buf[eq] != 61:
-            eq += 1
-        klen = eq - pos
-        # value: after '=' up to the line end (empty when the line has no '=')
-        vat = eq + 1 if eq < end else end
-        if klen == 6 and memcmp(buf + pos, b"PCI_ID", 6) == 0:
-            d.id_at = vat
-            id_n = end - vat
-        elif klen == 13 and memcmp(buf + pos, b"PCI_SUBSYS_ID", 13) == 0:
-            d.sub_at = vat
-            sub_n = end - vat
-        elif klen == 9 and memcmp(buf + pos, b"PCI_CLASS", 9) == 0:
-            d.cls_at = vat
-            d.cls_n = end - vat
-        elif klen == 6 and memcmp(buf + pos, b"DRIVER", 6) == 0:
-            d.drv_at = vat
-            d.drv_n = end - vat
-        pos = end + 1
-    if d.id_at < 0 or d.sub_at < 0 or d.cls_at < 0:
-        return False
-    if not _sc_pair(buf + d.id_at, id_n) or not _sc_pair(buf + d.sub_at, sub_n):
-        return False
-    return 1 <= d.cls_n <= 6 and _sc_is_hex(buf + d.cls_at, d.cls_n)
 
 
 cdef inline void _sc_get_link(int dirfd, const char *name, sc_link *l) noexcept nogil:
@@ -665,7 +875,7 @@ cdef inline const char *_sc_id_attr(int i) noexcept nogil:
     return "subsystem_device"
 
 
-cdef void _sc_read_pci(int busfd, const char *name, sc_pci *d) noexcept nogil:
+cdef void _sc_read_pci(int busfd, const char *name, const char *ifname, sc_pci *d) noexcept nogil:
     """Read one PCI function into d without the GIL; d.devfd is left open for _sc_build_pci."""
     cdef int i
     cdef long v
@@ -678,10 +888,10 @@ cdef void _sc_read_pci(int busfd, const char *name, sc_pci *d) noexcept nogil:
     d.group_v = -1
     d.group_bad = False
     d.noiommu = False
-    d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = SC_UNREAD
-    d.acpi_v = -1
+    d.numa.status = d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = SC_UNREAD
+    d.numa_v = d.acpi_v = -1
     d.total_v = -2
-    d.net.count = d.ib.count = d.uio.count = 0
+    d.uio.count = 0
     for i in range(5):
         d.ids[i].status = SC_UNREAD
     _sc_get_link(busfd, name, &d.bus)
@@ -691,7 +901,7 @@ cdef void _sc_read_pci(int busfd, const char *name, sc_pci *d) noexcept nogil:
         return
     d.uevent_status = _sc_read_cap(d.devfd, "uevent", d.uevent, &d.uevent_n, SC_UEVENT_MAX)
     if d.uevent_status == 0:
-        d.from_uevent = _sc_uevent_parse(d)
+        d.from_uevent = _sc_uevent_parse(d.uevent, d.uevent_n, &d.ue)
     if not d.from_uevent:
         # No usable uevent (half-written or odd tree): the individual attribute files decide, and a
         # bad identity file skips the device (so nothing more is read).
@@ -700,19 +910,20 @@ cdef void _sc_read_pci(int busfd, const char *name, sc_pci *d) noexcept nogil:
             if i < 3 and (d.ids[i].status != 0 or not _sc_hex(d.ids[i].buf, d.ids[i].n, 6 if i == 2 else 4)):
                 return
     # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
-    # kernel shows neither sriov_* nor acpi_index on it: once physfn is found, skip those probes.
+    # kernel shows neither sriov_* nor acpi_index on it, and its NUMA node is its PF's (see the
+    # twin's module docstring): once physfn is found, skip those probes.
     _sc_get_link(d.devfd, "physfn", &d.physfn)
     d.is_vf = d.physfn.status == 0 and d.physfn.n > d.physfn.base
-    d.numa.status = _sc_read(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
-    d.numa_v = _sc_int_value(&d.numa, -1)
     if not d.is_vf:
+        d.numa.status = _sc_read(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
+        d.numa_v = _sc_int_value(&d.numa, -1)
         d.acpi.status = _sc_read(d.devfd, "acpi_index", d.acpi.buf, &d.acpi.n)
         d.acpi_v = _sc_int_value(&d.acpi, -1)
         d.total.status = _sc_read(d.devfd, "sriov_totalvfs", d.total.buf, &d.total.n)
         d.total_v = _sc_int_value(&d.total, -2)
-    if d.from_uevent and d.drv_n > 0:
-        d.drv = d.uevent + d.drv_at
-        d.drv_len = d.drv_n
+    if d.from_uevent and d.ue.drv_n > 0:
+        d.drv = d.uevent + d.ue.drv_at
+        d.drv_len = d.ue.drv_n
     else:
         # No DRIVER= line (unbound, or the attribute files decided): the driver link says.
         _sc_get_link(d.devfd, "driver", &d.driver)
@@ -732,11 +943,9 @@ cdef void _sc_read_pci(int busfd, const char *name, sc_pci *d) noexcept nogil:
                 d.noiommu = i == 0 and d.net_type.n == 12 and memcmp(d.net_type.buf, b"vfio-noiommu", 12) == 0
     if d.total_v != -2:
         d.numvfs.status = _sc_read(d.devfd, "sriov_numvfs", d.numvfs.buf, &d.numvfs.n)
-    _sc_names_open(&d.net, d.devfd, "net")
-    if d.net.count:
-        snprintf(path, sizeof(path), "net/%s/type", d.net.names[0])
+    d.net_type.status = SC_UNREAD
+    if ifname != NULL and snprintf(path, sizeof(path), "net/%s/type", ifname) < <int>sizeof(path):
         d.net_type.status = _sc_read(d.devfd, path, d.net_type.buf, &d.net_type.n)
-    _sc_names_open(&d.ib, d.devfd, "infiniband")
     # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
     if _sc_contains(d.drv, d.drv_len, "uio", 3):
         _sc_names_open(&d.uio, d.devfd, "uio")
@@ -756,14 +965,15 @@ cdef void _sc_int_warn(sc_attr *a, str attr, str dev, list warnings) except *:
     warnings.append(f"{dev}: {attr}: {_sc_attr_why(a, 'not an integer')}")
 
 
-cdef list _sc_build_pci(sc_pci *d, bytes name, dict rdma, dict vdpa, dict vf_map, list warnings):
+cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list warnings):
     """One PCI function in Device field order from what _sc_read_pci read (closes d.devfd).
 
-    The PF netdev and VF index are filled in afterwards; warnings come in the twin's order.
+    The PF netdev, VF index and a VF's NUMA node are filled in afterwards; warnings come in the
+    twin's order.
     """
     cdef str dev = _sc_str(name, len(name))
     cdef str pcie_root = _sc_pcie_root(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
-    cdef int i
+    cdef int i, parentfd
     cdef long num, total
     cdef sc_attr *a
     if d.devfd < 0:
@@ -771,15 +981,7 @@ cdef list _sc_build_pci(sc_pci *d, bytes name, dict rdma, dict vdpa, dict vf_map
         return None
     try:
         if d.from_uevent:
-            u = d.uevent
-            cls = "0" * (6 - d.cls_n) + PyUnicode_DecodeASCII(u + d.cls_at, d.cls_n, NULL)
-            ids = [
-                PyUnicode_DecodeASCII(u + d.id_at, 4, NULL),
-                PyUnicode_DecodeASCII(u + d.id_at + 5, 4, NULL),
-                cls,
-                PyUnicode_DecodeASCII(u + d.sub_at, 4, NULL),
-                PyUnicode_DecodeASCII(u + d.sub_at + 5, 4, NULL),
-            ]
+            ids = _sc_uevent_ids(d.uevent, &d.ue)
         else:
             ids = ["", "", "", "", ""]
             for i in range(5):
@@ -816,29 +1018,27 @@ cdef list _sc_build_pci(sc_pci *d, bytes name, dict rdma, dict vdpa, dict vf_map
             if a.status != 0 or not _sc_int(a.buf, a.n, &num):
                 warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
                 num = 0
-            _sc_virtfns(d.devfd, dev, vf_map, warnings)
+            _sc_virtfns(d.devfd, dev, maps.vf_map, warnings)
+            if d.bus.status == 0:
+                parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
+                if parentfd >= 0:
+                    maps.pfs[dev] = (parentfd, pcie_root)
         else:
             total = 0
-        netdevs = _sc_names_tuple(&d.net)
+        netdevs, ibdev, nodes = _sc_functions(maps, name)
         if netdevs:
             a = &d.net_type
             link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
         else:
             link_type = ""
-        if d.ib.oom or d.uio.oom:
+        if d.uio.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
-        ibdev = PyBytes_FromStringAndSize(d.ib.names[0], strlen(d.ib.names[0])) if d.ib.count else b""
-        if ibdev:
-            nodes = rdma.get(name)
-            nodes = tuple(sorted(nodes)) if nodes else ()
-        else:
-            nodes = ()
         uio = _sc_str(d.uio.names[0], strlen(d.uio.names[0])) if d.uio.count else ""
-        vd = vdpa.get(name)
+        vd = maps.vdpa.get(name)
         vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
         return [
             dev, role, ids[0], ids[1], ids[2], ids[3], ids[4], driver, d.numa_v, d.group_v, d.noiommu,
-            d.acpi_v, total, num, pf, -1, "", netdevs, link_type, _sc_str(ibdev, len(ibdev)), nodes, uio,
+            d.acpi_v, total, num, pf, -1, "", netdevs, link_type, ibdev, nodes, uio,
             vdpa_name, vdpa_driver, pcie_root, "",
         ]
     finally:
@@ -846,22 +1046,288 @@ cdef list _sc_build_pci(sc_pci *d, bytes name, dict rdma, dict vdpa, dict vf_map
         d.devfd = -1
 
 
-cdef tuple _sc_pf_facts(int busfd, str pf, dict vf_map, list warnings):
+# ------------------------------------------------------------------ a VF beside its PF, read in batches
+
+cdef enum:
+    SC_VF_LINK = 256       # a VF's driver link target; longer ones take the full read
+    SC_VF_BATCH = 512      # VFs read ahead at once (~1.6 KB each)
+
+
+cdef struct sc_vf:
+    # What the fast read of one VF needs and finds; filled without the GIL, by any reader thread.
+    int parentfd           # the PF's parent directory: the VF's directory is in it
+    const char *name       # the VF's address (kept alive by the scan's name list)
+    const char *ifname     # its first netdev or NULL (kept alive by the class map)
+    bint full              # this VF needs the full read (no usable uevent, or an odd link)
+    int uevent_n
+    char uevent[SC_UEVENT_MAX + 1]
+    sc_uev ue
+    const char *drv
+    Py_ssize_t drv_len
+    char drvlink[SC_VF_LINK]
+    long group_v
+    bint group_bad
+    bint noiommu
+    sc_attr net_type
+    sc_names uio
+
+
+cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
+    """The fast read of a VF relative to its PF's parent: uevent, driver, IOMMU group, link type, uio."""
+    cdef char path[SC_NAME_MAX * 2 + 32]
+    cdef char link[SC_LINK_MAX]
+    cdef Py_ssize_t n, b
+    cdef ssize_t got
+    cdef long g
+    cdef int status
+    cdef size_t cap = sizeof(path)
+    v.full = True
+    v.drv = NULL
+    v.drv_len = 0
+    v.group_v = -1
+    v.group_bad = v.noiommu = False
+    v.net_type.status = SC_UNREAD
+    v.uio.count = 0
+    v.uio.oom = False
+    if snprintf(path, cap, "%s/uevent", v.name) >= <int>cap:
+        return
+    if _sc_read_cap(v.parentfd, path, v.uevent, &n, SC_UEVENT_MAX) != 0:
+        return
+    v.uevent_n = n
+    if not _sc_uevent_parse(v.uevent, n, &v.ue):
+        return
+    if v.ue.drv_n > 0:
+        v.drv = v.uevent + v.ue.drv_at
+        v.drv_len = v.ue.drv_n
+    else:
+        snprintf(path, cap, "%s/driver", v.name)
+        got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
+        if got >= SC_VF_LINK:
+            return  # longer than this slot holds: the full read has room
+        if got >= 0:
+            b = _sc_base(v.drvlink, got)
+            v.drv = v.drvlink + b
+            v.drv_len = got - b
+    snprintf(path, cap, "%s/iommu_group", v.name)
+    status = _sc_readlink(v.parentfd, path, link, &n)
+    if status == 0:
+        b = _sc_base(link, n)
+        if not _sc_int(link + b, n - b, &g) or g < 0:
+            v.group_bad = True
+        else:
+            v.group_v = g
+            if v.drv_len >= 4 and memcmp(v.drv, b"vfio", 4) == 0:
+                snprintf(path, cap, "%s/iommu_group/name", v.name)
+                status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
+                v.noiommu = status == 0 and v.net_type.n == 12 and memcmp(v.net_type.buf, b"vfio-noiommu", 12) == 0
+    if v.ifname != NULL:
+        if snprintf(path, cap, "%s/net/%s/type", v.name, v.ifname) >= <int>cap:
+            return
+        v.net_type.status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
+    if _sc_contains(v.drv, v.drv_len, "uio", 3):
+        snprintf(path, cap, "%s/uio", v.name)
+        _sc_names_open(&v.uio, v.parentfd, path)
+    v.full = False
+
+
+cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, _ScMaps maps, list warnings):
+    """A fast-read VF in Device field order (the twin's _scan_vf); warnings in the twin's order."""
+    cdef str dev = _sc_str(name, len(name))
+    cdef str driver = _sc_str(v.drv, v.drv_len) if v.drv_len else ""
+    cdef sc_attr *a = &v.net_type
+    if v.group_bad:
+        warnings.append(f"{dev}: iommu_group: not a group number")
+    netdevs, ibdev, nodes = _sc_functions(maps, name)
+    link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings) if netdevs else ""
+    if v.uio.oom:
+        raise MemoryError("sysfs scan: out of memory listing a directory")
+    uio = _sc_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
+    ids = _sc_uevent_ids(v.uevent, &v.ue)
+    vd = maps.vdpa.get(name)
+    vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
+    return [
+        dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, -1, v.group_v, v.noiommu, -1, 0, 0,
+        pf, -1, "", netdevs, link_type, ibdev, nodes, uio, vdpa_name, vdpa_driver, pcie_root, "",
+    ]
+
+
+cdef struct sc_batch:
+    # VFs read ahead by this thread and helpers: each takes the next index, marks the slot done.
+    sc_vf *slots
+    int *done
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void *_sc_batch_reader(void *arg) noexcept nogil:
+    cdef sc_batch *b = <sc_batch *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_read_vf(&b.slots[i])
+        sc_set_done(&b.done[i])
+
+
+cdef inline void _sc_batch_wait(sc_batch *b, Py_ssize_t k) noexcept nogil:
+    """Until slot k is read: read slots ourselves while any are left, then wait for the helper's."""
+    cdef Py_ssize_t i
+    while not sc_is_done(&b.done[k]):
+        i = sc_fetch_add(&b.next)
+        if i < b.n:
+            _sc_read_vf(&b.slots[i])
+            sc_set_done(&b.done[i])
+        else:
+            sc_sched_yield()
+
+
+# One helper reader thread beside the scanning one: the scan is syscall-bound and its syscalls on
+# different files scale across cores (path walks are RCU-lookups, no shared lock); more helpers
+# than cores would only queue.
+_SC_HELPERS = max(0, min(3, (_sc_os.cpu_count() or 1) - 1))
+
+
+cdef class _ScVfReader:
+    """Slots for a run of VFs read ahead in parallel; the scanning thread builds rows in order."""
+
+    cdef sc_batch b
+    cdef Py_ssize_t cap
+
+    def __cinit__(self):
+        self.cap = SC_VF_BATCH
+        self.b.slots = <sc_vf *>malloc(self.cap * sizeof(sc_vf))
+        self.b.done = <int *>malloc(self.cap * sizeof(int))
+        if self.b.slots == NULL or self.b.done == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        memset(self.b.slots, 0, self.cap * sizeof(sc_vf))
+
+    def __dealloc__(self):
+        cdef Py_ssize_t i
+        if self.b.slots != NULL:
+            for i in range(self.cap):
+                _sc_names_free(&self.b.slots[i].uio)
+            free(self.b.slots)
+        free(self.b.done)
+
+    cdef list run(self, list names, Py_ssize_t start, Py_ssize_t stop, int busfd, _ScMaps maps,
+                  list warnings, list rows):
+        """Read names[start:stop] (VFs whose PF this scan read) and append their rows in order."""
+        cdef sc_batch *b = &self.b
+        cdef Py_ssize_t k, n = stop - start
+        cdef sc_pthread_t threads[3]
+        cdef int started = 0, t, helpers = _SC_HELPERS
+        cdef bytes name
+        cdef sc_vf *v
+        pfs = []
+        for k in range(n):
+            name = names[start + k]
+            pf, _index = maps.vf_map[_sc_str(name, len(name))]
+            parentfd, pcie_root = maps.pfs[pf]
+            pfs.append((pf, pcie_root))
+            v = &b.slots[k]
+            v.parentfd = parentfd
+            v.name = name
+            v.ifname = _sc_first_netdev(maps, name)
+            b.done[k] = 0
+        b.n = n
+        b.next = 0
+        if n < 32:
+            helpers = 0  # a thread costs more than it saves on a handful
+        with nogil:
+            for t in range(helpers):
+                if sc_pthread_create(&threads[t], NULL, _sc_batch_reader, b) != 0:
+                    break
+                started += 1
+        try:
+            for k in range(n):
+                with nogil:
+                    _sc_batch_wait(b, k)
+                v = &b.slots[k]
+                name = names[start + k]
+                pf, pcie_root = pfs[k]
+                hit = maps.vf_map.get(_sc_str(name, len(name)))
+                if v.full or hit is None or hit[0] != pf:
+                    # An odd VF (or one an odd PF claimed meanwhile): the one-at-a-time path decides.
+                    row = _sc_scan_one(busfd, name, maps, warnings)
+                else:
+                    row = _sc_build_vf(v, name, pf, pcie_root, maps, warnings)
+                if row is not None:
+                    rows.append(row)
+                if not (k + 1) & 255:
+                    _sc_yield()
+        finally:
+            with nogil:
+                sc_store(&b.next, b.n)  # helpers stop after their current slot
+                for t in range(started):
+                    sc_pthread_join(threads[t], NULL)
+
+
+cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
+    """One function on its own: the fast read if it is a VF of a PF this scan read, else the full read."""
+    cdef sc_vf *v
+    cdef sc_pci *d
+    cdef const char *cname = name
+    cdef const char *ifname = _sc_first_netdev(maps, name)
+    hit = maps.vf_map.get(_sc_str(name, len(name)))
+    if hit is not None and hit[0] in maps.pfs:
+        parentfd, pcie_root = maps.pfs[hit[0]]
+        v = <sc_vf *>malloc(sizeof(sc_vf))
+        if v == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        memset(v, 0, sizeof(sc_vf))
+        try:
+            v.parentfd = parentfd
+            v.name = cname
+            v.ifname = ifname
+            with nogil:
+                _sc_read_vf(v)
+            if not v.full:
+                return _sc_build_vf(v, name, hit[0], pcie_root, maps, warnings)
+        finally:
+            _sc_names_free(&v.uio)
+            free(v)
+    d = <sc_pci *>malloc(sizeof(sc_pci))
+    if d == NULL:
+        raise MemoryError("sysfs scan: out of memory")
+    memset(d, 0, sizeof(sc_pci))
+    d.devfd = -1
+    try:
+        with nogil:
+            _sc_read_pci(busfd, cname, ifname, d)
+        return _sc_build_pci(d, busfd, name, maps, warnings)
+    finally:
+        if d.devfd >= 0:
+            sc_close(d.devfd)
+        _sc_names_free(&d.uio)
+        free(d)
+
+
+cdef tuple _sc_pf_facts(int busfd, str pf, _ScMaps maps, list warnings):
+    """For a partial scan: a PF outside the set still gives its VFs their index, netdev and NUMA node."""
     cdef bytes name = _sc_os.fsencode(pf)
     cdef const char *cname = name
-    cdef int devfd
+    cdef int devfd, status
+    cdef char buf[SC_READ_MAX + 1]
+    cdef Py_ssize_t n
+    cdef long numa
     with nogil:
         devfd = _sc_open_dir(busfd, cname)
     if devfd < 0:
-        return ()
+        return (), -1
     try:
-        _sc_virtfns(devfd, pf, vf_map, warnings)
-        return tuple([_sc_os.fsdecode(e) for e in _sc_listdir(devfd, b"net")])
+        _sc_virtfns(devfd, pf, maps.vf_map, warnings)
+        with nogil:
+            status = _sc_read(devfd, "numa_node", buf, &n)
+        if status != 0 or not _sc_int(buf, n, &numa):
+            numa = -1
+        nets = maps.nets.get(name)
+        return (tuple([_sc_str(e, len(e)) for e in nets]) if nets else ()), numa
     finally:
         sc_close(devfd)
 
 
-cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnings):
+cdef list _sc_scan_sfs(int rootfd, dict by_id, _ScMaps maps, list warnings):
     cdef list out = []
     cdef char buf[SC_LINK_MAX]
     cdef Py_ssize_t n, b
@@ -895,6 +1361,7 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
             if devfd < 0:
                 warnings.append(f"{sf}: skipped: {_sc_os.strerror(status)}")
                 continue
+            netdevs, ibdev, nodes = _sc_functions(maps, name)
             try:
                 with nogil:
                     status = _sc_readlink(devfd, "driver", buf, &n)
@@ -912,20 +1379,16 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, dict rdma, dict vdpa, list warnin
                         why = _sc_why(status) if status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                netdevs = tuple([_sc_os.fsdecode(e) for e in _sc_listdir(devfd, b"net")])
                 link_type = _sc_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
-                ibdevs = _sc_listdir(devfd, b"infiniband")
             finally:
                 sc_close(devfd)
-            ibdev = ibdevs[0] if ibdevs else b""
             pf_netdevs = parent[17]
-            vd = vdpa.get(name)
+            vd = maps.vdpa.get(name)
             vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
             out.append([
                 sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6], driver, parent[8],
                 -1, False, -1, 0, 0, parent[0], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs,
-                link_type, _sc_os.fsdecode(ibdev), tuple(sorted(rdma.get(name, ()))) if ibdev else (),
-                "", vdpa_name, vdpa_driver, pcie_root, "sf",
+                link_type, ibdev, nodes, "", vdpa_name, vdpa_driver, pcie_root, "sf",
             ])
     finally:
         sc_close(afd)
@@ -953,46 +1416,56 @@ def _sc_row_id(row):
     return row[0]
 
 
-cdef list _sc_scan_pcis(int busfd, list names, dict rdma, dict vdpa, dict vf_map, list warnings):
-    """Every named PCI function: the syscalls of each run without the GIL, then its row is built."""
+cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
+    """Every named PCI function in order; runs of VFs whose PF was read are read ahead in parallel."""
     cdef list rows = []
-    cdef sc_pci *d = <sc_pci *>malloc(sizeof(sc_pci))
-    cdef const char *cname
+    cdef Py_ssize_t i = 0, j, count = len(names)
+    cdef _ScVfReader reader = None
     cdef bytes name
-    if d == NULL:
-        raise MemoryError("sysfs scan: out of memory")
-    memset(d, 0, sizeof(sc_pci))
-    d.devfd = -1
-    try:
-        for name in names:
-            cname = name
-            with nogil:
-                _sc_read_pci(busfd, cname, d)
-            row = _sc_build_pci(d, name, rdma, vdpa, vf_map, warnings)
-            if row is not None:
-                rows.append(row)
-    finally:
-        if d.devfd >= 0:
-            sc_close(d.devfd)
-        _sc_names_free(&d.net)
-        _sc_names_free(&d.ib)
-        _sc_names_free(&d.uio)
-        free(d)
+    while i < count:
+        j = i
+        while j < count and j - i < SC_VF_BATCH:
+            name = names[j]
+            hit = maps.vf_map.get(_sc_str(name, len(name)))
+            if hit is None or hit[0] not in maps.pfs:
+                break
+            j += 1
+        if j > i:
+            if reader is None:
+                reader = _ScVfReader()
+            reader.run(names, i, j, busfd, maps, warnings, rows)
+            i = j
+            continue
+        row = _sc_scan_one(busfd, names[i], maps, warnings)
+        if row is not None:
+            rows.append(row)
+        i += 1
     return rows
 
 
 def scan_sysfs(bytes root, tuple addresses=None):
     """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root."""
+    # Every object the scan makes lives until it returns, so a collection during it would only
+    # traverse them in vain (tens of thousands per scan): the collector waits until the end.
+    cdef int gc_was = PyGC_Disable()
+    try:
+        return _sc_scan(root, addresses)
+    finally:
+        if gc_was:
+            PyGC_Enable()
+
+
+cdef tuple _sc_scan(bytes root, tuple addresses):
     cdef list warnings = []
     cdef int rootfd, busfd
     cdef list rows
-    cdef dict vf_map = {}
-    cdef dict pf_netdevs = {}
+    cdef dict pf_facts = {}
     cdef dict by_id
     cdef list row, out
     cdef int err
     cdef Py_ssize_t i
     cdef const char *croot = root
+    cdef _ScMaps maps
     with nogil:
         rootfd = sc_openat(-100, croot, SC_DIR_FLAGS)  # AT_FDCWD
         err = (errno if errno else 1) if rootfd < 0 else 0
@@ -1004,11 +1477,12 @@ def scan_sysfs(bytes root, tuple addresses=None):
             err = (errno if errno else 1) if busfd < 0 else 0
         if busfd < 0:
             return (), (f"{_sc_os.fsdecode(root)}/bus/pci/devices: {_sc_os.strerror(err)}",)
+        maps = _ScMaps()
         try:
-            rdma = _sc_rdma_map(rootfd)
-            vdpa = _sc_vdpa_map(rootfd)
+            _sc_read_classes(rootfd, maps)
+            maps.vdpa = _sc_vdpa_map(rootfd)
             names = _sc_entries_fd(sc_dup(busfd)) if addresses is None else sorted(set(addresses))
-            rows = _sc_scan_pcis(busfd, names, rdma, vdpa, vf_map, warnings)
+            rows = _sc_scan_pcis(busfd, names, maps, warnings)
             by_id = {r[0]: r for r in rows}
             i = 0
             for row in rows:
@@ -1020,16 +1494,19 @@ def scan_sysfs(bytes root, tuple addresses=None):
                 pf = row[14]
                 parent = by_id.get(pf)
                 if parent is not None:
-                    netdevs = parent[17]
-                elif pf in pf_netdevs:
-                    netdevs = pf_netdevs[pf]
+                    facts = (parent[17], parent[8])
                 else:
-                    netdevs = pf_netdevs[pf] = _sc_pf_facts(busfd, pf, vf_map, warnings)
+                    facts = pf_facts.get(pf)
+                    if facts is None:
+                        facts = pf_facts[pf] = _sc_pf_facts(busfd, pf, maps, warnings)
+                netdevs = facts[0]
                 row[16] = netdevs[0] if netdevs else ""
-                hit = vf_map.get(row[0])
+                row[8] = facts[1]
+                hit = maps.vf_map.get(row[0])
                 row[15] = hit[1] if hit is not None and hit[0] == pf else -1
-            rows.extend(_sc_scan_sfs(rootfd, by_id, rdma, vdpa, warnings))
+            rows.extend(_sc_scan_sfs(rootfd, by_id, maps, warnings))
         finally:
+            maps.close()
             sc_close(busfd)
     finally:
         sc_close(rootfd)
@@ -1037,8 +1514,9 @@ def scan_sysfs(bytes root, tuple addresses=None):
     # Working tables are emptied piecemeal and each row list is freed as its tuple is made (by_id
     # first lets go of them): one dealloc of 16k entries would hold the GIL for milliseconds.
     by_id = None
-    _sc_drain(vf_map)
-    _sc_drain(rdma)
+    _sc_drain(maps.vf_map)
+    _sc_drain(maps.rdma)
+    _sc_drain(maps.nets)
     _sc_drain(names)
     out = []
     for i in range(len(rows)):
