@@ -34,6 +34,7 @@ from typing import Any
 SRC = Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
 
+from densedev import config, discovery, selectors  # noqa: E402
 from densedev.testing.simnode import build_node  # noqa: E402
 
 SIZES = {1024: (4, 256), 4096: (16, 256), 16384: (64, 256)}  # VFs: (PFs, VFs per PF)
@@ -94,6 +95,34 @@ def _syscalls_per_device(module: str, root: bytes, devices: int) -> float | None
     return (full - base) / devices
 
 
+def _pool_config(root: Path) -> config.Config:
+    """Pools of the shape ``simnode.write_config`` writes: one per PF for half the PFs, RDMA, the rest."""
+    devices = discovery.scan(root).devices
+    pfs = [d for d in devices if d.role == "pf" and d.netdevs]
+    doc = {
+        "resourceList": [
+            *(
+                {"resourceName": f"pf{i}", "selectors": {"pfNames": [pf.netdevs[0]]}}
+                for i, pf in enumerate(pfs[: len(pfs) // 2])
+            ),
+            {"resourceName": "rdma_vfs", "selectors": {"isRdma": True, "linkTypes": ["ether", "infiniband"]}},
+            {"resourceName": "rest", "selectors": {"vendors": sorted({d.vendor for d in devices})}},
+        ]
+    }
+    return config.parse(json.dumps(doc))
+
+
+def _time_pooled(root: Path, repeat: int) -> float:
+    """Best time (ms) of what the daemon does at start: scan into a device table, then select pools."""
+    cfg = _pool_config(root)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        selectors.build_pools(cfg, discovery.scan(root).devices)
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
 def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) -> dict[str, Any]:
     """Build each node, scan it with both implementations and return the figures."""
     twin = importlib.import_module("densedev._fast_py")
@@ -122,6 +151,7 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
                 cython_median_ms=round(cy_med, 2),
                 ratio=round(py_best / cy_best, 2),
                 cython_us_per_device=round(cy_best * 1e3 / devices, 2),
+                scan_and_pools_ms=round(_time_pooled(root, repeat), 2),
             )
         if strace:
             row["syscalls_per_device"] = {
@@ -136,7 +166,7 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
     if 4096 in by_vfs and fast is not None:
         n4 = by_vfs[4096]
         results["targets"] = {
-            "4k_scan_ms<=50": n4["cython_best_ms"] <= TARGET_4K_MS,
+            "4k_scan_and_pools_ms<=50": n4["scan_and_pools_ms"] <= TARGET_4K_MS,
             "ratio>=5": n4["ratio"] >= TARGET_RATIO,
             "linearity<=4.5": results.get("linearity_16k_over_4k", 0) <= TARGET_LINEARITY
             if "linearity_16k_over_4k" in results
@@ -147,8 +177,8 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
 
 def _print(results: dict[str, Any]) -> None:
     print(f"sysfs scan (rdma={results['rdma']}, best/median of {results['repeat']} runs)")
-    head = ("VFs", "devices", "cython ms", "python ms", "ratio", "us/dev", "syscalls/dev")
-    print("{:>6} {:>8} {:>16} {:>16} {:>6} {:>7} {:>14}".format(*head))
+    head = ("VFs", "devices", "cython ms", "python ms", "ratio", "us/dev", "+pools ms", "syscalls/dev")
+    print("{:>6} {:>8} {:>16} {:>16} {:>6} {:>7} {:>9} {:>14}".format(*head))
     for n in results["nodes"]:
         cy = f"{n.get('cython_best_ms', '-')}/{n.get('cython_median_ms', '-')}"
         py = f"{n['python_best_ms']}/{n['python_median_ms']}"
@@ -160,7 +190,7 @@ def _print(results: dict[str, Any]) -> None:
         )
         print(
             f"{n['vfs']:>6} {n['devices']:>8} {cy:>16} {py:>16} {n.get('ratio', '-'):>6} "
-            f"{n.get('cython_us_per_device', '-'):>7} {scs:>14}"
+            f"{n.get('cython_us_per_device', '-'):>7} {n.get('scan_and_pools_ms', '-'):>9} {scs:>14}"
         )
     if "linearity_16k_over_4k" in results:
         print(f"linearity 16k/4k: {results['linearity_16k_over_4k']} (target <= {TARGET_LINEARITY})")
