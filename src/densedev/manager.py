@@ -32,6 +32,7 @@ from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
 from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
 from .server import MAX_UNIX_PATH, status_of
+from .watch import DirectoryWatch
 from .wire import ListEncoder
 
 log = logging.getLogger("densedev.manager")
@@ -144,7 +145,9 @@ class MeteredService:
 class PoolRuntime:
     """Everything that runs for one pool: its feed, encoder, allocator and kubelet-facing runner."""
 
-    def __init__(self, pool: Pool, settings: DaemonSettings, metrics: Metrics) -> None:
+    def __init__(
+        self, pool: Pool, settings: DaemonSettings, metrics: Metrics, watch: DirectoryWatch | None = None
+    ) -> None:
         self.pool = pool
         self.feed = PoolFeed()
         self.healthy: list[bool] = [True] * len(pool.members)
@@ -163,10 +166,17 @@ class PoolRuntime:
         name = pool.config.full_name
         socket_name = socket_name_for(name, settings.kubelet_dir)
         service = MeteredService(name, self.allocator, metrics)
-        # Each pool watches kubelet.sock and its own socket; 5 looks a second keep a kubelet restart
-        # answered well within the 1 s the kubelet allows, at half the wake-ups of the default.
+        # Each pool watches kubelet.sock and its own socket: woken by the daemon's inotify watch of the
+        # kubelet's directory, or (without one) looking 5 times a second, well within the 1 s the
+        # kubelet allows a plugin to come back after its restart.
         self.runner = PluginRunner(
-            name, settings.kubelet_dir, socket_name, self.feed, service, poll=settings.registration_poll_s
+            name,
+            settings.kubelet_dir,
+            socket_name,
+            self.feed,
+            service,
+            poll=settings.registration_poll_s,
+            watch=watch,
         )
         self.registrations_seen = 0
 
@@ -236,6 +246,7 @@ class Daemon:
         self._link_monitor: LinkMonitor | None = None
         self._uevent_monitor: UeventMonitor | None = None
         self._metrics_server: MetricsServer | None = None
+        self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
         self.stats = {
             "scans": 0,
             "flushes": 0,
@@ -248,6 +259,7 @@ class Daemon:
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         """Scan, build pools, serve and register every pool, then start the event sources."""
+        self._kubelet_watch.start()
         if self.settings.metrics_addr:
             host, port = parse_addr(self.settings.metrics_addr)
             self._metrics_server = MetricsServer(self.metrics, self.registered, host, port)
@@ -264,7 +276,7 @@ class Daemon:
         initial = self.tracker.collect()
         for i, pool in enumerate(pools):
             try:
-                runtime = PoolRuntime(pool, self.settings, self.metrics)
+                runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch)
             except Exception:
                 # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
                 log.exception("pool %s could not be set up; the other pools go on", pool.config.full_name)
@@ -318,6 +330,7 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     mon.stop()
         await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
+        self._kubelet_watch.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         log_event(log, "daemon stopped")
@@ -753,7 +766,7 @@ class Daemon:
                 if name in self.pools:
                     continue
                 try:
-                    runtime = PoolRuntime(pool, self.settings, self.metrics)
+                    runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch)
                 except Exception:
                     log.exception("pool %s could not be set up; the other pools go on", name)
                     continue

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ import grpc
 from ._proto import api_pb2
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
+from .watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,9 @@ class PluginRunner:
         service: PoolService,
         *,
         poll: float = 0.1,
+        watch: DirectoryWatch | None = None,
+        watched_poll: float = 2.0,
+        settle: float = 0.05,
         backoff: tuple[float, float] = (0.05, 2.0),
         refused_retry: float = 30.0,
         register_timeout: float = 15.0,
@@ -62,7 +67,15 @@ class PluginRunner:
         self.kubelet_socket = self.kubelet_dir / KUBELET_SOCKET
         self._feed = feed
         self._service = service
-        self._poll = poll  # stat() of two paths every 100 ms costs microseconds; inotify buys nothing here
+        # With a working watch of the kubelet's directory the runner wakes on its changes and on its
+        # own streams' ends, and looks by itself only every ``watched_poll`` seconds (a safety net);
+        # without one it looks every ``poll`` seconds.
+        self._poll = poll
+        self._dirwatch = watch
+        self._watched_poll = watched_poll
+        self._settle = settle
+        self._wakeup = asyncio.Event()
+        self._unsubscribe: Callable[[], None] | None = None
         self._backoff = backoff
         self._refused_retry = refused_retry
         self._register_timeout = register_timeout
@@ -78,11 +91,16 @@ class PluginRunner:
         if self._task is not None:
             raise RuntimeError(f"{self.resource}: runner already started")
         await self._serve()
+        if self._dirwatch is not None:
+            self._unsubscribe = self._dirwatch.subscribe(self._wakeup.set)
         self._task = asyncio.create_task(self._run(), name=f"registration {self.resource}")
 
     async def stop(self) -> None:
         """Stop registering and serving, and remove the pool's socket."""
         task, self._task = self._task, None
+        unsubscribe, self._unsubscribe = self._unsubscribe, None
+        if unsubscribe is not None:
+            unsubscribe()
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -98,6 +116,7 @@ class PluginRunner:
         if old is not None:
             await old.stop()
         server = PluginServer(self.resource, self.socket_path, self._feed, self._service)
+        server.on_streams_changed = self._wakeup.set
         await server.start()
         self._server = server
 
@@ -188,7 +207,7 @@ class PluginRunner:
         """Sleep up to ``seconds``, waking early when kubelet.sock is recreated (a kubelet restart)."""
         deadline = time.monotonic() + seconds
         while (remaining := deadline - time.monotonic()) > 0:
-            await asyncio.sleep(min(self._poll, remaining))
+            await self._pause(remaining)
             now = identify(self.kubelet_socket)
             if now is not None and now != kubelet:
                 return
@@ -198,7 +217,7 @@ class PluginRunner:
         the kubelet dropped our stream and opened none for ``stream_grace`` seconds."""
         lost_since: float | None = None
         while True:
-            await asyncio.sleep(self._poll)
+            await self._pause(self._stream_grace if lost_since is not None else None)
             if identify(self.kubelet_socket) != kubelet or not self._own_socket_intact():
                 return
             # The kubelet never redials a ended stream: its devices stay unhealthy until we register
@@ -219,4 +238,24 @@ class PluginRunner:
     async def _wait_for_kubelet(self) -> None:
         """Wait while kubelet.sock is absent: a starting kubelet deletes every socket before listening."""
         while identify(self.kubelet_socket) is None:
-            await asyncio.sleep(self._poll)
+            await self._pause()
+
+    async def _pause(self, at_most: float | None = None) -> None:
+        """Wait for a change the watch or our server reports, or the poll interval, or ``at_most``."""
+        watch = self._dirwatch
+        if watch is None or not (watch.active or watch.rewatch()):
+            await asyncio.sleep(self._poll if at_most is None else min(self._poll, at_most))
+            return
+        timeout = self._watched_poll if at_most is None else min(self._watched_poll, at_most)
+        if not self._wakeup.is_set():
+            timer = asyncio.get_running_loop().call_later(timeout, self._wakeup.set)
+            try:
+                await self._wakeup.wait()
+            finally:
+                timer.cancel()
+        # A kubelet restart is a burst of directory events (every plugin socket deleted, kubelet.sock
+        # removed and created again): let it settle, so one look sees where it ended.
+        if self._settle > 0:
+            await asyncio.sleep(self._settle)
+        # Cleared after waking: whatever set it happened before, and the caller looks at it now.
+        self._wakeup.clear()

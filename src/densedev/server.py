@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import stat
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
@@ -68,6 +69,25 @@ def _identity(message: bytes) -> bytes:
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
 MAX_UNIX_PATH = 107
 
+_LIFECYCLE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _lifecycle_lock() -> asyncio.Lock:
+    """One lock per event loop that every server start and stop takes, one at a time.
+
+    After a kubelet restart every pool replaces its server at the same moment.  grpc.aio servers
+    started while others on the same loop are shutting down were seen to have their start cancelled
+    (CancelledError out of ``AioServer.start``, then InvalidStateError from its shutdown) and never
+    come up; taking turns costs a millisecond per pool.
+    """
+    loop = asyncio.get_running_loop()
+    lock = _LIFECYCLE_LOCKS.get(loop)
+    if lock is None:
+        lock = _LIFECYCLE_LOCKS[loop] = asyncio.Lock()
+    return lock
+
 
 class PluginServer:
     """Serves ``/v1beta1.DevicePlugin/*`` for one pool on ``socket_path``."""
@@ -82,6 +102,7 @@ class PluginServer:
         self._stopping = asyncio.Event()
         self.streams = 0  # ListAndWatch streams open now
         self.streams_opened = 0  # ListAndWatch streams opened since start
+        self.on_streams_changed: Callable[[], None] | None = None  # called as a stream opens or ends
 
     @property
     def running(self) -> bool:
@@ -95,6 +116,10 @@ class PluginServer:
 
     async def start(self) -> None:
         """Bind the socket and serve; the server is fully ready when this returns."""
+        async with _lifecycle_lock():
+            await self._start()
+
+    async def _start(self) -> None:
         if self._server is not None:
             raise RuntimeError(f"{self.resource}: server already running on {self.socket_path}")
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +152,8 @@ class PluginServer:
         if server is None:
             return
         self._stopping.set()  # end open streams now rather than after the grace period
-        await server.stop(grace)
+        async with _lifecycle_lock():
+            await server.stop(grace)
         # Remove the socket only if it is still the one we bound: after a kubelet restart the path may
         # already belong to a newer server.
         try:
@@ -181,6 +207,7 @@ class PluginServer:
         # kubelet treats a finished stream as "all devices unhealthy" and never redials.
         self.streams += 1
         self.streams_opened += 1
+        self._streams_changed()
         log.info("%s: ListAndWatch stream opened", self.resource)
         stopping = asyncio.ensure_future(self._stopping.wait())
         newer: asyncio.Future[tuple[int, bytes]] | None = None
@@ -200,7 +227,13 @@ class PluginServer:
             if newer is not None:
                 newer.cancel()
             self.streams -= 1
+            self._streams_changed()
             log.info("%s: ListAndWatch stream closed", self.resource)
+
+    def _streams_changed(self) -> None:
+        hook = self.on_streams_changed
+        if hook is not None:
+            hook()
 
     async def _allocate(self, request: api_pb2.AllocateRequest, context: grpc.aio.ServicerContext) -> Any:
         count = len(request.container_requests)
