@@ -326,3 +326,21 @@ def test_scan_in_a_worker_thread_lets_the_event_loop_run(
     assert found == scans * len(_scan(impl, node.root)[0])
     # ~20 scans of ~60 devices: thousands of GIL releases, each a chance for the loop to wake up.
     assert ticks >= 5, f"the event loop ran only {ticks} times during {scans} scans in a worker thread"
+
+
+def test_an_unchanged_node_gives_back_the_previous_table(tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=4)
+    first = discovery.scan(tmp_path)
+    again = discovery.scan(tmp_path, first)
+    assert again is first
+    # A change makes a new table holding it.
+    vf = layout.pfs[0].vf_addresses[2]
+    bind_driver(tmp_path, vf, "vfio-pci")
+    changed = discovery.scan(tmp_path, first)
+    assert changed is not first and changed.by_id()[vf].driver == "vfio-pci"
+    assert changed.devices == discovery.scan(tmp_path).devices
+    # New warnings alone keep the devices and carry the warnings.
+    pf = (tmp_path / "bus/pci/devices" / layout.pfs[1].address).resolve()
+    os.symlink("../nowhere", pf / "virtfnX")  # not a VF link: a warning, no device change
+    warned = discovery.scan(tmp_path, changed)
+    assert warned.devices is changed.devices and warned.warnings and warned is not changed

@@ -95,19 +95,30 @@ def _root(sysfs_root: str | Path) -> bytes:
     return os.fsencode(sysfs_root)
 
 
-def _table(result: tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]) -> DeviceTable:
+def _table(
+    result: tuple[tuple[tuple[object, ...], ...], tuple[str, ...]], previous: DeviceTable | None = None
+) -> DeviceTable:
     rows, warnings = result
-    make = Device._make
     for w in warnings:
         # A vanishing or half-written entry is normal on a busy node: never fail the scan.  Callers
         # report the warnings (summarised); here they are only traced.
         log.debug("discovery: %s", w)
+    if previous is not None and rows == previous.devices:
+        # Nothing changed (a Device is a tuple and compares equal to its row): keep the table the
+        # daemon already holds instead of making 16k new objects for the collector to walk.
+        if warnings == previous.warnings:
+            return previous
+        return DeviceTable(previous.devices, warnings)
+    make = Device._make
     return DeviceTable(tuple([make(r) for r in rows]), warnings)
 
 
-def scan(sysfs_root: str | Path = DEFAULT_SYSFS) -> DeviceTable:
-    """Scan every PCI function and auxiliary subfunction under ``sysfs_root`` into a device table."""
-    return _table(accel.scan_sysfs(_root(sysfs_root), None))
+def scan(sysfs_root: str | Path = DEFAULT_SYSFS, previous: DeviceTable | None = None) -> DeviceTable:
+    """Scan every PCI function and auxiliary subfunction under ``sysfs_root`` into a device table.
+
+    With ``previous`` (the table of the last scan), an unchanged node returns that same table.
+    """
+    return _table(accel.scan_sysfs(_root(sysfs_root), None), previous)
 
 
 def rescan_devices(sysfs_root: str | Path, addresses: Iterable[str]) -> DeviceTable:

@@ -466,13 +466,13 @@ class Daemon:
         t0 = time.perf_counter()
         # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
         if full or len(targets) > MAX_TARGETED_RESCANS:
-            table = await asyncio.to_thread(discovery.scan, self.settings.sysfs_root)
+            table = await asyncio.to_thread(discovery.scan, self.settings.sysfs_root, self.table)
             self.metrics.record_resync("rescan")
         else:
             table = await asyncio.to_thread(self._rescan_targets_of, self.table, targets)
             self.metrics.record_resync("targeted")
         self._note_scan(table, time.perf_counter() - t0)
-        changed = table.devices != self.table.devices
+        changed = table.devices is not self.table.devices and table.devices != self.table.devices
         self.table = table
         if changed:
             self._ibdev_cache = None
