@@ -1,8 +1,9 @@
 """Benchmark the sysfs scan: extension vs plain-Python twin on simulated nodes of 1k, 4k and 16k VFs.
 
 Prints, per node size, the scan time of each implementation (best and median of ``--repeat`` runs in
-the same process, so both see the same machine state), their ratio, the 16k/4k linearity figure and
-the syscalls per device counted with ``strace -c -f`` (when strace is installed).
+the same process, so both see the same machine state), their ratio, what the daemon does at start
+(scan into a device table, then select pools: the figure of the 4k target), the 16k/4k linearity
+figure and the syscalls per device counted with ``strace -c -f`` (when strace is installed).
 
     python bench/bench_scan.py            # 1,024 / 4,096 / 16,384 VFs with RDMA
     python bench/bench_scan.py --quick    # 1,024 VFs only, a smoke run
@@ -11,8 +12,8 @@ the syscalls per device counted with ``strace -c -f`` (when strace is installed)
 
 Building the trees dominates the run on a disk filesystem (each of ~40 files and links per VF is a
 journalled create: ~50 s for 16k VFs on this VM's ext4, ~10 s on tmpfs; a 16k-VF tree with RDMA
-takes ~2.7 GB either way).  The scan itself is syscall-bound (~23 per device for the extension, most
-of them the open/read/close of one attribute file at ~1.5 us each on this VM).
+takes ~2.7 GB either way).  The scan itself is syscall-bound (~12 per device with RDMA, ~9 without, at
+1.5-2.5 us each on this VM); the extension spreads them over a helper thread, the twin cannot.
 """
 
 from __future__ import annotations
