@@ -426,3 +426,21 @@ def test_cdi_annotations_when_asked(run: Run, node: Node) -> None:
             assert ",".join(names) in annotations.values()
 
     run(main())
+
+
+def test_the_periodic_reconcile_finds_what_no_event_announced(run: Run, node: Node) -> None:
+    # No uevent is injected: only the safety-net reconcile (a one-thread full scan) can see this.
+    node.write_config(pools_config(node.layout, reconcileSeconds=0.3))
+    pf = node.layout.pfs[0]
+    r = res(f"sriov_{pf.netdev}")
+
+    async def main() -> None:
+        async with running(node) as (emu, daemon):
+            assert set(emu.devices(r)) == set(pf.vf_addresses)
+            simnode.set_num_vfs(node.sysfs, pf.address, 0)  # the kernel wants 0 before a new count
+            created = simnode.set_num_vfs(node.sysfs, pf.address, 2)
+            await emu.wait_for(lambda: set(emu.devices(r)) == set(created), GUARD_S)
+            assert len(created) == 2
+            assert emu.registrations(r) == 1
+
+    run(main())

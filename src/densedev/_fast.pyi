@@ -30,6 +30,6 @@ def pick_devices(
 
 # scan: sysfs scan; each device tuple is in densedev.model.Device field order, sorted by id
 def scan_sysfs(
-    root: bytes, addresses: tuple[bytes, ...] | None = None
+    root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True
 ) -> tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]: ...
 def read_rdma_ports(root: bytes, ibdevs: tuple[bytes, ...]) -> tuple[tuple[str, int, int, int], ...]: ...

@@ -113,12 +113,15 @@ def _table(
     return DeviceTable(tuple([make(r) for r in rows]), warnings)
 
 
-def scan(sysfs_root: str | Path = DEFAULT_SYSFS, previous: DeviceTable | None = None) -> DeviceTable:
+def scan(
+    sysfs_root: str | Path = DEFAULT_SYSFS, previous: DeviceTable | None = None, *, threads: bool = True
+) -> DeviceTable:
     """Scan every PCI function and auxiliary subfunction under ``sysfs_root`` into a device table.
 
     With ``previous`` (the table of the last scan), an unchanged node returns that same table.
+    ``threads=False`` reads on the calling thread alone: slower, but the least CPU (for reconciles).
     """
-    return _table(accel.scan_sysfs(_root(sysfs_root), None), previous)
+    return _table(accel.scan_sysfs(_root(sysfs_root), None, threads), previous)
 
 
 def rescan_devices(sysfs_root: str | Path, addresses: Iterable[str]) -> DeviceTable:

@@ -479,6 +479,7 @@ cdef class _ScMaps:
     cdef dict vf_map      # VF address (str) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
+    cdef int helpers      # helper threads that may share the reads (0: this thread alone)
 
     def __cinit__(self):
         self.vf_map = {}
@@ -582,7 +583,7 @@ cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
     cdef sc_rl_batch b
     cdef sc_rl *r
     cdef list jobs = []  # (class, dirfd, entries)
-    cdef int helpers = _SC_HELPERS
+    cdef int helpers = maps.helpers
     rdma = {}
     maps.rdma = rdma
     maps.nets = {}
@@ -643,7 +644,7 @@ cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
             sc_close(job[1])
 
 
-cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings) except *:
+cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers) except *:
     """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, read in parallel without the GIL."""
     cdef char big[SC_LINK_MAX]
     cdef Py_ssize_t n, b, i, ln, count = 0
@@ -654,7 +655,6 @@ cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings) except *:
     cdef sc_names l
     cdef sc_rl_batch batch
     cdef sc_rl *r
-    cdef int helpers = _SC_HELPERS
     memset(&l, 0, sizeof(sc_names))
     batch.items = NULL
     try:
@@ -1018,7 +1018,7 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             if a.status != 0 or not _sc_int(a.buf, a.n, &num):
                 warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
                 num = 0
-            _sc_virtfns(d.devfd, dev, maps.vf_map, warnings)
+            _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
@@ -1216,7 +1216,7 @@ cdef class _ScVfReader:
         cdef sc_batch *b = &self.b
         cdef Py_ssize_t k, n = stop - start
         cdef sc_pthread_t threads[3]
-        cdef int started = 0, t, helpers = _SC_HELPERS
+        cdef int started = 0, t, helpers = maps.helpers
         cdef bytes name
         cdef sc_vf *v
         pfs = []
@@ -1316,7 +1316,7 @@ cdef tuple _sc_pf_facts(int busfd, str pf, _ScMaps maps, list warnings):
     if devfd < 0:
         return (), -1
     try:
-        _sc_virtfns(devfd, pf, maps.vf_map, warnings)
+        _sc_virtfns(devfd, pf, maps.vf_map, warnings, maps.helpers)
         with nogil:
             status = _sc_read(devfd, "numa_node", buf, &n)
         if status != 0 or not _sc_int(buf, n, &numa):
@@ -1443,19 +1443,19 @@ cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
     return rows
 
 
-def scan_sysfs(bytes root, tuple addresses=None):
+def scan_sysfs(bytes root, tuple addresses=None, bint threads=True):
     """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root."""
     # Every object the scan makes lives until it returns, so a collection during it would only
     # traverse them in vain (tens of thousands per scan): the collector waits until the end.
     cdef int gc_was = PyGC_Disable()
     try:
-        return _sc_scan(root, addresses)
+        return _sc_scan(root, addresses, threads)
     finally:
         if gc_was:
             PyGC_Enable()
 
 
-cdef tuple _sc_scan(bytes root, tuple addresses):
+cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
     cdef list warnings = []
     cdef int rootfd, busfd
     cdef list rows
@@ -1478,6 +1478,7 @@ cdef tuple _sc_scan(bytes root, tuple addresses):
         if busfd < 0:
             return (), (f"{_sc_os.fsdecode(root)}/bus/pci/devices: {_sc_os.strerror(err)}",)
         maps = _ScMaps()
+        maps.helpers = _SC_HELPERS if threads else 0
         try:
             _sc_read_classes(rootfd, maps)
             maps.vdpa = _sc_vdpa_map(rootfd)
