@@ -435,7 +435,7 @@ def test_the_periodic_reconcile_finds_what_no_event_announced(run: Run, node: No
     r = res(f"sriov_{pf.netdev}")
 
     async def main() -> None:
-        async with running(node) as (emu, daemon):
+        async with running(node) as (emu, _daemon):
             assert set(emu.devices(r)) == set(pf.vf_addresses)
             simnode.set_num_vfs(node.sysfs, pf.address, 0)  # the kernel wants 0 before a new count
             created = simnode.set_num_vfs(node.sysfs, pf.address, 2)
