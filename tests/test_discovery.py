@@ -184,8 +184,15 @@ def test_driver_from_uevent_or_else_the_driver_link(impl: ModuleType, tmp_path: 
     (dev / "uevent").write_text("".join(x for x in text.splitlines(True) if not x.startswith("DRIVER=")))
     # c: unbound through the simulator: neither
     bind_driver(tmp_path, c, None)
-    devs, warnings = _scan(impl, tmp_path)
+    # Scanned on their own (the full read, as targeted rescans do): the uevent first, then the link.
+    devs, warnings = _scan(impl, tmp_path, (a, b, c))
     assert (devs[a].driver, devs[b].driver, devs[c].driver) == ("mlx5_core", "mlx5_core", "")
+    assert warnings == ()
+    # After their PF in a full scan a VF's ids are the ones its PF's VFs share (VF 0's uevent) and
+    # only its driver link is read: the kernel keeps the two in step, this tree does not.
+    devs, warnings = _scan(impl, tmp_path)
+    assert (devs[a].driver, devs[b].driver, devs[c].driver) == ("linkonly", "mlx5_core", "")
+    assert devs[b][2:7] == devs[a][2:7] == devs[c][2:7]
     assert warnings == ()
 
 

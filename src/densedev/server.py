@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import stat
@@ -103,6 +104,8 @@ class PluginServer:
         self.streams = 0  # ListAndWatch streams open now
         self.streams_opened = 0  # ListAndWatch streams opened since start
         self.on_streams_changed: Callable[[], None] | None = None  # called as a stream opens or ends
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
 
     @property
     def running(self) -> bool:
@@ -152,6 +155,11 @@ class PluginServer:
         if server is None:
             return
         self._stopping.set()  # end open streams now rather than after the grace period
+        if self.streams:
+            # Let each ListAndWatch handler return before the server goes: its OK status is then on
+            # its way and the kubelet sees the stream end cleanly, not a connection torn down under it.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._no_streams.wait(), min(grace, 0.5))
         async with _lifecycle_lock():
             await server.stop(grace)
         # Remove the socket only if it is still the one we bound: after a kubelet restart the path may
@@ -207,6 +215,7 @@ class PluginServer:
         # kubelet treats a finished stream as "all devices unhealthy" and never redials.
         self.streams += 1
         self.streams_opened += 1
+        self._no_streams.clear()
         self._streams_changed()
         log.info("%s: ListAndWatch stream opened", self.resource)
         stopping = asyncio.ensure_future(self._stopping.wait())
@@ -227,6 +236,8 @@ class PluginServer:
             if newer is not None:
                 newer.cancel()
             self.streams -= 1
+            if not self.streams:
+                self._no_streams.set()
             self._streams_changed()
             log.info("%s: ListAndWatch stream closed", self.resource)
 

@@ -16,8 +16,9 @@ the kernel keeps per device only once and takes the rest from where the kernel s
   (drivers/pci/iov.c virtfn_add_bus), and a VF has no ACPI companion of its own.
 - A VF's directory is a sibling of its PF's (drivers/pci/iov.c pci_iov_add_virtfn sets
   ``virtfn->dev.parent = dev->dev.parent``; the PF's ``virtfn<k>`` links say ``../<vf>``), so once its
-  PF has been read, a VF is read relative to that parent: its uevent, IOMMU group and link type, with
-  the PF's PCIe root.  Sorted addresses put every PF before its VFs (a VF's routing ID is the PF's
+  PF has been read, a VF is read relative to that parent: its driver link, IOMMU group and link type,
+  with the PF's PCIe root.  Its ids are the ones all VFs of the PF share, read once from VF 0's uevent
+  (see ``_vf_ids``).  Sorted addresses put every PF before its VFs (a VF's routing ID is the PF's
   plus a positive offset, PCIe SR-IOV spec 3.3.9-10).  Anything odd falls back to the full read.
 """
 
@@ -254,8 +255,9 @@ def _vdpa_map(rootfd: int) -> dict[bytes, tuple[str, str]]:
     return out
 
 
-def _virtfns(devfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings: list[str]) -> None:
-    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, each read once."""
+def _virtfns(devfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings: list[str]) -> bytes:
+    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, each read once; return VF 0's."""
+    first = b""
     for entry in _listdir(devfd, b"."):
         if not entry.startswith(b"virtfn"):
             continue
@@ -265,6 +267,23 @@ def _virtfns(devfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings
             warnings.append(f"{pf}: {os.fsdecode(entry)}: {_why(status) if status else 'not a VF link'}")
             continue
         vf_map[_basename(link)] = (pf, k)
+        if k == 0:
+            first = _basename(link)
+    return first
+
+
+def _vf_ids(parentfd: int, vf0: bytes) -> list[str] | None:
+    """The ids every VF of a PF shares, from its VF 0's uevent (None if that is not usable).
+
+    drivers/pci/iov.c gives each VF its PF's vendor and the SR-IOV capability's VF device ID, and
+    pci_read_vf_config_common() reads class, revision and subsystem ids once and copies them to every
+    VF, as the SR-IOV spec requires them identical across a PF's VFs.
+    """
+    if not vf0:
+        return None
+    status, data = _read(parentfd, vf0 + b"/uevent", _UEVENT_MAX)
+    fields = _uevent_fields(data) if status == 0 else None
+    return fields[0] if fields is not None else None
 
 
 def _link_type(dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: list[str]) -> str:
@@ -290,7 +309,8 @@ class _Maps:
         self.nets = _class_map(rootfd, b"net")
         self.ibs = _class_map(rootfd, b"infiniband")
         self.vf_map: dict[bytes, tuple[str, int]] = {}  # VF address → (PF, index), from virtfn links
-        self.pfs: dict[str, tuple[int, str]] = {}  # PF read in this scan → (parent dir fd, PCIe root)
+        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None)
+        self.pfs: dict[str, tuple[int, str, list[str] | None]] = {}
         self.parents: dict[bytes, int] = {}  # parent dir (link text) → open fd, shared by its PFs
 
     def parent_fd(self, busfd: int, link: bytes) -> int:
@@ -324,17 +344,25 @@ def _functions(maps: _Maps, name: bytes) -> tuple[tuple[str, ...], bytes, tuple[
 def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> list[object] | None:
     """A VF whose PF this scan has read, relative to the PF's parent; None to take the full read."""
     pf, _index = maps.vf_map[name]
-    parentfd, pcie_root = maps.pfs[pf]
-    status, data = _read(parentfd, name + b"/uevent", _UEVENT_MAX)
-    fields = _uevent_fields(data) if status == 0 else None
-    if fields is None:
-        return None
-    ids, uevent_driver = fields
-    dev = os.fsdecode(name)
-    driver = os.fsdecode(uevent_driver)
-    if not driver:
+    parentfd, pcie_root, vf_ids = maps.pfs[pf]
+    if vf_ids is not None:
+        # Ids are its PF's VFs' (see _vf_ids): the driver link alone is this VF's own.  Unbound (or
+        # gone) takes the full read, which tells the two apart.
         status, drv = _readlink(parentfd, name + b"/driver")
-        driver = os.fsdecode(_basename(drv)) if status == 0 else ""
+        if status != 0:
+            return None
+        ids, driver = vf_ids, os.fsdecode(_basename(drv))
+    else:
+        status, data = _read(parentfd, name + b"/uevent", _UEVENT_MAX)
+        fields = _uevent_fields(data) if status == 0 else None
+        if fields is None:
+            return None
+        ids, uevent_driver = fields
+        driver = os.fsdecode(uevent_driver)
+        if not driver:
+            status, drv = _readlink(parentfd, name + b"/driver")
+            driver = os.fsdecode(_basename(drv)) if status == 0 else ""
+    dev = os.fsdecode(name)
     group, noiommu = _iommu_group(parentfd, name + b"/", driver, dev, warnings)
     netdevs, ibdev, nodes = _functions(maps, name)
     link_type = _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
@@ -440,10 +468,10 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list
                 warnings.append(f"{dev}: sriov_numvfs: {_why(status) if status else 'not an integer'}")
                 numvfs = 0
             num = numvfs
-            _virtfns(devfd, dev, maps.vf_map, warnings)
+            vf0 = _virtfns(devfd, dev, maps.vf_map, warnings)
             parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
             if parentfd >= 0:
-                maps.pfs[dev] = (parentfd, pcie_root)
+                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0))
         else:
             total = 0
         netdevs, ibdev, nodes = _functions(maps, name)

@@ -477,7 +477,7 @@ cdef class _ScMaps:
 
     cdef dict rdma, vdpa, nets, ibs
     cdef dict vf_map      # VF address (str) → (PF, index), from virtfn links
-    cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root)
+    cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
 
@@ -644,8 +644,12 @@ cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
             sc_close(job[1])
 
 
-cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers) except *:
-    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, read in parallel without the GIL."""
+cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
+    """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, read in parallel without the GIL.
+
+    Returns VF 0's address (b"" without one), whose uevent gives the ids all the PF's VFs share.
+    """
+    cdef bytes first = b""
     cdef char big[SC_LINK_MAX]
     cdef Py_ssize_t n, b, i, ln, count = 0
     cdef long k
@@ -693,9 +697,31 @@ cdef void _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers
                 continue
             b = _sc_base(buf, n)
             vf_map[_sc_str(buf + b, n - b)] = (pf, k)  # keyed by the device id, as rows are
+            if k == 0:
+                first = PyBytes_FromStringAndSize(buf + b, n - b)
     finally:
         free(batch.items)
         _sc_names_free(&l)
+    return first
+
+
+cdef object _sc_vf_ids(int parentfd, bytes vf0):
+    """The ids every VF of a PF shares, from its VF 0's uevent; None if unusable (the twin's _vf_ids)."""
+    cdef char buf[SC_UEVENT_MAX + 1]
+    cdef Py_ssize_t n
+    cdef int status
+    cdef sc_uev u
+    cdef bytes path
+    cdef const char *cpath
+    if not vf0:
+        return None
+    path = vf0 + b"/uevent"
+    cpath = path
+    with nogil:
+        status = _sc_read_cap(parentfd, cpath, buf, &n, SC_UEVENT_MAX)
+    if status != 0 or not _sc_uevent_parse(buf, n, &u):
+        return None
+    return _sc_uevent_ids(buf, &u)
 
 
 cdef tuple _sc_functions(_ScMaps maps, bytes name):
@@ -1018,11 +1044,11 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             if a.status != 0 or not _sc_int(a.buf, a.n, &num):
                 warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
                 num = 0
-            _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
+            vf0 = _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
-                    maps.pfs[dev] = (parentfd, pcie_root)
+                    maps.pfs[dev] = (parentfd, pcie_root, _sc_vf_ids(parentfd, vf0))
         else:
             total = 0
         netdevs, ibdev, nodes = _sc_functions(maps, name)
@@ -1058,6 +1084,7 @@ cdef struct sc_vf:
     int parentfd           # the PF's parent directory: the VF's directory is in it
     const char *name       # the VF's address (kept alive by the scan's name list)
     const char *ifname     # its first netdev or NULL (kept alive by the class map)
+    bint have_ids          # its PF's VFs' ids are known: read the driver link instead of the uevent
     bint full              # this VF needs the full read (no usable uevent, or an odd link)
     int uevent_n
     char uevent[SC_UEVENT_MAX + 1]
@@ -1075,11 +1102,8 @@ cdef struct sc_vf:
 cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     """The fast read of a VF relative to its PF's parent: uevent, driver, IOMMU group, link type, uio."""
     cdef char path[SC_NAME_MAX * 2 + 32]
-    cdef char link[SC_LINK_MAX]
     cdef Py_ssize_t n, b
     cdef ssize_t got
-    cdef long g
-    cdef int status
     cdef size_t cap = sizeof(path)
     v.full = True
     v.drv = NULL
@@ -1089,13 +1113,33 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     v.net_type.status = SC_UNREAD
     v.uio.count = 0
     v.uio.oom = False
-    if snprintf(path, cap, "%s/uevent", v.name) >= <int>cap:
+    if v.have_ids:
+        # The ids are its PF's VFs' (the twin's _vf_ids): only the driver link is its own.  Unbound
+        # (or gone) takes the full read, which tells the two apart.
+        if snprintf(path, cap, "%s/driver", v.name) >= <int>cap:
+            return
+        got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
+        if got < 0 or got >= SC_VF_LINK:
+            return
+        b = _sc_base(v.drvlink, got)
+        v.drv = v.drvlink + b
+        v.drv_len = got - b
+    elif snprintf(path, cap, "%s/uevent", v.name) >= <int>cap:
         return
-    if _sc_read_cap(v.parentfd, path, v.uevent, &n, SC_UEVENT_MAX) != 0:
+    elif _sc_read_cap(v.parentfd, path, v.uevent, &n, SC_UEVENT_MAX) != 0:
         return
-    v.uevent_n = n
-    if not _sc_uevent_parse(v.uevent, n, &v.ue):
-        return
+    else:
+        v.uevent_n = n
+        if not _sc_uevent_parse(v.uevent, n, &v.ue):
+            return
+        _sc_vf_driver(v, path, cap)
+    _sc_read_vf_rest(v, path, cap)
+
+
+cdef void _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
+    """The driver of a VF read by its uevent: the DRIVER= line, else its driver link."""
+    cdef ssize_t got
+    cdef Py_ssize_t b
     if v.ue.drv_n > 0:
         v.drv = v.uevent + v.ue.drv_at
         v.drv_len = v.ue.drv_n
@@ -1103,11 +1147,23 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
         snprintf(path, cap, "%s/driver", v.name)
         got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
         if got >= SC_VF_LINK:
-            return  # longer than this slot holds: the full read has room
+            v.drv_len = -1  # longer than this slot holds: the full read has room
+            return
         if got >= 0:
             b = _sc_base(v.drvlink, got)
             v.drv = v.drvlink + b
             v.drv_len = got - b
+
+
+cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
+    """IOMMU group, link type and uio node of a VF whose ids and driver are read."""
+    cdef char link[SC_LINK_MAX]
+    cdef Py_ssize_t n, b
+    cdef long g
+    cdef int status
+    if v.drv_len < 0:
+        v.drv_len = 0
+        return  # full read
     snprintf(path, cap, "%s/iommu_group", v.name)
     status = _sc_readlink(v.parentfd, path, link, &n)
     if status == 0:
@@ -1130,8 +1186,11 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     v.full = False
 
 
-cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, _ScMaps maps, list warnings):
-    """A fast-read VF in Device field order (the twin's _scan_vf); warnings in the twin's order."""
+cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, object ids, _ScMaps maps, list warnings):
+    """A fast-read VF in Device field order (the twin's _scan_vf); warnings in the twin's order.
+
+    ``ids`` are the ids its PF's VFs share, or None when this VF's own uevent gave them.
+    """
     cdef str dev = _sc_str(name, len(name))
     cdef str driver = _sc_str(v.drv, v.drv_len) if v.drv_len else ""
     cdef sc_attr *a = &v.net_type
@@ -1142,7 +1201,8 @@ cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, _ScMaps maps
     if v.uio.oom:
         raise MemoryError("sysfs scan: out of memory listing a directory")
     uio = _sc_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
-    ids = _sc_uevent_ids(v.uevent, &v.ue)
+    if ids is None:
+        ids = _sc_uevent_ids(v.uevent, &v.ue)
     vd = maps.vdpa.get(name)
     vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
     return [
@@ -1223,10 +1283,11 @@ cdef class _ScVfReader:
         for k in range(n):
             name = names[start + k]
             pf, _index = maps.vf_map[_sc_str(name, len(name))]
-            parentfd, pcie_root = maps.pfs[pf]
-            pfs.append((pf, pcie_root))
+            parentfd, pcie_root, ids = maps.pfs[pf]
+            pfs.append((pf, pcie_root, ids))
             v = &b.slots[k]
             v.parentfd = parentfd
+            v.have_ids = ids is not None
             v.name = name
             v.ifname = _sc_first_netdev(maps, name)
             b.done[k] = 0
@@ -1245,13 +1306,13 @@ cdef class _ScVfReader:
                     _sc_batch_wait(b, k)
                 v = &b.slots[k]
                 name = names[start + k]
-                pf, pcie_root = pfs[k]
+                pf, pcie_root, ids = pfs[k]
                 hit = maps.vf_map.get(_sc_str(name, len(name)))
                 if v.full or hit is None or hit[0] != pf:
                     # An odd VF (or one an odd PF claimed meanwhile): the one-at-a-time path decides.
                     row = _sc_scan_one(busfd, name, maps, warnings)
                 else:
-                    row = _sc_build_vf(v, name, pf, pcie_root, maps, warnings)
+                    row = _sc_build_vf(v, name, pf, pcie_root, ids, maps, warnings)
                 if row is not None:
                     rows.append(row)
                 if not (k + 1) & 255:
@@ -1271,7 +1332,7 @@ cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
     cdef const char *ifname = _sc_first_netdev(maps, name)
     hit = maps.vf_map.get(_sc_str(name, len(name)))
     if hit is not None and hit[0] in maps.pfs:
-        parentfd, pcie_root = maps.pfs[hit[0]]
+        parentfd, pcie_root, ids = maps.pfs[hit[0]]
         v = <sc_vf *>malloc(sizeof(sc_vf))
         if v == NULL:
             raise MemoryError("sysfs scan: out of memory")
@@ -1280,10 +1341,11 @@ cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
             v.parentfd = parentfd
             v.name = cname
             v.ifname = ifname
+            v.have_ids = ids is not None
             with nogil:
                 _sc_read_vf(v)
             if not v.full:
-                return _sc_build_vf(v, name, hit[0], pcie_root, maps, warnings)
+                return _sc_build_vf(v, name, hit[0], pcie_root, ids, maps, warnings)
         finally:
             _sc_names_free(&v.uio)
             free(v)
