@@ -93,6 +93,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
             for n, group in enumerate(groups)
         ],
         "coalesceMs": args.coalesce_ms,
+        "reconcileSeconds": args.reconcile_seconds,
     }
     (work / "config.json").write_text(json.dumps(doc))
     cfg = config_mod.load(work / "config.json")
@@ -209,6 +210,12 @@ def main() -> int:
         "--hold-down", type=float, default=0.0, help="holdDownSeconds of the pools (0: time recovery too)"
     )
     p.add_argument("--coalesce-ms", type=float, default=2.0)
+    p.add_argument(
+        "--reconcile-seconds",
+        type=float,
+        default=60.0,
+        help="the daemon's full-reconcile interval (default 60, as deployed; 3600: idle between reconciles)",
+    )
     p.add_argument("--dir", default=None, help="where to build the simulated node (default: tmpfs if room)")
     args = p.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the daemon's warnings per flip are the point, not news
