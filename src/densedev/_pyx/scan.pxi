@@ -1130,29 +1130,31 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
         return
     else:
         v.uevent_n = n
-        if not _sc_uevent_parse(v.uevent, n, &v.ue):
+        if not _sc_uevent_parse(v.uevent, n, &v.ue) or not _sc_vf_driver(v, path, cap):
             return
-        _sc_vf_driver(v, path, cap)
     _sc_read_vf_rest(v, path, cap)
 
 
-cdef void _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
-    """The driver of a VF read by its uevent: the DRIVER= line, else its driver link."""
+cdef bint _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
+    """The driver of a VF read by its uevent: the DRIVER= line, else its driver link.
+
+    False when the link is longer than the slot holds (the full read has room for it).
+    """
     cdef ssize_t got
     cdef Py_ssize_t b
     if v.ue.drv_n > 0:
         v.drv = v.uevent + v.ue.drv_at
         v.drv_len = v.ue.drv_n
-    else:
-        snprintf(path, cap, "%s/driver", v.name)
-        got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
-        if got >= SC_VF_LINK:
-            v.drv_len = -1  # longer than this slot holds: the full read has room
-            return
-        if got >= 0:
-            b = _sc_base(v.drvlink, got)
-            v.drv = v.drvlink + b
-            v.drv_len = got - b
+        return True
+    snprintf(path, cap, "%s/driver", v.name)
+    got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
+    if got >= SC_VF_LINK:
+        return False
+    if got >= 0:
+        b = _sc_base(v.drvlink, got)
+        v.drv = v.drvlink + b
+        v.drv_len = got - b
+    return True
 
 
 cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
@@ -1161,9 +1163,6 @@ cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
     cdef Py_ssize_t n, b
     cdef long g
     cdef int status
-    if v.drv_len < 0:
-        v.drv_len = 0
-        return  # full read
     snprintf(path, cap, "%s/iommu_group", v.name)
     status = _sc_readlink(v.parentfd, path, link, &n)
     if status == 0:
@@ -1209,6 +1208,16 @@ cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, object ids, 
         dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, -1, v.group_v, v.noiommu, -1, 0, 0,
         pf, -1, "", netdevs, link_type, ibdev, nodes, uio, vdpa_name, vdpa_driver, pcie_root, "",
     ]
+
+
+cdef tuple _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name):
+    """Point a slot at a VF of ``pf`` (``name`` must outlive the read); return (pf, PCIe root, ids)."""
+    parentfd, pcie_root, ids = maps.pfs[pf]
+    v.parentfd = parentfd
+    v.name = name
+    v.ifname = _sc_first_netdev(maps, name)
+    v.have_ids = ids is not None
+    return pf, pcie_root, ids
 
 
 cdef struct sc_batch:
@@ -1283,13 +1292,7 @@ cdef class _ScVfReader:
         for k in range(n):
             name = names[start + k]
             pf, _index = maps.vf_map[_sc_str(name, len(name))]
-            parentfd, pcie_root, ids = maps.pfs[pf]
-            pfs.append((pf, pcie_root, ids))
-            v = &b.slots[k]
-            v.parentfd = parentfd
-            v.have_ids = ids is not None
-            v.name = name
-            v.ifname = _sc_first_netdev(maps, name)
+            pfs.append(_sc_vf_slot(&b.slots[k], maps, pf, name))
             b.done[k] = 0
         b.n = n
         b.next = 0
@@ -1332,16 +1335,12 @@ cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
     cdef const char *ifname = _sc_first_netdev(maps, name)
     hit = maps.vf_map.get(_sc_str(name, len(name)))
     if hit is not None and hit[0] in maps.pfs:
-        parentfd, pcie_root, ids = maps.pfs[hit[0]]
         v = <sc_vf *>malloc(sizeof(sc_vf))
         if v == NULL:
             raise MemoryError("sysfs scan: out of memory")
         memset(v, 0, sizeof(sc_vf))
         try:
-            v.parentfd = parentfd
-            v.name = cname
-            v.ifname = ifname
-            v.have_ids = ids is not None
+            _pf, pcie_root, ids = _sc_vf_slot(v, maps, hit[0], name)
             with nogil:
                 _sc_read_vf(v)
             if not v.full:
