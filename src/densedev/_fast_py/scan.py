@@ -189,20 +189,8 @@ def _rdma_map(rootfd: int) -> dict[bytes, list[str]]:
     """
     out: dict[bytes, list[str]] = {}
     for cls in _RDMA_CLASSES:
-        try:
-            cfd = os.open(b"class/" + cls, _O_DIR, dir_fd=rootfd)
-        except OSError:
-            continue
-        try:
-            for entry in _entries(cfd):
-                status, link = _readlink(cfd, entry)
-                owner = _class_owner(link, cls) if status == 0 else b""
-                if owner:
-                    out.setdefault(owner, []).append("/dev/infiniband/" + os.fsdecode(entry))
-        except OSError:
-            pass
-        finally:
-            os.close(cfd)
+        for owner, entries in _class_map(rootfd, cls).items():
+            out.setdefault(owner, []).extend("/dev/infiniband/" + os.fsdecode(e) for e in entries)
     return out
 
 

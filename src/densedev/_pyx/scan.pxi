@@ -1332,7 +1332,7 @@ cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
     cdef sc_vf *v
     cdef sc_pci *d
     cdef const char *cname = name
-    cdef const char *ifname = _sc_first_netdev(maps, name)
+    cdef const char *ifname
     hit = maps.vf_map.get(_sc_str(name, len(name)))
     if hit is not None and hit[0] in maps.pfs:
         v = <sc_vf *>malloc(sizeof(sc_vf))
@@ -1353,6 +1353,7 @@ cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
         raise MemoryError("sysfs scan: out of memory")
     memset(d, 0, sizeof(sc_pci))
     d.devfd = -1
+    ifname = _sc_first_netdev(maps, name)
     try:
         with nogil:
             _sc_read_pci(busfd, cname, ifname, d)
