@@ -227,3 +227,30 @@ def test_registers_again_when_the_kubelet_drops_the_stream(run: Run, sock_dir: P
             await kubelet.stop()
 
     run(main())
+
+
+def test_the_demo_counts_a_device_refused_before_the_kubelet_heard_it_went_unhealthy(
+    run: Run, sock_dir: Path
+) -> None:
+    import random
+
+    from densedev.demo import _allocate_one
+
+    pool = FakePool(pci_ids(1))
+    feed = PoolFeed(pool.message())
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir)
+        await kubelet.start()
+        runner = _runner(sock_dir, pool, feed)
+        await runner.start()
+        try:
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 1, GUARD)
+            assert await _allocate_one(kubelet, random.Random(0)) == (1, 0)
+            pool.health[pool.ids[0]] = False  # the plugin knows; its update has not gone out yet
+            assert await _allocate_one(kubelet, random.Random(0)) == (0, 1)
+        finally:
+            await runner.stop()
+            await kubelet.stop()
+
+    run(main())

@@ -20,6 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
+
 from . import accel
 from . import config as config_mod
 from .manager import Daemon, DaemonSettings
@@ -144,7 +146,7 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
     view = DemoView(emulator)
     rng = random.Random(1)
     latencies: list[float] = []
-    flips = port_flips = allocations = errors = absorbed = 0
+    flips = port_flips = allocations = refused = errors = absorbed = 0
     down: set[str] = set()
     ports_down: set[str] = set()
     deadline = time.monotonic() + args.seconds if args.seconds > 0 else float("inf")
@@ -185,7 +187,9 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
                         latencies.append(emulator.updates(resource)[-1].received - t_flip)
                     else:
                         errors += 1
-            allocations += await _allocate_one(emulator, rng)
+            allocated, stale = await _allocate_one(emulator, rng)
+            allocations += allocated
+            refused += stale
             await asyncio.sleep(args.flip_interval)
     except (KeyboardInterrupt, asyncio.CancelledError):
         pass
@@ -199,7 +203,8 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
     print(
         f"demo summary: {total} devices in {len(expected)} pools, {flips} link flips, "
         f"{port_flips} RDMA port flips, {updates} updates, "
-        f"{allocations} allocations, {absorbed} flaps absorbed by the hold-down, "
+        f"{allocations} allocations ({refused} refused: went unhealthy first), "
+        f"{absorbed} flaps absorbed by the hold-down, "
         f"flip-to-kubelet latency p50 {p50:.2f} ms p99 {p99:.2f} ms, {errors} errors, "
         f"implementation={accel.IMPLEMENTATION}"
     )
@@ -235,14 +240,24 @@ def _pool_of_pf(daemon: Daemon, layout: simnode.NodeLayout) -> dict[str, str]:
     return {pf.address: owner[pf.address] for pf in layout.pfs if pf.address in owner}
 
 
-async def _allocate_one(emulator: KubeletEmulator, rng: random.Random) -> int:
-    """Ask for one healthy device of a random pool, as the kubelet does at pod admission."""
+async def _allocate_one(emulator: KubeletEmulator, rng: random.Random) -> tuple[int, int]:
+    """Ask for one healthy device of a random pool, as the kubelet does at pod admission.
+
+    Returns (allocated, refused).  The kubelet picks from the last list it received; a device the
+    daemon has marked Unhealthy since (its update still on the way) is refused with
+    FAILED_PRECONDITION, as a real kubelet would see it, and counted rather than treated as an error.
+    """
     resources = sorted(emulator.resources())
     if not resources:
-        return 0
+        return 0, 0
     res = rng.choice(resources)
     healthy = [i for i, h in (emulator.devices(res) or {}).items() if h == HEALTHY]
     if not healthy:
-        return 0
-    await emulator.allocate(res, [rng.choice(healthy)])
-    return 1
+        return 0, 0
+    try:
+        await emulator.allocate(res, [rng.choice(healthy)])
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+            raise
+        return 0, 1
+    return 1, 0
