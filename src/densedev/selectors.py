@@ -10,8 +10,10 @@ Matching, as that plugin does it (see ``docs/config.md``):
   devices); ``accelerator`` pools take any PCI function but a bridge; ``auxNetDevice`` pools take
   subfunctions only.
 
-Speed: each selector is compiled (per selection) into list filters over frozensets, and every pool walks
-the (sorted once) device list in C-speed comprehensions: linear in devices times pools.
+Speed: each selector is compiled (per selection) into list filters over frozensets, run in C-speed
+comprehensions over the (sorted once) device list.  A selector naming devices (``pciAddresses``,
+``pfNames``, ``rootDevices``) starts from an index of the table by that key instead of the whole list,
+so a node with one pool per PF costs devices + pools, not devices times pools.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class _Table:
         self._net: list[Device] | None = None
         self._accel: list[Device] | None = None
         self._pf_link: dict[str, str] | None = None
+        self._indexes: dict[tuple[str, str], dict[str, list[Device]]] = {}
+        self._positions: dict[str, dict[str, int]] = {}
 
     def base(self, device_type: str) -> list[Device]:
         """Return the devices a pool of ``device_type`` may take, before selectors, in stable order."""
@@ -73,6 +77,27 @@ class _Table:
                 if d.pci_class.startswith("02") and not (d.role == ROLE_PF and d.num_vfs > 0)
             ]
         return self._net
+
+    def narrowed(self, device_type: str, key: str, values: Iterable[str]) -> list[Device]:
+        """Return the base devices whose attribute ``key`` is one of ``values``, in base order."""
+        index = self._indexes.get((device_type, key))
+        if index is None:
+            index = {}
+            get = attrgetter(key)
+            for d in self.base(device_type):
+                index.setdefault(get(d), []).append(d)
+            self._indexes[(device_type, key)] = index
+        hits = [index[v] for v in set(values) if v in index]
+        if len(hits) == 1:
+            return list(hits[0])  # callers may sort what they are given; the index stays as built
+        out = [d for hit in hits for d in hit]
+        if len(hits) > 1:
+            positions = self._positions.get(device_type)
+            if positions is None:
+                positions = {d.id: i for i, d in enumerate(self.base(device_type))}
+                self._positions[device_type] = positions
+            out.sort(key=lambda d: positions[d.id])
+        return out
 
     def pf_link(self) -> dict[str, str]:
         """Return each function's link type by address, so a VF without a host netdev inherits its PF's."""
@@ -161,6 +186,18 @@ def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | N
     return filters
 
 
+def _candidates(sel: Selector, device_type: str, table: _Table, base: list[Device]) -> list[Device]:
+    """The part of ``base`` a selector that names devices can match (its filters still decide)."""
+    if sel.pci_addresses:
+        key = "pf" if device_type == "auxNetDevice" else "id"
+        return table.narrowed(device_type, key, sel.pci_addresses)
+    if sel.pf_names:
+        return table.narrowed(device_type, "pf_netdev", (r.name for r in sel.pf_names))
+    if sel.root_devices:
+        return table.narrowed(device_type, "pf", (r.name for r in sel.root_devices))
+    return base
+
+
 def _select(pc: PoolConfig, table: _Table) -> list[Device]:
     """Return the devices any of the pool's selectors matches, before first-match-wins, in stable order."""
     base = table.base(pc.device_type)
@@ -169,7 +206,7 @@ def _select(pc: PoolConfig, table: _Table) -> list[Device]:
         filters = _compile(sel, pc.device_type, table)
         if filters is None:
             continue
-        devs = base
+        devs = _candidates(sel, pc.device_type, table, base)
         for f in filters:
             devs = f(devs)
         if chosen is None:
