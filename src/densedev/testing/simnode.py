@@ -260,12 +260,41 @@ class _Writer:
     def bind(self, path: str, driver: str | None) -> None:
         link = path + "/driver"
         if os.path.islink(link):
+            self.unbind_view(path)
             os.unlink(link)
         self.uevent_driver(path, driver)
         if driver is None:
             return
-        self.mkdir(os.path.join(self.root, "bus/pci/drivers", driver))
+        self.driver_dir(driver)
         self.link(f"{self.up_to_root(path)}/bus/pci/drivers/{driver}", link)
+        self.bind_view(path, driver)
+
+    def driver_dir(self, driver: str) -> None:
+        """``bus/pci/drivers/<driver>`` with the driver core's attribute files beside its device links."""
+        path = os.path.join(self.root, "bus/pci/drivers", driver)
+        if path in self._made:
+            return
+        self.mkdir(path)
+        for attr in ("bind", "unbind", "new_id", "remove_id", "uevent"):
+            self.write(os.path.join(path, attr), "")
+
+    def bind_view(self, path: str, driver: str) -> None:
+        """The driver's side of a binding: ``bus/pci/drivers/<driver>/<bdf>`` → the device.
+
+        drivers/base/dd.c driver_sysfs_add() makes this link beside the device's ``driver`` link.
+        """
+        rel = os.path.relpath(path, self.root)
+        os.symlink(
+            f"../../../../{rel}", os.path.join(self.root, "bus/pci/drivers", driver, os.path.basename(path))
+        )
+
+    def unbind_view(self, path: str) -> None:
+        """Remove the driver's link to a bound device (driver_sysfs_remove()), if there is one."""
+        try:
+            driver = os.path.basename(os.readlink(path + "/driver"))
+        except OSError:
+            return
+        _unlink(os.path.join(self.root, "bus/pci/drivers", driver, os.path.basename(path)))
 
     def uevent_driver(self, path: str, driver: str | None) -> None:
         """Rewrite the DRIVER= line of a function's uevent (dropped when unbound) in place."""
@@ -451,8 +480,9 @@ class _Writer:
             os.symlink(f"../{bdf}", f"{pf_path}/virtfn{k}")
             os.symlink(f"../../../{rel_parent}/{bdf}", f"{bus_dir}/{bdf}")
             if vf_driver:
-                self.mkdir(os.path.join(self.root, "bus/pci/drivers", vf_driver))
+                self.driver_dir(vf_driver)
                 os.symlink(f"{up}/bus/pci/drivers/{vf_driver}", path + "/driver")
+                self.bind_view(path, vf_driver)
             self.iommu(path, bdf)
             ifname = f"{pf_if}v{k}" if pf_if and vf_driver in _NET_DRIVERS else ""
             if ifname:
@@ -468,6 +498,7 @@ class _Writer:
     def remove_function(self, path: str, bdf: str) -> None:
         """Tear down a function and every view of it (class links, bus link, IOMMU group)."""
         self.drop_views(path)
+        self.unbind_view(path)
         group = os.path.join(path, "iommu_group")
         if os.path.islink(group):
             shutil.rmtree(os.path.realpath(group), ignore_errors=True)
