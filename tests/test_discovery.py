@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 import pytest
 
@@ -38,6 +39,19 @@ def _scan(
 def node(tmp_path_factory: pytest.TempPathFactory) -> NodeLayout:
     """One node with RDMA and one of each special kind, shared read-only by the tests below."""
     return build_node(tmp_path_factory.mktemp("node"), pfs=4, vfs_per_pf=6, rdma=True, extras=True)
+
+
+def test_rows_have_device_fields_and_types(impl: ModuleType, node: NodeLayout) -> None:
+    # discovery builds Device tuples with the bare tuple constructor (no length check): hold both
+    # scans to the exact shape, field by field.
+    rows, _ = impl.scan_sysfs(os.fsencode(node.root), None)
+    want = [get_origin(t) or t for t in get_type_hints(Device).values()]  # tuple[str, ...] → tuple
+    assert rows and all(type(r) is tuple and len(r) == len(Device._fields) for r in rows)
+    for r in rows:
+        assert [type(v) for v in r] == want, r
+    table = discovery.scan(node.root)
+    assert all(type(d) is Device for d in table.devices)
+    assert [tuple(d) for d in table.devices] == [r for r in rows if r[0] in table.by_id()]
 
 
 def test_pfs_and_vfs(impl: ModuleType, node: NodeLayout) -> None:
@@ -172,28 +186,107 @@ def test_mess_skips_or_empties_with_a_warning(impl: ModuleType, tmp_path: Path) 
 
 
 def test_driver_from_uevent_or_else_the_driver_link(impl: ModuleType, tmp_path: Path) -> None:
-    layout = build_node(tmp_path, pfs=1, vfs_per_pf=3)
-    a, b, c = layout.pfs[0].vf_addresses
-    # a: the uevent's DRIVER= line names the driver (the link is not read: it would say "linkonly")
+    layout = build_node(tmp_path, pfs=1, vfs_per_pf=4)
+    a, b, c, d = layout.pfs[0].vf_addresses
+    listing = tmp_path / "bus/pci/drivers/mlx5_core"
+    # a: the uevent's DRIVER= line names the driver (the link is not read: it would say "linkonly"),
+    # and the driver's directory no longer lists it
     dev = _dev_dir(tmp_path, a)
     os.unlink(dev / "driver")
     os.symlink("../../../../bus/pci/drivers/linkonly", dev / "driver")
+    os.unlink(listing / a)
     # b: no DRIVER= line (as while unbound) but a driver link: the link decides
     dev = _dev_dir(tmp_path, b)
     text = (dev / "uevent").read_text()
     (dev / "uevent").write_text("".join(x for x in text.splitlines(True) if not x.startswith("DRIVER=")))
     # c: unbound through the simulator: neither
     bind_driver(tmp_path, c, None)
+    assert not (listing / c).exists()
+    # d: its link says "linkonly" but mlx5_core's directory lists it
+    dev = _dev_dir(tmp_path, d)
+    os.unlink(dev / "driver")
+    os.symlink("../../../../bus/pci/drivers/linkonly", dev / "driver")
     # Scanned on their own (the full read, as targeted rescans do): the uevent first, then the link.
-    devs, warnings = _scan(impl, tmp_path, (a, b, c))
-    assert (devs[a].driver, devs[b].driver, devs[c].driver) == ("mlx5_core", "mlx5_core", "")
+    devs, warnings = _scan(impl, tmp_path, (a, b, c, d))
+    assert [devs[x].driver for x in (a, b, c, d)] == ["mlx5_core", "mlx5_core", "", "mlx5_core"]
     assert warnings == ()
-    # After their PF in a full scan a VF's ids are the ones its PF's VFs share (VF 0's uevent) and
-    # only its driver link is read: the kernel keeps the two in step, this tree does not.
+    # After their PF in a full scan a VF's ids are the ones its PF's VFs share (VF 0's uevent) and its
+    # driver is the one whose directory lists it (the driver VF 0's uevent names), else its own link:
+    # the kernel keeps all three in step, this tree does not.
     devs, warnings = _scan(impl, tmp_path)
-    assert (devs[a].driver, devs[b].driver, devs[c].driver) == ("linkonly", "mlx5_core", "")
-    assert devs[b][2:7] == devs[a][2:7] == devs[c][2:7]
+    assert [devs[x].driver for x in (a, b, c, d)] == ["linkonly", "mlx5_core", "", "mlx5_core"]
+    assert devs[b][2:7] == devs[a][2:7] == devs[c][2:7] == devs[d][2:7]
     assert warnings == ()
+
+
+def test_driver_listing_skips_attribute_files_and_torn_claims(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=2, vfs_per_pf=3)
+    first = layout.pfs[0].vf_addresses[0]
+    a, b, c = layout.pfs[1].vf_addresses
+    listing = tmp_path / "bus/pci/drivers/mlx5_core"
+    # The simulated driver directory is shaped like the kernel's: attribute files beside device links.
+    assert {"bind", "unbind", "new_id", "remove_id", "uevent"} <= {p.name for p in listing.iterdir()}
+    assert os.readlink(listing / b) == os.path.relpath(os.path.realpath(_dev_dir(tmp_path, b)), listing)
+    # The first PF's VF 0 is bound to "other", so that directory is listed first; it also claims b
+    # (a torn tree): neither listing is trusted for b, its own link decides.
+    bind_driver(tmp_path, first, "other")
+    os.symlink(os.readlink(listing / b), tmp_path / "bus/pci/drivers/other" / b)
+    dev = _dev_dir(tmp_path, b)
+    os.unlink(dev / "driver")
+    os.symlink("../../../../bus/pci/drivers/third", dev / "driver")
+    devs, warnings = _scan(impl, tmp_path)
+    assert [devs[x].driver for x in (first, a, b, c)] == ["other", "mlx5_core", "third", "mlx5_core"]
+    assert warnings == ()
+
+
+def test_vfs_come_from_the_sriov_capability_or_else_the_virtfn_links(
+    impl: ModuleType, tmp_path: Path
+) -> None:
+    layout = build_node(tmp_path, pfs=3, vfs_per_pf=20)
+    p0, p1, p2 = layout.pfs
+    full, warnings = _scan(impl, tmp_path)
+    assert warnings == ()
+    # The simulated PF puts VF k at routing ID + offset + k x stride (past function 7, onto the next
+    # device numbers), and the scan finds the same VFs and indexes from those numbers.
+    assert [full[a].vf_index for a in p0.vf_addresses] == list(range(20))
+    # p1: a junk virtfn link is never read while the capability's numbers hold.
+    pf1 = _dev_dir(tmp_path, p1.address)
+    os.symlink("../nowhere", pf1 / "virtfnX")
+    # p2: VF 5 removed on its own (echo 1 > remove): its address is gone from the bus, so the links
+    # decide, and the other VFs keep their indexes.
+    pf2 = _dev_dir(tmp_path, p2.address)
+    gone = p2.vf_addresses[5]
+    shutil.rmtree(_dev_dir(tmp_path, gone))
+    os.unlink(tmp_path / "bus/pci/devices" / gone)
+    os.unlink(pf2 / "virtfn5")
+    devs, warnings = _scan(impl, tmp_path)
+    assert warnings == ()
+    assert gone not in devs
+    assert [devs[a].vf_index for a in p2.vf_addresses if a != gone] == [k for k in range(20) if k != 5]
+    assert [devs[a].vf_index for a in p1.vf_addresses] == list(range(20))
+    # A stride that is not a number: the links decide, and the junk one warns.
+    (pf1 / "sriov_stride").write_text("two\n")
+    devs, warnings = _scan(impl, tmp_path)
+    assert [devs[a].vf_index for a in p1.vf_addresses] == list(range(20))
+    assert warnings == (f"{p1.address}: virtfnX: not a VF link",)
+    # A capability pointing elsewhere than its links (a torn tree): its addresses are not on the bus.
+    (pf1 / "sriov_stride").write_text("1\n")
+    (pf1 / "sriov_offset").write_text("200\n")
+    devs, _ = _scan(impl, tmp_path)
+    assert [devs[a].vf_index for a in p1.vf_addresses] == list(range(20))
+
+
+def test_listed_vf_without_its_group_takes_the_full_read(impl: ModuleType, tmp_path: Path) -> None:
+    layout = build_node(tmp_path, pfs=1, vfs_per_pf=3)
+    a, b, c = layout.pfs[0].vf_addresses
+    # b's directory went away mid-scan (its driver's listing still names it): skipped, as the full
+    # read finds; c merely lost its IOMMU group link: the full read keeps it, without a group.
+    shutil.rmtree(_dev_dir(tmp_path, b))
+    os.unlink(_dev_dir(tmp_path, c) / "iommu_group")
+    devs, warnings = _scan(impl, tmp_path)
+    assert b not in devs
+    assert (devs[c].iommu_group, devs[c].driver, devs[a].driver) == (-1, "mlx5_core", "mlx5_core")
+    assert warnings == (f"{b}: skipped: No such file or directory",)
 
 
 def test_bad_roots_warn_instead_of_raising(impl: ModuleType, tmp_path: Path) -> None:
@@ -348,6 +441,8 @@ def test_an_unchanged_node_gives_back_the_previous_table(tmp_path: Path) -> None
     assert changed.devices == discovery.scan(tmp_path).devices
     # New warnings alone keep the devices and carry the warnings.
     pf = (tmp_path / "bus/pci/devices" / layout.pfs[1].address).resolve()
+    # Unusable SR-IOV numbers make the scan read the PF's virtfn links, and a junk one warns.
+    (pf / "sriov_stride").write_text("?\n")
     os.symlink("../nowhere", pf / "virtfnX")  # not a VF link: a warning, no device change
     warned = discovery.scan(tmp_path, changed)
     assert warned.devices is changed.devices and warned.warnings and warned is not changed

@@ -292,6 +292,7 @@ def test_parallel_reads_agree_across_batches(both: tuple[ModuleType, ModuleType]
         (dev / "uevent").write_bytes(b"PCI_ID=15B3:\n")  # no usable uevent: the full read decides
     # Class and virtfn links longer than a read-ahead slot holds are read again with room for them.
     pf = (tmp_path / "bus/pci/devices" / layout.pfs[1].address).resolve()
+    (pf / "sriov_offset").write_text("-\n")  # unusable: this PF's virtfn links are read
     os.unlink(pf / "virtfn3")
     os.symlink("./" * 200 + "../" + layout.pfs[1].vf_addresses[3], pf / "virtfn3")
     os.symlink(

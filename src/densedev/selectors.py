@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from operator import attrgetter
 from typing import Any
 
@@ -28,6 +29,8 @@ from .model import ROLE_PF, ROLE_SF, Config, Device, IndexRange, Pool, PoolConfi
 # Root ports and switch ports sit in the device table (discovery scans every PCI function) but are the
 # fabric itself; an accelerator pool selecting by vendor alone must never take one.
 _BRIDGE_CLASS = "06"
+# PoolMember(...) is a Python-level __new__ per ID; the tuple constructor makes the same named tuple.
+_make_member = partial(tuple.__new__, PoolMember)
 _VDPA_DRIVERS = {"vhost": "vhost_vdpa", "virtio": "virtio_vdpa"}  # vdpaType → bus/vdpa driver name
 
 Filter = Callable[[list[Device]], list[Device]]
@@ -235,7 +238,7 @@ def build_pools(config: Config, devices: Sequence[Device]) -> tuple[Pool, ...]:
             shares = range(pc.rdma_shared)
             members = tuple(PoolMember(shared_id(d.id, k), d) for d in chosen for k in shares)
         else:
-            members = tuple(map(PoolMember, chosen_ids, chosen))
+            members = tuple(map(_make_member, zip(chosen_ids, chosen, strict=True)))
         taken.update(chosen_ids)
         pools.append(Pool(pc, members))
     return tuple(pools)

@@ -20,6 +20,16 @@ the kernel keeps per device only once and takes the rest from where the kernel s
   with the PF's PCIe root.  Its ids are the ones all VFs of the PF share, read once from VF 0's uevent
   (see ``_vf_ids``).  Sorted addresses put every PF before its VFs (a VF's routing ID is the PF's
   plus a positive offset, PCIe SR-IOV spec 3.3.9-10).  Anything odd falls back to the full read.
+- A PF's VFs are where its SR-IOV capability puts them: VF k's routing ID is the PF's plus First VF
+  Offset plus k x VF Stride (PCIe SR-IOV spec 3.3.9-10; drivers/pci/iov.c pci_iov_virtfn_bus() and
+  pci_iov_virtfn_devfn(), which make the ``virtfn<k>`` links), read from ``sriov_offset`` and
+  ``sriov_stride`` (the values for the current ``sriov_numvfs``: pci_iov_set_numvfs() re-reads them).
+  When every such address is on the bus, that is two reads per PF instead of a listing and one
+  readlink per VF; otherwise (a VF removed on its own, odd numbers, a partial scan) the links decide.
+- A VF's driver comes from its driver's directory: drivers/base/dd.c driver_sysfs_add() links
+  ``bus/pci/drivers/<driver>/<address>`` to every device it binds, beside the device's own ``driver``
+  link, so listing the driver VF 0 is bound to names the driver of all its siblings bound to it in a
+  few getdents calls instead of one readlink each.  A VF not listed there reads its own link.
 """
 
 from __future__ import annotations
@@ -260,18 +270,69 @@ def _virtfns(devfd: int, pf: str, vf_map: dict[bytes, tuple[str, int]], warnings
     return first
 
 
-def _vf_ids(parentfd: int, vf0: bytes) -> list[str] | None:
-    """The ids every VF of a PF shares, from its VF 0's uevent (None if that is not usable).
+def _computed_virtfns(
+    devfd: int, pf: str, numvfs: int, present: set[bytes] | None, vf_map: dict[bytes, tuple[str, int]]
+) -> bytes | None:
+    """Record a PF's VFs from its routing ID, ``sriov_offset`` and ``sriov_stride``; return VF 0's address.
+
+    None when that cannot be trusted (no bus listing to check against, unusable numbers, or an address
+    not on the bus): the caller reads the ``virtfn<k>`` links instead.
+    """
+    if present is None or numvfs <= 0:
+        return None
+    status, data = _read(devfd, b"sriov_offset")
+    offset = _int(data) if status == 0 else None
+    status, data = _read(devfd, b"sriov_stride")
+    stride = _int(data) if status == 0 else None
+    rid = _routing_id(os.fsencode(pf))
+    if offset is None or stride is None or rid is None or offset <= 0 or stride < 0:
+        return None
+    if stride == 0 and numvfs > 1:  # every VF at one address: not a capability to trust
+        return None
+    domain = os.fsencode(pf)[: pf.index(":")]
+    found = []
+    for k in range(numvfs):
+        r = rid + offset + k * stride
+        name = b"%s:%02x:%02x.%d" % (domain, r >> 8, (r >> 3) & 0x1F, r & 7)
+        if r > 0xFFFF or name not in present:
+            return None
+        found.append(name)
+    for k, name in enumerate(found):
+        vf_map[name] = (pf, k)
+    return found[0]
+
+
+def _routing_id(address: bytes) -> int | None:
+    """``0000:3b:00.1`` → bus << 8 | device << 3 | function; None for anything else."""
+    parts = address.split(b":")
+    if len(parts) != 3 or len(parts[1]) != 2 or len(parts[2]) != 4 or parts[2][2:3] != b".":
+        return None
+    bus, dev, fn = parts[1], parts[2][:2], parts[2][3:]
+    if not (_is_hex(parts[0]) and _is_hex(bus) and _is_hex(dev) and fn.isdigit()):
+        return None
+    device, function = int(dev, 16), int(fn)
+    if device > 0x1F or function > 7:
+        return None
+    return int(bus, 16) << 8 | device << 3 | function
+
+
+def _vf_ids(parentfd: int, vf0: bytes) -> tuple[list[str] | None, bytes]:
+    """The ids every VF of a PF shares and VF 0's driver, from its uevent (None, b"" if not usable).
 
     drivers/pci/iov.c gives each VF its PF's vendor and the SR-IOV capability's VF device ID, and
     pci_read_vf_config_common() reads class, revision and subsystem ids once and copies them to every
     VF, as the SR-IOV spec requires them identical across a PF's VFs.
     """
     if not vf0:
-        return None
+        return None, b""
     status, data = _read(parentfd, vf0 + b"/uevent", _UEVENT_MAX)
     fields = _uevent_fields(data) if status == 0 else None
-    return fields[0] if fields is not None else None
+    return (fields[0], fields[1]) if fields is not None else (None, b"")
+
+
+def _is_address(name: bytes) -> bool:
+    """Whether a driver directory entry names a bound device (``0000:3b:02.1``), not an attribute file."""
+    return b":" in name
 
 
 def _link_type(dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: list[str]) -> str:
@@ -289,16 +350,32 @@ def _link_type(dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: lis
 class _Maps:
     """What one scan reads once and every device looks up: class maps, vDPA parents, PFs' VFs."""
 
-    __slots__ = ("ibs", "nets", "parents", "pfs", "rdma", "vdpa", "vf_map")
+    __slots__ = (
+        "drivers",
+        "ibs",
+        "listed",
+        "nets",
+        "parents",
+        "pfs",
+        "present",
+        "rdma",
+        "rootfd",
+        "vdpa",
+        "vf_map",
+    )
 
     def __init__(self, rootfd: int) -> None:
+        self.rootfd = rootfd
+        self.present: set[bytes] | None = None  # every address on the bus (full scans only)
+        self.drivers: dict[bytes, bytes] = {}  # device address → driver, from listed driver directories
+        self.listed: set[bytes] = set()
         self.rdma = _rdma_map(rootfd)
         self.vdpa = _vdpa_map(rootfd)
         self.nets = _class_map(rootfd, b"net")
         self.ibs = _class_map(rootfd, b"infiniband")
         self.vf_map: dict[bytes, tuple[str, int]] = {}  # VF address → (PF, index), from virtfn links
-        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None)
-        self.pfs: dict[str, tuple[int, str, list[str] | None]] = {}
+        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None, has a group)
+        self.pfs: dict[str, tuple[int, str, list[str] | None, bool]] = {}
         self.parents: dict[bytes, int] = {}  # parent dir (link text) → open fd, shared by its PFs
 
     def parent_fd(self, busfd: int, link: bytes) -> int:
@@ -312,6 +389,17 @@ class _Maps:
                 fd = -1
             self.parents[parent] = fd
         return fd
+
+    def list_driver(self, driver: bytes) -> None:
+        """Record every device ``bus/pci/drivers/<driver>`` links to (once per driver and scan)."""
+        if not driver or driver in self.listed or b"/" in driver:
+            return
+        self.listed.add(driver)
+        drivers = self.drivers
+        for name in _listdir(self.rootfd, b"bus/pci/drivers/" + driver):
+            if _is_address(name):
+                # Two drivers claiming one device (a torn tree): neither is trusted, its own link decides.
+                drivers[name] = b"" if name in drivers else driver
 
     def close(self) -> None:
         for fd in self.parents.values():
@@ -332,13 +420,18 @@ def _functions(maps: _Maps, name: bytes) -> tuple[tuple[str, ...], bytes, tuple[
 def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> list[object] | None:
     """A VF whose PF this scan has read, relative to the PF's parent; None to take the full read."""
     pf, _index = maps.vf_map[name]
-    parentfd, pcie_root, vf_ids = maps.pfs[pf]
+    parentfd, pcie_root, vf_ids, pf_grouped = maps.pfs[pf]
+    listed = b""
     if vf_ids is not None:
-        # Ids are its PF's VFs' (see _vf_ids): the driver link alone is this VF's own.  Unbound (or
-        # gone) takes the full read, which tells the two apart.
-        status, drv = _readlink(parentfd, name + b"/driver")
-        if status != 0:
-            return None
+        # Ids are its PF's VFs' (see _vf_ids): the driver alone is this VF's own, from its driver's
+        # listing or else its link.  Unbound (or gone) takes the full read, which tells the two apart.
+        listed = maps.drivers.get(name, b"")
+        if listed:
+            drv = listed
+        else:
+            status, drv = _readlink(parentfd, name + b"/driver")
+            if status != 0:
+                return None
         ids, driver = vf_ids, os.fsdecode(_basename(drv))
     else:
         status, data = _read(parentfd, name + b"/uevent", _UEVENT_MAX)
@@ -351,7 +444,13 @@ def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> list[object] | No
             status, drv = _readlink(parentfd, name + b"/driver")
             driver = os.fsdecode(_basename(drv)) if status == 0 else ""
     dev = os.fsdecode(name)
-    group, noiommu = _iommu_group(parentfd, name + b"/", driver, dev, warnings)
+    said: list[str] = []
+    group, noiommu = _iommu_group(parentfd, name + b"/", driver, dev, said)
+    if listed and group < 0 and pf_grouped and not said:
+        # Nothing of its own has been read yet: no group where its PF has one may be a VF that is
+        # gone (the IOMMU puts every VF in a group when it does its PF), which the full read tells.
+        return None
+    warnings.extend(said)
     netdevs, ibdev, nodes = _functions(maps, name)
     link_type = _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
     uios = _listdir(parentfd, name + b"/uio") if "uio" in driver else []
@@ -456,10 +555,14 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list
                 warnings.append(f"{dev}: sriov_numvfs: {_why(status) if status else 'not an integer'}")
                 numvfs = 0
             num = numvfs
-            vf0 = _virtfns(devfd, dev, maps.vf_map, warnings)
+            vf0 = _computed_virtfns(devfd, dev, num, maps.present, maps.vf_map)
+            if vf0 is None:
+                vf0 = _virtfns(devfd, dev, maps.vf_map, warnings)
             parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
             if parentfd >= 0:
-                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0))
+                vf_ids, vf0_driver = _vf_ids(parentfd, vf0)
+                maps.list_driver(vf0_driver)
+                maps.pfs[dev] = (parentfd, pcie_root, vf_ids, group >= 0)
         else:
             total = 0
         netdevs, ibdev, nodes = _functions(maps, name)
@@ -572,6 +675,8 @@ def scan_sysfs(
         maps = _Maps(rootfd)
         try:
             names = _entries(busfd) if addresses is None else sorted(set(addresses))
+            if addresses is None:
+                maps.present = set(names)
             rows: list[list[object]] = []
             for name in names:
                 hit = maps.vf_map.get(name)

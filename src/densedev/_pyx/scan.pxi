@@ -11,8 +11,8 @@
 # twin so both return identical strings.
 
 from libc.errno cimport errno, ENOENT
-from libc.string cimport strlen, memcmp, memcpy, memset, strcmp
-from libc.stdlib cimport malloc, realloc, free, qsort
+from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
+from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 from libc.stdio cimport snprintf
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
@@ -477,14 +477,48 @@ cdef class _ScMaps:
 
     cdef dict rdma, vdpa, nets, ibs
     cdef dict vf_map      # VF address (str) → (PF, index), from virtfn links
-    cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None)
+    cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
+                          # whether it has an IOMMU group)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
+    cdef dict drivers     # device address (bytes) → driver (bytes), from listed driver directories
+    cdef set listed       # drivers listed so far
+    cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
+    cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
 
     def __cinit__(self):
         self.vf_map = {}
         self.pfs = {}
         self.parents = {}
+        self.drivers = {}
+        self.listed = set()
+
+    cdef void list_driver(self, bytes driver) except *:
+        """Record every device ``bus/pci/drivers/<driver>`` links to (the twin's _Maps.list_driver)."""
+        cdef sc_names l
+        cdef Py_ssize_t i, ln
+        cdef bytes path, name
+        cdef const char *cpath
+        cdef dict drivers = self.drivers
+        if not driver or driver in self.listed or b"/" in driver:
+            return
+        self.listed.add(driver)
+        path = b"bus/pci/drivers/" + driver
+        cpath = path
+        memset(&l, 0, sizeof(sc_names))
+        try:
+            with nogil:
+                _sc_names_open(&l, self.rootfd, cpath)
+            if l.oom:
+                raise MemoryError("sysfs scan: out of memory listing a directory")
+            for i in range(l.count):
+                ln = strlen(l.names[i])
+                if memchr(l.names[i], 58, ln) == NULL:  # ':' – an address, not bind/unbind/uevent/...
+                    continue
+                name = PyBytes_FromStringAndSize(l.names[i], ln)
+                drivers[name] = b"" if name in drivers else driver
+        finally:
+            _sc_names_free(&l)
 
     cdef int parent_fd(self, int busfd, const char *link, Py_ssize_t n) except? -2:
         """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
@@ -516,10 +550,11 @@ cdef enum:
 
 
 cdef struct sc_rl:
-    # One class link to read: where, and what it says.
+    # One class link to read: where, and what it says (done: set once status, n and buf are final).
     int dirfd
     const char *name
     int status
+    int done
     Py_ssize_t n
     char buf[SC_RL_MAX]
 
@@ -549,6 +584,39 @@ cdef void *_sc_rl_reader(void *arg) noexcept nogil:
         if i >= b.n:
             return NULL
         _sc_rl_read(&b.items[i])
+        sc_set_done(&b.items[i].done)
+
+
+cdef void _sc_rl_wait(sc_rl_batch *b, Py_ssize_t k) noexcept nogil:
+    """Until link k is read: read links ourselves while any are left, then wait for the helpers'."""
+    cdef Py_ssize_t i
+    while not sc_is_done(&b.items[k].done):
+        i = sc_fetch_add(&b.next)
+        if i < b.n:
+            _sc_rl_read(&b.items[i])
+            sc_set_done(&b.items[i].done)
+        else:
+            sc_sched_yield()
+
+
+cdef int _sc_rl_start(sc_rl_batch *b, int helpers, sc_pthread_t *threads) noexcept nogil:
+    """Start up to ``helpers`` threads reading the batch ahead; return how many started."""
+    cdef int started = 0, t
+    b.next = 0
+    if b.n < 64:
+        return 0
+    for t in range(helpers):
+        if sc_pthread_create(&threads[t], NULL, _sc_rl_reader, b) != 0:
+            break
+        started += 1
+    return started
+
+
+cdef void _sc_rl_stop(sc_rl_batch *b, int started, sc_pthread_t *threads) noexcept nogil:
+    cdef int t
+    sc_store(&b.next, b.n)  # helpers stop after their current link
+    for t in range(started):
+        sc_pthread_join(threads[t], NULL)
 
 
 cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
@@ -568,21 +636,80 @@ cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
         sc_pthread_join(threads[t], NULL)
 
 
-cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
+cdef struct sc_lists:
+    # Directories listed at once by this thread and helpers, each taking the next one.
+    int *fds               # consumed by the listing
+    sc_names *out
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void *_sc_lists_reader(void *arg) noexcept nogil:
+    cdef sc_lists *b = <sc_lists *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_names_fill(&b.out[i], b.fds[i])
+
+
+cdef list _sc_list_dirs(list fds, int helpers):
+    """Sorted entries of several open directories (not consumed), listed by this thread and helpers.
+
+    The big listings of a scan (the bus and each class: one entry per device) cost a getdents64 pass
+    over thousands of dentries each; listed side by side they take half the time.
+    """
+    cdef sc_lists b
+    cdef sc_pthread_t threads[3]
+    cdef int started = 0, t
+    cdef Py_ssize_t i
+    b.n = len(fds)
+    b.next = 0
+    b.fds = <int *>malloc((b.n + 1) * sizeof(int))
+    b.out = <sc_names *>calloc(b.n + 1, sizeof(sc_names))
+    try:
+        if b.fds == NULL or b.out == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        for i in range(b.n):
+            b.fds[i] = sc_dup(<int>fds[i])
+        with nogil:
+            for t in range(helpers if helpers < b.n - 1 else b.n - 1):
+                if sc_pthread_create(&threads[t], NULL, _sc_lists_reader, &b) != 0:
+                    break
+                started += 1
+            _sc_lists_reader(&b)
+            for t in range(started):
+                sc_pthread_join(threads[t], NULL)
+        return [_sc_names_list(&b.out[i]) for i in range(b.n)]
+    finally:
+        if b.out != NULL:
+            for i in range(b.n):
+                _sc_names_free(&b.out[i])
+        free(b.out)
+        free(b.fds)
+
+
+cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     """Every class map of the scan (the twin's _rdma_map and _class_map), their links read in parallel.
 
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
-    (netdev, ibdev, uverbs, umad) these links are a third of the scan, so they are read ahead by this
-    thread and the helpers together, then sorted into maps here in the twin's order.
+    (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
+    while this thread sorts each one read into its map, in the twin's order, and reads too whenever
+    the next one it needs is not ready.  The class directories are listed side by side with the bus
+    (``busfd``, unless it is -1), whose sorted entries are returned (None without it).
     """
     cdef char big[SC_LINK_MAX]
-    cdef Py_ssize_t n, i, k, total = 0
-    cdef int cfd
+    cdef Py_ssize_t n, i, total = 0, pos, fill_j, fill_e, job_i, entry_i
+    cdef int cfd = -1, started
     cdef bytes entry, owner, cls, cls_path
     cdef const char *cpath
     cdef sc_rl_batch b
     cdef sc_rl *r
+    cdef sc_pthread_t threads[3]
     cdef list jobs = []  # (class, dirfd, entries)
+    cdef list entries = [], fill_entries, listings
+    cdef list bus_names = None
     cdef int helpers = maps.helpers
     rdma = {}
     maps.rdma = rdma
@@ -595,31 +722,51 @@ cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
             cpath = cls_path
             with nogil:
                 cfd = _sc_open_dir(rootfd, cpath)
-            if cfd < 0:
-                continue
-            try:
-                entries = _sc_entries_fd(sc_dup(cfd))
-            except BaseException:
-                sc_close(cfd)
-                raise
-            jobs.append((cls, cfd, entries))
-        b.items = <sc_rl *>malloc(SC_RL_BATCH * sizeof(sc_rl))
+            if cfd >= 0:
+                jobs.append([cls, cfd, None])
+        listings = _sc_list_dirs([job[1] for job in jobs] + ([busfd] if busfd >= 0 else []), helpers)
+        for i in range(len(jobs)):
+            jobs[i][2] = listings[i]
+        if busfd >= 0:
+            bus_names = listings[len(jobs)]
+        for job in jobs:
+            total += len(<list>job[2])
+        b.items = <sc_rl *>malloc((total if total < SC_RL_BATCH else SC_RL_BATCH) * sizeof(sc_rl) + 1)
         if b.items == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        for cls, cfd, entries in jobs:
-            out = rdma if cls in _SC_RDMA_CLASSES else (maps.nets if cls == b"net" else maps.ibs)
-            for k in range(0, len(entries), SC_RL_BATCH):
-                chunk = entries[k:k + SC_RL_BATCH]
-                b.n = len(chunk)
+        # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i) sorts.
+        fill_j = fill_e = job_i = entry_i = 0
+        fill_entries = jobs[0][2] if jobs else []
+        out = None
+        pos = 0
+        while pos < total:
+            b.n = total - pos if total - pos < SC_RL_BATCH else SC_RL_BATCH
+            for i in range(b.n):
+                while fill_e >= len(fill_entries):
+                    fill_j += 1
+                    fill_e = 0
+                    fill_entries = jobs[fill_j][2]
+                entry = fill_entries[fill_e]
+                fill_e += 1
+                b.items[i].dirfd = jobs[fill_j][1]
+                b.items[i].name = entry
+                b.items[i].done = 0
+            with nogil:
+                started = _sc_rl_start(&b, helpers, threads)
+            try:
                 for i in range(b.n):
-                    entry = chunk[i]
-                    b.items[i].dirfd = cfd
-                    b.items[i].name = entry
-                with nogil:
-                    _sc_rl_run(&b, helpers)
-                for i in range(b.n):
+                    while out is None or entry_i >= len(entries):
+                        if out is not None:
+                            job_i += 1
+                        cls, cfd, entries = jobs[job_i]
+                        out = rdma if cls in _SC_RDMA_CLASSES else (maps.nets if cls == b"net" else maps.ibs)
+                        entry_i = 0
+                    entry = entries[entry_i]
+                    entry_i += 1
                     r = &b.items[i]
-                    entry = chunk[i]
+                    if not sc_is_done(&r.done):
+                        with nogil:
+                            _sc_rl_wait(&b, i)
                     if r.status == SC_RL_LONG:
                         with nogil:
                             r.status = _sc_readlink(cfd, r.name, big, &n)
@@ -638,10 +785,15 @@ cdef void _sc_read_classes(int rootfd, _ScMaps maps) except *:
                         out[owner] = [item]
                     else:
                         lst.append(item)
+            finally:
+                with nogil:
+                    _sc_rl_stop(&b, started, threads)
+            pos += b.n
     finally:
         free(b.items)
         for job in jobs:
             sc_close(job[1])
+    return bus_names
 
 
 cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
@@ -705,8 +857,84 @@ cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helper
     return first
 
 
-cdef object _sc_vf_ids(int parentfd, bytes vf0):
-    """The ids every VF of a PF shares, from its VF 0's uevent; None if unusable (the twin's _vf_ids)."""
+cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
+    """``0000:3b:00.1`` → bus << 8 | device << 3 | function; -1 for anything else (the twin's _routing_id)."""
+    cdef Py_ssize_t colon = 0
+    cdef long bus, dev, fn
+    while colon < n and a[colon] != 58:
+        colon += 1
+    if colon == 0 or colon == n or n - colon != 8 or a[colon + 3] != 58 or a[colon + 6] != 46:
+        return -1
+    if not _sc_is_hex(<char *>a, colon) or not _sc_is_hex(<char *>a + colon + 1, 2):
+        return -1
+    if not _sc_is_hex(<char *>a + colon + 4, 2) or not (48 <= a[colon + 7] <= 57):
+        return -1
+    bus = strtol_n(a + colon + 1, 2)
+    dev = strtol_n(a + colon + 4, 2)
+    fn = a[colon + 7] - 48
+    if dev > 0x1F or fn > 7:
+        return -1
+    return bus << 8 | dev << 3 | fn
+
+
+cdef inline long strtol_n(const char *a, Py_ssize_t n) noexcept nogil:
+    cdef long v = 0
+    cdef Py_ssize_t i
+    cdef char c
+    for i in range(n):
+        c = a[i]
+        v = v * 16 + (c - 48 if c <= 57 else (c - 87 if c >= 97 else c - 55))
+    return v
+
+
+cdef object _sc_computed_virtfns(int devfd, str pf, long numvfs, object present, dict vf_map):
+    """Record a PF's VFs from its routing ID, sriov_offset and sriov_stride (the twin's _computed_virtfns).
+
+    Returns VF 0's address, or None when the ``virtfn<k>`` links must be read instead.
+    """
+    cdef char buf[SC_READ_MAX + 1]
+    cdef char addr[64]
+    cdef Py_ssize_t n, dn
+    cdef long offset, stride, rid, r, k
+    cdef int status
+    cdef bint ok
+    cdef bytes name, pfb
+    cdef const char *cpf
+    cdef list found
+    if present is None or numvfs <= 0:
+        return None
+    with nogil:
+        status = _sc_read(devfd, "sriov_offset", buf, &n)
+        ok = status == 0 and _sc_int(buf, n, &offset)
+        if ok:
+            status = _sc_read(devfd, "sriov_stride", buf, &n)
+            ok = status == 0 and _sc_int(buf, n, &stride)
+    pfb = _sc_os.fsencode(pf)
+    cpf = pfb
+    rid = _sc_routing_id(cpf, len(pfb))
+    if not ok or rid < 0 or offset <= 0 or stride < 0 or (stride == 0 and numvfs > 1):
+        return None
+    dn = pfb.index(b":")
+    if dn > 32:
+        return None
+    found = []
+    for k in range(numvfs):
+        r = rid + offset + k * stride
+        if r > 0xFFFF:
+            return None
+        n = snprintf(addr, sizeof(addr), "%.*s:%02lx:%02lx.%ld", <int>dn, cpf, r >> 8, (r >> 3) & 0x1F, r & 7)
+        name = PyBytes_FromStringAndSize(addr, n)
+        if name not in present:
+            return None
+        found.append(name)
+    for k in range(numvfs):
+        name = found[k]
+        vf_map[_sc_str(name, len(name))] = (pf, k)  # keyed by the device id, as rows are
+    return found[0]
+
+
+cdef tuple _sc_vf_ids(int parentfd, bytes vf0):
+    """The ids every VF of a PF shares and VF 0's driver; (None, b"") if unusable (the twin's _vf_ids)."""
     cdef char buf[SC_UEVENT_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
@@ -714,14 +942,15 @@ cdef object _sc_vf_ids(int parentfd, bytes vf0):
     cdef bytes path
     cdef const char *cpath
     if not vf0:
-        return None
+        return None, b""
     path = vf0 + b"/uevent"
     cpath = path
     with nogil:
         status = _sc_read_cap(parentfd, cpath, buf, &n, SC_UEVENT_MAX)
     if status != 0 or not _sc_uevent_parse(buf, n, &u):
-        return None
-    return _sc_uevent_ids(buf, &u)
+        return None, b""
+    driver = PyBytes_FromStringAndSize(buf + u.drv_at, u.drv_n) if u.drv_n > 0 else b""
+    return _sc_uevent_ids(buf, &u), driver
 
 
 cdef tuple _sc_functions(_ScMaps maps, bytes name):
@@ -1044,11 +1273,15 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             if a.status != 0 or not _sc_int(a.buf, a.n, &num):
                 warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
                 num = 0
-            vf0 = _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
+            vf0 = _sc_computed_virtfns(d.devfd, dev, num, maps.present, maps.vf_map)
+            if vf0 is None:
+                vf0 = _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
-                    maps.pfs[dev] = (parentfd, pcie_root, _sc_vf_ids(parentfd, vf0))
+                    vf_ids, vf0_driver = _sc_vf_ids(parentfd, vf0)
+                    maps.list_driver(vf0_driver)
+                    maps.pfs[dev] = (parentfd, pcie_root, vf_ids, d.group_v >= 0)
         else:
             total = 0
         netdevs, ibdev, nodes = _sc_functions(maps, name)
@@ -1085,6 +1318,9 @@ cdef struct sc_vf:
     const char *name       # the VF's address (kept alive by the scan's name list)
     const char *ifname     # its first netdev or NULL (kept alive by the class map)
     bint have_ids          # its PF's VFs' ids are known: read the driver link instead of the uevent
+    const char *listed     # its driver from the driver's directory listing, or NULL (kept alive by the map)
+    Py_ssize_t listed_len
+    bint pf_grouped        # its PF has an IOMMU group (so should it)
     bint full              # this VF needs the full read (no usable uevent, or an odd link)
     int uevent_n
     char uevent[SC_UEVENT_MAX + 1]
@@ -1113,9 +1349,13 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     v.net_type.status = SC_UNREAD
     v.uio.count = 0
     v.uio.oom = False
-    if v.have_ids:
-        # The ids are its PF's VFs' (the twin's _vf_ids): only the driver link is its own.  Unbound
-        # (or gone) takes the full read, which tells the two apart.
+    if v.have_ids and v.listed != NULL:
+        # The ids are its PF's VFs' (the twin's _vf_ids) and its driver's listing named it.
+        v.drv = v.listed
+        v.drv_len = v.listed_len
+    elif v.have_ids:
+        # The ids are its PF's VFs': only the driver link is its own.  Unbound (or gone) takes the
+        # full read, which tells the two apart.
         if snprintf(path, cap, "%s/driver", v.name) >= <int>cap:
             return
         got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
@@ -1165,6 +1405,10 @@ cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
     cdef int status
     snprintf(path, cap, "%s/iommu_group", v.name)
     status = _sc_readlink(v.parentfd, path, link, &n)
+    if status != 0 and v.listed != NULL and v.pf_grouped:
+        # Nothing of its own read yet: no group where its PF has one may be a VF that is gone (the
+        # IOMMU puts every VF in a group when it does its PF), which the full read tells.
+        return
     if status == 0:
         b = _sc_base(link, n)
         if not _sc_int(link + b, n - b, &g) or g < 0:
@@ -1212,11 +1456,19 @@ cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, object ids, 
 
 cdef tuple _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name):
     """Point a slot at a VF of ``pf`` (``name`` must outlive the read); return (pf, PCIe root, ids)."""
-    parentfd, pcie_root, ids = maps.pfs[pf]
+    parentfd, pcie_root, ids, pf_grouped = maps.pfs[pf]
     v.parentfd = parentfd
     v.name = name
     v.ifname = _sc_first_netdev(maps, name)
     v.have_ids = ids is not None
+    v.pf_grouped = pf_grouped
+    v.listed = NULL
+    v.listed_len = 0
+    if v.have_ids:
+        drv = maps.drivers.get(name)
+        if drv:
+            v.listed = <bytes>drv
+            v.listed_len = len(<bytes>drv)
     return pf, pcie_root, ids
 
 
@@ -1540,11 +1792,14 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
         if busfd < 0:
             return (), (f"{_sc_os.fsdecode(root)}/bus/pci/devices: {_sc_os.strerror(err)}",)
         maps = _ScMaps()
+        maps.rootfd = rootfd
         maps.helpers = _SC_HELPERS if threads else 0
         try:
-            _sc_read_classes(rootfd, maps)
+            names = _sc_read_classes(rootfd, maps, busfd if addresses is None else -1)
             maps.vdpa = _sc_vdpa_map(rootfd)
-            names = _sc_entries_fd(sc_dup(busfd)) if addresses is None else sorted(set(addresses))
+            if addresses is not None:
+                names = sorted(set(addresses))
+            maps.present = set(names) if addresses is None else None
             rows = _sc_scan_pcis(busfd, names, maps, warnings)
             by_id = {r[0]: r for r in rows}
             i = 0
