@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
+from itertools import groupby
 from operator import attrgetter
 from typing import Any
 
@@ -86,9 +87,9 @@ class _Table:
         index = self._indexes.get((device_type, key))
         if index is None:
             index = {}
-            get = attrgetter(key)
-            for d in self.base(device_type):
-                index.setdefault(get(d), []).append(d)
+            # A PF's VFs sit next to each other in address order: one dict step per run, not per device.
+            for value, run in groupby(self.base(device_type), attrgetter(key)):
+                index.setdefault(value, []).extend(run)
             self._indexes[(device_type, key)] = index
         hits = [index[v] for v in set(values) if v in index]
         if len(hits) == 1:

@@ -1223,8 +1223,8 @@ cdef void _sc_int_warn(sc_attr *a, str attr, str dev, list warnings) except *:
 cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list warnings):
     """One PCI function in Device field order from what _sc_read_pci read (closes d.devfd).
 
-    The PF netdev, VF index and a VF's NUMA node are filled in afterwards; warnings come in the
-    twin's order.
+    A VF's PF netdev, index and NUMA node are filled in afterwards; a PF leaves its own for the VFs
+    read after it.  Warnings come in the twin's order.
     """
     cdef str dev = _sc_str(name, len(name))
     cdef str pcie_root = _sc_pcie_root(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
@@ -1265,6 +1265,7 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
         role = "vf" if pf else "pci"
         num = 0
         total = d.total_v
+        netdevs, ibdev, nodes = _sc_functions(maps, name)
         if total != -2:
             role = "pf"
             if total < 0:
@@ -1281,10 +1282,11 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
                 if parentfd >= 0:
                     vf_ids, vf0_driver = _sc_vf_ids(parentfd, vf0)
                     maps.list_driver(vf0_driver)
-                    maps.pfs[dev] = (parentfd, pcie_root, vf_ids, d.group_v >= 0)
+                    maps.pfs[dev] = (
+                        parentfd, pcie_root, vf_ids, d.group_v >= 0, d.numa_v, netdevs[0] if netdevs else ""
+                    )
         else:
             total = 0
-        netdevs, ibdev, nodes = _sc_functions(maps, name)
         if netdevs:
             a = &d.net_type
             link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
@@ -1429,11 +1431,13 @@ cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
     v.full = False
 
 
-cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, object ids, _ScMaps maps, list warnings):
-    """A fast-read VF in Device field order (the twin's _scan_vf); warnings in the twin's order.
+cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, list warnings):
+    """A fast-read VF of a PF this scan read, complete, in Device field order; warnings in the twin's order.
 
-    ``ids`` are the ids its PF's VFs share, or None when this VF's own uevent gave them.
+    Its ids are the ones its PF's VFs share, or its own uevent's when those are not known; its NUMA
+    node, PCIe root and PF netdev are its PF's (the twin's _scan_vf and the pass after it).
     """
+    _parentfd, pcie_root, ids, _grouped, numa, pf_netdev = maps.pfs[pf]
     cdef str dev = _sc_str(name, len(name))
     cdef str driver = _sc_str(v.drv, v.drv_len) if v.drv_len else ""
     cdef sc_attr *a = &v.net_type
@@ -1449,14 +1453,14 @@ cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, str pcie_root, object ids, 
     vd = maps.vdpa.get(name)
     vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
     return [
-        dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, -1, v.group_v, v.noiommu, -1, 0, 0,
-        pf, -1, "", netdevs, link_type, ibdev, nodes, uio, vdpa_name, vdpa_driver, pcie_root, "",
+        dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, numa, v.group_v, v.noiommu, -1, 0, 0,
+        pf, index, pf_netdev, netdevs, link_type, ibdev, nodes, uio, vdpa_name, vdpa_driver, pcie_root, "",
     ]
 
 
-cdef tuple _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name):
-    """Point a slot at a VF of ``pf`` (``name`` must outlive the read); return (pf, PCIe root, ids)."""
-    parentfd, pcie_root, ids, pf_grouped = maps.pfs[pf]
+cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
+    """Point a slot at a VF of ``pf`` (``name`` must outlive the read)."""
+    parentfd, pcie_root, ids, pf_grouped, _numa, _netdev = maps.pfs[pf]
     v.parentfd = parentfd
     v.name = name
     v.ifname = _sc_first_netdev(maps, name)
@@ -1469,7 +1473,6 @@ cdef tuple _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name):
         if drv:
             v.listed = <bytes>drv
             v.listed_len = len(<bytes>drv)
-    return pf, pcie_root, ids
 
 
 cdef struct sc_batch:
@@ -1544,7 +1547,8 @@ cdef class _ScVfReader:
         for k in range(n):
             name = names[start + k]
             pf, _index = maps.vf_map[_sc_str(name, len(name))]
-            pfs.append(_sc_vf_slot(&b.slots[k], maps, pf, name))
+            _sc_vf_slot(&b.slots[k], maps, pf, name)
+            pfs.append(pf)
             b.done[k] = 0
         b.n = n
         b.next = 0
@@ -1561,13 +1565,13 @@ cdef class _ScVfReader:
                     _sc_batch_wait(b, k)
                 v = &b.slots[k]
                 name = names[start + k]
-                pf, pcie_root, ids = pfs[k]
+                pf = pfs[k]
                 hit = maps.vf_map.get(_sc_str(name, len(name)))
                 if v.full or hit is None or hit[0] != pf:
                     # An odd VF (or one an odd PF claimed meanwhile): the one-at-a-time path decides.
                     row = _sc_scan_one(busfd, name, maps, warnings)
                 else:
-                    row = _sc_build_vf(v, name, pf, pcie_root, ids, maps, warnings)
+                    row = _sc_build_vf(v, name, pf, hit[1], maps, warnings)
                 if row is not None:
                     rows.append(row)
                 if not (k + 1) & 255:
@@ -1592,11 +1596,11 @@ cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
             raise MemoryError("sysfs scan: out of memory")
         memset(v, 0, sizeof(sc_vf))
         try:
-            _pf, pcie_root, ids = _sc_vf_slot(v, maps, hit[0], name)
+            _sc_vf_slot(v, maps, hit[0], name)
             with nogil:
                 _sc_read_vf(v)
             if not v.full:
-                return _sc_build_vf(v, name, hit[0], pcie_root, ids, maps, warnings)
+                return _sc_build_vf(v, name, hit[0], hit[1], maps, warnings)
         finally:
             _sc_names_free(&v.uio)
             free(v)
@@ -1807,8 +1811,8 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
                 i += 1
                 if not i & SC_YIELD_ROWS:
                     _sc_yield()
-                if row[1] != "vf":
-                    continue
+                if row[1] != "vf" or row[15] >= 0:
+                    continue  # not a VF, or one read beside its PF: complete already
                 pf = row[14]
                 parent = by_id.get(pf)
                 if parent is not None:
