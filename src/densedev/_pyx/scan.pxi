@@ -3,10 +3,11 @@
 #
 # Every file and link is reached relative to an open directory fd (openat/readlinkat), read into a C
 # buffer and parsed in C.  The scan is syscall-bound, so the syscalls run without the GIL and, where
-# there are many independent ones, on more than one thread: the class links (one per netdev, RDMA
-# device and RDMA node), a PF's virtfn links and runs of VFs are read ahead by this thread and up to
-# three helper pthreads taking the next item each (_sc_rl_run, _ScVfReader), while this thread builds
-# rows in order with the GIL.  The daemon runs the full scan in a worker thread (asyncio.to_thread), so
+# there are many independent ones, on more than one thread: the big directory listings (the bus and
+# each class), the class links (one per netdev, RDMA device and RDMA node), a PF's virtfn links and
+# runs of VFs are read ahead by this thread and up to three helper pthreads taking the next item each
+# (_sc_list_dirs, _sc_read_classes, _sc_rl_run, _ScVfReader), while this thread turns what is read
+# into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread (asyncio.to_thread), so
 # the event loop keeps running meanwhile.  Warnings are built with the same Python expressions as the
 # twin so both return identical strings.
 
