@@ -1,7 +1,8 @@
 """Benchmark the sysfs scan: extension vs plain-Python twin on simulated nodes of 1k, 4k and 16k VFs.
 
-Prints, per node size, the scan time of each implementation (best and median of ``--repeat`` runs in
-the same process, so both see the same machine state), their ratio, what the daemon does at start
+Prints, per node size, the scan time of each implementation (best and median of ``--repeat`` runs,
+each implementation timed in a fresh process of its own, as the daemon scans at start, one right
+after the other so both see the same machine state), their ratio, what the daemon does at start
 (scan into a device table, then select pools: the figure of the 4k target), the 16k/4k linearity
 figure and the syscalls per device counted with ``strace -c -f`` (when strace is installed).
 
@@ -44,15 +45,40 @@ TARGET_LINEARITY = 4.5
 TARGET_RATIO = 5.0
 
 
-def _time(fn: Any, root: bytes, repeat: int) -> tuple[float, float, int]:
+def _time(module: str, root: bytes, repeat: int) -> tuple[float, float, int]:
+    """Best and median ms of ``repeat`` scans by ``module`` in a fresh child process, and the devices."""
+    out = _child("scan", module, root, repeat)
+    return out["best"], out["median"], out["count"]
+
+
+def _child(kind: str, module: str, root: bytes, repeat: int) -> dict[str, Any]:
+    # A process of its own per implementation: neither inherits the other's heap (the twin leaves
+    # ~100k objects' worth of fragmented arenas behind), and the daemon scans in a fresh process too.
+    cmd = [sys.executable, __file__, "--child", kind, module, os.fsdecode(root), str(repeat)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def _run_child(kind: str, module: str, root: str, repeat: int) -> dict[str, Any]:
+    """Time scans (``scan``: the module's scan_sysfs; ``pooled``: scan into a table + pools) here."""
+    raw = os.fsencode(root)
     times = []
     count = 0
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        rows, _warnings = fn(root, None)
-        times.append(time.perf_counter() - t0)
-        count = len(rows)
-    return min(times) * 1e3, statistics.median(times) * 1e3, count
+    if kind == "scan":
+        fn = importlib.import_module(module).scan_sysfs
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            rows, _warnings = fn(raw, None)
+            times.append(time.perf_counter() - t0)
+            count = len(rows)
+    else:
+        cfg = _pool_config(Path(root))
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            selectors.build_pools(cfg, discovery.scan(root).devices)
+            times.append(time.perf_counter() - t0)
+    return {"best": min(times) * 1e3, "median": statistics.median(times) * 1e3, "count": count}
 
 
 _STRACE_CHILD = """
@@ -115,13 +141,8 @@ def _pool_config(root: Path) -> config.Config:
 
 def _time_pooled(root: Path, repeat: int) -> float:
     """Best time (ms) of what the daemon does at start: scan into a device table, then select pools."""
-    cfg = _pool_config(root)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        selectors.build_pools(cfg, discovery.scan(root).devices)
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+    best: float = _child("pooled", "densedev._fast", os.fsencode(root), repeat)["best"]
+    return best
 
 
 def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) -> dict[str, Any]:
@@ -142,11 +163,11 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
         build_s = time.perf_counter() - t0
         raw = os.fsencode(root)
         row: dict[str, Any] = {"vfs": vfs, "build_s": round(build_s, 2)}
-        py_best, py_med, devices = _time(twin.scan_sysfs, raw, repeat)
+        py_best, py_med, devices = _time("densedev._fast_py", raw, repeat)
         row.update(devices=devices, python_best_ms=round(py_best, 2), python_median_ms=round(py_med, 2))
         if fast is not None:
             assert fast.scan_sysfs(raw, None) == twin.scan_sysfs(raw, None), "extension and twin disagree"
-            cy_best, cy_med, _ = _time(fast.scan_sysfs, raw, repeat)
+            cy_best, cy_med, _ = _time("densedev._fast", raw, repeat)
             row.update(
                 cython_best_ms=round(cy_best, 2),
                 cython_median_ms=round(cy_med, 2),
@@ -201,6 +222,10 @@ def _print(results: dict[str, Any]) -> None:
 
 def main() -> int:
     """Parse flags, run the benchmark and print a table or JSON."""
+    if sys.argv[1:2] == ["--child"]:
+        kind, module, root, repeat = sys.argv[2:6]
+        print(json.dumps(_run_child(kind, module, root, int(repeat))))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1,024 VFs only (smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
