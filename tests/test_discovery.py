@@ -211,8 +211,8 @@ def test_driver_from_uevent_or_else_the_driver_link(impl: ModuleType, tmp_path: 
     assert [devs[x].driver for x in (a, b, c, d)] == ["mlx5_core", "mlx5_core", "", "mlx5_core"]
     assert warnings == ()
     # After their PF in a full scan a VF's ids are the ones its PF's VFs share (VF 0's uevent) and its
-    # driver is the one whose directory lists it (the driver VF 0's uevent names), else its own link:
-    # the kernel keeps all three in step, this tree does not.
+    # driver is the one whose directory lists it, else its own link: the kernel keeps all three in
+    # step, this tree does not.
     devs, warnings = _scan(impl, tmp_path)
     assert [devs[x].driver for x in (a, b, c, d)] == ["linkonly", "mlx5_core", "", "mlx5_core"]
     assert devs[b][2:7] == devs[a][2:7] == devs[c][2:7] == devs[d][2:7]
@@ -227,8 +227,8 @@ def test_driver_listing_skips_attribute_files_and_torn_claims(impl: ModuleType, 
     # The simulated driver directory is shaped like the kernel's: attribute files beside device links.
     assert {"bind", "unbind", "new_id", "remove_id", "uevent"} <= {p.name for p in listing.iterdir()}
     assert os.readlink(listing / b) == os.path.relpath(os.path.realpath(_dev_dir(tmp_path, b)), listing)
-    # The first PF's VF 0 is bound to "other", so that directory is listed first; it also claims b
-    # (a torn tree): neither listing is trusted for b, its own link decides.
+    # The first PF's VF 0 is bound to "other", whose directory also claims b (a torn tree): neither
+    # listing is trusted for b, its own link decides.
     bind_driver(tmp_path, first, "other")
     os.symlink(os.readlink(listing / b), tmp_path / "bus/pci/drivers/other" / b)
     dev = _dev_dir(tmp_path, b)

@@ -28,8 +28,9 @@ the kernel keeps per device only once and takes the rest from where the kernel s
   readlink per VF; otherwise (a VF removed on its own, odd numbers, a partial scan) the links decide.
 - A VF's driver comes from its driver's directory: drivers/base/dd.c driver_sysfs_add() links
   ``bus/pci/drivers/<driver>/<address>`` to every device it binds, beside the device's own ``driver``
-  link, so listing the driver VF 0 is bound to names the driver of all its siblings bound to it in a
-  few getdents calls instead of one readlink each.  A VF not listed there reads its own link.
+  link, so listing the drivers (a full scan lists them all, with the bus and the classes) names the
+  driver of thousands of VFs in a few getdents calls instead of one readlink each.  A VF no driver
+  lists (or two do) reads its own link.
 """
 
 from __future__ import annotations
@@ -316,23 +317,32 @@ def _routing_id(address: bytes) -> int | None:
     return int(bus, 16) << 8 | device << 3 | function
 
 
-def _vf_ids(parentfd: int, vf0: bytes) -> tuple[list[str] | None, bytes]:
-    """The ids every VF of a PF shares and VF 0's driver, from its uevent (None, b"" if not usable).
+def _vf_ids(parentfd: int, vf0: bytes) -> list[str] | None:
+    """The ids every VF of a PF shares, from its VF 0's uevent (None if that is not usable).
 
     drivers/pci/iov.c gives each VF its PF's vendor and the SR-IOV capability's VF device ID, and
     pci_read_vf_config_common() reads class, revision and subsystem ids once and copies them to every
     VF, as the SR-IOV spec requires them identical across a PF's VFs.
     """
     if not vf0:
-        return None, b""
+        return None
     status, data = _read(parentfd, vf0 + b"/uevent", _UEVENT_MAX)
     fields = _uevent_fields(data) if status == 0 else None
-    return (fields[0], fields[1]) if fields is not None else (None, b"")
+    return fields[0] if fields is not None else None
 
 
-def _is_address(name: bytes) -> bool:
-    """Whether a driver directory entry names a bound device (``0000:3b:02.1``), not an attribute file."""
-    return b":" in name
+def _driver_map(rootfd: int) -> dict[bytes, bytes]:
+    """Device address → its driver, from every ``bus/pci/drivers/<driver>`` directory's device links.
+
+    A device two directories claim (a torn tree) maps to b"": neither is trusted, its own link decides.
+    Entries without ':' are the driver core's attribute files (bind, unbind, new_id, uevent, module).
+    """
+    out: dict[bytes, bytes] = {}
+    for driver in _listdir(rootfd, b"bus/pci/drivers"):
+        for name in _listdir(rootfd, b"bus/pci/drivers/" + driver):
+            if b":" in name:
+                out[name] = b"" if name in out else driver
+    return out
 
 
 def _link_type(dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: list[str]) -> str:
@@ -353,7 +363,6 @@ class _Maps:
     __slots__ = (
         "drivers",
         "ibs",
-        "listed",
         "nets",
         "parents",
         "pfs",
@@ -364,11 +373,11 @@ class _Maps:
         "vf_map",
     )
 
-    def __init__(self, rootfd: int) -> None:
+    def __init__(self, rootfd: int, full: bool) -> None:
         self.rootfd = rootfd
         self.present: set[bytes] | None = None  # every address on the bus (full scans only)
-        self.drivers: dict[bytes, bytes] = {}  # device address → driver, from listed driver directories
-        self.listed: set[bytes] = set()
+        # Device address → driver (full scans: a partial one reads fewer links than the listings hold).
+        self.drivers = _driver_map(rootfd) if full else {}
         self.rdma = _rdma_map(rootfd)
         self.vdpa = _vdpa_map(rootfd)
         self.nets = _class_map(rootfd, b"net")
@@ -389,17 +398,6 @@ class _Maps:
                 fd = -1
             self.parents[parent] = fd
         return fd
-
-    def list_driver(self, driver: bytes) -> None:
-        """Record every device ``bus/pci/drivers/<driver>`` links to (once per driver and scan)."""
-        if not driver or driver in self.listed or b"/" in driver:
-            return
-        self.listed.add(driver)
-        drivers = self.drivers
-        for name in _listdir(self.rootfd, b"bus/pci/drivers/" + driver):
-            if _is_address(name):
-                # Two drivers claiming one device (a torn tree): neither is trusted, its own link decides.
-                drivers[name] = b"" if name in drivers else driver
 
     def close(self) -> None:
         for fd in self.parents.values():
@@ -560,9 +558,7 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list
                 vf0 = _virtfns(devfd, dev, maps.vf_map, warnings)
             parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
             if parentfd >= 0:
-                vf_ids, vf0_driver = _vf_ids(parentfd, vf0)
-                maps.list_driver(vf0_driver)
-                maps.pfs[dev] = (parentfd, pcie_root, vf_ids, group >= 0)
+                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0), group >= 0)
         else:
             total = 0
         netdevs, ibdev, nodes = _functions(maps, name)
@@ -672,7 +668,7 @@ def scan_sysfs(
             busfd = os.open(b"bus/pci/devices", _O_DIR, dir_fd=rootfd)
         except OSError as e:
             return (), (f"{os.fsdecode(root)}/bus/pci/devices: {os.strerror(e.errno or 1)}",)
-        maps = _Maps(rootfd)
+        maps = _Maps(rootfd, addresses is None)
         try:
             names = _entries(busfd) if addresses is None else sorted(set(addresses))
             if addresses is None:

@@ -481,8 +481,7 @@ cdef class _ScMaps:
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
-    cdef dict drivers     # device address (bytes) → driver (bytes), from listed driver directories
-    cdef set listed       # drivers listed so far
+    cdef dict drivers     # device address (bytes) → driver (bytes), from the driver directories (full scans)
     cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
     cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
@@ -492,34 +491,6 @@ cdef class _ScMaps:
         self.pfs = {}
         self.parents = {}
         self.drivers = {}
-        self.listed = set()
-
-    cdef void list_driver(self, bytes driver) except *:
-        """Record every device ``bus/pci/drivers/<driver>`` links to (the twin's _Maps.list_driver)."""
-        cdef sc_names l
-        cdef Py_ssize_t i, ln
-        cdef bytes path, name
-        cdef const char *cpath
-        cdef dict drivers = self.drivers
-        if not driver or driver in self.listed or b"/" in driver:
-            return
-        self.listed.add(driver)
-        path = b"bus/pci/drivers/" + driver
-        cpath = path
-        memset(&l, 0, sizeof(sc_names))
-        try:
-            with nogil:
-                _sc_names_open(&l, self.rootfd, cpath)
-            if l.oom:
-                raise MemoryError("sysfs scan: out of memory listing a directory")
-            for i in range(l.count):
-                ln = strlen(l.names[i])
-                if memchr(l.names[i], 58, ln) == NULL:  # ':' – an address, not bind/unbind/uevent/...
-                    continue
-                name = PyBytes_FromStringAndSize(l.names[i], ln)
-                drivers[name] = b"" if name in drivers else driver
-        finally:
-            _sc_names_free(&l)
 
     cdef int parent_fd(self, int busfd, const char *link, Py_ssize_t n) except? -2:
         """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
@@ -639,7 +610,8 @@ cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
 
 cdef struct sc_lists:
     # Directories listed at once by this thread and helpers, each taking the next one.
-    int *fds               # consumed by the listing
+    int *fds               # each path is opened relative to its fd
+    const char **paths
     sc_names *out
     Py_ssize_t n
     Py_ssize_t next
@@ -652,28 +624,31 @@ cdef void *_sc_lists_reader(void *arg) noexcept nogil:
         i = sc_fetch_add(&b.next)
         if i >= b.n:
             return NULL
-        _sc_names_fill(&b.out[i], b.fds[i])
+        _sc_names_open(&b.out[i], b.fds[i], b.paths[i])
 
 
-cdef list _sc_list_dirs(list fds, int helpers):
-    """Sorted entries of several open directories (not consumed), listed by this thread and helpers.
+cdef list _sc_list_dirs(list dirs, int helpers):
+    """Sorted entries of several directories, each ``(dirfd, path)``, listed by this thread and helpers.
 
-    The big listings of a scan (the bus and each class: one entry per device) cost a getdents64 pass
-    over thousands of dentries each; listed side by side they take half the time.
+    The big listings of a scan (the bus, each class and each driver: one entry per device) cost a
+    getdents64 pass over thousands of dentries each; listed side by side they take half the time.
+    An absent or unreadable directory lists as empty.
     """
     cdef sc_lists b
     cdef sc_pthread_t threads[3]
     cdef int started = 0, t
     cdef Py_ssize_t i
-    b.n = len(fds)
+    b.n = len(dirs)
     b.next = 0
     b.fds = <int *>malloc((b.n + 1) * sizeof(int))
+    b.paths = <const char **>malloc((b.n + 1) * sizeof(char *))
     b.out = <sc_names *>calloc(b.n + 1, sizeof(sc_names))
     try:
-        if b.fds == NULL or b.out == NULL:
+        if b.fds == NULL or b.paths == NULL or b.out == NULL:
             raise MemoryError("sysfs scan: out of memory")
         for i in range(b.n):
-            b.fds[i] = sc_dup(<int>fds[i])
+            b.fds[i] = <int>dirs[i][0]
+            b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
         with nogil:
             for t in range(helpers if helpers < b.n - 1 else b.n - 1):
                 if sc_pthread_create(&threads[t], NULL, _sc_lists_reader, &b) != 0:
@@ -688,7 +663,20 @@ cdef list _sc_list_dirs(list fds, int helpers):
             for i in range(b.n):
                 _sc_names_free(&b.out[i])
         free(b.out)
+        free(b.paths)
         free(b.fds)
+
+
+cdef void _sc_driver_map(dict out, list drivers, list listings) except *:
+    """Device address → driver from each driver's listing; b"" where two claim one (the twin's _driver_map)."""
+    cdef bytes driver, name
+    cdef Py_ssize_t i
+    for i in range(len(drivers)):
+        driver = drivers[i]
+        for name in listings[i]:
+            # ':' – a device link, not one of the driver core's bind/unbind/new_id/uevent/module
+            if memchr(<const char *>name, 58, len(name)) != NULL:
+                out[name] = b"" if name in out else driver
 
 
 cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
@@ -698,7 +686,9 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
     while this thread sorts each one read into its map, in the twin's order, and reads too whenever
     the next one it needs is not ready.  The class directories are listed side by side with the bus
-    (``busfd``, unless it is -1), whose sorted entries are returned (None without it).
+    and every driver (``busfd``, unless it is -1 for a partial scan): the bus's sorted entries are
+    returned (None without it) and the drivers' device links fill ``maps.drivers`` (the twin's
+    _driver_map).
     """
     cdef char big[SC_LINK_MAX]
     cdef Py_ssize_t n, i, total = 0, pos, fill_j, fill_e, job_i, entry_i
@@ -725,11 +715,18 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                 cfd = _sc_open_dir(rootfd, cpath)
             if cfd >= 0:
                 jobs.append([cls, cfd, None])
-        listings = _sc_list_dirs([job[1] for job in jobs] + ([busfd] if busfd >= 0 else []), helpers)
+        dirs = [(job[1], b".") for job in jobs]
+        drivers = []
+        if busfd >= 0:
+            dirs.append((busfd, b"."))
+            drivers = _sc_listdir(rootfd, "bus/pci/drivers")
+            dirs.extend([(rootfd, b"bus/pci/drivers/" + d) for d in drivers])
+        listings = _sc_list_dirs(dirs, helpers)
         for i in range(len(jobs)):
             jobs[i][2] = listings[i]
         if busfd >= 0:
             bus_names = listings[len(jobs)]
+            _sc_driver_map(maps.drivers, drivers, listings[len(jobs) + 1:])
         for job in jobs:
             total += len(<list>job[2])
         b.items = <sc_rl *>malloc((total if total < SC_RL_BATCH else SC_RL_BATCH) * sizeof(sc_rl) + 1)
@@ -934,8 +931,8 @@ cdef object _sc_computed_virtfns(int devfd, str pf, long numvfs, object present,
     return found[0]
 
 
-cdef tuple _sc_vf_ids(int parentfd, bytes vf0):
-    """The ids every VF of a PF shares and VF 0's driver; (None, b"") if unusable (the twin's _vf_ids)."""
+cdef object _sc_vf_ids(int parentfd, bytes vf0):
+    """The ids every VF of a PF shares, from its VF 0's uevent; None if unusable (the twin's _vf_ids)."""
     cdef char buf[SC_UEVENT_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
@@ -943,15 +940,14 @@ cdef tuple _sc_vf_ids(int parentfd, bytes vf0):
     cdef bytes path
     cdef const char *cpath
     if not vf0:
-        return None, b""
+        return None
     path = vf0 + b"/uevent"
     cpath = path
     with nogil:
         status = _sc_read_cap(parentfd, cpath, buf, &n, SC_UEVENT_MAX)
     if status != 0 or not _sc_uevent_parse(buf, n, &u):
-        return None, b""
-    driver = PyBytes_FromStringAndSize(buf + u.drv_at, u.drv_n) if u.drv_n > 0 else b""
-    return _sc_uevent_ids(buf, &u), driver
+        return None
+    return _sc_uevent_ids(buf, &u)
 
 
 cdef tuple _sc_functions(_ScMaps maps, bytes name):
@@ -1281,8 +1277,7 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
-                    vf_ids, vf0_driver = _sc_vf_ids(parentfd, vf0)
-                    maps.list_driver(vf0_driver)
+                    vf_ids = _sc_vf_ids(parentfd, vf0)
                     maps.pfs[dev] = (
                         parentfd, pcie_root, vf_ids, d.group_v >= 0, d.numa_v, netdevs[0] if netdevs else ""
                     )
