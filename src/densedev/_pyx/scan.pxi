@@ -16,6 +16,8 @@ from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
 from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 from libc.stdio cimport snprintf
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.dict cimport PyDict_SetDefault
+from cpython.ref cimport PyObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
 
 cdef extern from "<fcntl.h>" nogil:
@@ -485,12 +487,29 @@ cdef class _ScMaps:
     cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
     cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
+    cdef str drv_str      # the last driver name decoded, and its bytes: thousands of VFs share one
+    cdef char drv_buf[64]
+    cdef Py_ssize_t drv_len
 
     def __cinit__(self):
         self.vf_map = {}
         self.pfs = {}
         self.parents = {}
         self.drivers = {}
+
+    cdef str driver_name(self, const char *drv, Py_ssize_t n):
+        """A driver name as str ("" for none), the same object while consecutive VFs share it."""
+        if n <= 0:
+            return ""
+        if n == self.drv_len and memcmp(drv, self.drv_buf, n) == 0:
+            return self.drv_str
+        self.drv_str = _sc_str(drv, n)
+        if n <= <Py_ssize_t>sizeof(self.drv_buf):
+            memcpy(self.drv_buf, drv, n)
+            self.drv_len = n
+        else:
+            self.drv_len = 0
+        return self.drv_str
 
     cdef int parent_fd(self, int busfd, const char *link, Py_ssize_t n) except? -2:
         """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
@@ -679,6 +698,17 @@ cdef void _sc_driver_map(dict out, list drivers, list listings) except *:
                 out[name] = b"" if name in out else driver
 
 
+cdef str _sc_dev_node(bytes entry):
+    """``uverbs3`` → ``/dev/infiniband/uverbs3`` in one decode (the twin's "/dev/infiniband/" + name)."""
+    cdef char buf[SC_NAME_MAX + 32]
+    cdef Py_ssize_t n = len(entry)
+    if n > SC_NAME_MAX:
+        return "/dev/infiniband/" + _sc_str(entry, n)
+    memcpy(buf, b"/dev/infiniband/", 16)
+    memcpy(buf + 16, <const char *>entry, n)
+    return _sc_str(buf, 16 + n)
+
+
 cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     """Every class map of the scan (the twin's _rdma_map and _class_map), their links read in parallel.
 
@@ -698,6 +728,7 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     cdef sc_rl_batch b
     cdef sc_rl *r
     cdef sc_pthread_t threads[3]
+    cdef PyObject *got
     cdef list jobs = []  # (class, dirfd, entries)
     cdef list entries = [], fill_entries, listings
     cdef list bus_names = None
@@ -777,12 +808,11 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                         continue
                     # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
                     # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
-                    item = ("/dev/infiniband/" + _sc_str(entry, len(entry))) if out is rdma else entry
-                    lst = out.get(owner)
-                    if lst is None:
-                        out[owner] = [item]
-                    else:
-                        lst.append(item)
+                    item = _sc_dev_node(entry) if out is rdma else entry
+                    lst = [item]
+                    got = PyDict_SetDefault(out, owner, lst)  # one lookup: most owners are new
+                    if got != <PyObject *>lst:
+                        (<list><object>got).append(item)
             finally:
                 with nogil:
                     _sc_rl_stop(&b, started, threads)
@@ -1427,15 +1457,16 @@ cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
     v.full = False
 
 
-cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, list warnings):
+cdef tuple _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, list warnings):
     """A fast-read VF of a PF this scan read, complete, in Device field order; warnings in the twin's order.
 
+    A tuple: nothing is filled in later (the full read's rows are lists for that).
     Its ids are the ones its PF's VFs share, or its own uevent's when those are not known; its NUMA
     node, PCIe root and PF netdev are its PF's (the twin's _scan_vf and the pass after it).
     """
     _parentfd, pcie_root, ids, _grouped, numa, pf_netdev = maps.pfs[pf]
     cdef str dev = _sc_str(name, len(name))
-    cdef str driver = _sc_str(v.drv, v.drv_len) if v.drv_len else ""
+    cdef str driver = maps.driver_name(v.drv, v.drv_len)
     cdef sc_attr *a = &v.net_type
     if v.group_bad:
         warnings.append(f"{dev}: iommu_group: not a group number")
@@ -1448,10 +1479,10 @@ cdef list _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, l
         ids = _sc_uevent_ids(v.uevent, &v.ue)
     vd = maps.vdpa.get(name)
     vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
-    return [
+    return (
         dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, numa, v.group_v, v.noiommu, -1, 0, 0,
         pf, index, pf_netdev, netdevs, link_type, ibdev, nodes, uio, vdpa_name, vdpa_driver, pcie_root, "",
-    ]
+    )
 
 
 cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
@@ -1579,7 +1610,7 @@ cdef class _ScVfReader:
                     sc_pthread_join(threads[t], NULL)
 
 
-cdef list _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
+cdef object _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
     """One function on its own: the fast read if it is a VF of a PF this scan read, else the full read."""
     cdef sc_vf *v
     cdef sc_pci *d
@@ -1775,7 +1806,7 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
     cdef list rows
     cdef dict pf_facts = {}
     cdef dict by_id
-    cdef list row, out
+    cdef list out
     cdef int err
     cdef Py_ssize_t i
     cdef const char *croot = root
@@ -1840,7 +1871,8 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
     for i in range(len(rows)):
         if not (i + 1) & SC_YIELD_ROWS:
             _sc_yield()
-        out.append(tuple(<list>rows[i]))
+        row = rows[i]
+        out.append(row if type(row) is tuple else tuple(<list>row))
         rows[i] = None
     return tuple(out), tuple(warnings)
 
