@@ -56,8 +56,11 @@ class _Table:
     """What every pool's selection shares: the sorted device list, per-type bases, PF link types."""
 
     def __init__(self, devices: Sequence[Device]) -> None:
-        pci = sorted((d for d in devices if d.role != ROLE_SF), key=attrgetter("id"))
-        sfs = sorted((d for d in devices if d.role == ROLE_SF), key=lambda d: _natural(d.id))
+        # A scan's table is sorted by id already: sorting it again is one pass of comparisons.
+        pci = [d for d in devices if d.role != ROLE_SF]
+        pci.sort(key=attrgetter("id"))
+        sfs = [d for d in devices if d.role == ROLE_SF]
+        sfs.sort(key=lambda d: _natural(d.id))
         self.pci = pci
         self.sfs = sfs
         self._net: list[Device] | None = None
