@@ -456,6 +456,7 @@ cdef extern from "<pthread.h>" nogil:
 cdef extern from "Python.h":
     int PyGC_Disable()
     int PyGC_Enable()
+    void PyObject_GC_UnTrack(object op)
 
 cdef extern from "<sched.h>" nogil:
     int sc_sched_yield "sched_yield"()
@@ -1872,9 +1873,21 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
         if not (i + 1) & SC_YIELD_ROWS:
             _sc_yield()
         row = rows[i]
-        out.append(row if type(row) is tuple else tuple(<list>row))
+        if type(row) is not tuple:
+            row = tuple(<list>row)
+        _sc_untrack(row)
+        out.append(row)
         rows[i] = None
     return tuple(out), tuple(warnings)
+
+
+cdef inline void _sc_untrack(tuple row) noexcept:
+    # A row holds only str, int, bool and tuples of str: it can never be part of a reference cycle,
+    # so the collector need not traverse it (CPython untracks such tuples itself, but only once a
+    # collection has walked them: ~40k per 4k-VF scan, a millisecond of the first collection after).
+    PyObject_GC_UnTrack(row[17])  # netdevs
+    PyObject_GC_UnTrack(row[20])  # rdma_nodes
+    PyObject_GC_UnTrack(row)
 
 
 cdef long _sc_leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
