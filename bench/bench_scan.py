@@ -13,7 +13,7 @@ figure and the syscalls per device counted with ``strace -c -f`` (when strace is
 
 Building the trees dominates the run on a disk filesystem (each of ~40 files and links per VF is a
 journalled create: ~50 s for 16k VFs on this VM's ext4, ~10 s on tmpfs; a 16k-VF tree with RDMA
-takes ~2.7 GB either way).  The scan itself is syscall-bound (~12 per device with RDMA, ~9 without, at
+takes ~2.7 GB either way).  The scan itself is syscall-bound (~8 per device with RDMA, ~5 without, at
 1.5-2.5 us each on this VM); the extension spreads them over a helper thread, the twin cannot.
 """
 
@@ -156,7 +156,7 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
     results: dict[str, Any] = {"rdma": rdma, "repeat": repeat, "extension": fast is not None, "nodes": []}
     for vfs in sizes:
         pfs, per_pf = SIZES[vfs]
-        root = workdir / f"node-{vfs}"
+        root = workdir / (f"node-{vfs}" if rdma else f"node-{vfs}-nordma")  # never reuse the other kind
         t0 = time.perf_counter()
         if not (root / ".simnode").exists():
             build_node(root, pfs=pfs, vfs_per_pf=per_pf, rdma=rdma)
