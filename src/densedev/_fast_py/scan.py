@@ -285,12 +285,13 @@ def _computed_virtfns(
     offset = _int(data) if status == 0 else None
     status, data = _read(devfd, b"sriov_stride")
     stride = _int(data) if status == 0 else None
-    rid = _routing_id(os.fsencode(pf))
+    address = os.fsencode(pf)
+    rid = _routing_id(address)
     if offset is None or stride is None or rid is None or offset <= 0 or stride < 0:
         return None
     if stride == 0 and numvfs > 1:  # every VF at one address: not a capability to trust
         return None
-    domain = os.fsencode(pf)[: pf.index(":")]
+    domain = address[: address.index(b":")]
     found = []
     for k in range(numvfs):
         r = rid + offset + k * stride

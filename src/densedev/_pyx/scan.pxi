@@ -898,15 +898,16 @@ cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
         return -1
     if not _sc_is_hex(<char *>a + colon + 4, 2) or not (48 <= a[colon + 7] <= 57):
         return -1
-    bus = strtol_n(a + colon + 1, 2)
-    dev = strtol_n(a + colon + 4, 2)
+    bus = _sc_hex_value(a + colon + 1, 2)
+    dev = _sc_hex_value(a + colon + 4, 2)
     fn = a[colon + 7] - 48
     if dev > 0x1F or fn > 7:
         return -1
     return bus << 8 | dev << 3 | fn
 
 
-cdef inline long strtol_n(const char *a, Py_ssize_t n) noexcept nogil:
+cdef inline long _sc_hex_value(const char *a, Py_ssize_t n) noexcept nogil:
+    # n hex digits, already checked by _sc_is_hex
     cdef long v = 0
     cdef Py_ssize_t i
     cdef char c
@@ -916,10 +917,11 @@ cdef inline long strtol_n(const char *a, Py_ssize_t n) noexcept nogil:
     return v
 
 
-cdef object _sc_computed_virtfns(int devfd, str pf, long numvfs, object present, dict vf_map):
+cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, object present, dict vf_map):
     """Record a PF's VFs from its routing ID, sriov_offset and sriov_stride (the twin's _computed_virtfns).
 
-    Returns VF 0's address, or None when the ``virtfn<k>`` links must be read instead.
+    ``pfb`` is the PF's bus entry (``pf`` as bytes).  Returns VF 0's address, or None when the
+    ``virtfn<k>`` links must be read instead.
     """
     cdef char buf[SC_READ_MAX + 1]
     cdef char addr[64]
@@ -927,7 +929,7 @@ cdef object _sc_computed_virtfns(int devfd, str pf, long numvfs, object present,
     cdef long offset, stride, rid, r, k
     cdef int status
     cdef bint ok
-    cdef bytes name, pfb
+    cdef bytes name
     cdef const char *cpf
     cdef list found
     if present is None or numvfs <= 0:
@@ -938,7 +940,6 @@ cdef object _sc_computed_virtfns(int devfd, str pf, long numvfs, object present,
         if ok:
             status = _sc_read(devfd, "sriov_stride", buf, &n)
             ok = status == 0 and _sc_int(buf, n, &stride)
-    pfb = _sc_os.fsencode(pf)
     cpf = pfb
     rid = _sc_routing_id(cpf, len(pfb))
     if not ok or rid < 0 or offset <= 0 or stride < 0 or (stride == 0 and numvfs > 1):
@@ -1302,7 +1303,7 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             if a.status != 0 or not _sc_int(a.buf, a.n, &num):
                 warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
                 num = 0
-            vf0 = _sc_computed_virtfns(d.devfd, dev, num, maps.present, maps.vf_map)
+            vf0 = _sc_computed_virtfns(d.devfd, dev, name, num, maps.present, maps.vf_map)
             if vf0 is None:
                 vf0 = _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
             if d.bus.status == 0:
