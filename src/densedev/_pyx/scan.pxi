@@ -480,7 +480,7 @@ cdef class _ScMaps:
     """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
 
     cdef dict rdma, vdpa, nets, ibs
-    cdef dict vf_map      # VF address (str) → (PF, index), from virtfn links
+    cdef dict vf_map      # VF address (bytes, as listed) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
@@ -877,7 +877,7 @@ cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helper
                 )
                 continue
             b = _sc_base(buf, n)
-            vf_map[_sc_str(buf + b, n - b)] = (pf, k)  # keyed by the device id, as rows are
+            vf_map[PyBytes_FromStringAndSize(buf + b, n - b)] = (pf, k)
             if k == 0:
                 first = PyBytes_FromStringAndSize(buf + b, n - b)
     finally:
@@ -959,7 +959,7 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
         found.append(name)
     for k in range(numvfs):
         name = found[k]
-        vf_map[_sc_str(name, len(name))] = (pf, k)  # keyed by the device id, as rows are
+        vf_map[name] = (pf, k)
     return found[0]
 
 
@@ -1575,7 +1575,7 @@ cdef class _ScVfReader:
         pfs = []
         for k in range(n):
             name = names[start + k]
-            pf, _index = maps.vf_map[_sc_str(name, len(name))]
+            pf, _index = maps.vf_map[name]
             _sc_vf_slot(&b.slots[k], maps, pf, name)
             pfs.append(pf)
             b.done[k] = 0
@@ -1595,7 +1595,7 @@ cdef class _ScVfReader:
                 v = &b.slots[k]
                 name = names[start + k]
                 pf = pfs[k]
-                hit = maps.vf_map.get(_sc_str(name, len(name)))
+                hit = maps.vf_map.get(name)
                 if v.full or hit is None or hit[0] != pf:
                     # An odd VF (or one an odd PF claimed meanwhile): the one-at-a-time path decides.
                     row = _sc_scan_one(busfd, name, maps, warnings)
@@ -1618,7 +1618,7 @@ cdef object _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
     cdef sc_pci *d
     cdef const char *cname = name
     cdef const char *ifname
-    hit = maps.vf_map.get(_sc_str(name, len(name)))
+    hit = maps.vf_map.get(name)
     if hit is not None and hit[0] in maps.pfs:
         v = <sc_vf *>malloc(sizeof(sc_vf))
         if v == NULL:
@@ -1773,7 +1773,7 @@ cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
         j = i
         while j < count and j - i < SC_VF_BATCH:
             name = names[j]
-            hit = maps.vf_map.get(_sc_str(name, len(name)))
+            hit = maps.vf_map.get(name)
             if hit is None or hit[0] not in maps.pfs:
                 break
             j += 1
@@ -1853,7 +1853,7 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
                 netdevs = facts[0]
                 row[16] = netdevs[0] if netdevs else ""
                 row[8] = facts[1]
-                hit = maps.vf_map.get(row[0])
+                hit = maps.vf_map.get(_sc_os.fsencode(row[0]))
                 row[15] = hit[1] if hit is not None and hit[0] == pf else -1
             rows.extend(_sc_scan_sfs(rootfd, by_id, maps, warnings))
         finally:
