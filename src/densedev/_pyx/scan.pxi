@@ -16,8 +16,6 @@ from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
 from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 from libc.stdio cimport snprintf
 from cpython.bytes cimport PyBytes_FromStringAndSize
-from cpython.dict cimport PyDict_SetDefault
-from cpython.ref cimport PyObject
 from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
 
 cdef extern from "<fcntl.h>" nogil:
@@ -68,6 +66,7 @@ cdef enum:
 import os as _sc_os
 
 _SC_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
+_SC_CLASSES = _SC_RDMA_CLASSES + (b"net", b"infiniband")  # the order of SC_CLS_*
 
 
 # ------------------------------------------------------------------ C primitives (no GIL needed)
@@ -386,29 +385,135 @@ def _sc_why(int status):
     return f"unreadable ({_sc_os.strerror(status)})"
 
 
-cdef bytes _sc_class_owner(const char *buf, Py_ssize_t n, bytes cls):
-    """``../../devices/.../<function>/<cls>/<node>`` → ``<function>``; b"" for any other shape."""
+cdef bint _sc_class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t cn,
+                          Py_ssize_t *at, Py_ssize_t *ln) noexcept nogil:
+    """``../../devices/.../<function>/<cls>/<node>`` → where ``<function>`` is; False for other shapes."""
     cdef Py_ssize_t end = n, i, j, k, e2, e3
-    cdef Py_ssize_t cn = len(cls)
-    cdef const char *c = cls
     while end > 0 and buf[end - 1] == 47:
         end -= 1
     i = end
     while i > 0 and buf[i - 1] != 47:
         i -= 1
     if i == 0:
-        return b""
+        return False
     e2 = i - 1
     j = e2
     while j > 0 and buf[j - 1] != 47:
         j -= 1
     if j == 0 or e2 - j != cn or memcmp(buf + j, c, cn) != 0:
-        return b""
+        return False
     e3 = j - 1
     k = e3
     while k > 0 and buf[k - 1] != 47:
         k -= 1
-    return PyBytes_FromStringAndSize(buf + k, e3 - k)
+    at[0] = k
+    ln[0] = e3 - k
+    return e3 > k
+
+
+# ------------------------------------------------------------------ class maps, in C
+
+cdef enum:
+    SC_CLS_VERBS = 0       # the order of _SC_CLASSES
+    SC_CLS_MAD = 1
+    SC_CLS_CM = 2
+    SC_CLS_NET = 3
+    SC_CLS_IB = 4
+    SC_CLS_COUNT = 5
+
+
+cdef struct sc_centry:
+    # One class device: the function that owns it and its name, NUL-terminated in the map's arena
+    # (offsets while the arena grows, pointers once sealed).
+    Py_ssize_t owner_at
+    Py_ssize_t name_at
+    const char *owner
+    const char *name
+
+
+cdef struct sc_cmap:
+    # One class directory as (owner, name) pairs sorted by owner then name: the twin's _class_map,
+    # looked up by binary search instead of a dict of lists (no Python object per class device).
+    sc_centry *e
+    Py_ssize_t n
+    Py_ssize_t cap
+    char *arena
+    Py_ssize_t used
+    Py_ssize_t acap
+
+
+cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char *name,
+                       Py_ssize_t nn) noexcept nogil:
+    """Record one class device; False when out of memory."""
+    cdef Py_ssize_t cap, need = on + nn + 2
+    cdef void *p
+    if m.n == m.cap:
+        cap = 2 * m.cap if m.cap else 1024
+        p = realloc(m.e, cap * sizeof(sc_centry))
+        if p == NULL:
+            return False
+        m.e = <sc_centry *>p
+        m.cap = cap
+    if m.used + need > m.acap:
+        cap = 2 * m.acap if m.acap else 65536
+        while cap < m.used + need:
+            cap *= 2
+        p = realloc(m.arena, cap)
+        if p == NULL:
+            return False
+        m.arena = <char *>p
+        m.acap = cap
+    m.e[m.n].owner_at = m.used
+    memcpy(m.arena + m.used, owner, on)
+    m.arena[m.used + on] = 0
+    m.used += on + 1
+    m.e[m.n].name_at = m.used
+    memcpy(m.arena + m.used, name, nn)
+    m.arena[m.used + nn] = 0
+    m.used += nn + 1
+    m.n += 1
+    return True
+
+
+cdef int _sc_centry_cmp(const void *a, const void *b) noexcept nogil:
+    cdef const sc_centry *x = <const sc_centry *>a
+    cdef const sc_centry *y = <const sc_centry *>b
+    cdef int c = strcmp(x.owner, y.owner)
+    return c if c != 0 else strcmp(x.name, y.name)
+
+
+cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
+    """Turn offsets into pointers and sort: owners together, each one's names in bytes order."""
+    cdef Py_ssize_t i
+    for i in range(m.n):
+        m.e[i].owner = m.arena + m.e[i].owner_at
+        m.e[i].name = m.arena + m.e[i].name_at
+    if m.n > 1:
+        qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
+
+
+cdef Py_ssize_t _sc_cmap_find(const sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
+    """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last."""
+    cdef Py_ssize_t lo = 0, hi = m.n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if strcmp(m.e[mid].owner, owner) < 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo == m.n or strcmp(m.e[lo].owner, owner) != 0:
+        return -1
+    hi = lo + 1
+    while hi < m.n and strcmp(m.e[hi].owner, owner) == 0:
+        hi += 1
+    end[0] = hi
+    return lo
+
+
+cdef void _sc_cmap_free(sc_cmap *m) noexcept nogil:
+    free(m.e)
+    free(m.arena)
+    memset(m, 0, sizeof(sc_cmap))
 
 
 cdef dict _sc_vdpa_map(int rootfd):
@@ -479,7 +584,8 @@ cdef extern from *:
 cdef class _ScMaps:
     """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
 
-    cdef dict rdma, vdpa, nets, ibs
+    cdef dict vdpa
+    cdef sc_cmap cls[SC_CLS_COUNT]  # each class directory's (owner, name) pairs: _SC_CLASSES order
     cdef dict vf_map      # VF address (bytes, as listed) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
@@ -533,6 +639,11 @@ cdef class _ScMaps:
             if fd >= 0:
                 sc_close(fd)
         self.parents.clear()
+
+    def __dealloc__(self):
+        cdef int k
+        for k in range(SC_CLS_COUNT):
+            _sc_cmap_free(&self.cls[k])
 
 
 cdef enum:
@@ -699,14 +810,14 @@ cdef void _sc_driver_map(dict out, list drivers, list listings) except *:
                 out[name] = b"" if name in out else driver
 
 
-cdef str _sc_dev_node(bytes entry):
+cdef str _sc_dev_node(const char *entry):
     """``uverbs3`` → ``/dev/infiniband/uverbs3`` in one decode (the twin's "/dev/infiniband/" + name)."""
     cdef char buf[SC_NAME_MAX + 32]
-    cdef Py_ssize_t n = len(entry)
+    cdef Py_ssize_t n = strlen(entry)
     if n > SC_NAME_MAX:
         return "/dev/infiniband/" + _sc_str(entry, n)
     memcpy(buf, b"/dev/infiniband/", 16)
-    memcpy(buf + 16, <const char *>entry, n)
+    memcpy(buf + 16, entry, n)
     return _sc_str(buf, 16 + n)
 
 
@@ -724,29 +835,31 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     cdef char big[SC_LINK_MAX]
     cdef Py_ssize_t n, i, total = 0, pos, fill_j, fill_e, job_i, entry_i
     cdef int cfd = -1, started
-    cdef bytes entry, owner, cls, cls_path
+    cdef bint ok, oom = False
+    cdef bytes entry, cls, cls_path
     cdef const char *cpath
+    cdef const char *buf
+    cdef const char *ccls = NULL
+    cdef Py_ssize_t cn = 0, at, ln
+    cdef int k, kind = 0
     cdef sc_rl_batch b
     cdef sc_rl *r
     cdef sc_pthread_t threads[3]
-    cdef PyObject *got
-    cdef list jobs = []  # (class, dirfd, entries)
+    cdef list jobs = []  # (class, dirfd, entries, SC_CLS_*)
     cdef list entries = [], fill_entries, listings
     cdef list bus_names = None
     cdef int helpers = maps.helpers
-    rdma = {}
-    maps.rdma = rdma
-    maps.nets = {}
-    maps.ibs = {}
+    cdef bint started_sorting = False
     b.items = NULL
     try:
-        for cls in _SC_RDMA_CLASSES + (b"net", b"infiniband"):
+        for k in range(SC_CLS_COUNT):
+            cls = _SC_CLASSES[k]
             cls_path = b"class/" + cls
             cpath = cls_path
             with nogil:
                 cfd = _sc_open_dir(rootfd, cpath)
             if cfd >= 0:
-                jobs.append([cls, cfd, None])
+                jobs.append([cls, cfd, None, k])
         dirs = [(job[1], b".") for job in jobs]
         drivers = []
         if busfd >= 0:
@@ -767,7 +880,6 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
         # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i) sorts.
         fill_j = fill_e = job_i = entry_i = 0
         fill_entries = jobs[0][2] if jobs else []
-        out = None
         pos = 0
         while pos < total:
             b.n = total - pos if total - pos < SC_RL_BATCH else SC_RL_BATCH
@@ -785,39 +897,39 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                 started = _sc_rl_start(&b, helpers, threads)
             try:
                 for i in range(b.n):
-                    while out is None or entry_i >= len(entries):
-                        if out is not None:
+                    while not started_sorting or entry_i >= len(entries):
+                        if started_sorting:
                             job_i += 1
-                        cls, cfd, entries = jobs[job_i]
-                        out = rdma if cls in _SC_RDMA_CLASSES else (maps.nets if cls == b"net" else maps.ibs)
+                        started_sorting = True
+                        cls, cfd, entries, kind = jobs[job_i]
+                        ccls = cls
+                        cn = len(cls)
                         entry_i = 0
-                    entry = entries[entry_i]
                     entry_i += 1
                     r = &b.items[i]
                     if not sc_is_done(&r.done):
                         with nogil:
                             _sc_rl_wait(&b, i)
+                    buf = r.buf
+                    n = r.n
                     if r.status == SC_RL_LONG:
                         with nogil:
                             r.status = _sc_readlink(cfd, r.name, big, &n)
-                        owner = _sc_class_owner(big, n, cls) if r.status == 0 else b""
-                    elif r.status == 0:
-                        owner = _sc_class_owner(r.buf, r.n, cls)
-                    else:
-                        continue
-                    if not owner:
-                        continue
+                        buf = big
                     # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
                     # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
-                    item = _sc_dev_node(entry) if out is rdma else entry
-                    lst = [item]
-                    got = PyDict_SetDefault(out, owner, lst)  # one lookup: most owners are new
-                    if got != <PyObject *>lst:
-                        (<list><object>got).append(item)
+                    ok = r.status == 0 and _sc_class_owner(buf, n, ccls, cn, &at, &ln)
+                    if ok and not _sc_cmap_add(&maps.cls[kind], buf + at, ln, r.name, strlen(r.name)):
+                        oom = True
             finally:
                 with nogil:
                     _sc_rl_stop(&b, started, threads)
+            if oom:
+                raise MemoryError("sysfs scan: out of memory")
             pos += b.n
+        with nogil:
+            for k in range(SC_CLS_COUNT):
+                _sc_cmap_seal(&maps.cls[k])
     finally:
         free(b.items)
         for job in jobs:
@@ -982,25 +1094,41 @@ cdef object _sc_vf_ids(int parentfd, bytes vf0):
     return _sc_uevent_ids(buf, &u)
 
 
+cdef tuple _sc_netdevs(_ScMaps maps, const char *name):
+    """A function's netdev names in bytes order (the twin's ``maps.nets``)."""
+    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cls[SC_CLS_NET], name, &end)
+    cdef sc_centry *e = maps.cls[SC_CLS_NET].e
+    if i < 0:
+        return ()
+    return tuple([_sc_str(e[k].name, strlen(e[k].name)) for k in range(i, end)])
+
+
 cdef tuple _sc_functions(_ScMaps maps, bytes name):
     """A function's netdevs, first RDMA device and its /dev/infiniband nodes, from the class maps."""
-    nets = maps.nets.get(name)
-    netdevs = tuple([_sc_str(e, len(e)) for e in nets]) if nets else ()
-    ibs = maps.ibs.get(name)
-    if ibs:
-        ibdev = ibs[0]
-        nodes = maps.rdma.get(name)
-        return netdevs, _sc_str(ibdev, len(ibdev)), tuple(sorted(nodes)) if nodes else ()
-    return netdevs, "", ()
+    cdef const char *c = name
+    cdef Py_ssize_t end, i, k
+    cdef int m
+    cdef sc_centry *e
+    netdevs = _sc_netdevs(maps, c)
+    i = _sc_cmap_find(&maps.cls[SC_CLS_IB], c, &end)
+    if i < 0:
+        return netdevs, "", ()
+    e = maps.cls[SC_CLS_IB].e
+    ibdev = _sc_str(e[i].name, strlen(e[i].name))
+    nodes = []
+    for m in range(SC_CLS_VERBS, SC_CLS_CM + 1):
+        i = _sc_cmap_find(&maps.cls[m], c, &end)
+        e = maps.cls[m].e
+        for k in range(i, end if i >= 0 else i):
+            nodes.append(_sc_dev_node(e[k].name))
+    nodes.sort()
+    return netdevs, ibdev, tuple(nodes)
 
 
-cdef const char *_sc_first_netdev(_ScMaps maps, bytes name):
+cdef const char *_sc_first_netdev(_ScMaps maps, bytes name) noexcept:
     """The first netdev's name as a C string (kept alive by the map), or NULL."""
-    nets = maps.nets.get(name)
-    if not nets:
-        return NULL
-    cdef bytes first = nets[0]
-    return first
+    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cls[SC_CLS_NET], name, &end)
+    return maps.cls[SC_CLS_NET].e[i].name if i >= 0 else NULL
 
 
 cdef str _sc_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
@@ -1668,8 +1796,7 @@ cdef tuple _sc_pf_facts(int busfd, str pf, _ScMaps maps, list warnings):
             status = _sc_read(devfd, "numa_node", buf, &n)
         if status != 0 or not _sc_int(buf, n, &numa):
             numa = -1
-        nets = maps.nets.get(name)
-        return (tuple([_sc_str(e, len(e)) for e in nets]) if nets else ()), numa
+        return _sc_netdevs(maps, cname), numa
     finally:
         sc_close(devfd)
 
@@ -1866,8 +1993,6 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
     # first lets go of them): one dealloc of 16k entries would hold the GIL for milliseconds.
     by_id = None
     _sc_drain(maps.vf_map)
-    _sc_drain(maps.rdma)
-    _sc_drain(maps.nets)
     _sc_drain(names)
     out = []
     for i in range(len(rows)):
