@@ -440,6 +440,7 @@ cdef struct sc_cmap:
     char *arena
     Py_ssize_t used
     Py_ssize_t acap
+    Py_ssize_t hint        # where the last lookup ended: rows are built in the map's (address) order
 
 
 cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char *name,
@@ -492,9 +493,18 @@ cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
         qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
 
 
-cdef Py_ssize_t _sc_cmap_find(const sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
-    """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last."""
-    cdef Py_ssize_t lo = 0, hi = m.n, mid
+cdef Py_ssize_t _sc_cmap_find(sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
+    """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last.
+
+    Lookups come in address order while rows are built, so the search starts where the last one
+    ended when the owner sorts after it, and within the next few entries when it sorts before them.
+    Not thread-safe (the hint): the scanning thread alone looks up.
+    """
+    cdef Py_ssize_t lo = 0, hi = m.n, mid, h = m.hint
+    if 0 < h <= m.n and strcmp(m.e[h - 1].owner, owner) < 0:
+        lo = h
+        if h + 8 < m.n and strcmp(m.e[h + 8].owner, owner) >= 0:
+            hi = h + 8
     while lo < hi:
         mid = (lo + hi) >> 1
         if strcmp(m.e[mid].owner, owner) < 0:
@@ -502,11 +512,13 @@ cdef Py_ssize_t _sc_cmap_find(const sc_cmap *m, const char *owner, Py_ssize_t *e
         else:
             hi = mid
     if lo == m.n or strcmp(m.e[lo].owner, owner) != 0:
+        m.hint = lo
         return -1
     hi = lo + 1
     while hi < m.n and strcmp(m.e[hi].owner, owner) == 0:
         hi += 1
     end[0] = hi
+    m.hint = hi
     return lo
 
 
