@@ -67,6 +67,7 @@ import os as _sc_os
 
 _SC_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
 _SC_CLASSES = _SC_RDMA_CLASSES + (b"net", b"infiniband")  # the order of SC_CLS_*
+cdef const char *_SC_HEX = b"0123456789abcdef"
 
 
 # ------------------------------------------------------------------ C primitives (no GIL needed)
@@ -1041,6 +1042,33 @@ cdef inline long _sc_hex_value(const char *a, Py_ssize_t n) noexcept nogil:
     return v
 
 
+cdef bint _sc_cat(char *out, size_t cap, const char *a, const char *b, const char *c,
+                  const char *d) noexcept nogil:
+    """``a`` + ``b`` + ``c`` + ``d`` (c, d may be NULL) into out, cut to fit as snprintf would; False if cut.
+
+    A path is built per VF for each read: snprintf's format parsing was ~5 % of the scan's user time.
+    """
+    cdef const char *parts[4]
+    cdef size_t used = 0, n
+    cdef int i
+    parts[0] = a
+    parts[1] = b
+    parts[2] = c
+    parts[3] = d
+    for i in range(4):
+        if parts[i] == NULL:
+            break
+        n = strlen(parts[i])
+        if used + n >= cap:
+            memcpy(out + used, parts[i], cap - 1 - used)
+            out[cap - 1] = 0
+            return False
+        memcpy(out + used, parts[i], n)
+        used += n
+    out[used] = 0
+    return True
+
+
 cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, object present, dict vf_map):
     """Record a PF's VFs from its routing ID, sriov_offset and sriov_stride (the twin's _computed_virtfns).
 
@@ -1076,8 +1104,17 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
         r = rid + offset + k * stride
         if r > 0xFFFF:
             return None
-        n = snprintf(addr, sizeof(addr), "%.*s:%02lx:%02lx.%ld", <int>dn, cpf, r >> 8, (r >> 3) & 0x1F, r & 7)
-        name = PyBytes_FromStringAndSize(addr, n)
+        # "%s:%02x:%02x.%d" % (domain, bus, device, function), as the kernel names a PCI device
+        memcpy(addr, cpf, dn)
+        addr[dn] = 58
+        addr[dn + 1] = _SC_HEX[(r >> 12) & 15]
+        addr[dn + 2] = _SC_HEX[(r >> 8) & 15]
+        addr[dn + 3] = 58
+        addr[dn + 4] = _SC_HEX[(r >> 7) & 1]
+        addr[dn + 5] = _SC_HEX[(r >> 3) & 15]
+        addr[dn + 6] = 46
+        addr[dn + 7] = 48 + (r & 7)
+        name = PyBytes_FromStringAndSize(addr, dn + 8)
         if name not in present:
             return None
         found.append(name)
@@ -1526,7 +1563,7 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     elif v.have_ids:
         # The ids are its PF's VFs': only the driver link is its own.  Unbound (or gone) takes the
         # full read, which tells the two apart.
-        if snprintf(path, cap, "%s/driver", v.name) >= <int>cap:
+        if not _sc_cat(path, cap, v.name, "/driver", NULL, NULL):
             return
         got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
         if got < 0 or got >= SC_VF_LINK:
@@ -1534,7 +1571,7 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
         b = _sc_base(v.drvlink, got)
         v.drv = v.drvlink + b
         v.drv_len = got - b
-    elif snprintf(path, cap, "%s/uevent", v.name) >= <int>cap:
+    elif not _sc_cat(path, cap, v.name, "/uevent", NULL, NULL):
         return
     elif _sc_read_cap(v.parentfd, path, v.uevent, &n, SC_UEVENT_MAX) != 0:
         return
@@ -1556,7 +1593,7 @@ cdef bint _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
         v.drv = v.uevent + v.ue.drv_at
         v.drv_len = v.ue.drv_n
         return True
-    snprintf(path, cap, "%s/driver", v.name)
+    _sc_cat(path, cap, v.name, "/driver", NULL, NULL)
     got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
     if got >= SC_VF_LINK:
         return False
@@ -1573,7 +1610,7 @@ cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
     cdef Py_ssize_t n, b
     cdef long g
     cdef int status
-    snprintf(path, cap, "%s/iommu_group", v.name)
+    _sc_cat(path, cap, v.name, "/iommu_group", NULL, NULL)
     status = _sc_readlink(v.parentfd, path, link, &n)
     if status != 0 and v.listed != NULL and v.pf_grouped:
         # Nothing of its own read yet: no group where its PF has one may be a VF that is gone (the
@@ -1586,15 +1623,15 @@ cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
         else:
             v.group_v = g
             if v.drv_len >= 4 and memcmp(v.drv, b"vfio", 4) == 0:
-                snprintf(path, cap, "%s/iommu_group/name", v.name)
+                _sc_cat(path, cap, v.name, "/iommu_group/name", NULL, NULL)
                 status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
                 v.noiommu = status == 0 and v.net_type.n == 12 and memcmp(v.net_type.buf, b"vfio-noiommu", 12) == 0
     if v.ifname != NULL:
-        if snprintf(path, cap, "%s/net/%s/type", v.name, v.ifname) >= <int>cap:
+        if not _sc_cat(path, cap, v.name, "/net/", v.ifname, "/type"):
             return
         v.net_type.status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
     if _sc_contains(v.drv, v.drv_len, "uio", 3):
-        snprintf(path, cap, "%s/uio", v.name)
+        _sc_cat(path, cap, v.name, "/uio", NULL, NULL)
         _sc_names_open(&v.uio, v.parentfd, path)
     v.full = False
 
