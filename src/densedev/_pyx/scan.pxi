@@ -202,6 +202,7 @@ cdef struct sc_names:
     Py_ssize_t count
     Py_ssize_t ncap
     bint oom
+    bint unsorted         # set before listing: leave the names in directory order
 
 
 cdef int _sc_cmp(const void *a, const void *b) noexcept nogil:
@@ -277,7 +278,7 @@ cdef void _sc_names_fill(sc_names *l, int fd) noexcept nogil:
     sc_close(fd)
     for i in range(l.count):
         l.names[i] = l.data + l.offs[i]
-    if l.count > 1:
+    if l.count > 1 and not l.unsorted:
         qsort(l.names, l.count, sizeof(char *), _sc_cmp)
 
 
@@ -772,7 +773,7 @@ cdef void *_sc_lists_reader(void *arg) noexcept nogil:
 
 
 cdef list _sc_list_dirs(list dirs, int helpers):
-    """Sorted entries of several directories, each ``(dirfd, path)``, listed by this thread and helpers.
+    """Entries of several directories, each ``(dirfd, path, sort)``, listed by this thread and helpers.
 
     The big listings of a scan (the bus, each class and each driver: one entry per device) cost a
     getdents64 pass over thousands of dentries each; listed side by side they take half the time.
@@ -793,6 +794,7 @@ cdef list _sc_list_dirs(list dirs, int helpers):
         for i in range(b.n):
             b.fds[i] = <int>dirs[i][0]
             b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
+            b.out[i].unsorted = not dirs[i][2]
         with nogil:
             for t in range(helpers if helpers < b.n - 1 else b.n - 1):
                 if sc_pthread_create(&threads[t], NULL, _sc_lists_reader, &b) != 0:
@@ -873,12 +875,14 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                 cfd = _sc_open_dir(rootfd, cpath)
             if cfd >= 0:
                 jobs.append([cls, cfd, None, k])
-        dirs = [(job[1], b".") for job in jobs]
+        # Only the bus is needed in order (a PF before its VFs); the class maps sort their own pairs
+        # and the driver map is a dict.
+        dirs = [(job[1], b".", False) for job in jobs]
         drivers = []
         if busfd >= 0:
-            dirs.append((busfd, b"."))
+            dirs.append((busfd, b".", True))
             drivers = _sc_listdir(rootfd, "bus/pci/drivers")
-            dirs.extend([(rootfd, b"bus/pci/drivers/" + d) for d in drivers])
+            dirs.extend([(rootfd, b"bus/pci/drivers/" + d, False) for d in drivers])
         listings = _sc_list_dirs(dirs, helpers)
         for i in range(len(jobs)):
             jobs[i][2] = listings[i]
