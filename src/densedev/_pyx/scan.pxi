@@ -841,8 +841,8 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
 
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
     (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
-    while this thread sorts each one read into its map, in the twin's order, and reads too whenever
-    the next one it needs is not ready.  The class directories are listed side by side with the bus
+    while this thread adds each one read to its class's C map (sealed, that is sorted, at the end),
+    and reads too whenever the next one it needs is not ready.  The class directories are listed side by side with the bus
     and every driver (``busfd``, unless it is -1 for a partial scan): the bus's sorted entries are
     returned (None without it) and the drivers' device links fill ``maps.drivers`` (the twin's
     _driver_map).
