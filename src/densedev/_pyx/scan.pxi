@@ -7,9 +7,9 @@
 # each class), the class links (one per netdev, RDMA device and RDMA node), a PF's virtfn links and
 # runs of VFs are read ahead by this thread and up to three helper pthreads taking the next item each
 # (_sc_list_dirs, _sc_read_classes, _sc_rl_run, _ScVfReader), while this thread turns what is read
-# into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread (asyncio.to_thread), so
-# the event loop keeps running meanwhile.  Warnings are built with the same Python expressions as the
-# twin so both return identical strings.
+# into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
+# (asyncio.to_thread), so the event loop keeps running meanwhile.  Warnings are built with the same
+# Python expressions as the twin so both return identical strings.
 
 from libc.errno cimport errno, ENOENT
 from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
@@ -593,6 +593,23 @@ cdef extern from *:
     void sc_store(Py_ssize_t *p, Py_ssize_t v) nogil
 
 
+cdef int _sc_spawn(void *(*reader)(void *) noexcept nogil, void *arg, int helpers,
+                   sc_pthread_t *threads) noexcept nogil:
+    """Start up to ``helpers`` threads running ``reader(arg)``; return how many started."""
+    cdef int started = 0, t
+    for t in range(helpers):
+        if sc_pthread_create(&threads[t], NULL, reader, arg) != 0:
+            break
+        started += 1
+    return started
+
+
+cdef void _sc_join(sc_pthread_t *threads, int started) noexcept nogil:
+    cdef int t
+    for t in range(started):
+        sc_pthread_join(threads[t], NULL)
+
+
 # ------------------------------------------------------------------ what one scan reads once
 
 cdef class _ScMaps:
@@ -604,7 +621,7 @@ cdef class _ScMaps:
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
-    cdef dict drivers     # device address (bytes) → driver (bytes), from the driver directories (full scans)
+    cdef dict drivers     # device address (bytes) → driver (bytes), from driver directories (full scans)
     cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
     cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
@@ -718,39 +735,21 @@ cdef void _sc_rl_wait(sc_rl_batch *b, Py_ssize_t k) noexcept nogil:
 
 cdef int _sc_rl_start(sc_rl_batch *b, int helpers, sc_pthread_t *threads) noexcept nogil:
     """Start up to ``helpers`` threads reading the batch ahead; return how many started."""
-    cdef int started = 0, t
     b.next = 0
-    if b.n < 64:
-        return 0
-    for t in range(helpers):
-        if sc_pthread_create(&threads[t], NULL, _sc_rl_reader, b) != 0:
-            break
-        started += 1
-    return started
+    return _sc_spawn(_sc_rl_reader, b, helpers, threads) if b.n >= 64 else 0
 
 
 cdef void _sc_rl_stop(sc_rl_batch *b, int started, sc_pthread_t *threads) noexcept nogil:
-    cdef int t
     sc_store(&b.next, b.n)  # helpers stop after their current link
-    for t in range(started):
-        sc_pthread_join(threads[t], NULL)
+    _sc_join(threads, started)
 
 
 cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
     """Read every link of the batch, this thread and up to ``helpers`` more taking the next one each."""
     cdef sc_pthread_t threads[3]
-    cdef int started = 0, t
-    cdef Py_ssize_t i
-    b.next = 0
-    if b.n < 64:
-        helpers = 0
-    for t in range(helpers):
-        if sc_pthread_create(&threads[t], NULL, _sc_rl_reader, b) != 0:
-            break
-        started += 1
+    cdef int started = _sc_rl_start(b, helpers, threads)
     _sc_rl_reader(b)
-    for t in range(started):
-        sc_pthread_join(threads[t], NULL)
+    _sc_rl_stop(b, started, threads)
 
 
 cdef struct sc_lists:
@@ -781,7 +780,7 @@ cdef list _sc_list_dirs(list dirs, int helpers):
     """
     cdef sc_lists b
     cdef sc_pthread_t threads[3]
-    cdef int started = 0, t
+    cdef int started
     cdef Py_ssize_t i
     b.n = len(dirs)
     b.next = 0
@@ -796,13 +795,9 @@ cdef list _sc_list_dirs(list dirs, int helpers):
             b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
             b.out[i].unsorted = not dirs[i][2]
         with nogil:
-            for t in range(helpers if helpers < b.n - 1 else b.n - 1):
-                if sc_pthread_create(&threads[t], NULL, _sc_lists_reader, &b) != 0:
-                    break
-                started += 1
+            started = _sc_spawn(_sc_lists_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
             _sc_lists_reader(&b)
-            for t in range(started):
-                sc_pthread_join(threads[t], NULL)
+            _sc_join(threads, started)
         return [_sc_names_list(&b.out[i]) for i in range(b.n)]
     finally:
         if b.out != NULL:
@@ -814,7 +809,7 @@ cdef list _sc_list_dirs(list dirs, int helpers):
 
 
 cdef void _sc_driver_map(dict out, list drivers, list listings) except *:
-    """Device address → driver from each driver's listing; b"" where two claim one (the twin's _driver_map)."""
+    """Device address → driver from each driver's listing; b"" where two claim one (twin: _driver_map)."""
     cdef bytes driver, name
     cdef Py_ssize_t i
     for i in range(len(drivers)):
@@ -842,10 +837,10 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
     (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
     while this thread adds each one read to its class's C map (sealed, that is sorted, at the end),
-    and reads too whenever the next one it needs is not ready.  The class directories are listed side by side with the bus
-    and every driver (``busfd``, unless it is -1 for a partial scan): the bus's sorted entries are
-    returned (None without it) and the drivers' device links fill ``maps.drivers`` (the twin's
-    _driver_map).
+    and reads too whenever the next one it needs is not ready.  The class directories are listed side
+    by side with the bus and every driver (``busfd``, unless it is -1 for a partial scan): the bus's
+    sorted entries are returned (None without it) and the drivers' device links fill
+    ``maps.drivers`` (the twin's _driver_map).
     """
     cdef char big[SC_LINK_MAX]
     cdef Py_ssize_t n, i, total = 0, pos, fill_j, fill_e, job_i, entry_i
@@ -864,7 +859,7 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     cdef list entries = [], fill_entries, listings
     cdef list bus_names = None
     cdef int helpers = maps.helpers
-    cdef bint started_sorting = False
+    cdef bint job_open = False
     b.items = NULL
     try:
         for k in range(SC_CLS_COUNT):
@@ -914,10 +909,10 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                 started = _sc_rl_start(&b, helpers, threads)
             try:
                 for i in range(b.n):
-                    while not started_sorting or entry_i >= len(entries):
-                        if started_sorting:
+                    while not job_open or entry_i >= len(entries):
+                        if job_open:
                             job_i += 1
-                        started_sorting = True
+                        job_open = True
                         cls, cfd, entries, kind = jobs[job_i]
                         ccls = cls
                         cn = len(cls)
@@ -1016,7 +1011,7 @@ cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helper
 
 
 cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
-    """``0000:3b:00.1`` → bus << 8 | device << 3 | function; -1 for anything else (the twin's _routing_id)."""
+    """``0000:3b:00.1`` → bus << 8 | device << 3 | function; -1 for anything else (twin: _routing_id)."""
     cdef Py_ssize_t colon = 0
     cdef long bus, dev, fn
     while colon < n and a[colon] != 58:
@@ -1750,7 +1745,7 @@ cdef class _ScVfReader:
         cdef sc_batch *b = &self.b
         cdef Py_ssize_t k, n = stop - start
         cdef sc_pthread_t threads[3]
-        cdef int started = 0, t, helpers = maps.helpers
+        cdef int started = 0, helpers = maps.helpers
         cdef bytes name
         cdef sc_vf *v
         pfs = []
@@ -1765,10 +1760,7 @@ cdef class _ScVfReader:
         if n < 32:
             helpers = 0  # a thread costs more than it saves on a handful
         with nogil:
-            for t in range(helpers):
-                if sc_pthread_create(&threads[t], NULL, _sc_batch_reader, b) != 0:
-                    break
-                started += 1
+            started = _sc_spawn(_sc_batch_reader, b, helpers, threads)
         try:
             for k in range(n):
                 with nogil:
@@ -1789,8 +1781,7 @@ cdef class _ScVfReader:
         finally:
             with nogil:
                 sc_store(&b.next, b.n)  # helpers stop after their current slot
-                for t in range(started):
-                    sc_pthread_join(threads[t], NULL)
+                _sc_join(threads, started)
 
 
 cdef object _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
