@@ -6,7 +6,8 @@ import asyncio
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -32,16 +33,28 @@ def _runner(sock_dir: Path, pool: FakePool, feed: PoolFeed, resource: str = RESO
     return PluginRunner(resource, sock_dir, name, feed, pool)
 
 
+@asynccontextmanager
+async def _registered(
+    sock_dir: Path, pool: FakePool, feed: PoolFeed
+) -> AsyncIterator[tuple[KubeletEmulator, PluginRunner]]:
+    """A started kubelet emulator and a runner for ``pool`` started after it; both stopped on exit."""
+    kubelet = KubeletEmulator(sock_dir)
+    await kubelet.start()
+    runner = _runner(sock_dir, pool, feed)
+    await runner.start()
+    try:
+        yield kubelet, runner
+    finally:
+        await runner.stop()
+        await kubelet.stop()
+
+
 def test_registers_and_the_kubelet_gets_the_full_list(run: Run, sock_dir: Path) -> None:
     pool = FakePool(pci_ids(1024))
     feed = PoolFeed(pool.message())
 
     async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        runner = _runner(sock_dir, pool, feed)
-        await runner.start()
-        try:
+        async with _registered(sock_dir, pool, feed) as (kubelet, runner):
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 1024, GUARD)
             assert runner.registered and runner.registrations == 1
             assert kubelet.resources() == [RESOURCE]
@@ -60,9 +73,6 @@ def test_registers_and_the_kubelet_gets_the_full_list(run: Run, sock_dir: Path) 
             # Allocate through the kubelet: healthy works, unhealthy/unknown refused as the kubelet does.
             response = await kubelet.allocate(RESOURCE, [pool.ids[0]])
             assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == pool.ids[0]
-        finally:
-            await runner.stop()
-            await kubelet.stop()
         assert not runner.socket_path.exists()
 
     run(main())
@@ -96,11 +106,7 @@ def test_kubelet_restart_leads_to_reregistration_and_a_fresh_list(run: Run, sock
     feed = PoolFeed(pool.message())
 
     async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        runner = _runner(sock_dir, pool, feed)
-        await runner.start()
-        try:
+        async with _registered(sock_dir, pool, feed) as (kubelet, runner):
             await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 1, GUARD)
             first = runner.socket_path.stat()
             await kubelet.restart()
@@ -117,9 +123,6 @@ def test_kubelet_restart_leads_to_reregistration_and_a_fresh_list(run: Run, sock
             pool.health[pool.ids[0]] = False
             feed.publish(pool.message())
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 511, GUARD)
-        finally:
-            await runner.stop()
-            await kubelet.stop()
 
     run(main())
 
@@ -129,20 +132,13 @@ def test_own_socket_deleted_leads_to_a_new_server(run: Run, sock_dir: Path) -> N
     feed = PoolFeed(pool.message())
 
     async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        runner = _runner(sock_dir, pool, feed)
-        await runner.start()
-        try:
+        async with _registered(sock_dir, pool, feed) as (kubelet, runner):
             await kubelet.wait_for(lambda: runner.registrations == 1, GUARD)
             runner.socket_path.unlink()
             await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
             assert runner.socket_path.is_socket()
             await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 2, GUARD)
             assert kubelet.allocatable(RESOURCE) == 16
-        finally:
-            await runner.stop()
-            await kubelet.stop()
 
     run(main())
 
@@ -210,11 +206,7 @@ def test_registers_again_when_the_kubelet_drops_the_stream(run: Run, sock_dir: P
     feed = PoolFeed(pool.message())
 
     async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        runner = _runner(sock_dir, pool, feed)
-        await runner.start()
-        try:
+        async with _registered(sock_dir, pool, feed) as (kubelet, runner):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 64, GUARD)
             # The kubelet ends the stream without restarting (kubelet.sock unchanged) and never redials.
             await kubelet.disconnect(RESOURCE)
@@ -222,9 +214,6 @@ def test_registers_again_when_the_kubelet_drops_the_stream(run: Run, sock_dir: P
             await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 64, GUARD)
             assert runner.registrations == 2 and not kubelet.stream_ended(RESOURCE)
-        finally:
-            await runner.stop()
-            await kubelet.stop()
 
     run(main())
 
@@ -240,17 +229,10 @@ def test_the_demo_counts_a_device_refused_before_the_kubelet_heard_it_went_unhea
     feed = PoolFeed(pool.message())
 
     async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        runner = _runner(sock_dir, pool, feed)
-        await runner.start()
-        try:
+        async with _registered(sock_dir, pool, feed) as (kubelet, _):
             await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 1, GUARD)
             assert await _allocate_one(kubelet, random.Random(0)) == (1, 0)
             pool.health[pool.ids[0]] = False  # the plugin knows; its update has not gone out yet
             assert await _allocate_one(kubelet, random.Random(0)) == (0, 1)
-        finally:
-            await runner.stop()
-            await kubelet.stop()
 
     run(main())
