@@ -4,7 +4,11 @@ Prints, per node size, the scan time of each implementation (best and median of 
 each implementation timed in a fresh process of its own, as the daemon scans at start, one right
 after the other so both see the same machine state), their ratio, what the daemon does at start
 (scan into a device table, then select pools: the figure of the 4k target), the 16k/4k linearity
-figure and the syscalls per device counted with ``strace -c -f`` (when strace is installed).
+figure, the syscalls per device counted with ``strace -c -f`` (when strace is installed), and each
+scan's CPU split into user and kernel time.  The extension's kernel time spread over every core is the
+least any scan doing its syscalls can take; the twin's time over it is printed as the "ratio ceiling".
+(The kernel splits a thread's CPU into user and system time by sampling at its tick: the split is
+rough for the short 1k scans, close for 4k and 16k.)
 
     python bench/bench_scan.py            # 1,024 / 4,096 / 16,384 VFs with RDMA
     python bench/bench_scan.py --quick    # 1,024 VFs only, a smoke run
@@ -23,6 +27,7 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -45,17 +50,21 @@ TARGET_LINEARITY = 4.5
 TARGET_RATIO = 5.0
 
 
-def _time(module: str, root: bytes, repeat: int) -> tuple[float, float, int]:
-    """Best and median ms of ``repeat`` scans by ``module`` in a fresh child process, and the devices."""
-    out = _child("scan", module, root, repeat)
-    return out["best"], out["median"], out["count"]
+def _time(module: str, root: bytes, repeat: int) -> dict[str, Any]:
+    """Best and median ms of ``repeat`` scans by ``module`` in a fresh child process, the devices found
+    and the CPU per scan (user, kernel)."""
+    return _child("scan", module, root, repeat)
 
 
 def _child(kind: str, module: str, root: bytes, repeat: int) -> dict[str, Any]:
     # A process of its own per implementation: neither inherits the other's heap (the twin leaves
     # ~100k objects' worth of fragmented arenas behind), and the daemon scans in a fresh process too.
     cmd = [sys.executable, __file__, "--child", kind, module, os.fsdecode(root), str(repeat)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    env = dict(os.environ)
+    env.pop("DENSEDEV_NO_EXTENSIONS", None)
+    if module == "densedev._fast_py":
+        env["DENSEDEV_NO_EXTENSIONS"] = "1"  # the pooled path scans through accel: make it pick the twin
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
     result: dict[str, Any] = json.loads(proc.stdout)
     return result
 
@@ -67,14 +76,26 @@ def _run_child(kind: str, module: str, root: str, repeat: int) -> dict[str, Any]
     count = 0
     # Each result is dropped outside the timed window: freeing the last scan's thousands of objects is
     # not part of the next one (the daemon keeps its table).
+    if kind == "pooled":
+        from densedev import accel
+
+        assert accel.impl.__name__ == module, f"asked for {module}, accel chose {accel.impl.__name__}"
+    cpu: dict[str, float] = {}
     if kind == "scan":
         fn = importlib.import_module(module).scan_sysfs
+        before = resource.getrusage(resource.RUSAGE_SELF)  # microseconds, not os.times()' 10 ms ticks
         for _ in range(repeat):
             t0 = time.perf_counter()
             rows, _warnings = fn(raw, None)
             times.append(time.perf_counter() - t0)
             count = len(rows)
             del rows, _warnings
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # CPU per scan, every thread of this process: the kernel's share bounds what threads can win.
+        cpu = {
+            "user_ms": (after.ru_utime - before.ru_utime) * 1e3 / repeat,
+            "sys_ms": (after.ru_stime - before.ru_stime) * 1e3 / repeat,
+        }
     else:
         cfg = _pool_config(Path(root))
         for _ in range(repeat):
@@ -82,7 +103,7 @@ def _run_child(kind: str, module: str, root: str, repeat: int) -> dict[str, Any]
             pools = selectors.build_pools(cfg, discovery.scan(root).devices)
             times.append(time.perf_counter() - t0)
             del pools
-    return {"best": min(times) * 1e3, "median": statistics.median(times) * 1e3, "count": count}
+    return {"best": min(times) * 1e3, "median": statistics.median(times) * 1e3, "count": count, **cpu}
 
 
 _STRACE_CHILD = """
@@ -143,9 +164,9 @@ def _pool_config(root: Path) -> config.Config:
     return config.parse(json.dumps(doc))
 
 
-def _time_pooled(root: Path, repeat: int) -> float:
-    """Best time (ms) of what the daemon does at start: scan into a device table, then select pools."""
-    best: float = _child("pooled", "densedev._fast", os.fsencode(root), repeat)["best"]
+def _time_pooled(module: str, root: Path, repeat: int) -> float:
+    """Best time (ms) of what the daemon does at start with ``module``: scan into a table, select pools."""
+    best: float = _child("pooled", module, os.fsencode(root), repeat)["best"]
     return best
 
 
@@ -167,18 +188,34 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
         build_s = time.perf_counter() - t0
         raw = os.fsencode(root)
         row: dict[str, Any] = {"vfs": vfs, "build_s": round(build_s, 2)}
-        py_best, py_med, devices = _time("densedev._fast_py", raw, repeat)
-        row.update(devices=devices, python_best_ms=round(py_best, 2), python_median_ms=round(py_med, 2))
+        py = _time("densedev._fast_py", raw, repeat)
+        py_best, py_med, devices = py["best"], py["median"], py["count"]
+        row.update(
+            devices=devices,
+            python_best_ms=round(py_best, 2),
+            python_median_ms=round(py_med, 2),
+            python_scan_and_pools_ms=round(_time_pooled("densedev._fast_py", root, repeat), 2),
+        )
         if fast is not None:
             assert fast.scan_sysfs(raw, None) == twin.scan_sysfs(raw, None), "extension and twin disagree"
-            cy_best, cy_med, _ = _time("densedev._fast", raw, repeat)
+            cy = _time("densedev._fast", raw, repeat)
+            cy_best, cy_med = cy["best"], cy["median"]
+            # The extension's kernel time alone, spread over every core, is the least it can take: the
+            # twin's time over that is the ratio no user-space work can beat on this machine.
+            floor = cy["sys_ms"] / (os.cpu_count() or 1)
             row.update(
                 cython_best_ms=round(cy_best, 2),
                 cython_median_ms=round(cy_med, 2),
                 ratio=round(py_best / cy_best, 2),
+                cpu_ms={
+                    "cython": {"user": round(cy["user_ms"], 1), "sys": round(cy["sys_ms"], 1)},
+                    "python": {"user": round(py["user_ms"], 1), "sys": round(py["sys_ms"], 1)},
+                },
+                ratio_ceiling=round(py_best / floor, 2) if floor > 0 else None,
                 cython_us_per_device=round(cy_best * 1e3 / devices, 2),
-                scan_and_pools_ms=round(_time_pooled(root, repeat), 2),
+                scan_and_pools_ms=round(_time_pooled("densedev._fast", root, repeat), 2),
             )
+            row["pooled_ratio"] = round(row["python_scan_and_pools_ms"] / row["scan_and_pools_ms"], 2)
         if strace:
             row["syscalls_per_device"] = {
                 "cython": _syscalls_per_device("densedev._fast", raw, devices) if fast else None,
@@ -203,11 +240,22 @@ def run(sizes: list[int], repeat: int, workdir: Path, rdma: bool, strace: bool) 
 
 def _print(results: dict[str, Any]) -> None:
     print(f"sysfs scan (rdma={results['rdma']}, best/median of {results['repeat']} runs)")
-    head = ("VFs", "devices", "cython ms", "python ms", "ratio", "us/dev", "+pools ms", "syscalls/dev")
-    print("{:>6} {:>8} {:>16} {:>16} {:>6} {:>7} {:>9} {:>14}".format(*head))
+    head = (
+        "VFs",
+        "devices",
+        "cython ms",
+        "python ms",
+        "ratio",
+        "us/dev",
+        "+pools ms",
+        "ratio",
+        "syscalls/dev",
+    )
+    print("{:>6} {:>8} {:>16} {:>16} {:>6} {:>7} {:>15} {:>6} {:>14}".format(*head))
     for n in results["nodes"]:
         cy = f"{n.get('cython_best_ms', '-')}/{n.get('cython_median_ms', '-')}"
         py = f"{n['python_best_ms']}/{n['python_median_ms']}"
+        pooled = f"{n.get('scan_and_pools_ms', '-')}/{n['python_scan_and_pools_ms']}"
         sc = n.get("syscalls_per_device") or {}
         scs = (
             "/".join("-" if v is None else f"{v:.1f}" for v in (sc.get("cython"), sc.get("python")))
@@ -216,8 +264,16 @@ def _print(results: dict[str, Any]) -> None:
         )
         print(
             f"{n['vfs']:>6} {n['devices']:>8} {cy:>16} {py:>16} {n.get('ratio', '-'):>6} "
-            f"{n.get('cython_us_per_device', '-'):>7} {n.get('scan_and_pools_ms', '-'):>9} {scs:>14}"
+            f"{n.get('cython_us_per_device', '-'):>7} {pooled:>15} {n.get('pooled_ratio', '-'):>6} {scs:>14}"
         )
+    for n in results["nodes"]:
+        if "cpu_ms" in n:
+            cy, py = n["cpu_ms"]["cython"], n["cpu_ms"]["python"]
+            print(
+                f"{n['vfs']:>6} VFs, CPU per scan (user + kernel ms): cython {cy['user']} + {cy['sys']}, "
+                f"python {py['user']} + {py['sys']}; ratio ceiling on {os.cpu_count()} cores "
+                f"(python / cython kernel time per core): {n['ratio_ceiling']}"
+            )
     if "linearity_16k_over_4k" in results:
         print(f"linearity 16k/4k: {results['linearity_16k_over_4k']} (target <= {TARGET_LINEARITY})")
     if "targets" in results:
