@@ -14,7 +14,7 @@ from typing import Any, get_origin, get_type_hints
 
 import pytest
 
-from densedev import discovery
+from densedev import accel, discovery
 from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Device
 from densedev.testing.simnode import (
     NodeLayout,
@@ -63,6 +63,32 @@ def test_extension_rows_are_left_to_reference_counting(node: NodeLayout) -> None
         pytest.skip("extension disabled")
     rows, _ = fast.scan_sysfs(os.fsencode(node.root), None)
     assert rows and not any(gc.is_tracked(r) or gc.is_tracked(r[17]) or gc.is_tracked(r[20]) for r in rows)
+
+
+def test_table_leaves_the_collector_as_it_found_it(node: NodeLayout) -> None:
+    # Building the table pauses the cyclic collector; it must come back on, and stay off when the
+    # application had turned it off itself.
+    assert gc.isenabled()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(5)  # a young collection every 5 new objects: this small node would set off many
+    try:
+        rows, _ = accel.scan_sysfs(os.fsencode(node.root), None)
+        gc.collect()
+        before = gc.get_count()[0]
+        devices = discovery._devices(rows)
+        after = gc.get_count()[0]
+        table = discovery.scan(node.root)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert gc.isenabled() and len(devices) == len(table) > 5
+    # The Devices were made while it waited, so no young collection ran: they are all still counted.
+    assert after >= before + len(devices)
+    gc.disable()
+    try:
+        discovery.scan(node.root)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_pfs_and_vfs(impl: ModuleType, node: NodeLayout) -> None:
