@@ -495,6 +495,23 @@ cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
         qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
 
 
+cdef struct sc_seals:
+    # Class maps sealed at once by this thread and helpers, each taking the next one.
+    sc_cmap *maps
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void *_sc_seal_reader(void *arg) noexcept nogil:
+    cdef sc_seals *b = <sc_seals *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_cmap_seal(&b.maps[i])
+
+
 cdef Py_ssize_t _sc_cmap_find(sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
     """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last.
 
@@ -854,6 +871,7 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     cdef int k, kind = 0
     cdef sc_rl_batch b
     cdef sc_rl *r
+    cdef sc_seals seals
     cdef sc_pthread_t threads[3]
     cdef list jobs = []  # (class, dirfd, entries, SC_CLS_*)
     cdef list entries = [], fill_entries, listings
@@ -939,9 +957,14 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
             if oom:
                 raise MemoryError("sysfs scan: out of memory")
             pos += b.n
+        seals.maps = maps.cls
+        seals.n = SC_CLS_COUNT
+        seals.next = 0
         with nogil:
-            for k in range(SC_CLS_COUNT):
-                _sc_cmap_seal(&maps.cls[k])
+            # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
+            started = _sc_spawn(_sc_seal_reader, &seals, helpers, threads)
+            _sc_seal_reader(&seals)
+            _sc_join(threads, started)
     finally:
         free(b.items)
         for job in jobs:
