@@ -422,6 +422,8 @@ cdef enum:
     SC_CLS_NET = 3
     SC_CLS_IB = 4
     SC_CLS_COUNT = 5
+    SC_DRIVERS = 5         # after the classes: (device address, driver) from the driver directories
+    SC_MAP_COUNT = 6
 
 
 cdef struct sc_centry:
@@ -633,12 +635,12 @@ cdef class _ScMaps:
     """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
 
     cdef dict vdpa
-    cdef sc_cmap cls[SC_CLS_COUNT]  # each class directory's (owner, name) pairs: _SC_CLASSES order
+    cdef sc_cmap cls[SC_MAP_COUNT]  # each class directory's (owner, name) pairs in _SC_CLASSES order,
+                                    # then SC_DRIVERS: (address, driver) from each driver's directory
     cdef dict vf_map      # VF address (bytes, as listed) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
-    cdef dict drivers     # device address (bytes) → driver (bytes), from driver directories (full scans)
     cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
     cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
@@ -650,7 +652,6 @@ cdef class _ScMaps:
         self.vf_map = {}
         self.pfs = {}
         self.parents = {}
-        self.drivers = {}
 
     cdef str driver_name(self, const char *drv, Py_ssize_t n):
         """A driver name as str ("" for none), the same object while consecutive VFs share it."""
@@ -690,7 +691,7 @@ cdef class _ScMaps:
 
     def __dealloc__(self):
         cdef int k
-        for k in range(SC_CLS_COUNT):
+        for k in range(SC_MAP_COUNT):
             _sc_cmap_free(&self.cls[k])
 
 
@@ -788,12 +789,14 @@ cdef void *_sc_lists_reader(void *arg) noexcept nogil:
         _sc_names_open(&b.out[i], b.fds[i], b.paths[i])
 
 
-cdef list _sc_list_dirs(list dirs, int helpers):
-    """Entries of several directories, each ``(dirfd, path, sort)``, listed by this thread and helpers.
+cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
+    """List several directories, each ``(dirfd, path, sort)``, into ``out`` (one each, freed by the
+    caller), by this thread and helpers.
 
     The big listings of a scan (the bus, each class and each driver: one entry per device) cost a
     getdents64 pass over thousands of dentries each; listed side by side they take half the time.
-    An absent or unreadable directory lists as empty.
+    They stay C strings: a class's or driver's entries are only read back in C (16k Python bytes per
+    listing would hold the GIL for milliseconds).  An absent or unreadable directory lists as empty.
     """
     cdef sc_lists b
     cdef sc_pthread_t threads[3]
@@ -801,11 +804,11 @@ cdef list _sc_list_dirs(list dirs, int helpers):
     cdef Py_ssize_t i
     b.n = len(dirs)
     b.next = 0
+    b.out = out
     b.fds = <int *>malloc((b.n + 1) * sizeof(int))
     b.paths = <const char **>malloc((b.n + 1) * sizeof(char *))
-    b.out = <sc_names *>calloc(b.n + 1, sizeof(sc_names))
     try:
-        if b.fds == NULL or b.paths == NULL or b.out == NULL:
+        if b.fds == NULL or b.paths == NULL:
             raise MemoryError("sysfs scan: out of memory")
         for i in range(b.n):
             b.fds[i] = <int>dirs[i][0]
@@ -815,26 +818,34 @@ cdef list _sc_list_dirs(list dirs, int helpers):
             started = _sc_spawn(_sc_lists_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
             _sc_lists_reader(&b)
             _sc_join(threads, started)
-        return [_sc_names_list(&b.out[i]) for i in range(b.n)]
+        for i in range(b.n):
+            if b.out[i].oom:
+                raise MemoryError("sysfs scan: out of memory listing a directory")
     finally:
-        if b.out != NULL:
-            for i in range(b.n):
-                _sc_names_free(&b.out[i])
-        free(b.out)
         free(b.paths)
         free(b.fds)
 
 
-cdef void _sc_driver_map(dict out, list drivers, list listings) except *:
-    """Device address → driver from each driver's listing; b"" where two claim one (twin: _driver_map)."""
-    cdef bytes driver, name
-    cdef Py_ssize_t i
+cdef void _sc_driver_map(sc_cmap *m, list drivers, sc_names *lists) except *:
+    """(address, driver) for every device link in each driver's listing into ``m`` (the twin's
+    _driver_map, where two drivers claiming one device make it b"": here it has two entries)."""
+    cdef Py_ssize_t i, e, n, dn
+    cdef const char *driver
+    cdef const char *name
+    cdef bint ok = True
     for i in range(len(drivers)):
-        driver = drivers[i]
-        for name in listings[i]:
-            # ':' – a device link, not one of the driver core's bind/unbind/new_id/uevent/module
-            if memchr(<const char *>name, 58, len(name)) != NULL:
-                out[name] = b"" if name in out else driver
+        driver = <bytes>drivers[i]
+        dn = len(<bytes>drivers[i])
+        with nogil:
+            for e in range(lists[i].count):
+                name = lists[i].names[e]
+                n = strlen(name)
+                # ':' – a device link, not one of the driver core's bind/unbind/new_id/uevent/module
+                if memchr(name, 58, n) != NULL and not _sc_cmap_add(m, name, n, driver, dn):
+                    ok = False
+                    break
+        if not ok:
+            raise MemoryError("sysfs scan: out of memory")
 
 
 cdef str _sc_dev_node(const char *entry):
@@ -854,111 +865,109 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
     (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
     while this thread adds each one read to its class's C map (sealed, that is sorted, at the end),
-    and reads too whenever the next one it needs is not ready.  The class directories are listed side
-    by side with the bus and every driver (``busfd``, unless it is -1 for a partial scan): the bus's
-    sorted entries are returned (None without it) and the drivers' device links fill
-    ``maps.drivers`` (the twin's _driver_map).
+    and reads too whenever the next one it needs is not ready; all of it without the GIL.  The class
+    directories are listed side by side with the bus and every driver (``busfd``, unless it is -1 for
+    a partial scan): the bus's sorted entries are returned (None without it) and the drivers' device
+    links fill the SC_DRIVERS map (the twin's _driver_map).
     """
     cdef char big[SC_LINK_MAX]
-    cdef Py_ssize_t n, i, total = 0, pos, fill_j, fill_e, job_i, entry_i
+    cdef Py_ssize_t n, i, total = 0, pos, fill_e, entry_i, nlists = 0
+    cdef int fill_j, job_i, njobs = 0
     cdef int cfd = -1, started
     cdef bint ok, oom = False
-    cdef bytes entry, cls, cls_path
+    cdef bytes cls_path
     cdef const char *cpath
     cdef const char *buf
-    cdef const char *ccls = NULL
-    cdef Py_ssize_t cn = 0, at, ln
-    cdef int k, kind = 0
+    cdef Py_ssize_t at, ln
+    cdef int k
     cdef sc_rl_batch b
     cdef sc_rl *r
     cdef sc_seals seals
     cdef sc_pthread_t threads[3]
-    cdef list jobs = []  # (class, dirfd, entries, SC_CLS_*)
-    cdef list entries = [], fill_entries, listings
+    # Each class directory that opened: its fd, its SC_CLS_* and its name (for _sc_class_owner).
+    cdef int job_fd[SC_CLS_COUNT]
+    cdef int job_kind[SC_CLS_COUNT]
+    cdef const char *job_cls[SC_CLS_COUNT]
+    cdef Py_ssize_t job_cn[SC_CLS_COUNT]
+    cdef sc_names *lists = NULL  # the listings: one per class job, then the bus, then each driver
     cdef list bus_names = None
     cdef int helpers = maps.helpers
-    cdef bint job_open = False
     b.items = NULL
     try:
         for k in range(SC_CLS_COUNT):
-            cls = _SC_CLASSES[k]
-            cls_path = b"class/" + cls
+            cls_path = b"class/" + _SC_CLASSES[k]
             cpath = cls_path
             with nogil:
                 cfd = _sc_open_dir(rootfd, cpath)
             if cfd >= 0:
-                jobs.append([cls, cfd, None, k])
-        # Only the bus is needed in order (a PF before its VFs); the class maps sort their own pairs
-        # and the driver map is a dict.
-        dirs = [(job[1], b".", False) for job in jobs]
+                job_fd[njobs] = cfd
+                job_kind[njobs] = k
+                job_cls[njobs] = <bytes>_SC_CLASSES[k]  # module-level constants: alive for good
+                job_cn[njobs] = len(<bytes>_SC_CLASSES[k])
+                njobs += 1
+        # Only the bus is needed in order (a PF before its VFs); the class and driver maps sort their
+        # own pairs.
+        dirs = [(job_fd[j], b".", False) for j in range(njobs)]
         drivers = []
         if busfd >= 0:
             dirs.append((busfd, b".", True))
             drivers = _sc_listdir(rootfd, "bus/pci/drivers")
             dirs.extend([(rootfd, b"bus/pci/drivers/" + d, False) for d in drivers])
-        listings = _sc_list_dirs(dirs, helpers)
-        for i in range(len(jobs)):
-            jobs[i][2] = listings[i]
+        lists = <sc_names *>calloc(len(dirs) + 1, sizeof(sc_names))
+        if lists == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        nlists = len(dirs)
+        _sc_list_dirs(dirs, helpers, lists)
         if busfd >= 0:
-            bus_names = listings[len(jobs)]
-            _sc_driver_map(maps.drivers, drivers, listings[len(jobs) + 1:])
-        for job in jobs:
-            total += len(<list>job[2])
+            bus_names = _sc_names_list(&lists[njobs])
+            _sc_driver_map(&maps.cls[SC_DRIVERS], drivers, lists + njobs + 1)
+        for j in range(njobs):
+            total += lists[j].count
         b.items = <sc_rl *>malloc((total if total < SC_RL_BATCH else SC_RL_BATCH) * sizeof(sc_rl) + 1)
         if b.items == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i) sorts.
-        fill_j = fill_e = job_i = entry_i = 0
-        fill_entries = jobs[0][2] if jobs else []
-        pos = 0
-        while pos < total:
-            b.n = total - pos if total - pos < SC_RL_BATCH else SC_RL_BATCH
-            for i in range(b.n):
-                while fill_e >= len(fill_entries):
-                    fill_j += 1
-                    fill_e = 0
-                    fill_entries = jobs[fill_j][2]
-                entry = fill_entries[fill_e]
-                fill_e += 1
-                b.items[i].dirfd = jobs[fill_j][1]
-                b.items[i].name = entry
-                b.items[i].done = 0
-            with nogil:
-                started = _sc_rl_start(&b, helpers, threads)
-            try:
+        with nogil:
+            # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i)
+            # adds to the maps.  The names point into the listings, which outlive the loop.
+            fill_j = job_i = 0
+            fill_e = entry_i = 0
+            pos = 0
+            while pos < total and not oom:
+                b.n = total - pos if total - pos < SC_RL_BATCH else SC_RL_BATCH
                 for i in range(b.n):
-                    while not job_open or entry_i >= len(entries):
-                        if job_open:
-                            job_i += 1
-                        job_open = True
-                        cls, cfd, entries, kind = jobs[job_i]
-                        ccls = cls
-                        cn = len(cls)
+                    while fill_e >= lists[fill_j].count:
+                        fill_j += 1
+                        fill_e = 0
+                    b.items[i].dirfd = job_fd[fill_j]
+                    b.items[i].name = lists[fill_j].names[fill_e]
+                    b.items[i].done = 0
+                    fill_e += 1
+                started = _sc_rl_start(&b, helpers, threads)
+                for i in range(b.n):
+                    while entry_i >= lists[job_i].count:
+                        job_i += 1
                         entry_i = 0
                     entry_i += 1
                     r = &b.items[i]
                     if not sc_is_done(&r.done):
-                        with nogil:
-                            _sc_rl_wait(&b, i)
+                        _sc_rl_wait(&b, i)
                     buf = r.buf
                     n = r.n
                     if r.status == SC_RL_LONG:
-                        with nogil:
-                            r.status = _sc_readlink(cfd, r.name, big, &n)
+                        r.status = _sc_readlink(job_fd[job_i], r.name, big, &n)
                         buf = big
                     # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
                     # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
-                    ok = r.status == 0 and _sc_class_owner(buf, n, ccls, cn, &at, &ln)
-                    if ok and not _sc_cmap_add(&maps.cls[kind], buf + at, ln, r.name, strlen(r.name)):
+                    ok = r.status == 0 and _sc_class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
+                    if ok and not _sc_cmap_add(&maps.cls[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
                         oom = True
-            finally:
-                with nogil:
-                    _sc_rl_stop(&b, started, threads)
-            if oom:
-                raise MemoryError("sysfs scan: out of memory")
-            pos += b.n
+                        break
+                _sc_rl_stop(&b, started, threads)
+                pos += b.n
+        if oom:
+            raise MemoryError("sysfs scan: out of memory")
         seals.maps = maps.cls
-        seals.n = SC_CLS_COUNT
+        seals.n = SC_MAP_COUNT
         seals.next = 0
         with nogil:
             # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
@@ -967,8 +976,12 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
             _sc_join(threads, started)
     finally:
         free(b.items)
-        for job in jobs:
-            sc_close(job[1])
+        if lists != NULL:
+            for i in range(nlists):
+                _sc_names_free(&lists[i])
+            free(lists)
+        for j in range(njobs):
+            sc_close(job_fd[j])
     return bus_names
 
 
@@ -1547,7 +1560,7 @@ cdef struct sc_vf:
     const char *name       # the VF's address (kept alive by the scan's name list)
     const char *ifname     # its first netdev or NULL (kept alive by the class map)
     bint have_ids          # its PF's VFs' ids are known: read the driver link instead of the uevent
-    const char *listed     # its driver from the driver's directory listing, or NULL (kept alive by the map)
+    const char *listed     # its driver from the driver's directory listing, or NULL (in the maps' arena)
     Py_ssize_t listed_len
     bint pf_grouped        # its PF has an IOMMU group (so should it)
     bint full              # this VF needs the full read (no usable uevent, or an odd link)
@@ -1688,6 +1701,7 @@ cdef tuple _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, 
 
 cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
     """Point a slot at a VF of ``pf`` (``name`` must outlive the read)."""
+    cdef Py_ssize_t at, end
     parentfd, pcie_root, ids, pf_grouped, _numa, _netdev = maps.pfs[pf]
     v.parentfd = parentfd
     v.name = name
@@ -1697,10 +1711,11 @@ cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
     v.listed = NULL
     v.listed_len = 0
     if v.have_ids:
-        drv = maps.drivers.get(name)
-        if drv:
-            v.listed = <bytes>drv
-            v.listed_len = len(<bytes>drv)
+        # Listed by exactly one driver; by two (a torn bind) it reads its own link, as the twin does.
+        at = _sc_cmap_find(&maps.cls[SC_DRIVERS], name, &end)
+        if at >= 0 and end - at == 1:
+            v.listed = maps.cls[SC_DRIVERS].e[at].name
+            v.listed_len = strlen(v.listed)
 
 
 cdef struct sc_batch:
