@@ -433,6 +433,8 @@ cdef struct sc_centry:
     Py_ssize_t name_at
     const char *owner
     const char *name
+    unsigned long long k0  # the owner's first 16 bytes, big-endian and NUL-padded: most comparisons
+    unsigned long long k1  # while sorting end here (a PCI address is 12 bytes)
 
 
 cdef struct sc_cmap:
@@ -481,10 +483,32 @@ cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char 
 
 
 cdef int _sc_centry_cmp(const void *a, const void *b) noexcept nogil:
+    # strcmp order of (owner, name): NUL-padded big-endian prefixes compare as strcmp does, and when
+    # both are equal either both owners end within them (equal) or the rest decides.
     cdef const sc_centry *x = <const sc_centry *>a
     cdef const sc_centry *y = <const sc_centry *>b
-    cdef int c = strcmp(x.owner, y.owner)
+    cdef int c
+    if x.k0 != y.k0:
+        return -1 if x.k0 < y.k0 else 1
+    if x.k1 != y.k1:
+        return -1 if x.k1 < y.k1 else 1
+    c = strcmp(x.owner + 16, y.owner + 16) if x.k1 & 0xFF else 0
     return c if c != 0 else strcmp(x.name, y.name)
+
+
+cdef void _sc_centry_key(sc_centry *e) noexcept nogil:
+    cdef unsigned long long k0 = 0, k1 = 0
+    cdef int j = 0
+    cdef const unsigned char *o = <const unsigned char *>e.owner
+    while j < 8 and o[j] != 0:
+        k0 |= (<unsigned long long>o[j]) << (56 - 8 * j)
+        j += 1
+    if j == 8:
+        while j < 16 and o[j] != 0:
+            k1 |= (<unsigned long long>o[j]) << (120 - 8 * j)
+            j += 1
+    e.k0 = k0
+    e.k1 = k1
 
 
 cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
@@ -493,6 +517,7 @@ cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
     for i in range(m.n):
         m.e[i].owner = m.arena + m.e[i].owner_at
         m.e[i].name = m.arena + m.e[i].name_at
+        _sc_centry_key(&m.e[i])
     if m.n > 1:
         qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
 
@@ -1883,8 +1908,11 @@ cdef tuple _sc_pf_facts(int busfd, str pf, _ScMaps maps, list warnings):
         sc_close(devfd)
 
 
-cdef list _sc_scan_sfs(int rootfd, dict by_id, _ScMaps maps, list warnings):
+cdef list _sc_scan_sfs(int rootfd, dict by_id, list rows, _ScMaps maps, list warnings):
+    """Every auxiliary-bus subfunction whose parent function is among ``rows`` (``by_id``: the rows
+    that are not VFs, where SFs are made; a VF parent is found among all of them)."""
     cdef list out = []
+    cdef dict every = None
     cdef char buf[SC_LINK_MAX]
     cdef Py_ssize_t n, b
     cdef int status, devfd, afd
@@ -1907,7 +1935,12 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, _ScMaps maps, list warnings):
             if status != 0:
                 warnings.append(f"{sf}: skipped: {_sc_why(status)}")
                 continue
-            parent = by_id.get(_sc_os.fsdecode(_sc_parent(buf, n)))
+            owner = _sc_os.fsdecode(_sc_parent(buf, n))
+            parent = by_id.get(owner)
+            if parent is None:
+                if every is None:
+                    every = {r[0]: r for r in rows}
+                parent = every.get(owner)
             if parent is None:
                 continue
             pcie_root = _sc_pcie_root(buf, n)
@@ -2043,7 +2076,8 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
                 names = sorted(set(addresses))
             maps.present = set(names) if addresses is None else None
             rows = _sc_scan_pcis(busfd, names, maps, warnings)
-            by_id = {r[0]: r for r in rows}
+            # The rows VFs and SFs hang off: PFs (and the other functions), a few dozen, not every VF.
+            by_id = {r[0]: r for r in rows if r[1] != "vf"}
             i = 0
             for row in rows:
                 i += 1
@@ -2064,7 +2098,7 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
                 row[8] = facts[1]
                 hit = maps.vf_map.get(_sc_os.fsencode(row[0]))
                 row[15] = hit[1] if hit is not None and hit[0] == pf else -1
-            rows.extend(_sc_scan_sfs(rootfd, by_id, maps, warnings))
+            rows.extend(_sc_scan_sfs(rootfd, by_id, rows, maps, warnings))
         finally:
             maps.close()
             sc_close(busfd)
