@@ -421,6 +421,33 @@ def test_subfunction_number_mess(impl: ModuleType, tmp_path: Path) -> None:
     assert warnings == (f"{ex.sfs[0]}: sfnum: not an integer",)  # absent is not worth a warning
 
 
+def test_subfunction_of_a_vf(impl: ModuleType, tmp_path: Path) -> None:
+    # mlx5 makes SFs on PFs, but nothing in the auxiliary bus says a parent cannot be a VF: one made
+    # on a VF is found with that VF as its parent, like any other.
+    layout = build_node(tmp_path, pfs=0, vfs_per_pf=0, extras=True)
+    ex = layout.extras
+    assert ex is not None
+    vf_dir = (tmp_path / "bus/pci/devices" / ex.vdpa_vf).resolve()
+    sf_dir = vf_dir / "mlx5_core.sf.7"
+    sf_dir.mkdir()
+    (sf_dir / "sfnum").write_text("7\n")
+    os.symlink(
+        os.path.relpath(sf_dir, tmp_path / "bus/auxiliary/devices"),
+        tmp_path / "bus/auxiliary/devices/mlx5_core.sf.7",
+    )
+    devs, warnings = _scan(impl, tmp_path)
+    assert warnings == ()
+    sf, vf = devs["mlx5_core.sf.7"], devs[ex.vdpa_vf]
+    assert (sf.role, sf.pf, sf.vf_index, sf.numa_node, sf.vendor) == (
+        ROLE_SF,
+        vf.id,
+        7,
+        vf.numa_node,
+        vf.vendor,
+    )
+    assert all(devs[name].pf == ex.sf_pf for name in ex.sfs)  # the PF's own are unchanged
+
+
 def test_scan_in_a_worker_thread_lets_the_event_loop_run(
     impl: ModuleType, node: NodeLayout, run: Callable[[Coroutine[Any, Any, Any]], Any]
 ) -> None:
