@@ -112,6 +112,10 @@ class _Table:
             self._pf_link = {d.id: d.link_type for d in self.pci if d.link_type}
         return self._pf_link
 
+    def parent_link(self, parent: str) -> str:
+        """Return the link type of function ``parent`` (``pf_link`` is built when first asked)."""
+        return self.pf_link().get(parent, "")
+
 
 def _type_reason(device_type: str, d: Device) -> str | None:
     """Return why a pool of ``device_type`` never takes ``d`` whatever its selectors, or None."""
@@ -180,8 +184,9 @@ def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | N
         filters.append(_range_filter(attrgetter("pf"), _merge_ranges(sel.root_devices)))
     if sel.link_types:
         links = frozenset(sel.link_types)
-        pf_link = table.pf_link()
-        filters.append(lambda devs: [d for d in devs if (d.link_type or pf_link.get(d.pf, "")) in links])
+        # Only a device without a host netdev asks its parent's: most never build that table.
+        inherit = table.parent_link
+        filters.append(lambda devs: [d for d in devs if (d.link_type or inherit(d.pf)) in links])
     if sel.is_rdma:
         filters.append(lambda devs: [d for d in devs if d.rdma_device])
     if sel.vdpa_type:
@@ -205,8 +210,8 @@ def _candidates(sel: Selector, device_type: str, table: _Table, base: list[Devic
     return base
 
 
-def _select(pc: PoolConfig, table: _Table) -> list[Device]:
-    """Return the devices any of the pool's selectors matches, before first-match-wins, in stable order."""
+def _select(pc: PoolConfig, table: _Table, taken: set[str]) -> list[Device]:
+    """Return the devices any of the pool's selectors matches that no earlier pool took, in stable order."""
     base = table.base(pc.device_type)
     chosen: list[Device] | None = None
     for sel in pc.selectors:
@@ -214,6 +219,9 @@ def _select(pc: PoolConfig, table: _Table) -> list[Device]:
         if filters is None:
             continue
         devs = _candidates(sel, pc.device_type, table, base)
+        if taken:
+            # First match wins: what earlier pools took is out before the filters run over it.
+            devs = [d for d in devs if d.id not in taken]
         for f in filters:
             devs = f(devs)
         if chosen is None:
@@ -231,9 +239,7 @@ def build_pools(config: Config, devices: Sequence[Device]) -> tuple[Pool, ...]:
     taken: set[str] = set()
     pools: list[Pool] = []
     for pc in config.pools:
-        chosen = _select(pc, table)
-        if taken:
-            chosen = [d for d in chosen if d.id not in taken]
+        chosen = _select(pc, table, taken)
         if pc.rdma_shared > 0:
             # A shared pool hands out one RDMA device to many pods (rdmaHcaMax): it needs one to share.
             chosen = [d for d in chosen if d.rdma_device]
