@@ -660,8 +660,8 @@ cdef class _ScMaps:
     """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
 
     cdef dict vdpa
-    cdef sc_cmap cls[SC_MAP_COUNT]  # each class directory's (owner, name) pairs in _SC_CLASSES order,
-                                    # then SC_DRIVERS: (address, driver) from each driver's directory
+    cdef sc_cmap cmaps[SC_MAP_COUNT]  # each class directory's (owner, name) pairs in _SC_CLASSES order,
+                                      # then SC_DRIVERS: (address, driver) from each driver's directory
     cdef dict vf_map      # VF address (bytes, as listed) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
@@ -717,7 +717,7 @@ cdef class _ScMaps:
     def __dealloc__(self):
         cdef int k
         for k in range(SC_MAP_COUNT):
-            _sc_cmap_free(&self.cls[k])
+            _sc_cmap_free(&self.cmaps[k])
 
 
 cdef enum:
@@ -945,7 +945,7 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
         _sc_list_dirs(dirs, helpers, lists)
         if busfd >= 0:
             bus_names = _sc_names_list(&lists[njobs])
-            _sc_driver_map(&maps.cls[SC_DRIVERS], drivers, lists + njobs + 1)
+            _sc_driver_map(&maps.cmaps[SC_DRIVERS], drivers, lists + njobs + 1)
         for j in range(njobs):
             total += lists[j].count
         b.items = <sc_rl *>malloc((total if total < SC_RL_BATCH else SC_RL_BATCH) * sizeof(sc_rl) + 1)
@@ -984,14 +984,14 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                     # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
                     # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
                     ok = r.status == 0 and _sc_class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
-                    if ok and not _sc_cmap_add(&maps.cls[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
+                    if ok and not _sc_cmap_add(&maps.cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
                         oom = True
                         break
                 _sc_rl_stop(&b, started, threads)
                 pos += b.n
         if oom:
             raise MemoryError("sysfs scan: out of memory")
-        seals.maps = maps.cls
+        seals.maps = maps.cmaps
         seals.n = SC_MAP_COUNT
         seals.next = 0
         with nogil:
@@ -1205,8 +1205,8 @@ cdef object _sc_vf_ids(int parentfd, bytes vf0):
 
 cdef tuple _sc_netdevs(_ScMaps maps, const char *name):
     """A function's netdev names in bytes order (the twin's ``maps.nets``)."""
-    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cls[SC_CLS_NET], name, &end)
-    cdef sc_centry *e = maps.cls[SC_CLS_NET].e
+    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cmaps[SC_CLS_NET], name, &end)
+    cdef sc_centry *e = maps.cmaps[SC_CLS_NET].e
     if i < 0:
         return ()
     return tuple([_sc_str(e[k].name, strlen(e[k].name)) for k in range(i, end)])
@@ -1219,15 +1219,15 @@ cdef tuple _sc_functions(_ScMaps maps, bytes name):
     cdef int m
     cdef sc_centry *e
     netdevs = _sc_netdevs(maps, c)
-    i = _sc_cmap_find(&maps.cls[SC_CLS_IB], c, &end)
+    i = _sc_cmap_find(&maps.cmaps[SC_CLS_IB], c, &end)
     if i < 0:
         return netdevs, "", ()
-    e = maps.cls[SC_CLS_IB].e
+    e = maps.cmaps[SC_CLS_IB].e
     ibdev = _sc_str(e[i].name, strlen(e[i].name))
     nodes = []
     for m in range(SC_CLS_VERBS, SC_CLS_CM + 1):
-        i = _sc_cmap_find(&maps.cls[m], c, &end)
-        e = maps.cls[m].e
+        i = _sc_cmap_find(&maps.cmaps[m], c, &end)
+        e = maps.cmaps[m].e
         for k in range(i, end if i >= 0 else i):
             nodes.append(_sc_dev_node(e[k].name))
     nodes.sort()
@@ -1236,8 +1236,8 @@ cdef tuple _sc_functions(_ScMaps maps, bytes name):
 
 cdef const char *_sc_first_netdev(_ScMaps maps, bytes name) noexcept:
     """The first netdev's name as a C string (kept alive by the map), or NULL."""
-    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cls[SC_CLS_NET], name, &end)
-    return maps.cls[SC_CLS_NET].e[i].name if i >= 0 else NULL
+    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cmaps[SC_CLS_NET], name, &end)
+    return maps.cmaps[SC_CLS_NET].e[i].name if i >= 0 else NULL
 
 
 cdef str _sc_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
@@ -1737,9 +1737,9 @@ cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
     v.listed_len = 0
     if v.have_ids:
         # Listed by exactly one driver; by two (a torn bind) it reads its own link, as the twin does.
-        at = _sc_cmap_find(&maps.cls[SC_DRIVERS], name, &end)
+        at = _sc_cmap_find(&maps.cmaps[SC_DRIVERS], name, &end)
         if at >= 0 and end - at == 1:
-            v.listed = maps.cls[SC_DRIVERS].e[at].name
+            v.listed = maps.cmaps[SC_DRIVERS].e[at].name
             v.listed_len = strlen(v.listed)
 
 
