@@ -492,6 +492,19 @@ def test_scan_in_a_worker_thread_lets_the_event_loop_run(
     assert ticks >= 5, f"the event loop ran only {ticks} times during {scans} scans in a worker thread"
 
 
+def test_rows_are_compared_with_a_table_slice_by_slice() -> None:
+    # The reconcile's "unchanged?" test runs in slices so the event loop can take the GIL between them;
+    # a difference in any slice, or a different count, is still a difference.
+    devices = tuple(Device(*(f"{i:05x}", *([""] * (len(Device._fields) - 1)))) for i in range(1300))
+    rows = tuple(tuple(d) for d in devices)
+    assert discovery._same(rows, devices)
+    for at in (0, 511, 512, 1299):
+        changed = (*rows[:at], (*rows[at][:-1], "x"), *rows[at + 1 :])
+        assert not discovery._same(changed, devices), at
+    assert not discovery._same(rows[:-1], devices) and not discovery._same((*rows, rows[0]), devices)
+    assert discovery._devices(rows) == devices and all(type(d) is Device for d in discovery._devices(rows))
+
+
 def test_an_unchanged_node_gives_back_the_previous_table(tmp_path: Path) -> None:
     layout = build_node(tmp_path, pfs=2, vfs_per_pf=4)
     first = discovery.scan(tmp_path)

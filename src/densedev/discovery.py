@@ -108,13 +108,26 @@ def _table(
         # A vanishing or half-written entry is normal on a busy node: never fail the scan.  Callers
         # report the warnings (summarised); here they are only traced.
         log.debug("discovery: %s", w)
-    if previous is not None and rows == previous.devices:
+    if previous is not None and _same(rows, previous.devices):
         # Nothing changed (a Device is a tuple and compares equal to its row): keep the table the
         # daemon already holds instead of making 16k new objects for the collector to walk.
         if warnings == previous.warnings:
             return previous
         return DeviceTable(previous.devices, warnings)
     return DeviceTable(_devices(rows), warnings)
+
+
+# Rows compared or converted per C call: one call over a 16k-row table holds the GIL for ~10 ms (a
+# compare walks ~400k fields), so the event loop's thread, waiting for it, could not run meanwhile.
+# Between slices CPython may hand the GIL over (sys.getswitchinterval()).
+_SLICE = 512
+
+
+def _same(rows: tuple[tuple[object, ...], ...], devices: tuple[Device, ...]) -> bool:
+    """Return whether a scan's rows equal a table's devices (a Device is a tuple), a slice at a time."""
+    if len(rows) != len(devices):
+        return False
+    return all(rows[i : i + _SLICE] == devices[i : i + _SLICE] for i in range(0, len(rows), _SLICE))
 
 
 def _devices(rows: tuple[tuple[object, ...], ...]) -> tuple[Device, ...]:
@@ -126,7 +139,10 @@ def _devices(rows: tuple[tuple[object, ...], ...]) -> tuple[Device, ...]:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return tuple(map(_make_device, rows))
+        out: list[Device] = []
+        for i in range(0, len(rows), _SLICE):
+            out.extend(map(_make_device, rows[i : i + _SLICE]))
+        return tuple(out)
     finally:
         if enabled:
             gc.enable()
