@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,25 @@ def test_run_refuses_an_invalid_config(tmp_path: Path, child_env: dict[str, str]
     )
     assert proc.returncode == 2
     assert "vendors" in proc.stderr
+
+
+def test_run_and_demo_shorten_the_switch_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Scans run in worker threads holding the GIL: the event loop must get it back within ~1 ms.
+    seen: list[float] = []
+
+    def fake_run(coro: Any) -> int:
+        coro.close()
+        seen.append(sys.getswitchinterval())
+        return 0
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(cli.uvloop, "run", fake_run)
+    try:
+        assert cli.main(["demo", "--seconds", "1"]) == 0
+        assert cli.main(["run", "--config", "/nonexistent.json"]) == 0
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [cli.SWITCH_INTERVAL_S, cli.SWITCH_INTERVAL_S] and before > cli.SWITCH_INTERVAL_S
 
 
 def test_demo_ends_with_its_summary(tmp_path: Path, child_env: dict[str, str]) -> None:
