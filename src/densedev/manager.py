@@ -478,11 +478,15 @@ class Daemon:
                 self.table,
             )
             self.metrics.record_resync("rescan")
+            # scan() hands back the devices it was given when none changed (compared in the worker):
+            # comparing 16k new Devices again here would hold up the loop for milliseconds.
+            changed = table.devices is not self.table.devices
         else:
             table = await asyncio.to_thread(self._rescan_targets_of, self.table, targets)
             self.metrics.record_resync("targeted")
+            # A merged table keeps the Devices it did not rescan: mostly identity checks.
+            changed = table.devices != self.table.devices
         self._note_scan(table, time.perf_counter() - t0)
-        changed = table.devices is not self.table.devices and table.devices != self.table.devices
         self.table = table
         if changed:
             self._ibdev_cache = None
