@@ -409,10 +409,14 @@ def devinfo_path(node: Node, pool: str, device: str) -> Path:
 
 
 def files(directory: Path) -> dict[str, tuple[bytes, int]]:
-    """Return every file of a directory with its bytes and inode (a rename-over gives a new inode)."""
+    """Return every file of a directory with its bytes and inode (a rename-over gives a new inode).
+
+    Hidden names (densedev's device-info ownership record) are not files a runtime or CNI reads.
+    """
     if not directory.is_dir():
         return {}
-    return {p.name: (p.read_bytes(), p.stat().st_ino) for p in sorted(directory.iterdir())}
+    listed = sorted(p for p in directory.iterdir() if not p.name.startswith("."))
+    return {p.name: (p.read_bytes(), p.stat().st_ino) for p in listed}
 
 
 def expected_spec(kind: Kind) -> dict[str, Any]:

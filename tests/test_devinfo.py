@@ -24,8 +24,10 @@ def dev_root(tmp_path: Path) -> Path:
 
 
 def files(tmp_path: Path) -> dict[str, dict[str, object]]:
+    """The device-info files (hidden names are densedev's ownership record and temporary files)."""
     d = tmp_path / "devinfo"
-    return {p.name: json.loads(p.read_text()) for p in sorted(d.iterdir())} if d.exists() else {}
+    listed = sorted(p for p in d.iterdir() if not p.name.startswith(".")) if d.exists() else []
+    return {p.name: json.loads(p.read_text()) for p in listed}
 
 
 def test_vf_file(tmp_path: Path, dev_root: Path) -> None:

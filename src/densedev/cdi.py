@@ -9,14 +9,15 @@ the old one (rename is atomic within a filesystem) and never rewritten when its 
 
 from __future__ import annotations
 
-import contextlib
+import hashlib
 import json
 import logging
-import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from . import files
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,15 @@ def qualified_name(kind: str, device: str) -> str:
 
 
 def spec_file_name(kind: str) -> str:
-    """Return the spec file name for a kind: ``densedev-<vendor>-<class>.json``."""
-    return FILE_PREFIX + _UNSAFE_FILE.sub("_", kind.replace("/", "-")) + ".json"
+    """Return the spec file name for a kind: ``densedev-<vendor>-<class>.json``, one component always.
+
+    Every character but ``[A-Za-z0-9_.-]`` becomes ``_`` (so no ``/`` or control character from a
+    config reaches the filesystem); a kind too long for one file name is named by its hash instead.
+    """
+    name = FILE_PREFIX + _UNSAFE_FILE.sub("_", kind.replace("/", "-")) + ".json"
+    if len(name) > files.NAME_MAX:
+        name = FILE_PREFIX + hashlib.sha256(kind.encode()).hexdigest()[:32] + ".json"
+    return files.check_name(name)
 
 
 def annotation(kind: str, resource: str, names: Sequence[str]) -> tuple[str, str]:
@@ -104,27 +112,8 @@ def encode(doc: Mapping[str, Any]) -> bytes:
 
 
 def write_atomic(path: Path, data: bytes) -> bool:
-    """Write ``data`` to ``path`` via a temporary file and rename; return False if it was already there."""
-    try:
-        if path.read_bytes() == data:
-            return False
-    except FileNotFoundError:
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # The temporary name starts with "." so CDI registries, which load only *.json and *.yaml, and
-    # our own pruning never see it half written.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
-    return True
+    """Write ``data`` to ``path`` atomically (see ``files.write_atomic``); False if it was already there."""
+    return files.write_atomic(path.parent, path.name, data)
 
 
 class SpecWriter:
@@ -142,25 +131,34 @@ class SpecWriter:
         return write_atomic(self.path_of(kind), encode(spec_document(kind, entries)))
 
     def remove(self, kind: str) -> None:
-        """Delete the kind's spec (a pool that is gone); a missing file is fine."""
-        with contextlib.suppress(FileNotFoundError):
-            self.path_of(kind).unlink()
+        """Delete the kind's spec (a pool that is gone); a missing file is fine, other failures are logged."""
+        try:
+            files.remove(self.directory, spec_file_name(kind))
+        except OSError as e:
+            log.warning("cannot remove CDI spec of %s in %s: %s", kind, self.directory, e)
 
     def prune(self, keep_kinds: Iterable[str]) -> list[Path]:
         """Delete our specs (``densedev-*.json``) of kinds not in ``keep_kinds`` and our stale temp files."""
         keep = {spec_file_name(k) for k in keep_kinds}
         removed: list[Path] = []
         try:
-            candidates = sorted(self.directory.glob(FILE_PREFIX + "*.json"))
-            # Temporary files of ours that a crash between write and rename left behind.
-            candidates += sorted(self.directory.glob(f".{FILE_PREFIX}*.json.*.tmp"))
+            names = files.list_names(self.directory)
         except OSError as e:
             log.warning("cannot list CDI dir %s: %s", self.directory, e)
             return removed
-        for path in candidates:
-            if path.name in keep:
+        # Specs first, then temporary files of ours that a crash between write and rename left behind.
+        ours = [n for n in names if is_spec_name(n)] + [n for n in names if files.is_temp_of(n, FILE_PREFIX)]
+        for name in ours:
+            if name in keep:
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed.append(path)
+            try:
+                if files.remove(self.directory, name):
+                    removed.append(self.directory / name)
+            except OSError as e:
+                log.warning("cannot remove CDI file %s: %s", self.directory / name, e)
         return removed
+
+
+def is_spec_name(name: str) -> bool:
+    """Return whether a file name is one this daemon gives its specs (``densedev-*.json``)."""
+    return name.startswith(FILE_PREFIX) and name.endswith(".json")

@@ -97,7 +97,8 @@ def socket_name_for(resource: str, kubelet_dir: Path) -> str:
     Resource names may be 300+ characters while a unix socket path is limited to 107 bytes; the name
     must also be stable across restarts so the kubelet's view does not churn.
     """
-    readable = "densedev-" + resource.replace("/", "_") + ".sock"
+    # Only [A-Za-z0-9_.-] of the name reach the file name: no "/" or control character from a config.
+    readable = "densedev-" + re.sub(r"[^A-Za-z0-9_.-]", "_", resource) + ".sock"
     if len(os.fsencode(kubelet_dir / readable)) <= MAX_UNIX_PATH:
         return readable
     digest = hashlib.sha256(resource.encode()).hexdigest()[:16]

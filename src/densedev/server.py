@@ -14,6 +14,7 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
+from . import files
 from ._proto import api_pb2
 from .feed import PoolFeed
 from .model import RequestError
@@ -125,7 +126,7 @@ class PluginServer:
     async def _start(self) -> None:
         if self._server is not None:
             raise RuntimeError(f"{self.resource}: server already running on {self.socket_path}")
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        files.ensure_dir(self.socket_path.parent)
         _remove_socket(self.socket_path)  # a stale socket from a previous run would make bind fail
         server = grpc.aio.server(options=SERVER_OPTIONS)
         server.add_generic_rpc_handlers((self._handler(),))
@@ -135,8 +136,17 @@ class PluginServer:
                 f"{self.resource}: socket path {self.socket_path} exceeds {MAX_UNIX_PATH} bytes (sun_path)"
             )
         try:
-            if server.add_insecure_port(address) == 0:
+            # gRPC binds the socket inside add_insecure_port, with the process umask: narrow it for that
+            # call so the socket is never callable by other users (an umask of 000 made it 0777, and any
+            # local user could Allocate), then set the mode explicitly as well.
+            old_umask = os.umask(0o777 & ~files.SOCKET_MODE)
+            try:
+                port = server.add_insecure_port(address)
+            finally:
+                os.umask(old_umask)
+            if port == 0:
                 raise OSError(f"{self.resource}: cannot listen on {address}")
+            _restrict_socket(self.socket_path)
             await server.start()
         except BaseException:
             # Without an explicit stop, the half-made server's finaliser runs after the loop is gone.
@@ -144,7 +154,7 @@ class PluginServer:
             raise
         self._stopping = asyncio.Event()
         self._server = server
-        st = os.stat(self.socket_path)
+        st = os.lstat(self.socket_path)
         # ctime too: on ext4 a deleted socket's inode number is soon reused by the next one.
         self._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
@@ -165,7 +175,7 @@ class PluginServer:
         # Remove the socket only if it is still the one we bound: after a kubelet restart the path may
         # already belong to a newer server.
         try:
-            st = os.stat(self.socket_path)
+            st = os.lstat(self.socket_path)
             if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode:
                 self.socket_path.unlink()
         except FileNotFoundError:
@@ -300,6 +310,14 @@ class PluginServer:
         # A bug in a pool must fail this one call, never the server: the kubelet keeps the stream.
         log.exception("%s: %s failed", self.resource, call)
         await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource}: {call} failed: {exc!r}")
+
+
+def _restrict_socket(path: Path) -> None:
+    """Give the socket we just bound mode 0600; refuse if the path is not a socket (planted meanwhile)."""
+    st = os.lstat(path)
+    if not stat.S_ISSOCK(st.st_mode):
+        raise OSError(f"{path} is not the socket we bound; refusing to serve on it")
+    os.chmod(path, files.SOCKET_MODE)
 
 
 def _remove_socket(path: Path) -> None:

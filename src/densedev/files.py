@@ -1,0 +1,194 @@
+"""Files and directories densedev writes, made safe whatever the umask and whatever is planted there.
+
+Every file densedev creates (CDI specs, device-info files, its ownership record) goes through this
+module: the directory is opened once with ``O_NOFOLLOW`` and everything else happens relative to that
+descriptor (``openat``, ``renameat``, ``unlinkat``), so a symlink planted at a file's name, at a
+temporary name, or in place of the directory itself is never followed.  Modes are set with ``fchmod``
+after creation because ``open``/``mkdir`` modes are masked by the process umask (an operator's
+``umask 000`` would otherwise hand out world-writable files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from pathlib import Path
+
+DIR_MODE = 0o755  # runtimes and CNI plugins read our directories; only root writes them
+FILE_MODE = 0o644  # CDI specs and device-info files: read by runtimes and CNI plugins, written by us
+SOCKET_MODE = 0o600  # a pool socket: only the kubelet (root) may call Allocate
+NAME_MAX = 255  # bytes in one path component (include/uapi/linux/limits.h)
+MAX_READ = 64 * 1024 * 1024  # refuse to compare against anything bigger: it cannot be ours
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+TMP_SUFFIX = ".tmp"
+
+
+class UnsafeNameError(OSError):
+    """A file name that could leave its directory or that no filesystem would take.
+
+    An OSError, so every caller that handles a failed write (a refused Allocate, a logged warning)
+    handles this one the same way.
+    """
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it is one safe path component, else raise UnsafeNameError saying why.
+
+    Safe: non-empty, not ``.`` or ``..``, no ``/``, no NUL or other control character, at most
+    NAME_MAX bytes.  Names are built from config values; this is the last line before the filesystem.
+    """
+    if not name or name in (".", ".."):
+        raise UnsafeNameError(f"file name {name!r} is empty or a directory reference")
+    if "/" in name:
+        raise UnsafeNameError(f"file name {name!r} contains '/'")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise UnsafeNameError(f"file name {name!r} contains a control character")
+    if len(os.fsencode(name)) > NAME_MAX:
+        raise UnsafeNameError(f"file name {name[:40]!r}... is longer than {NAME_MAX} bytes")
+    return name
+
+
+def ensure_dir(directory: Path, mode: int = DIR_MODE) -> None:
+    """Create ``directory`` and missing parents with ``mode`` exactly (umask or not); never via a symlink.
+
+    Directories that already exist keep their mode (an operator's choice); the last component must
+    not be a symlink.  Parents above the first existing one are created by us and get ``mode`` too.
+    """
+    directory = Path(directory)
+    missing: list[Path] = []
+    p = directory
+    while not os.path.lexists(p):
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue  # made by someone else meanwhile: theirs, keep its mode
+        fd = os.open(d, _DIR_FLAGS)
+        try:
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+    os.close(open_dir(directory))  # the last component must be a real directory
+
+
+def open_dir(directory: Path) -> int:
+    """Open ``directory`` for ``*at`` calls; ELOOP/ENOTDIR if it is a symlink or not a directory."""
+    return os.open(directory, _DIR_FLAGS)
+
+
+def read_if_regular(dirfd: int, name: str, limit: int = MAX_READ) -> bytes | None:
+    """Return the content of a regular file in the directory, or None (absent, symlink, FIFO, too big)."""
+    try:
+        # O_NONBLOCK: a FIFO planted at the name must not hang us; O_NOFOLLOW: nor a symlink lead us.
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while size <= st.st_size:
+            chunk = os.read(fd, max(st.st_size + 1 - size, 1))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def temp_name(name: str) -> str:
+    """Return a fresh temporary name for ``name``: hidden (runtimes load only *.json), unguessable."""
+    return f".{name}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+
+
+def is_temp_of(entry: str, name_prefix: str) -> bool:
+    """Return whether ``entry`` is a temporary file of ours for a name starting with ``name_prefix``."""
+    return entry.startswith("." + name_prefix) and entry.endswith(TMP_SUFFIX)
+
+
+def write_atomic(directory: Path, name: str, data: bytes, mode: int = FILE_MODE) -> bool:
+    """Write ``data`` to ``directory/name`` atomically with ``mode``; return False if it was already there.
+
+    The temporary file is created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` under a random name (a planted file
+    or symlink makes the create fail rather than be written through), fsynced, then renamed over
+    ``name`` (rename replaces a symlink at ``name`` instead of following it).
+    """
+    check_name(name)
+    ensure_dir(directory)
+    dirfd = open_dir(directory)
+    try:
+        old = read_if_regular(dirfd, name, limit=len(data))
+        if old == data:
+            with contextlib.suppress(OSError):
+                st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+                if stat.S_IMODE(st.st_mode) != mode:
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+                    try:
+                        os.fchmod(fd, mode)
+                    finally:
+                        os.close(fd)
+            return False
+        tmp = temp_name(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, mode, dir_fd=dirfd)
+        try:
+            try:
+                os.fchmod(fd, mode)  # the umask masked the mode given to open
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dirfd)
+            raise
+        # The rename itself is durable only once the directory is (a no-op on tmpfs /run).
+        with contextlib.suppress(OSError):
+            os.fsync(dirfd)
+        return True
+    finally:
+        os.close(dirfd)
+
+
+def remove(directory: Path, name: str) -> bool:
+    """Unlink ``directory/name`` without following a symlinked directory; return whether it existed."""
+    check_name(name)
+    try:
+        dirfd = open_dir(directory)
+    except FileNotFoundError:
+        return False
+    try:
+        os.unlink(name, dir_fd=dirfd)
+        return True
+    except FileNotFoundError:
+        return False
+    finally:
+        os.close(dirfd)
+
+
+def list_names(directory: Path) -> list[str]:
+    """Return the sorted entry names of ``directory`` (empty if absent); ELOOP if it is a symlink."""
+    try:
+        dirfd = open_dir(directory)
+    except FileNotFoundError:
+        return []
+    try:
+        return sorted(os.listdir(dirfd))
+    finally:
+        os.close(dirfd)
