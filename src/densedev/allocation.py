@@ -16,12 +16,12 @@ import os
 import re
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import accel, cdi, devinfo
+from . import accel, cdi, devinfo, leftovers
 from ._proto import api_pb2
 from .model import Device, Pool, PoolConfig, RequestError
 
@@ -504,6 +504,19 @@ class PoolAllocator:
         """Verify the devices are still in the pool, healthy, and have their nodes, just before start."""
         devices = self._check(ids, RequestError.PRECONDITION)
         build_response(self.config, devices, self.settings.dev_root)
+
+    def claim(self) -> leftovers.PoolClaim:
+        """Return what this pool may own on disk (for reconciling an earlier run's leftovers)."""
+        return leftovers.PoolClaim(
+            kind=self.kind if self._cdi is not None else "",
+            info_stem=self._info.stem if self._info is not None else None,
+            devices=frozenset(d.id for d in self._devices),
+        )
+
+    def adopt_info(self, device_ids: Iterable[str]) -> None:
+        """Take device-info files an earlier run left for these devices as this pool's own."""
+        if self._info is not None:
+            self._info.adopt(device_ids)
 
     def close(self, remove_cdi: bool = False) -> None:
         """Remove the pool's device-info files; the CDI spec stays unless ``remove_cdi`` (pool deleted).

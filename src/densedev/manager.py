@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import accel, cdi, discovery, selectors
+from . import accel, discovery, leftovers, selectors
 from . import config as config_mod
 from ._proto import api_pb2
 from .allocation import AllocationSettings, PoolAllocator
@@ -290,7 +290,7 @@ class Daemon:
             self._report_counts(runtime.name, i, healthy)
             self.pools[pool.config.full_name] = runtime
         self._order = [p.config.full_name for p in pools]
-        self._prune_cdi()
+        self._reconcile_files()
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
@@ -356,13 +356,26 @@ class Daemon:
         except Exception:
             log.exception("pool %s: cleaning up its files failed", runtime.name)
 
-    def _prune_cdi(self) -> None:
-        """Delete our CDI specs of pools that are no longer configured (left by an earlier run)."""
-        if self.settings.cdi_dir is None:
+    def _reconcile_files(self, in_use: frozenset[str] | None = None) -> None:
+        """Remove our CDI specs and device-info files an earlier run left that no pool or held device needs.
+
+        ``in_use``: device IDs a pod still holds (their files stay, whichever pool wrote them).
+        """
+        try:
+            result = leftovers.reconcile_pools(
+                self.settings.cdi_dir,
+                self.settings.devinfo_dir,
+                [r.allocator for r in self.pools.values()],
+                in_use,
+            )
+        except Exception:
+            log.exception("reconciling files left by an earlier run failed; going on without")
             return
-        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(r.allocator.kind for r in self.pools.values())
-        if removed:
-            log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
+        for problem in result.problems:
+            log_event(log, "leftover file not reconciled", level=logging.WARNING, problem=problem)
+        if result.removed:
+            names = [p.name for p in result.removed]
+            log_event(log, "removed files left by an earlier run", files=summarise(names, noun="file"))
 
     @property
     def metrics_port(self) -> int | None:
