@@ -11,6 +11,7 @@ after creation because ``open``/``mkdir`` modes are masked by the process umask 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -79,8 +80,16 @@ def ensure_dir(directory: Path, mode: int = DIR_MODE) -> None:
 
 
 def open_dir(directory: Path) -> int:
-    """Open ``directory`` for ``*at`` calls; ELOOP/ENOTDIR if it is a symlink or not a directory."""
-    return os.open(directory, _DIR_FLAGS)
+    """Open ``directory`` for ``*at`` calls; an OSError saying so if it is a symlink or not a directory."""
+    try:
+        return os.open(directory, _DIR_FLAGS)
+    except OSError as e:
+        # open(2) with O_DIRECTORY|O_NOFOLLOW reports a symlink as ENOTDIR or ELOOP: say which it is.
+        if e.errno in (errno.ENOTDIR, errno.ELOOP) and os.path.islink(directory):
+            raise OSError(
+                errno.ELOOP, "is a symlink; densedev never writes through one", str(directory)
+            ) from None
+        raise
 
 
 def read_if_regular(dirfd: int, name: str, limit: int = MAX_READ) -> bytes | None:
