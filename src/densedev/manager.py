@@ -30,7 +30,7 @@ from .health import Coalescer, HealthTracker, PoolUpdate
 from .logs import log_event, summarise
 from .metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
 from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
-from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .netlink import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
 from .server import MAX_UNIX_PATH, status_of
 from .watch import DirectoryWatch
@@ -55,6 +55,7 @@ class DaemonSettings:
     metrics_addr: str | None = None
     netlink: bool = True  # watch rtnetlink links and kernel uevents
     netns: str | None = None  # watch links and uevents in this named network namespace (tests)
+    netlink_rcvbuf: int = DEFAULT_RCVBUF  # each netlink socket's receive buffer (fault tests shrink it)
     config_poll_s: float = 1.0
     housekeeping_s: float = 1.0  # how often registration state is copied into metrics
     registration_poll_s: float = 0.2  # how often each pool checks kubelet.sock and its own socket
@@ -688,13 +689,17 @@ class Daemon:
 
     async def _start_netlink(self) -> None:
         try:
-            links = LinkMonitor(self.on_links, self.on_overrun, netns=self.settings.netns)
+            links = LinkMonitor(
+                self.on_links, self.on_overrun, netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf
+            )
             await links.start()
             self._link_monitor = links
         except OSError as exc:
             log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
         try:
-            uevents = UeventMonitor(self.on_uevent, self.on_overrun, netns=self.settings.netns)
+            uevents = UeventMonitor(
+                self.on_uevent, self.on_overrun, netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf
+            )
             await uevents.start()
             self._uevent_monitor = uevents
         except OSError as exc:
