@@ -247,6 +247,7 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
         self._uevent_monitor: UeventMonitor | None = None
+        self._uevent_lost_at: float | None = None  # uevents lost, not yet resynced by a full rescan
         self._metrics_server: MetricsServer | None = None
         self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
         self._reconcile = False  # the next full rescan is the periodic reconcile
@@ -467,6 +468,7 @@ class Daemon:
         """
         targets, self._rescan_targets = self._rescan_targets, set()
         full, self._full_rescan = self._full_rescan or not targets, False
+        lost = self._uevent_lost_at if full else None
         t0 = time.perf_counter()
         # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
         if full or len(targets) > MAX_TARGETED_RESCANS:
@@ -499,6 +501,9 @@ class Daemon:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         await self._refresh_ports()
         self._note_event(0)
+        if lost is not None and lost == self._uevent_lost_at:
+            self._uevent_lost_at = None
+            self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
 
     def _read_sysfs_links(self) -> None:
         """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
@@ -575,14 +580,16 @@ class Daemon:
         self.tracker.set_links(states)
         self._note_event(len(states))
 
-    def on_overrun(self) -> None:
-        """A netlink overrun lost events: resynchronise everything, never guess."""
+    def on_overrun(self, source: str = "link") -> None:
+        """Netlink events were lost (overrun, socket error, stall): resynchronise everything, never guess.
+
+        The monitor counted the fault and reopened its socket; the link monitor dumps every link itself.
+        A uevent monitor's resync is this full rescan, timed until it is applied.
+        """
         self.stats["overruns"] += 1
-        self.metrics.record_overrun("netlink")
-        log_event(log, "netlink overrun, resyncing", level=logging.WARNING)
-        if self._link_monitor is not None:
-            with contextlib.suppress(Exception):
-                self._link_monitor.resync()
+        log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
+        if source == "uevent" and self._uevent_lost_at is None:
+            self._uevent_lost_at = time.monotonic()
         self.request_rescan()
 
     def on_uevent(self, event: UeventTuple) -> None:
@@ -690,7 +697,11 @@ class Daemon:
     async def _start_netlink(self) -> None:
         try:
             links = LinkMonitor(
-                self.on_links, self.on_overrun, netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf
+                self.on_links,
+                self.on_overrun,
+                netns=self.settings.netns,
+                rcvbuf=self.settings.netlink_rcvbuf,
+                observer=self.metrics,
             )
             await links.start()
             self._link_monitor = links
@@ -698,7 +709,11 @@ class Daemon:
             log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
         try:
             uevents = UeventMonitor(
-                self.on_uevent, self.on_overrun, netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf
+                self.on_uevent,
+                functools.partial(self.on_overrun, "uevent"),
+                netns=self.settings.netns,
+                rcvbuf=self.settings.netlink_rcvbuf,
+                observer=self.metrics,
             )
             await uevents.start()
             self._uevent_monitor = uevents
