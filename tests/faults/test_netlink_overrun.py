@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import socket
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -35,6 +37,8 @@ from densedev.netlink import (
     NLMSG_ERROR,
     LinkMonitor,
     LinkTuple,
+    UeventMonitor,
+    UeventTuple,
     open_netlink_socket,
     resolve_netns,
 )
@@ -269,3 +273,129 @@ def test_truncated_error_reply_during_a_dump_is_logged_and_resynced(
 async def _until(cond: Callable[[], bool]) -> None:
     while not cond():
         await asyncio.sleep(0.01)
+
+
+def test_watchdog_reopens_a_socket_whose_dump_is_never_read(run: Run, netns: str) -> None:
+    async def main() -> None:
+        rows: list[LinkTuple] = []
+        lost: list[int] = []
+        monitor = LinkMonitor(
+            rows.extend, lambda: lost.append(1), netns=netns, stall_timeout_s=0.3, probe_interval_s=0
+        )
+        await monitor.start()
+        try:
+            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+            # What libuv does on EPOLLERR: the poll handle stops and nothing reads the socket again.
+            asyncio.get_running_loop().remove_reader(monitor.fileno)
+            monitor.resync()
+            await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
+            assert monitor.stalls == 1 and lost == [1]
+            await asyncio.wait_for(_until(lambda: monitor.dumps >= 2), GUARD_S)
+            rows.clear()
+            await aip(netns, "link", "add", "w0", "type", "veth", "peer", "name", "w0p")
+            await asyncio.wait_for(_until(lambda: any(r[2] == "w0" for r in rows)), GUARD_S)
+        finally:
+            monitor.stop()
+
+    run(main())
+
+
+def test_probe_reopens_a_uevent_socket_nobody_reads(run: Run, netns: str) -> None:
+    # Uevents cannot be dumped: the monitor sends itself a probe now and then and expects it back.
+    async def main() -> None:
+        events: list[UeventTuple] = []
+        lost: list[int] = []
+        monitor = UeventMonitor(
+            events.append, lambda: lost.append(1), netns=netns, stall_timeout_s=0.3, probe_interval_s=0.1
+        )
+        await monitor.start()
+        try:
+            asyncio.get_running_loop().remove_reader(monitor.fileno)
+            await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
+            assert monitor.stalls == 1 and lost == [1]
+            await aip(netns, "link", "add", "w1", "type", "veth", "peer", "name", "w1p")
+            await asyncio.wait_for(
+                _until(lambda: any(e[1] == "/devices/virtual/net/w1" for e in events)), GUARD_S
+            )
+            assert monitor.reopens == 1  # probes kept coming back since
+        finally:
+            monitor.stop()
+
+    run(main())
+
+
+def test_a_blocked_loop_is_not_taken_for_a_dead_reader(run: Run, netns: str) -> None:
+    async def main() -> None:
+        monitor = LinkMonitor(
+            lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0
+        )
+        await monitor.start()
+        try:
+            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+            monitor.resync()
+            time.sleep(0.6)  # deliberately blocks the loop past the watchdog's deadline, dump unread
+            await asyncio.wait_for(_until(lambda: monitor.dumps >= 2), GUARD_S)
+            await asyncio.sleep(0.4)  # a wrongly armed watchdog would fire here
+            assert (monitor.reopens, monitor.stalls) == (0, 0)
+        finally:
+            monitor.stop()
+
+    run(main())
+
+
+def test_stopped_daemon_process_and_link_flood(
+    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path, child_env: dict[str, str]
+) -> None:
+    # The daemon as deployed: its own process (`densedev run`), SIGSTOPped while the namespace floods.
+    layout, sysfs = start_node(tmp_path, netns)
+    pf1, pf3 = layout.pfs[1].netdev, layout.pfs[3].netdev
+    log_path = tmp_path / "daemon.log"
+
+    async def main() -> float:
+        emu = KubeletEmulator(kubelet_dir)
+        await emu.start()
+        with log_path.open("w") as log_file:
+            daemon = subprocess.Popen(
+                [
+                    sys.executable, "-m", "densedev.cli", "run",
+                    "--config", str(tmp_path / "config.json"),
+                    "--sysfs-root", str(sysfs),
+                    "--kubelet-dir", str(kubelet_dir),
+                    "--dev-root", str(tmp_path / "dev"),
+                    "--devinfo-dir", "",
+                    "--resource-prefix", PREFIX,
+                    "--netns", netns,
+                    "--netlink-rcvbuf", str(SMALL_RCVBUF),
+                ],
+                env=child_env,
+                stderr=log_file,
+            )  # fmt: skip
+        try:
+            for pf in layout.pfs:
+                await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), 60)
+            daemon.send_signal(signal.SIGSTOP)
+            flips = [
+                f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
+                for j in range(FLOOD_ROUNDS)
+                for k in range(FLOOD_LINKS)
+            ]
+            batch(netns, [*flips, f"link set {pf3} down\n"])
+            resumed = time.monotonic()
+            daemon.send_signal(signal.SIGCONT)
+            await emu.wait_for(all_health(emu, pool(pf3), UNHEALTHY), GUARD_S)
+            recovery = time.monotonic() - resumed
+            await aip(netns, "link", "set", pf3, "up")
+            await emu.wait_for(all_health(emu, pool(pf3), HEALTHY), GUARD_S)
+            await aip(netns, "link", "set", pf1, "down")
+            await emu.wait_for(all_health(emu, pool(pf1), UNHEALTHY), GUARD_S)
+            return recovery
+        finally:
+            daemon.terminate()
+            await asyncio.to_thread(daemon.wait, 30)
+            await emu.stop()
+
+    recovery = run(main())
+    text = log_path.read_text()
+    assert "link overrun (ENOBUFS)" in text, text[-2000:]  # the fault really happened
+    assert "Traceback" not in text, text[-2000:]
+    print(f"\nstopped process: SIGCONT -> the kubelet holds the resynced state: {recovery * 1e3:.1f} ms")
