@@ -6,6 +6,13 @@ accelerator's pure parsers.  A receive that fails with ``ENOBUFS`` means the ker
 because our socket buffer was full: that is reported as an *overrun*, which callers must treat as
 "resync everything", never as a few lost events.
 
+An overrun also ends the reader under uvloop: netlink_overrun() sets ``sk_err``, epoll reports
+EPOLLIN|EPOLLERR, our callback runs once more and libuv then drops the fd from epoll (strace shows
+``EPOLL_CTL_DEL`` right after that callback) without telling anyone — no callback, no exception, the
+queue stays full.  The default asyncio loop keeps polling.  So a monitor closes and reopens its socket
+after every receive error, and a watchdog reopens it when a dump or a probe it sends itself is not
+read back; see :class:`_Monitor`.
+
 Network namespaces: a netlink socket belongs to the namespace of the thread that created it, for its
 whole life.  ``open_netlink_socket`` therefore creates the socket in a short-lived helper thread that
 first ``setns()``-es into the target namespace (``/var/run/netns/<name>``, where ``ip netns add``
@@ -155,6 +162,14 @@ def open_netlink_socket(
     return result[0]
 
 
+def _strerror(err: int) -> str:
+    # The errno came off the wire: it may not even fit a C int.
+    try:
+        return os.strerror(err)
+    except (ValueError, OverflowError):
+        return f"error {err}"
+
+
 class ReopenReason(enum.Enum):
     """Why a monitor closed its netlink socket and opened a new one."""
 
@@ -225,11 +240,11 @@ class _Monitor:
     """Shared reader: a netlink socket on the loop, reopened whenever it may have lost or stopped.
 
     Under uvloop a netlink overrun does more than lose messages: the kernel flags it with ``sk_err``,
-    epoll then reports EPOLLERR on the fd, and libuv stops that poll handle for good after our callback
-    returns (uv__poll_io), silently — the reader would never run again.  So every receive error closes
-    the socket and opens a new one (new subscription, then the subclass's resync), a watchdog reopens
-    it when a dump or a probe sent to ourselves is not read back in time, and nothing the reader meets
-    — a malformed datagram, a callback's bug — escapes into the loop.
+    epoll reports EPOLLERR on the fd, and libuv stops watching it after our callback returns, silently
+    (module docstring) — the reader would never run again.  So every receive error closes the socket
+    and opens a new one (new subscription, then the subclass's resync), a watchdog reopens it when a
+    dump or a probe sent to ourselves is not read back in time, and nothing the reader meets — a
+    malformed datagram, a callback's bug — escapes into the loop.
     """
 
     source = "netlink"
@@ -637,7 +652,7 @@ class LinkMonitor(_Monitor):
             return
         self._dumping = False
         if progress.error:
-            log.error("link dump refused: %s", os.strerror(progress.error))
+            log.error("link dump refused: %s", _strerror(progress.error))
             self._dump_again = self._dump_again or progress.error in (errno.EBUSY, errno.EINTR)
         elif not progress.malformed:
             self.dumps += 1

@@ -59,7 +59,9 @@ def messages(draw: st.DrawFn) -> Msg:
     seq = draw(st.sampled_from([SEQ, SEQ - 1, 0]))
     flags = draw(st.sampled_from([0, 0x2, NLM_F_DUMP_INTR, 0x2 | NLM_F_DUMP_INTR]))
     if mtype == NLMSG_ERROR:
-        body = struct.pack("=i", -draw(st.sampled_from([0, errno.EBUSY, errno.EINTR, errno.EPERM])))
+        # struct nlmsgerr.error: a negative errno from the kernel, anything at all from elsewhere.
+        codes = [0, -errno.EBUSY, -errno.EINTR, -errno.EPERM, -(2**31), 2**31 - 1]
+        body = struct.pack("=i", draw(st.sampled_from(codes)))
         body += draw(st.binary(max_size=32))
     elif mtype == NLMSG_DONE:
         body = struct.pack("=i", 0)
