@@ -280,6 +280,7 @@ class _Monitor:
         self._watch_due = 0.0
         self._probe_timer: asyncio.TimerHandle | None = None
         self._reopen_handle: asyncio.Handle | None = None
+        self._reopen_soon = False  # a reopen runs on the next turn: the old queue is stale
         self._reopen_reason = ReopenReason.ERROR
         self._reopen_backoff = _REOPEN_RETRY_S
         self._lost_at: float | None = None  # when events were last lost and not yet resynced
@@ -348,10 +349,12 @@ class _Monitor:
             return
         self._reopen_reason = reason
         # Not from inside the reader callback: libuv still holds the old poll handle until it returns.
+        self._reopen_soon = True
         self._reopen_handle = self._loop.call_soon(self._reopen)
 
     def _reopen(self) -> None:
         self._reopen_handle = None
+        self._reopen_soon = False  # while retries back off, the old socket is read for what it gives
         assert self._loop is not None
         try:
             sock = self._make_socket()
@@ -463,7 +466,7 @@ class _Monitor:
 
     def _read(self) -> None:
         sock = self._sock
-        if sock is None or self._reopen_handle is not None:
+        if sock is None or self._reopen_soon:
             return  # the queue is stale: the new socket and its resync replace it
         view = memoryview(self._buf)
         for _ in range(_MAX_DATAGRAMS_PER_WAKEUP):

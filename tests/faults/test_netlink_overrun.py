@@ -399,3 +399,26 @@ def test_stopped_daemon_process_and_link_flood(
     assert "link overrun (ENOBUFS)" in text, text[-2000:]  # the fault really happened
     assert "Traceback" not in text, text[-2000:]
     print(f"\nstopped process: SIGCONT -> the kubelet holds the resynced state: {recovery * 1e3:.1f} ms")
+
+
+def test_a_reopen_that_fails_is_retried_not_raised(
+    run: Run, netns: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        monitor = LinkMonitor(
+            lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0
+        )
+        await monitor.start()
+        try:
+            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+            # The namespace disappears, and the reader stops: the watchdog's reopen cannot succeed.
+            subprocess.run(["ip", "netns", "del", netns], check=True)
+            asyncio.get_running_loop().remove_reader(monitor.fileno)
+            monitor.resync()
+            await asyncio.wait_for(_until(lambda: caplog.text.count("could not be reopened") >= 2), GUARD_S)
+            assert monitor.stalls == 1 and monitor.reopens == 0
+        finally:
+            monitor.stop()
+
+    run(main())
+    assert "does not exist" in caplog.text
