@@ -415,8 +415,8 @@ class _Monitor:
             return
         now = self._loop.time()
         if now - self._watch_due > self._stall_s / 2:
-            # The whole loop was held up (a long callback, SIGSTOP): timers run before I/O is polled,
-            # so give the reader one turn before calling it dead.
+            # The whole loop was held up (a long callback, SIGSTOP).  A loop that runs due timers
+            # before it polls I/O would get here before the reader saw the reply: give it one turn.
             self._expect()
             return
         if now - since < self._stall_s:

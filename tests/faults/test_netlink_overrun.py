@@ -325,6 +325,7 @@ def test_probe_reopens_a_uevent_socket_nobody_reads(run: Run, netns: str) -> Non
 
 
 def test_a_blocked_loop_is_not_taken_for_a_dead_reader(run: Run, netns: str) -> None:
+    # The outcome, whatever order the loop runs I/O and due timers in after the stall.
     async def main() -> None:
         monitor = LinkMonitor(
             lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0
@@ -422,3 +423,32 @@ def test_a_reopen_that_fails_is_retried_not_raised(
 
     run(main())
     assert "does not exist" in caplog.text
+
+
+def test_probe_reopens_when_a_dead_reader_leaves_the_queue_full(run: Run, netns: str) -> None:
+    # As observed before the fix: nobody reads, the kernel keeps the queue full and drops the rest.
+    # The probe cannot even be queued then (netlink_attachskb: EAGAIN); twice in a row means reopen.
+    async def main() -> None:
+        events: list[UeventTuple] = []
+        monitor = UeventMonitor(
+            events.append,
+            lambda: None,
+            netns=netns,
+            rcvbuf=SMALL_RCVBUF,
+            stall_timeout_s=5.0,
+            probe_interval_s=0.2,
+        )
+        await monitor.start()
+        try:
+            asyncio.get_running_loop().remove_reader(monitor.fileno)
+            batch(netns, [f"link add q{k} type veth peer name q{k}p\n" for k in range(48)])
+            await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
+            assert monitor.stalls == 1
+            await aip(netns, "link", "add", "w2", "type", "veth", "peer", "name", "w2p")
+            await asyncio.wait_for(
+                _until(lambda: any(e[1] == "/devices/virtual/net/w2" for e in events)), GUARD_S
+            )
+        finally:
+            monitor.stop()
+
+    run(main())
