@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -26,6 +27,17 @@ def _add_common(p: argparse.ArgumentParser, level: str = "info") -> None:
     p.add_argument(
         "--log-format", choices=("kv", "json"), default=os.environ.get("DENSEDEV_LOG_FORMAT", "kv")
     )
+
+
+def _positive_int(text: str) -> int:
+    """Parse a positive integer argument (argparse reports a ValueError as one usage line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--netns",
         default=None,
         help="watch links and uevents in this named network namespace (tests, benches)",
+    )
+    run.add_argument(
+        "--netlink-rcvbuf",
+        type=_positive_int,
+        default=None,
+        help="receive buffer of each netlink socket in bytes (default 8 MiB; fault tests shrink it)",
     )
 
     scan = sub.add_parser("scan", help="print the devices discovery finds (and pools with --config)")
@@ -178,6 +196,8 @@ async def _serve(args: argparse.Namespace) -> int:
         netlink=not args.no_netlink,
         netns=args.netns,
     )
+    if args.netlink_rcvbuf is not None:
+        settings = dataclasses.replace(settings, netlink_rcvbuf=args.netlink_rcvbuf)
     daemon = Daemon(settings, cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

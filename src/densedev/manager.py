@@ -30,7 +30,7 @@ from .health import Coalescer, HealthTracker, PoolUpdate
 from .logs import log_event, summarise
 from .metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
 from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
-from .netlink import LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .netlink import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .registration import PluginRunner
 from .server import MAX_UNIX_PATH, status_of
 from .watch import DirectoryWatch
@@ -55,6 +55,7 @@ class DaemonSettings:
     metrics_addr: str | None = None
     netlink: bool = True  # watch rtnetlink links and kernel uevents
     netns: str | None = None  # watch links and uevents in this named network namespace (tests)
+    netlink_rcvbuf: int = DEFAULT_RCVBUF  # each netlink socket's receive buffer (fault tests shrink it)
     config_poll_s: float = 1.0
     housekeeping_s: float = 1.0  # how often registration state is copied into metrics
     registration_poll_s: float = 0.2  # how often each pool checks kubelet.sock and its own socket
@@ -247,6 +248,7 @@ class Daemon:
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
         self._uevent_monitor: UeventMonitor | None = None
+        self._uevent_lost_at: float | None = None  # uevents lost, not yet resynced by a full rescan
         self._metrics_server: MetricsServer | None = None
         self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
         self._reconcile = False  # the next full rescan is the periodic reconcile
@@ -480,6 +482,7 @@ class Daemon:
         """
         targets, self._rescan_targets = self._rescan_targets, set()
         full, self._full_rescan = self._full_rescan or not targets, False
+        lost = self._uevent_lost_at if full else None
         t0 = time.perf_counter()
         # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
         if full or len(targets) > MAX_TARGETED_RESCANS:
@@ -512,6 +515,9 @@ class Daemon:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         await self._refresh_ports()
         self._note_event(0)
+        if lost is not None and lost == self._uevent_lost_at:
+            self._uevent_lost_at = None
+            self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
 
     def _read_sysfs_links(self) -> None:
         """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
@@ -588,14 +594,16 @@ class Daemon:
         self.tracker.set_links(states)
         self._note_event(len(states))
 
-    def on_overrun(self) -> None:
-        """A netlink overrun lost events: resynchronise everything, never guess."""
+    def on_overrun(self, source: str = "link") -> None:
+        """Netlink events were lost (overrun, socket error, stall): resynchronise everything, never guess.
+
+        The monitor counted the fault and reopened its socket; the link monitor dumps every link itself.
+        A uevent monitor's resync is this full rescan, timed until it is applied.
+        """
         self.stats["overruns"] += 1
-        self.metrics.record_overrun("netlink")
-        log_event(log, "netlink overrun, resyncing", level=logging.WARNING)
-        if self._link_monitor is not None:
-            with contextlib.suppress(Exception):
-                self._link_monitor.resync()
+        log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
+        if source == "uevent" and self._uevent_lost_at is None:
+            self._uevent_lost_at = time.monotonic()
         self.request_rescan()
 
     def on_uevent(self, event: UeventTuple) -> None:
@@ -702,13 +710,25 @@ class Daemon:
 
     async def _start_netlink(self) -> None:
         try:
-            links = LinkMonitor(self.on_links, self.on_overrun, netns=self.settings.netns)
+            links = LinkMonitor(
+                self.on_links,
+                self.on_overrun,
+                netns=self.settings.netns,
+                rcvbuf=self.settings.netlink_rcvbuf,
+                observer=self.metrics,
+            )
             await links.start()
             self._link_monitor = links
         except OSError as exc:
             log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
         try:
-            uevents = UeventMonitor(self.on_uevent, self.on_overrun, netns=self.settings.netns)
+            uevents = UeventMonitor(
+                self.on_uevent,
+                functools.partial(self.on_overrun, "uevent"),
+                netns=self.settings.netns,
+                rcvbuf=self.settings.netlink_rcvbuf,
+                observer=self.metrics,
+            )
             await uevents.start()
             self._uevent_monitor = uevents
         except OSError as exc:

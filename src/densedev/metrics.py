@@ -157,6 +157,26 @@ class Metrics:
             ["source"],
             registry=r,
         )
+        self.netlink_reopens = Counter(
+            "densedev_netlink_reopens",
+            "Netlink sockets closed and opened again, by source and reason (overrun, error, stalled).",
+            ["source", "reason"],
+            registry=r,
+        )
+        self.netlink_malformed = Counter(
+            "densedev_netlink_malformed",
+            "Netlink datagrams that could not be decoded (logged, skipped, and a resync follows).",
+            ["source"],
+            registry=r,
+        )
+        self.netlink_resync = Histogram(
+            "densedev_netlink_resync_seconds",
+            "From a lost netlink event (overrun, socket error, stall) to the completed resync "
+            "(link: the new socket's dump read; uevent: the rescan it asked for applied).",
+            ["source"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
         self.resyncs = Counter(
             "densedev_resyncs", "Full resynchronisations of device state, by reason.", ["reason"], registry=r
         )
@@ -321,6 +341,18 @@ class Metrics:
     def record_overrun(self, source: str) -> None:
         """Count a netlink overrun (ENOBUFS) on ``source``."""
         self.netlink_overruns.labels(source).inc()
+
+    def record_reopen(self, source: str, reason: str) -> None:
+        """Count a netlink socket of ``source`` closed and reopened for ``reason``."""
+        self.netlink_reopens.labels(source, reason).inc()
+
+    def record_malformed(self, source: str) -> None:
+        """Count a netlink datagram from ``source`` that could not be decoded."""
+        self.netlink_malformed.labels(source).inc()
+
+    def observe_netlink_resync(self, source: str, seconds: float) -> None:
+        """Record how long ``source`` took from a lost event to its completed resync."""
+        self.netlink_resync.labels(source).observe(seconds)
 
     def record_resync(self, reason: str) -> None:
         """Count a full resync (``"overrun"``, ``"reconcile"``, ``"kubelet-restart"``, ...)."""
