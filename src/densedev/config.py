@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import functools
 import json
 import math
 import os
@@ -95,16 +96,19 @@ _HEALTH_KEYS = ("pfLink", "ownLink", "rdmaPort", "driver", "holdDownSeconds")
 class ConfigError(Exception):
     """An invalid config file; ``problems`` lists every problem found (to ``MAX_PROBLEMS``), a line each."""
 
-    def __init__(self, problems: Sequence[str], source: str = "<string>") -> None:
+    def __init__(self, problems: Sequence[str], source: str = "<string>", *, more: int = 0) -> None:
         # Every problem is one printable line of bounded length, whatever the file held; past
-        # MAX_PROBLEMS the last line says how many more there were.
+        # MAX_PROBLEMS the last line says how many more there were (``more`` counts those the caller
+        # already left out).
         shown = [clip(p, MAX_PROBLEM_CHARS) for p in problems[:MAX_PROBLEMS]]
-        if len(problems) > MAX_PROBLEMS:
-            shown.append(f"… and {len(problems) - MAX_PROBLEMS} more problems")
+        more += max(0, len(problems) - MAX_PROBLEMS)
+        if more:
+            shown.append(f"… and {more} more problems")
         self.problems: tuple[str, ...] = tuple(shown)
         self.source = escape(source)
         lines = "\n".join(f"  {p}" for p in self.problems)
-        super().__init__(f"{self.source}: {len(problems)} problem(s) in the config:\n{lines}")
+        total = min(len(problems), MAX_PROBLEMS) + more
+        super().__init__(f"{self.source}: {total} problem(s) in the config:\n{lines}")
 
 
 def validate_resource_name(full_name: str) -> str | None:
@@ -236,10 +240,19 @@ class _Reader:
     def __init__(self, default_prefix: str) -> None:
         self.default_prefix = default_prefix
         self.problems: list[str] = []
+        self.more = 0  # problems found beyond MAX_PROBLEMS: counted, not kept (a 1 MiB file may hold 300k)
         self.warnings: list[str] = []
 
+    @property
+    def count(self) -> int:
+        """Return how many problems were found so far."""
+        return len(self.problems) + self.more
+
     def problem(self, where: str, reason: str) -> None:
-        self.problems.append(f"{where}: {reason}" if where else reason)
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(f"{where}: {reason}" if where else reason)
+        else:
+            self.more += 1
 
     def printable(self, value: str, where: str) -> bool:
         """Report a string holding a control character (never valid in a name, ID or value); False then."""
@@ -254,7 +267,7 @@ class _Reader:
         Go's encoding/json, which the plugin uses, matches keys case-insensitively, so "IsRdma" is
         "isRdma" there; we accept the same spellings to load the same files.
         """
-        by_lower = {k.lower(): k for k in allowed}
+        by_lower = _lower_keys(tuple(allowed))
         out: dict[str, Any] = {}
         for dup in getattr(obj, "duplicates", ()):
             self.problem(_join(where, dup), "key given more than once")
@@ -327,6 +340,12 @@ class _Reader:
                 else:
                     out.append(converted)
         return tuple(dict.fromkeys(out))
+
+
+@functools.cache
+def _lower_keys(allowed: tuple[str, ...]) -> dict[str, str]:
+    """Return each allowed key by its lower-case spelling (one dict per key set, not per object read)."""
+    return {k.lower(): k for k in allowed}
 
 
 def _join(where: str, key: str) -> str:
@@ -532,7 +551,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     raw_name = next((v for k, v in obj.items() if k.lower() == "resourcename"), None)
     label = clip(raw_name, 64) if isinstance(raw_name, str) and raw_name else "no resourceName"
     where = f"{base} ({label})"
-    before = len(r.problems)
+    before = r.count
     f = r.fields(obj, _POOL_KEYS, where)
 
     name = ""
@@ -626,7 +645,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     if "preStart" in f:
         prestart = r.boolean(f["preStart"], f"{where}: preStart", False)
 
-    if len(r.problems) > before:
+    if r.count > before:
         return None
     return PoolConfig(
         resource_name=name,
@@ -714,8 +733,8 @@ def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<st
     if "reconcileSeconds" in f:
         reconcile = r.number(f["reconcileSeconds"], "reconcileSeconds", d.reconcile_s, minimum=0, strict=True)
     _check_unique(r, pools)
-    if r.problems:
-        raise ConfigError(r.problems, source)
+    if r.count:
+        raise ConfigError(r.problems, source, more=r.more)
     return Config(
         pools=tuple(pool for _, pool in pools),
         coalesce_ms=coalesce,
@@ -789,7 +808,9 @@ def read_config_bytes(path: str | Path) -> bytes:
         # more than the limit allows.
         while size <= MAX_CONFIG_BYTES:
             try:
-                chunk = os.read(fd, MAX_CONFIG_BYTES + 1 - size)
+                # os.read allocates what it is asked for: ask for what the file says it holds (plus one,
+                # to see its end), not for the whole limit every time.
+                chunk = os.read(fd, min(MAX_CONFIG_BYTES + 1 - size, max(st.st_size - size + 1, 1 << 16)))
             except InterruptedError:
                 continue
             if not chunk:
