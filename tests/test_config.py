@@ -223,6 +223,31 @@ def test_index_range_equals_the_union_of_its_parts(parts: list[tuple[int, int]])
     )
 
 
+def test_vf_indexes_with_leading_zeros_or_too_many_digits() -> None:
+    assert parse_index_range("ens1f0#0007-00065535") == IndexRange("ens1f0", IndexSpans.of([(7, 65535)]))
+    with pytest.raises(ValueError, match="index 1000000 above 65535"):
+        parse_index_range("ens1f0#1000000")
+    with pytest.raises(ValueError, match="above 65535"):
+        parse_index_range("ens1f0#" + "9" * 100_000)
+
+
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), max_size=8), st.data())
+def test_index_spans_behave_as_the_sets_they_stand_for(
+    pairs: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    spans = [(min(p), max(p)) for p in pairs]
+    split = data.draw(st.integers(0, len(spans)))
+    a, b = IndexSpans.of(spans[:split]), IndexSpans.of(spans[split:])
+    expected = {i for lo, hi in spans for i in range(lo, hi + 1)}
+    union = a | b
+    assert union == IndexSpans.from_indexes(expected)  # normalised: equal sets, equal spans
+    assert {i for i in range(-2, 205) if i in union} == expected and len(union) == len(expected)
+    assert all(
+        s <= e and (k == 0 or s > union.ends[k - 1] + 1)
+        for k, (s, e) in enumerate(zip(union.starts, union.ends, strict=True))
+    )
+
+
 # --- resource names ------------------------------------------------------------------------------------
 
 

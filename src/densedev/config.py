@@ -178,8 +178,10 @@ def _vf_index(text: str, s: str) -> int:
         raise ValueError(
             f'bad VF range "{clip(text)}": "{clip(s)}" is not a VF index (a non-negative integer)'
         )
-    # Checked by length first: int() of a megabyte of digits is slow (and refused past 4,300 digits).
-    value = int(s) if len(s) <= 6 else MAX_VF_INDEX + 1
+    # Checked by length first: int() of a megabyte of digits is slow (and refused past 4,300 digits);
+    # leading zeros are no reason to refuse (Go's strconv.Atoi, which the plugin uses, accepts them).
+    digits = s.lstrip("0") or "0"
+    value = int(digits) if len(digits) <= 6 else MAX_VF_INDEX + 1
     if value > MAX_VF_INDEX:
         raise ValueError(
             f'bad VF range "{clip(text)}": index {clip(s, 12)} above {MAX_VF_INDEX} '
