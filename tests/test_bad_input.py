@@ -489,3 +489,21 @@ async def wait(predicate: Callable[[], bool], timeout: float = GUARD_S) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+def test_user_mistakes_on_the_command_line_get_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # simulate into a path whose parent is a file: the OS refuses, the command says so in one line
+    assert cli.main(["simulate", "--out", str(blocker / "node"), "--pfs", "1", "--vfs-per-pf", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = err.splitlines()
+    assert line.startswith("densedev simulate: ") and str(blocker) in line
+    with pytest.raises(SystemExit) as info:
+        cli.main(["check-config", str(blocker), "--log-level", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "log level 'bogus'" in err

@@ -219,8 +219,12 @@ def _reader_gone() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``densedev`` command."""
-    args = build_parser().parse_args(argv)
-    _setup_logging(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _setup_logging(args)
+    except ValueError as exc:  # a log level or format the user mistyped: usage and one line, exit 2
+        parser.error(str(exc))
     if args.command in ("check-config", "scan", "simulate"):
         command = {"check-config": _cmd_check, "scan": _cmd_scan, "simulate": _cmd_simulate}[args.command]
         try:
@@ -228,6 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # inside the try: a reader gone before the last buffer is flushed
         except BrokenPipeError:
             return _reader_gone()
+        except OSError as exc:
+            # A path the OS refuses (unwritable --out, a file where a directory should be): the user's
+            # to fix, so one line naming it rather than a traceback.
+            from .printable import escape
+
+            where = f": {escape(str(exc.filename))}" if exc.filename else ""
+            print(f"densedev {args.command}: {exc.strerror or exc}{where}", file=sys.stderr)
+            return 1
         return code
     if args.command == "run":
         log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
