@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from . import accel, cdi, devinfo, leftovers
 from ._proto import api_pb2
 from .model import Device, Pool, PoolConfig, RequestError
+from .printable import listing
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ POLICIES = {"pack": 0, "spread": 1, "none": 2}  # the _fast ranking's POLICY_* v
 # inside needs mknod, and the device cgroup's "m" would only let a container create nodes for the
 # same major:minor by hand.
 PERMISSIONS = "rw"
+
+# pick_devices packs positions into 20-bit fields; no pool has that many members (16-bit VF counts per PF).
+MAX_AVAILABLE = (1 << 20) - 1
 
 VFIO_CONTAINER = "/dev/vfio/vfio"  # the VFIO container node every vfio-pci user opens first
 RDMA_CM = "/dev/infiniband/rdma_cm"  # one node for the whole host (rdma_ucm module)
@@ -233,9 +237,11 @@ def build_response(
     parts = tuple(device_parts(config, d, dev_root) for d in devices)
     missing = [f"{p.device.id}: {', '.join(p.missing)}" for p in parts if p.missing]
     if missing:
+        # The server names the pool; the message names at most a few devices (gRPC carries a status
+        # message in trailers of 8 KiB at most).
         raise RequestError(
             RequestError.PRECONDITION,
-            f"{config.full_name}: required device nodes are missing under {dev_root}: {'; '.join(missing)}",
+            f"required device nodes are missing under {dev_root}: {listing(missing, width=200)}",
         )
     name = env_name(config)
     envs = {name: ",".join(d.id for d in devices), f"{name}_INFO": encode_info(parts)}
@@ -415,8 +421,7 @@ class PoolAllocator:
             )
             if strict:
                 raise RequestError(
-                    RequestError.PRECONDITION,
-                    f"{self.config.full_name}: cannot write CDI spec {self._cdi.path_of(self.kind)}: {e}",
+                    RequestError.PRECONDITION, f"cannot write CDI spec {self._cdi.path_of(self.kind)}: {e}"
                 ) from e
 
     # -- PoolService --------------------------------------------------------------------------------
@@ -426,29 +431,29 @@ class PoolAllocator:
         return self.config.prestart, self.config.preferred != "none"
 
     def _check(self, ids: Sequence[str], vanished_kind: str) -> list[Device]:
-        """Validate requested IDs and return their distinct devices, or raise RequestError naming the IDs."""
-        name = self.config.full_name
+        """Validate requested IDs and return their distinct devices, or raise RequestError naming the IDs.
+
+        Messages name a bounded sample of the IDs, escaped ("… and N more"): the server prefixes the
+        pool's name once, and gRPC refuses a status message beyond its 8 KiB trailer limit (a refusal of
+        100,000 unknown IDs used to reach the kubelet as RESOURCE_EXHAUSTED instead of INVALID_ARGUMENT).
+        """
         if not ids:
-            raise RequestError(RequestError.INVALID, f"{name}: the request names no device IDs")
+            raise RequestError(RequestError.INVALID, "the request names no device IDs")
         seen: set[str] = set()
         dupes: set[str] = set()
         for i in ids:
             (dupes if i in seen else seen).add(i)
         if dupes:
-            raise RequestError(
-                RequestError.INVALID, f"{name}: device IDs requested twice: {', '.join(sorted(dupes))}"
-            )
+            raise RequestError(RequestError.INVALID, f"device IDs requested twice: {listing(sorted(dupes))}")
         unknown = [i for i in ids if i not in self._members]
         if unknown:
             raise RequestError(
                 vanished_kind,
-                f"{name}: IDs not in this pool (unknown, gone, or another pool's): {', '.join(unknown)}",
+                f"IDs not in this pool (unknown, gone, or another pool's): {listing(unknown)}",
             )
         unhealthy = [i for i in ids if not self.is_healthy(i)]
         if unhealthy:
-            raise RequestError(
-                RequestError.PRECONDITION, f"{name}: devices are unhealthy: {', '.join(unhealthy)}"
-            )
+            raise RequestError(RequestError.PRECONDITION, f"devices are unhealthy: {listing(unhealthy)}")
         devices: dict[str, Device] = {}
         for i in ids:
             d = self._members[i]
@@ -480,14 +485,38 @@ class PoolAllocator:
             except OSError as e:
                 raise RequestError(
                     RequestError.PRECONDITION,
-                    f"{self.config.full_name}: cannot write device-info files in {self._info.directory}: {e}",
+                    f"cannot write device-info files in {self._info.directory}: {e}",
                 ) from e
         return to_proto(parts)
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Return up to ``size`` IDs: the must-includes, then the best of ``available`` under the policy."""
+        """Return up to ``size`` IDs: the must-includes, then the best of ``available`` under the policy.
+
+        The kubelet asks with ``must_include`` ⊆ ``available`` and ``allocation_size`` ≥ the number of
+        must-includes (devicemanager's devicesToAllocate passes ``available`` plus ``allocated``, then
+        ``allocated``, then the container's request); a request breaking its own contract is refused
+        rather than answered with IDs the caller did not offer or more than it asked for.
+        """
         if size < 0:
-            raise RequestError(RequestError.INVALID, f"{self.config.full_name}: allocation size {size} < 0")
+            raise RequestError(RequestError.INVALID, f"allocation size {size} < 0")
+        if must_include:
+            must = dict.fromkeys(must_include)
+            if len(must) > size:
+                raise RequestError(
+                    RequestError.INVALID,
+                    f"must_include names {len(must)} devices, more than allocation_size {size}",
+                )
+            offered = set(available)  # built only with must-includes: most requests have none
+            outside = [i for i in must if i not in offered]
+            if outside:
+                raise RequestError(
+                    RequestError.INVALID, f"must_include IDs not in available: {listing(outside)}"
+                )
+        if len(available) > MAX_AVAILABLE:
+            raise RequestError(
+                RequestError.INVALID,
+                f"{len(available)} available IDs, more than any pool holds ({MAX_AVAILABLE})",
+            )
         return list(
             accel.pick_devices(
                 available,

@@ -30,9 +30,10 @@ ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 # From the CDI spec: the kind's name segment (the class) is alphanumerics with "-", "_", "." between,
 # beginning and ending alphanumeric, at most 63 characters; a device name may also contain ":".
-_CLASS_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
-_VENDOR_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
-_DEVICE_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?$")
+# Always fullmatch: Python's `$` also matches before a final newline, so "vf\n" would pass match().
+_CLASS_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
+_VENDOR_RE = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*")
+_DEVICE_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9_.:-]*[A-Za-z0-9])?")
 _UNSAFE_FILE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -42,9 +43,9 @@ class CdiError(ValueError):
 
 def make_kind(prefix: str, pool: str) -> str:
     """Return the CDI kind ``<prefix>/<pool>`` for a pool, checking both segments against the spec."""
-    if not _VENDOR_RE.match(prefix) or len(prefix) > 253:
+    if not _VENDOR_RE.fullmatch(prefix) or len(prefix) > 253:
         raise CdiError(f"CDI vendor {prefix!r}: must be a lower-case DNS subdomain")
-    if not _CLASS_RE.match(pool):
+    if not _CLASS_RE.fullmatch(pool):
         raise CdiError(
             f"CDI class {pool!r}: must be ≤63 alphanumerics, '-', '_', '.', alphanumeric at both ends"
         )
@@ -53,7 +54,7 @@ def make_kind(prefix: str, pool: str) -> str:
 
 def qualified_name(kind: str, device: str) -> str:
     """Return the fully-qualified CDI device name ``vendor/class=device``."""
-    if not _DEVICE_RE.match(device):
+    if not _DEVICE_RE.fullmatch(device):
         raise CdiError(f"CDI device name {device!r}: must be alphanumerics, '-', '_', '.', ':'")
     return f"{kind}={device}"
 

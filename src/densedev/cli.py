@@ -121,15 +121,19 @@ def _setup_logging(args: argparse.Namespace) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import config
+    from .printable import escape
 
-    problems = config.check(args.file, default_prefix=args.resource_prefix)
-    for p in problems:
-        print(f"{args.file}: {p}")
-    if problems:
+    shown = escape(str(args.file))
+    try:
+        # One read: the file may change (or be a FIFO's other end) between two.
+        cfg = config.load(args.file, default_prefix=args.resource_prefix)
+    except config.ConfigError as exc:
+        for p in exc.problems:
+            print(f"{shown}: {p}")
         return 1
-    for w in config.load(args.file, default_prefix=args.resource_prefix).warnings:
-        print(f"{args.file}: warning: {w}")
-    print(f"{args.file}: OK")
+    for w in cfg.warnings:
+        print(f"{shown}: warning: {w}")
+    print(f"{shown}: OK")
     return 0
 
 
@@ -219,16 +223,44 @@ async def _serve(args: argparse.Namespace) -> int:
 SWITCH_INTERVAL_S = 0.001
 
 
+def _reader_gone() -> int:
+    """The reader of stdout went away (``densedev scan | head``): end quietly, as a C tool would.
+
+    What is still buffered would raise BrokenPipeError again when the interpreter flushes stdout at exit
+    ("Exception ignored ..."), so stdout is pointed at /dev/null first (the way Python's documentation
+    of SIGPIPE recommends).  The status is the shell's for a command ended by SIGPIPE, so a script
+    with ``set -o pipefail`` sees the same as with ``ls | head``.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``densedev`` command."""
-    args = build_parser().parse_args(argv)
-    _setup_logging(args)
-    if args.command == "check-config":
-        return _cmd_check(args)
-    if args.command == "scan":
-        return _cmd_scan(args)
-    if args.command == "simulate":
-        return _cmd_simulate(args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _setup_logging(args)
+    except ValueError as exc:  # a log level or format the user mistyped: usage and one line, exit 2
+        parser.error(str(exc))
+    if args.command in ("check-config", "scan", "simulate"):
+        command = {"check-config": _cmd_check, "scan": _cmd_scan, "simulate": _cmd_simulate}[args.command]
+        try:
+            code = command(args)
+            sys.stdout.flush()  # inside the try: a reader gone before the last buffer is flushed
+        except BrokenPipeError:
+            return _reader_gone()
+        except OSError as exc:
+            # A path the OS refuses (unwritable --out, a file where a directory should be): the user's
+            # to fix, so one line naming it rather than a traceback.
+            from .printable import escape
+
+            where = f": {escape(str(exc.filename))}" if exc.filename else ""
+            print(f"densedev {args.command}: {exc.strerror or exc}{where}", file=sys.stderr)
+            return 1
+        return code
     if args.command == "run":
         log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
         sys.setswitchinterval(SWITCH_INTERVAL_S)

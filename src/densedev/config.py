@@ -8,14 +8,19 @@ time, and every problem found is reported at once, each naming the pool, the key
 from __future__ import annotations
 
 import difflib
+import errno
+import functools
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .model import Config, HealthPolicy, IndexRange, PoolConfig, Selector
+from .model import Config, HealthPolicy, IndexRange, IndexSpans, PoolConfig, Selector
+from .printable import clip, escape, first_unprintable, has_unprintable
 
 DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's --resource-prefix default
 DEVICE_TYPES = ("netDevice", "accelerator", "auxNetDevice")
@@ -25,14 +30,28 @@ VDPA_TYPES = ("vhost", "virtio")
 MAX_VF_INDEX = 65535  # the SR-IOV capability's NumVFs/TotalVFs are 16-bit registers
 MAX_RDMA_SHARED = 65535
 IFNAMSIZ = 16  # the kernel's dev_valid_name(): at most IFNAMSIZ - 1 bytes, no '/', ':' or whitespace
+# A ConfigMap holds at most 1 MiB of data (the API server's limit), so a mounted config is never larger;
+# the limit also keeps a file that never ends (a FIFO, /dev/zero behind a symlink) from being read forever.
+MAX_CONFIG_BYTES = 1 << 20
+# The deepest the plugin's schema goes is 5 (resourceList, pool, additionalInfo, device, value); anything
+# far deeper is not a config, and Python's decoder would die of RecursionError around 1,000 levels.
+MAX_NESTING = 64
+# Enough problems to fix a file by, few enough that a reload of a broken file never floods the log.
+MAX_PROBLEMS = 100
+MAX_PROBLEM_CHARS = 500
 
 # Extended resource name rules the kubelet applies at Register (IsExtendedResourceName → IsQualifiedName).
+# Every pattern here is used with fullmatch: Go's regexp anchors `$` at the very end of the text, Python's
+# `$` also before a final newline, so "vf\n" would pass a match() that the kubelet's check refuses.
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
-_DNS_SUBDOMAIN_RE = re.compile(rf"^{_DNS_LABEL}(\.{_DNS_LABEL})*$")
-_QUALIFIED_NAME_RE = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_PCI_ADDRESS_RE = re.compile(r"^(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])$")
-_HEX16_RE = re.compile(r"^(?:0[xX])?[0-9a-fA-F]{1,4}$")
-_ENV_SAFE_RE = re.compile(r"^[A-Za-z0-9_./]+$")
+_DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+_QUALIFIED_NAME_RE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+_PCI_ADDRESS_RE = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])")
+_HEX16_RE = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,4}")
+_ENV_SAFE_RE = re.compile(r"[A-Za-z0-9_./]+")
+# A JSON string (escapes included, possibly unterminated at the end of the text) or a bracket: brackets
+# inside strings do not nest anything.
+_NESTING_TOKEN_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[{\]}]', re.S)
 
 # Keys of internal Go structs that leak into files the SR-IOV network operator marshals from the plugin's
 # own types; the plugin ignores them and so do we, as long as they are null.
@@ -75,40 +94,51 @@ _HEALTH_KEYS = ("pfLink", "ownLink", "rdmaPort", "driver", "holdDownSeconds")
 
 
 class ConfigError(Exception):
-    """An invalid config file; ``problems`` lists every problem found, not just the first."""
+    """An invalid config file; ``problems`` lists every problem found (to ``MAX_PROBLEMS``), a line each."""
 
-    def __init__(self, problems: Sequence[str], source: str = "<string>") -> None:
-        self.problems: tuple[str, ...] = tuple(problems)
-        self.source = source
+    def __init__(self, problems: Sequence[str], source: str = "<string>", *, more: int = 0) -> None:
+        # Every problem is one printable line of bounded length, whatever the file held; past
+        # MAX_PROBLEMS the last line says how many more there were (``more`` counts those the caller
+        # already left out).
+        shown = [clip(p, MAX_PROBLEM_CHARS) for p in problems[:MAX_PROBLEMS]]
+        more += max(0, len(problems) - MAX_PROBLEMS)
+        if more:
+            shown.append(f"… and {more} more problems")
+        self.problems: tuple[str, ...] = tuple(shown)
+        self.source = escape(source)
         lines = "\n".join(f"  {p}" for p in self.problems)
-        super().__init__(f"{source}: {len(self.problems)} problem(s) in the config:\n{lines}")
+        total = min(len(problems), MAX_PROBLEMS) + more
+        super().__init__(f"{self.source}: {total} problem(s) in the config:\n{lines}")
 
 
 def validate_resource_name(full_name: str) -> str | None:
     """Return why the kubelet would refuse ``full_name`` as an extended resource name; None when valid."""
+    shown = clip(full_name)
+    if has_unprintable(full_name):
+        return f'"{shown}" contains the control character {first_unprintable(full_name)}'
     if "/" not in full_name:
-        return f'"{full_name}" has no "/": an extended resource name is "<prefix>/<name>"'
+        return f'"{shown}" has no "/": an extended resource name is "<prefix>/<name>"'
     # The kubelet treats anything containing "kubernetes.io/" as a native resource (IsNativeResource).
     if "kubernetes.io/" in full_name:
-        return f'"{full_name}": the kubernetes.io/ namespace is reserved for native resources'
+        return f'"{shown}": the kubernetes.io/ namespace is reserved for native resources'
     if full_name.startswith("requests."):
-        return f'"{full_name}": names starting "requests." are reserved for quota'
+        return f'"{shown}": names starting "requests." are reserved for quota'
     prefix, _, name = full_name.partition("/")
     if not prefix:
-        return f'"{full_name}": the prefix before "/" is empty'
+        return f'"{shown}": the prefix before "/" is empty'
     # The kubelet checks "requests.<name>" as a qualified name, so the prefix gets 9 chars less than 253.
     if len(prefix) > 253 - len("requests."):
-        return f'"{full_name}": prefix longer than {253 - len("requests.")} characters'
-    if not _DNS_SUBDOMAIN_RE.match(prefix):
-        return f'"{full_name}": prefix "{prefix}" is not a lowercase DNS subdomain'
+        return f'"{shown}": prefix longer than {253 - len("requests.")} characters'
+    if not _DNS_SUBDOMAIN_RE.fullmatch(prefix):
+        return f'"{shown}": prefix "{clip(prefix)}" is not a lowercase DNS subdomain'
     if not name:
-        return f'"{full_name}": the name after "/" is empty'
+        return f'"{shown}": the name after "/" is empty'
     if "/" in name:
-        return f'"{full_name}": more than one "/"'
+        return f'"{shown}": more than one "/"'
     if len(name) > 63:
-        return f'"{full_name}": name part longer than 63 characters ({len(name)})'
-    if not _QUALIFIED_NAME_RE.match(name):
-        return f'"{full_name}": name part "{name}" must be [A-Za-z0-9._-], starting and ending alphanumeric'
+        return f'"{shown}": name part longer than 63 characters ({len(name)})'
+    if not _QUALIFIED_NAME_RE.fullmatch(name):
+        return f'"{shown}": name part "{clip(name)}" must be [A-Za-z0-9._-], starting and ending alphanumeric'
     return None
 
 
@@ -118,41 +148,51 @@ def env_var_name(full_name: str) -> str:
 
 
 def parse_index_range(text: str) -> IndexRange:
-    """Parse a ``pfNames``/``rootDevices`` value like ``"ens1f0#0,2-7"``; raise ValueError saying why not."""
+    """Parse a ``pfNames``/``rootDevices`` value like ``"ens1f0#0,2-7"``; raise ValueError saying why not.
+
+    The indexes stay spans (``0-65535`` is one pair of ints), so a file costs memory in proportion to
+    its own size, never to the number of VFs its ranges name.
+    """
     name, sep, ranges = text.partition("#")
     if not name:
-        raise ValueError(f'bad VF range "{text}": no name before "#"')
+        raise ValueError(f'bad VF range "{clip(text)}": no name before "#"')
     if not sep:
         return IndexRange(name)
     if not ranges:
-        raise ValueError(f'bad VF range "{text}": no VF index after "#"')
-    indexes: set[int] = set()
+        raise ValueError(f'bad VF range "{clip(text)}": no VF index after "#"')
+    spans: list[tuple[int, int]] = []
     for item in ranges.split(","):
         start_s, dash, end_s = item.partition("-")
         if not item:
-            raise ValueError(f'bad VF range "{text}": empty item in the list')
+            raise ValueError(f'bad VF range "{clip(text)}": empty item in the list')
         start = _vf_index(text, start_s)
         end = _vf_index(text, end_s) if dash else start
         if start > end:
-            raise ValueError(f'bad VF range "{text}": start > end')
-        indexes.update(range(start, end + 1))
-    return IndexRange(name, frozenset(indexes))
+            raise ValueError(f'bad VF range "{clip(text)}": start > end')
+        spans.append((start, end))
+    return IndexRange(name, IndexSpans.of(spans))
 
 
 def _vf_index(text: str, s: str) -> int:
     if not s.isdigit() or not s.isascii():
-        raise ValueError(f'bad VF range "{text}": "{s}" is not a VF index (a non-negative integer)')
-    value = int(s)
+        raise ValueError(
+            f'bad VF range "{clip(text)}": "{clip(s)}" is not a VF index (a non-negative integer)'
+        )
+    # Checked by length first: int() of a megabyte of digits is slow (and refused past 4,300 digits);
+    # leading zeros are no reason to refuse (Go's strconv.Atoi, which the plugin uses, accepts them).
+    digits = s.lstrip("0") or "0"
+    value = int(digits) if len(digits) <= 6 else MAX_VF_INDEX + 1
     if value > MAX_VF_INDEX:
         raise ValueError(
-            f'bad VF range "{text}": index {value} above {MAX_VF_INDEX} (SR-IOV has 16-bit VF counts)'
+            f'bad VF range "{clip(text)}": index {clip(s, 12)} above {MAX_VF_INDEX} '
+            "(SR-IOV has 16-bit VF counts)"
         )
     return value
 
 
 def normalize_pci_address(text: str) -> str | None:
     """Return ``text`` as a full lower-case PCI address (``0000:3b:02.1``, domain added), or None."""
-    m = _PCI_ADDRESS_RE.match(text)
+    m = _PCI_ADDRESS_RE.fullmatch(text)
     if m is None:
         return None
     domain, bus, dev, fn = m.groups()
@@ -202,10 +242,26 @@ class _Reader:
     def __init__(self, default_prefix: str) -> None:
         self.default_prefix = default_prefix
         self.problems: list[str] = []
+        self.more = 0  # problems found beyond MAX_PROBLEMS: counted, not kept (a 1 MiB file may hold 300k)
         self.warnings: list[str] = []
 
+    @property
+    def count(self) -> int:
+        """Return how many problems were found so far."""
+        return len(self.problems) + self.more
+
     def problem(self, where: str, reason: str) -> None:
-        self.problems.append(f"{where}: {reason}" if where else reason)
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(f"{where}: {reason}" if where else reason)
+        else:
+            self.more += 1
+
+    def printable(self, value: str, where: str) -> bool:
+        """Report a string holding a control character (never valid in a name, ID or value); False then."""
+        if has_unprintable(value):
+            self.problem(where, f'"{clip(value)}" contains the control character {first_unprintable(value)}')
+            return False
+        return True
 
     def fields(self, obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> dict[str, Any]:
         """Map ``obj``'s keys to their canonical spelling; report unknown and duplicate keys.
@@ -213,16 +269,17 @@ class _Reader:
         Go's encoding/json, which the plugin uses, matches keys case-insensitively, so "IsRdma" is
         "isRdma" there; we accept the same spellings to load the same files.
         """
-        by_lower = {k.lower(): k for k in allowed}
+        by_lower = _lower_keys(tuple(allowed))
         out: dict[str, Any] = {}
         for dup in getattr(obj, "duplicates", ()):
             self.problem(_join(where, dup), "key given more than once")
         for key, value in obj.items():
             canonical = key if key in allowed else by_lower.get(key.lower())
             if canonical is None:
-                close = difflib.get_close_matches(key, allowed, n=1)
+                # No key is longer than 32 characters: a hint for a long one would only cost time.
+                close = difflib.get_close_matches(key, allowed, n=1) if len(key) <= 64 else []
                 hint = f' (did you mean "{close[0]}"?)' if close else ""
-                self.problem(where, f'unknown key "{key}"{hint}')
+                self.problem(where, f'unknown key "{clip(key)}"{hint}')
                 continue
             if canonical in out:
                 self.problem(_join(where, key), f'same key as "{canonical}" (keys are case-insensitive)')
@@ -245,13 +302,14 @@ class _Reader:
         except OverflowError:  # an integer beyond any float
             finite = False
         if not finite or value < minimum or (strict and value == minimum):
-            self.problem(where, f"expected a number {'>' if strict else '>='} {minimum:g}, got {value!r}")
+            shown = clip(repr(value), 40)
+            self.problem(where, f"expected a number {'>' if strict else '>='} {minimum:g}, got {shown}")
             return default
         return float(value)
 
     def string(self, value: Any, where: str) -> str | None:
         if isinstance(value, str):
-            return value
+            return value if self.printable(value, where) else None
         self.problem(where, f"expected a string, got {_type_name(value)}")
         return None
 
@@ -273,15 +331,23 @@ class _Reader:
                 self.problem(at, f"expected a string, got {_type_name(item)}")
             elif not item:
                 self.problem(at, "empty string")
+            elif not self.printable(item, at):
+                continue
             elif convert is None:
                 out.append(item)
             else:
                 converted = convert(item)
                 if converted is None:
-                    self.problem(at, f'"{item}" is not {what}')
+                    self.problem(at, f'"{clip(item)}" is not {what}')
                 else:
                     out.append(converted)
         return tuple(dict.fromkeys(out))
+
+
+@functools.cache
+def _lower_keys(allowed: tuple[str, ...]) -> dict[str, str]:
+    """Return each allowed key by its lower-case spelling (one dict per key set, not per object read)."""
+    return {k.lower(): k for k in allowed}
 
 
 def _join(where: str, key: str) -> str:
@@ -292,13 +358,13 @@ def _join(where: str, key: str) -> str:
 
 
 def _lower_hex16(text: str) -> str | None:
-    if not _HEX16_RE.match(text):
+    if not _HEX16_RE.fullmatch(text):
         return None
     return text.lower().removeprefix("0x").rjust(4, "0")
 
 
 def _pkey(text: str) -> str | None:
-    if not _HEX16_RE.match(text):
+    if not _HEX16_RE.fullmatch(text):
         return None
     return f"0x{int(text, 16):04x}"
 
@@ -315,10 +381,12 @@ def _one_of(choices: Sequence[str]) -> Callable[[str], str | None]:
 
 
 def _interface_name_problem(name: str) -> str | None:
+    if has_unprintable(name):
+        return f'"{clip(name)}" contains the control character {first_unprintable(name)}'
     if len(name.encode()) >= IFNAMSIZ:
-        return f'interface name "{name}" longer than {IFNAMSIZ - 1} bytes (IFNAMSIZ)'
+        return f'interface name "{clip(name)}" longer than {IFNAMSIZ - 1} bytes (IFNAMSIZ)'
     if name in (".", "..") or any(c in name for c in "/:") or any(c.isspace() for c in name):
-        return f'"{name}" is not a valid interface name'
+        return f'"{clip(name)}" is not a valid interface name'
     return None
 
 
@@ -370,7 +438,7 @@ def _parse_selector(
     if "vdpaType" in f:
         text = r.string(f["vdpaType"], _join(where, "vdpaType"))
         if text is not None and text not in VDPA_TYPES:
-            r.problem(_join(where, "vdpaType"), f'"{text}" is not one of {", ".join(VDPA_TYPES)}')
+            r.problem(_join(where, "vdpaType"), f'"{clip(text)}" is not one of {", ".join(VDPA_TYPES)}')
         elif text is not None:
             kw["vdpa_type"] = text
     if "pKeys" in f:
@@ -410,7 +478,7 @@ def _parse_ranges(r: _Reader, value: Any, where: str, is_pci: bool) -> tuple[Ind
         if is_pci:
             address = normalize_pci_address(rng.name)
             if address is None:
-                r.problem(at, f'"{rng.name}" is not a PCI address (0000:3b:00.0)')
+                r.problem(at, f'"{clip(rng.name)}" is not a PCI address (0000:3b:00.0)')
                 continue
             rng = IndexRange(address, rng.indexes)
         else:
@@ -455,18 +523,23 @@ def _parse_additional_info(
         r.problem(_join(where, dup), "key given more than once")
     out: list[tuple[str, tuple[tuple[str, str], ...]]] = []
     for device, info in value.items():
-        at = f'{where}["{device}"]'
+        at = f'{where}["{clip(device)}"]'
         if not device:
             r.problem(where, 'empty key (use a device ID or "*")')
+            continue
+        if not r.printable(device, where):
             continue
         if not isinstance(info, Mapping):
             r.problem(at, f"expected an object of strings, got {_type_name(info)}")
             continue
         pairs: list[tuple[str, str]] = []
         for k, v in info.items():
+            # Keys and values become JSON in the container's _INFO variable and device-info files.
+            if not r.printable(k, at):
+                continue
             if not isinstance(v, str):
-                r.problem(f'{at}["{k}"]', f"expected a string, got {_type_name(v)}")
-            else:
+                r.problem(f'{at}["{clip(k)}"]', f"expected a string, got {_type_name(v)}")
+            elif r.printable(v, f'{at}["{clip(k)}"]'):
                 pairs.append((k, v))
         out.append((device, tuple(pairs)))
     return tuple(out)
@@ -478,9 +551,9 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         r.problem(base, f"expected a resource object, got {_type_name(obj)}")
         return None
     raw_name = next((v for k, v in obj.items() if k.lower() == "resourcename"), None)
-    label = raw_name if isinstance(raw_name, str) and raw_name else "no resourceName"
+    label = clip(raw_name, 64) if isinstance(raw_name, str) and raw_name else "no resourceName"
     where = f"{base} ({label})"
-    before = len(r.problems)
+    before = r.count
     f = r.fields(obj, _POOL_KEYS, where)
 
     name = ""
@@ -498,7 +571,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         why = validate_resource_name(full)
         if why is not None:
             r.problem(where, f"resourceName/resourcePrefix: the kubelet would refuse {why}")
-        elif not _ENV_SAFE_RE.match(full):
+        elif not _ENV_SAFE_RE.fullmatch(full):
             r.problem(
                 where,
                 f'resourceName/resourcePrefix: "{full}" is unsafe in the variable name {env_var_name(full)} '
@@ -509,7 +582,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     if "deviceType" in f:
         text = r.string(f["deviceType"], f"{where}: deviceType")
         if text is not None and text not in DEVICE_TYPES:
-            r.problem(f"{where}: deviceType", f'"{text}" is not one of {", ".join(DEVICE_TYPES)}')
+            r.problem(f"{where}: deviceType", f'"{clip(text)}" is not one of {", ".join(DEVICE_TYPES)}')
         elif text is not None:
             device_type = text
 
@@ -554,7 +627,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
                 f"{where}: rdmaShared", f"expected a whole number of IDs per RDMA device, got {_type_name(v)}"
             )
         elif not 0 <= v <= MAX_RDMA_SHARED:
-            r.problem(f"{where}: rdmaShared", f"expected 0 to {MAX_RDMA_SHARED}, got {v}")
+            r.problem(f"{where}: rdmaShared", f"expected 0 to {MAX_RDMA_SHARED}, got {clip(str(v), 40)}")
         else:
             rdma_shared = v
     health = HealthPolicy()
@@ -565,7 +638,8 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         text = r.string(f["preferredAllocation"], f"{where}: preferredAllocation")
         if text is not None and text not in PREFERRED_POLICIES:
             r.problem(
-                f"{where}: preferredAllocation", f'"{text}" is not one of {", ".join(PREFERRED_POLICIES)}'
+                f"{where}: preferredAllocation",
+                f'"{clip(text)}" is not one of {", ".join(PREFERRED_POLICIES)}',
             )
         elif text is not None:
             preferred = text
@@ -573,7 +647,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     if "preStart" in f:
         prestart = r.boolean(f["preStart"], f"{where}: preStart", False)
 
-    if len(r.problems) > before:
+    if r.count > before:
         return None
     return PoolConfig(
         resource_name=name,
@@ -589,6 +663,28 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     )
 
 
+def _too_deep(text: str) -> int:
+    """Return the offset of the first bracket nested deeper than ``MAX_NESTING``, or -1."""
+    if text.count("[") + text.count("{") <= MAX_NESTING:
+        return -1  # the common case: too few brackets to nest that deep, no scan needed
+    depth = 0
+    for m in _NESTING_TOKEN_RE.finditer(text):
+        c = text[m.start()]
+        if c in "[{":
+            depth += 1
+            if depth > MAX_NESTING:
+                return m.start()
+        elif c in "]}":
+            depth -= 1
+    return -1
+
+
+def _position(text: str, offset: int) -> str:
+    line = text.count("\n", 0, offset) + 1
+    column = offset - text.rfind("\n", 0, offset)  # rfind is -1 on the first line: columns count from 1
+    return f"line {line} column {column}"
+
+
 def _decode(text: str) -> Any:
     """Decode JSON; raise ConfigError-ready text with line and column on a syntax error."""
     return json.loads(text, object_pairs_hook=_object_pairs, parse_constant=_refuse_constant)
@@ -596,12 +692,22 @@ def _decode(text: str) -> Any:
 
 def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<string>") -> Config:
     """Parse and validate a config document; raise ConfigError listing every problem."""
+    # Checked before decoding: json's C scanner recurses per level and raises RecursionError (with a
+    # 35-line traceback) near the interpreter's recursion limit.
+    deep = _too_deep(text)
+    if deep >= 0:
+        raise ConfigError(
+            [f"invalid JSON at {_position(text, deep)}: nested deeper than {MAX_NESTING} levels"], source
+        )
     try:
         doc = _decode(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
             [f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"], source
         ) from None
+    except RecursionError:
+        # Unreachable after the check above unless the caller's own stack is nearly exhausted.
+        raise ConfigError(["invalid JSON: nested deeper than this process can decode"], source) from None
     except ValueError as exc:
         raise ConfigError([f"invalid JSON: {exc}"], source) from None
     r = _Reader(default_prefix)
@@ -629,8 +735,8 @@ def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<st
     if "reconcileSeconds" in f:
         reconcile = r.number(f["reconcileSeconds"], "reconcileSeconds", d.reconcile_s, minimum=0, strict=True)
     _check_unique(r, pools)
-    if r.problems:
-        raise ConfigError(r.problems, source)
+    if r.count:
+        raise ConfigError(r.problems, source, more=r.more)
     return Config(
         pools=tuple(pool for _, pool in pools),
         coalesce_ms=coalesce,
@@ -660,13 +766,76 @@ def _check_unique(r: _Reader, pools: Sequence[tuple[int, PoolConfig]]) -> None:
         seen_env[env] = i
 
 
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_regular(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+    return f"not a regular file ({kind})"
+
+
+def read_config_bytes(path: str | Path) -> bytes:
+    """Return the bytes of a config file; raise ConfigError unless it is a regular file of at most 1 MiB.
+
+    Symlinks are followed (a ConfigMap volume is ``config.json -> ..data/config.json``), but what they
+    lead to must be a regular file: opening a FIFO would block until some writer came, and a character
+    device may never end.
+    """
+    p = Path(path)
+    try:
+        why = _not_regular(os.stat(p).st_mode)
+        if why is not None:
+            raise ConfigError([why], str(p))
+        # O_NONBLOCK: should the file be swapped for a FIFO after the stat, open() still returns at once
+        # (fifo(7)) and the fstat below refuses it.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as exc:
+        raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], str(p)) from None
+    try:
+        st = os.fstat(fd)
+        why = _not_regular(st.st_mode)
+        if why is not None:
+            raise ConfigError([why], str(p))
+        chunks: list[bytes] = []
+        size = 0
+        # Read to the end rather than st_size bytes (procfs and some FUSE files report 0), but never
+        # more than the limit allows.
+        while size <= MAX_CONFIG_BYTES:
+            try:
+                # os.read allocates what it is asked for: ask for what the file says it holds (plus one,
+                # to see its end), not for the whole limit every time.
+                chunk = os.read(fd, min(MAX_CONFIG_BYTES + 1 - size, max(st.st_size - size + 1, 1 << 16)))
+            except InterruptedError:
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        reason = "it is a directory" if exc.errno == errno.EISDIR else exc.strerror or str(exc)
+        raise ConfigError([f"cannot read the file: {reason}"], str(p)) from None
+    finally:
+        os.close(fd)
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            [f"larger than {MAX_CONFIG_BYTES >> 20} MiB (the most a ConfigMap can hold): not a config"],
+            str(p),
+        )
+    return b"".join(chunks)
+
+
 def load(path: str | Path, *, default_prefix: str = DEFAULT_PREFIX) -> Config:
     """Read and validate a config file; raise ConfigError listing every problem."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError([f"cannot read the file: {exc.strerror or exc}"], str(p)) from None
+    data = read_config_bytes(p)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -747,40 +747,72 @@ class Daemon:
         last = _config_identity(path)
         while True:
             await asyncio.sleep(self.settings.config_poll_s)
-            now = _config_identity(path)
+            try:
+                now = _config_identity(path)
+            except Exception:
+                log.exception("config watch: cannot stat %s; trying again", path)
+                continue
             if now != last:
                 last = now
                 self.request_reload()
 
     async def _reload_loop(self) -> None:
+        # This task is the only way SIGHUP and file changes take effect: if it died, every later reload
+        # would be ignored without a word.  Whatever a reload raises is logged and counted, and the
+        # last good config stays.
         while True:
             await self._reload_requested.wait()
             self._reload_requested.clear()
-            await self.reload()
+            try:
+                await self.reload()
+            except Exception:
+                self._reload_failed()
+                log.exception("config reload failed; the last good config stays")
+
+    def _reload_failed(self) -> None:
+        self.stats["reload_failures"] += 1
+        self.metrics.record_reload(False)
 
     async def reload(self) -> bool:
-        """Load the config file again and apply it: new pools start, removed stop, changed update in place."""
+        """Load the config file again and apply it: new pools start, removed stop, changed update in place.
+
+        Returns False, logging why, when the file is refused or applying it fails; the daemon then keeps
+        running on the last good config.
+        """
         path = self.settings.config_path
         if path is None:
             return False
         try:
-            new = config_mod.load(path, default_prefix=self.settings.resource_prefix)
+            # In a worker thread: a 1 MiB file full of problems takes a while to validate, and the loop
+            # keeps health and the kubelet's calls going meanwhile.
+            new = await asyncio.to_thread(config_mod.load, path, default_prefix=self.settings.resource_prefix)
         except config_mod.ConfigError as exc:
-            self.stats["reload_failures"] += 1
-            self.metrics.record_reload(False)
+            self._reload_failed()
             for p in exc.problems:
                 log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=p)
             return False
-        except OSError as exc:
-            self.stats["reload_failures"] += 1
-            self.metrics.record_reload(False)
-            log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=str(exc))
+        except Exception as exc:
+            # load() turns every problem of the file into ConfigError; anything else is a bug, and still
+            # must not end the daemon's reloads.
+            self._reload_failed()
+            log_event(
+                log, "config reload refused", level=logging.ERROR, file=str(path), problem=repr(exc)[:500]
+            )
             return False
         for warning in new.warnings:
             log_event(log, "config warning", level=logging.WARNING, file=str(path), problem=warning)
         if new == self.config:
             return True
-        await self.apply_config(new)
+        last_good = self.config
+        try:
+            await self.apply_config(new)
+        except Exception:
+            # Pools already stopped or started stay so; the config stays the last good one, so the next
+            # reload diffs against it again and finishes the job.
+            self.config = last_good
+            self._reload_failed()
+            log.exception("applying the reloaded config failed; the last good config stays")
+            return False
         return True
 
     async def apply_config(self, new: Config) -> None:
@@ -804,7 +836,13 @@ class Daemon:
                 if n in removed:
                     self.metrics.remove_pool(n)
             self.config = new
+            # The window may have changed: a new coalescer, but the old one's pending flush must neither
+            # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
+            pending = self._coalescer.pending
+            self._coalescer.cancel()
             self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
+            if pending:
+                self._coalescer.notify()
             self._ibdev_cache = None
             pools = self._apply(self.devices, new)
             assert self.tracker is not None

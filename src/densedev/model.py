@@ -7,6 +7,8 @@ named tuple built from the scanner's tuple, which is a tenth of the whole scan b
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -51,11 +53,63 @@ class Device(NamedTuple):
 
 
 @dataclass(frozen=True)
+class IndexSpans:
+    """VF indexes kept as sorted, disjoint inclusive spans, so ``0-65535`` costs one span, not 65,536 ints.
+
+    ``starts[i]..ends[i]`` is one span; spans never overlap or touch (``of`` merges them), so two equal
+    sets of indexes always have equal spans.
+    """
+
+    starts: tuple[int, ...] = ()
+    ends: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, spans: Iterable[tuple[int, int]]) -> IndexSpans:
+        """Return the normalised spans of inclusive ``(start, end)`` pairs, in any order, overlapping or not.
+
+        Raises ValueError for a pair whose start is above its end.
+        """
+        starts: list[int] = []
+        ends: list[int] = []
+        for start, end in sorted(spans):
+            if start > end:
+                raise ValueError(f"span {start}-{end}: start > end")
+            if ends and start <= ends[-1] + 1:
+                ends[-1] = max(ends[-1], end)
+            else:
+                starts.append(start)
+                ends.append(end)
+        return cls(tuple(starts), tuple(ends))
+
+    @classmethod
+    def from_indexes(cls, indexes: Iterable[int]) -> IndexSpans:
+        """Return the spans of a collection of single indexes."""
+        return cls.of((i, i) for i in indexes)
+
+    def __contains__(self, index: object) -> bool:
+        if not isinstance(index, int):
+            return False
+        k = bisect_right(self.starts, index)
+        return k > 0 and index <= self.ends[k - 1]
+
+    def __or__(self, other: IndexSpans) -> IndexSpans:
+        return IndexSpans.of(
+            (*zip(self.starts, self.ends, strict=True), *zip(other.starts, other.ends, strict=True))
+        )
+
+    def __len__(self) -> int:
+        return sum(e - s + 1 for s, e in zip(self.starts, self.ends, strict=True))
+
+    def __str__(self) -> str:
+        return ",".join(f"{s}" if s == e else f"{s}-{e}" for s, e in zip(self.starts, self.ends, strict=True))
+
+
+@dataclass(frozen=True)
 class IndexRange:
     """A ``name#0,2-7`` selector value: an interface or PCI address and optional VF indexes."""
 
     name: str
-    indexes: frozenset[int] | None = None  # None: every VF (or the device itself)
+    indexes: IndexSpans | None = None  # None: every VF (or the device itself)
 
 
 @dataclass(frozen=True)

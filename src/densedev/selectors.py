@@ -25,7 +25,19 @@ from itertools import groupby
 from operator import attrgetter
 from typing import Any
 
-from .model import ROLE_PF, ROLE_SF, Config, Device, IndexRange, Pool, PoolConfig, PoolMember, Selector
+from .model import (
+    ROLE_PF,
+    ROLE_SF,
+    Config,
+    Device,
+    IndexRange,
+    IndexSpans,
+    Pool,
+    PoolConfig,
+    PoolMember,
+    Selector,
+)
+from .printable import listing
 
 # Root ports and switch ports sit in the device table (discovery scans every PCI function) but are the
 # fabric itself; an accelerator pool selecting by vendor alone must never take one.
@@ -133,9 +145,9 @@ def _type_reason(device_type: str, d: Device) -> str | None:
     return None
 
 
-def _merge_ranges(ranges: Iterable[IndexRange]) -> dict[str, frozenset[int] | None]:
+def _merge_ranges(ranges: Iterable[IndexRange]) -> dict[str, IndexSpans | None]:
     """Fold ``name#indexes`` entries into name → indexes (None: every VF), unioning repeats of one name."""
-    out: dict[str, frozenset[int] | None] = {}
+    out: dict[str, IndexSpans | None] = {}
     for r in ranges:
         if r.name in out and out[r.name] is None:
             continue
@@ -147,10 +159,10 @@ def _merge_ranges(ranges: Iterable[IndexRange]) -> dict[str, frozenset[int] | No
     return out
 
 
-def _range_filter(parent: Callable[[Device], str], ranges: dict[str, frozenset[int] | None]) -> Filter:
+def _range_filter(parent: Callable[[Device], str], ranges: dict[str, IndexSpans | None]) -> Filter:
     every = frozenset(name for name, indexes in ranges.items() if indexes is None)
     ranged = {name: indexes for name, indexes in ranges.items() if indexes is not None}
-    empty: frozenset[int] = frozenset()
+    empty = IndexSpans()
     return lambda devs: [d for d in devs if (p := parent(d)) in every or d.vf_index in ranged.get(p, empty)]
 
 
@@ -258,12 +270,11 @@ def build_pools(config: Config, devices: Sequence[Device]) -> tuple[Pool, ...]:
 
 
 def _show(values: Iterable[object]) -> str:
-    return "[" + ", ".join(str(v) for v in values) + "]"
+    # Bounded: a selector may list thousands of names, and the reason is repeated per excluded device.
+    return "[" + listing(values) + "]"
 
 
-def _ranges_reason(
-    key: str, value: str, vf_index: int, ranges: dict[str, frozenset[int] | None]
-) -> str | None:
+def _ranges_reason(key: str, value: str, vf_index: int, ranges: dict[str, IndexSpans | None]) -> str | None:
     if not value:
         return f"{key}: not a VF or SF (no parent PF)"
     if value not in ranges:

@@ -18,6 +18,7 @@ from . import files
 from ._proto import api_pb2
 from .feed import PoolFeed
 from .model import RequestError
+from .printable import clip
 from .wire import KUBELET_MAX_MESSAGE
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,10 @@ SERVER_OPTIONS = (
     ("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE),
     ("grpc.so_reuseport", 0),
 )
+
+# A status message travels in HTTP/2 trailers, which gRPC caps (grpc.max_metadata_size, 8 KiB by default;
+# a peer seeing more ends the call with RESOURCE_EXHAUSTED instead of our code): stay far below.
+MAX_STATUS_CHARS = 1000
 
 _STATUS = {
     RequestError.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -303,13 +308,17 @@ class PluginServer:
 
     async def _refuse(self, context: grpc.aio.ServicerContext, call: str, exc: RequestError) -> NoReturn:
         code = status_of(exc)
-        log.warning("%s: %s refused (%s): %s", self.resource, call, code.name, exc.message)
-        await context.abort(code, f"{self.resource}: {exc.message}")
+        # Bounded and escaped whatever the request held: the message may quote IDs the caller sent.
+        message = clip(exc.message, MAX_STATUS_CHARS)
+        log.warning("%s: %s refused (%s): %s", self.resource, call, code.name, message)
+        await context.abort(code, f"{self.resource}: {message}")
 
     async def _internal(self, context: grpc.aio.ServicerContext, call: str, exc: Exception) -> NoReturn:
         # A bug in a pool must fail this one call, never the server: the kubelet keeps the stream.
         log.exception("%s: %s failed", self.resource, call)
-        await context.abort(grpc.StatusCode.INTERNAL, f"{self.resource}: {call} failed: {exc!r}")
+        await context.abort(
+            grpc.StatusCode.INTERNAL, f"{self.resource}: {call} failed: {clip(repr(exc), MAX_STATUS_CHARS)}"
+        )
 
 
 def _restrict_socket(path: Path) -> None:
