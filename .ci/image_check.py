@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,7 +60,10 @@ class Volume(NamedTuple):
 
 @dataclass(frozen=True)
 class Node:
-    """The simulated node a container runs against: its directories, network namespace and layout."""
+    """The simulated node a container runs against: its directories, network namespace and layout.
+
+    ``kubelet_dir`` is the node's work directory until ``fresh_kubelet_dir`` gives a run its own.
+    """
 
     sysfs: Path
     config_dir: Path
@@ -255,9 +259,6 @@ def build_node(work: Path, ns: str) -> Node:
     config_dir = work / "config"
     config_dir.mkdir(mode=0o755)
     simnode.write_config(config_dir / "config.json", layout, prefix=PREFIX)
-    kubelet_dir = work / "device-plugins"
-    kubelet_dir.mkdir()
-    os.chmod(kubelet_dir, 0o750)  # as the kubelet creates it: root's, no access for others
     netns.ip(ns, "link", "set", "lo", "up")
     batch = "".join(
         f"link add {pf.netdev} type veth peer name peer{i}\nlink set peer{i} up\nlink set {pf.netdev} up\n"
@@ -266,7 +267,15 @@ def build_node(work: Path, ns: str) -> Node:
     done = subprocess.run(["ip", "-n", ns, "-batch", "-"], input=batch, capture_output=True, text=True)
     if done.returncode != 0:
         raise CheckFailed(f"ip -batch in {ns}: {done.stderr.strip()}")
-    return Node(sysfs, config_dir, kubelet_dir, ns, layout)
+    return Node(sysfs, config_dir, work, ns, layout)
+
+
+def fresh_kubelet_dir(node: Node, run: str) -> Node:
+    """Return ``node`` with an empty kubelet device-plugin directory of its own for one container run."""
+    kubelet_dir = node.kubelet_dir / f"kubelet-{run}" / "device-plugins"
+    kubelet_dir.mkdir(parents=True)
+    os.chmod(kubelet_dir, 0o750)  # as the kubelet creates it: root's, no access for others
+    return dataclasses.replace(node, kubelet_dir=kubelet_dir)
 
 
 async def wait_for(kubelet: KubeletEmulator, what: str, predicate: Any) -> None:
@@ -459,12 +468,15 @@ async def check(args: argparse.Namespace) -> list[str]:
     engine = Engine(args.engine, args.label)
     pod = daemonset_pod(args.manifest)
     log: list[str] = []
-    for netlink in (False, True):
-        with netns.namespace(NS_PREFIX) as ns:
-            work = args.work / ("netlink" if netlink else "no-netlink")
-            work.mkdir(parents=True)
-            node = await asyncio.to_thread(build_node, work, ns)
-            await run_container(engine, args.image, pod, node, netlink=netlink, log=log)
+    # One simulated node for both runs: the container only reads its sysfs and config, and each run
+    # gets its own kubelet directory.
+    with netns.namespace(NS_PREFIX) as ns:
+        node = await asyncio.to_thread(build_node, args.work, ns)
+        for netlink in (False, True):
+            run = "netlink" if netlink else "no-netlink"
+            await run_container(
+                engine, args.image, pod, fresh_kubelet_dir(node, run), netlink=netlink, log=log
+            )
     return log
 
 
