@@ -38,6 +38,8 @@ from typing import Any, NamedTuple
 import uvloop
 import yaml
 
+from densedev import cli
+from densedev.metrics import parse_addr
 from densedev.model import HEALTHY, UNHEALTHY
 from densedev.testing import netns, simnode
 from densedev.testing.kubelet import KubeletEmulator
@@ -292,7 +294,6 @@ async def run_container(
     """Run the DaemonSet's container once against ``node`` and check what the kubelet emulator sees."""
     mode = "netlink" if netlink else "no-netlink"
     name = f"{NS_PREFIX}-{mode}-{os.getpid()}"
-    port = 9477
     args = container_args(
         pod,
         {
@@ -304,9 +305,10 @@ async def run_container(
         mount_paths={"/sys": SYSFS_IN_CONTAINER},
         extra_args=[f"--sysfs-root={SYSFS_IN_CONTAINER}", *(() if netlink else ("--no-netlink",))],
     )
-    for a in args:
-        if a.startswith("--metrics-addr="):
-            port = int(a.rsplit(":", 1)[1])
+    # Where the probes go: the daemon's own parser reads the command line (the last flag wins).
+    host, port = parse_addr(cli.build_parser().parse_args(args[_entrypoint(args) + 1 :]).metrics_addr)
+    if host not in ("", "127.0.0.1"):
+        raise CheckFailed(f"metrics address {host}:{port}: the probes reach 127.0.0.1 only")
     expected = expected_pools(node.layout)
     kubelet = KubeletEmulator(node.kubelet_dir)
     await kubelet.start()
@@ -362,19 +364,28 @@ async def run_container(
         if "Traceback" in logs:
             raise CheckFailed(f"{mode}: the daemon's log holds a traceback:\n{logs[-3000:]}")
         log.append(f"{mode}: SIGTERM -> exit 0, sockets removed, no traceback in the log")
-    except CheckFailed:
+    except Exception as exc:
+        # Whatever went wrong (a refused Allocate, an engine call that hung), the container's own
+        # account comes first, then one line saying which check failed.
         if started:
             tail = "\n".join((await asyncio.to_thread(engine.logs, name)).splitlines()[-30:])
             print(f"--- last log lines of {name}:\n{tail}", file=sys.stderr)
-        raise
+        if isinstance(exc, CheckFailed):
+            raise
+        raise CheckFailed(f"{mode}: {type(exc).__name__}: {exc}") from exc
     finally:
         await kubelet.stop()
         await engine.acall("rm", "--force", "--time=0", name, check=False)
 
 
+def _entrypoint(args: Sequence[str]) -> int:
+    """Return the index of ``--entrypoint=``, the last podman option; the daemon's arguments follow."""
+    return next(n for n, a in enumerate(args) if a.startswith("--entrypoint="))
+
+
 def _split(args: Sequence[str], image: str) -> list[str]:
-    """Put the image between podman's options and the container's arguments (after --entrypoint)."""
-    i = next(n for n, a in enumerate(args) if a.startswith("--entrypoint=")) + 1
+    """Put the image between podman's options and the container's arguments."""
+    i = _entrypoint(args) + 1
     return [*args[:i], image, *args[i:]]
 
 

@@ -348,11 +348,13 @@ def load_image_check() -> Any:
 
 
 def base_pod() -> dict[str, Any]:
+    """Return the pod template of deploy/base/daemonset.yaml as the image check reads it."""
     pod: dict[str, Any] = load_image_check().daemonset_pod(DEPLOY / "base" / "daemonset.yaml")
     return pod
 
 
 def image_run_args(pod: dict[str, Any], **kw: Any) -> list[str]:
+    """Return the podman options and command the image check derives from ``pod``."""
     ic = load_image_check()
     volumes = {name: ic.Volume(Path(f"/node/{name}")) for name in ("device-plugins", "sys", "config")}
     args: list[str] = ic.container_args(
