@@ -89,7 +89,10 @@ cleanup() {
     [ -z "$ids" ] || podman rm -f -t 0 $ids > /dev/null 2>&1 || true
     ids=$(podman images -q --filter "label=$LABEL" 2> /dev/null | sort -u || true)
     [ -z "$ids" ] || podman rmi -f $ids > /dev/null 2>&1 || true
-    rm -rf "$WORK/root" "$WORK/check"
+    # A run killed inside mmdebstrap leaves proc, sys and dev mounted in its tree: unmount them, deepest
+    # first, and never let rm cross into another file system (it would reach the host's /dev).
+    awk -v w="$WORK/" 'index($5, w) == 1 { print $5 }' /proc/self/mountinfo | sort -r | xargs -r -n1 umount -l
+    rm -rf --one-file-system "$WORK/root" "$WORK/check"
 }
 on_exit() {
     local rc=$?
@@ -99,7 +102,7 @@ on_exit() {
     fi
     step "cleaning up (containers and images labelled $LABEL, $WORK)"
     cleanup
-    rm -rf "$WORK"
+    rm -rf --one-file-system "$WORK"
     exit $rc
 }
 cleanup
@@ -147,7 +150,7 @@ import_base "$BASE_BUILD"
 # Offline purge (dpkg only).  The venv's own pip stays: it is files of /opt/venv, not of a package.
 quietly chroot "$WORK/root" apt-get purge -y --autoremove python3-dev python3-venv ca-certificates
 import_base "$BASE_RUNTIME"
-rm -rf "$WORK/root"
+rm -rf --one-file-system "$WORK/root"
 base_s=$(elapsed "$t")
 
 # --- the image ------------------------------------------------------------------------------------
