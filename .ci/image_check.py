@@ -479,6 +479,10 @@ async def check(args: argparse.Namespace) -> list[str]:
     engine = Engine(args.engine, args.label)
     pod = daemonset_pod(args.manifest)
     log: list[str] = []
+    # As the test suite's `run` fixture: an exception the loop saw but nobody awaited (the kubelet
+    # emulator's stream tasks) fails the check instead of passing unnoticed.
+    loop_errors: list[str] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(str(ctx)))
     # One simulated node for both runs: the container only reads its sysfs and config, and each run
     # gets its own kubelet directory.
     with netns.namespace(NS_PREFIX) as ns:
@@ -488,6 +492,8 @@ async def check(args: argparse.Namespace) -> list[str]:
             await run_container(
                 engine, args.image, pod, fresh_kubelet_dir(node, run), netlink=netlink, log=log
             )
+    if loop_errors:
+        raise CheckFailed(f"unhandled exceptions in the host's event loop: {loop_errors[:3]}")
     return log
 
 

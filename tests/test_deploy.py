@@ -418,6 +418,24 @@ def test_ci_refuses_a_manifest_it_cannot_reproduce(change: Any) -> None:
         image_run_args(pod)
 
 
+def test_ci_expects_the_pools_the_daemon_builds(tmp_path: Path) -> None:
+    # The container run's expectation is written from the simulated layout, not from densedev's
+    # selectors; here both must agree, with the variable an Allocate answers with.
+    from densedev import allocation, discovery, selectors
+    from densedev.testing import simnode
+
+    ic = load_image_check()
+    layout = simnode.build_node(tmp_path / "sys", pfs=6, vfs_per_pf=3)
+    simnode.write_config(tmp_path / "config.json", layout, prefix=ic.PREFIX)
+    cfg = config.load(tmp_path / "config.json")
+    pools = selectors.build_pools(cfg, discovery.scan(tmp_path / "sys").devices)
+    built = {p.config.full_name: {m.id for m in p.members} for p in pools}
+    assert built == ic.expected_pools(layout)
+    assert all(len(ids) == 9 if "mellanox" in name else len(ids) == 3 for name, ids in built.items())
+    for pool in pools:
+        assert ic.env_name(pool.config.full_name) == allocation.env_name(pool.config)
+
+
 def test_ci_builds_and_runs_the_image() -> None:
     run = (ROOT / ".ci" / "run").read_text()
     assert 'bash .ci/image.sh "$VENV/bin/python"' in run
