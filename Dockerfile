@@ -1,9 +1,14 @@
 # syntax=docker/dockerfile:1
 # densedev image: build the wheel (with the Cython extension) in a full toolchain stage, install it into a
 # slim runtime.  Build from the repository root:  docker build -t densedev:0.1.0 .   (see deploy/README.md)
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+#
+# Two base arguments: the build stage needs Python's headers (the official images carry them), the
+# runtime stage only an interpreter and pip, so a runtime base without headers or compiler can be given
+# (CI builds both from Debian packages: .ci/image.sh).  Either must have `python` and `pip` on PATH.
+ARG BUILD_IMAGE=python:3.11-slim-bookworm
+ARG RUNTIME_IMAGE=python:3.11-slim-bookworm
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${BUILD_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_ROOT_USER_ACTION=ignore
 # A C compiler for the Cython extension; Cython itself comes from PyPI through the build requirements.
@@ -19,10 +24,18 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
  && pip install --no-cache-dir --no-index --find-links /wheels densedev \
  && python -c "import densedev.accel as a; assert a.IMPLEMENTATION == 'cython', 'wheel lacks the extension'"
 
-FROM ${PYTHON_IMAGE}
+FROM ${RUNTIME_IMAGE}
+# OCI annotations (image-spec annotations.md).  VERSION's default is pyproject.toml's (a test keeps them
+# equal); REVISION and SOURCE are the commit and repository URL the builder passes in.
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=
 LABEL org.opencontainers.image.title="densedev" \
       org.opencontainers.image.description="Kubernetes device plugin for SR-IOV VFs and RDMA devices" \
-      org.opencontainers.image.licenses="Apache-2.0"
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}"
 # The root filesystem is read-only in the DaemonSet: no .pyc writes at run time (pip compiled them).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

@@ -16,9 +16,10 @@ proto:
 	sed -i 's/^import api_pb2 as api__pb2/from . import api_pb2 as api__pb2/' src/densedev/_proto/api_pb2_grpc.py
 
 lint:
-	$(PY) -m ruff check src tests bench
-	$(PY) -m ruff format --check src tests bench
+	$(PY) -m ruff check src tests bench .ci
+	$(PY) -m ruff format --check src tests bench .ci
 	$(PY) -m mypy
+	$(PY) -m mypy .ci/image_check.py
 
 clean:
 	rm -rf build src/densedev/*.so src/densedev/_fast.c

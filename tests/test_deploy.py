@@ -301,38 +301,148 @@ def test_dockerignore_keeps_build_outputs_out_of_the_context() -> None:
     assert "src" not in patterns and "pyproject.toml" not in patterns
 
 
-def container_engine() -> str | None:
-    """Return docker or podman if one is installed and its engine answers, else None."""
-    for tool in ("docker", "podman"):
-        path = shutil.which(tool)
-        if path is None:
-            continue
-        probe = subprocess.run([path, "info"], capture_output=True, timeout=30, check=False)
-        if probe.returncode == 0:
-            return path
-    return None
+def stage_text(text: str) -> list[str]:
+    """Return the Dockerfile's stages, each from its FROM line to the next."""
+    stages: list[str] = []
+    for line in text.splitlines():
+        if line.upper().startswith("FROM "):
+            stages.append("")
+        if stages:
+            stages[-1] += line + "\n"
+    return stages
 
 
-@pytest.mark.skipif(
-    os.environ.get("DENSEDEV_TEST_IMAGE", "") in ("", "0"),
-    reason="set DENSEDEV_TEST_IMAGE=1 to build the image (minutes; needs a container engine)",
-)
-def test_image_builds_and_carries_the_extension() -> None:
-    engine = container_engine()
-    if engine is None:
-        pytest.skip(
-            "no working docker or podman engine here (CI has none): build by hand, see deploy/README.md"
-        )
-    tag = "densedev:test"
-    subprocess.run([engine, "build", "-t", tag, str(ROOT)], check=True, timeout=1800)
-    out = subprocess.run(
-        [engine, "run", "--rm", "--read-only", "--cap-drop=ALL", tag, "--version"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
+def test_build_and_runtime_stages_take_separate_bases() -> None:
+    # The runtime needs no compiler or headers: a base without them can be given to that stage alone.
+    build_stage, runtime_stage = stage_text(dockerfile())
+    assert build_stage.startswith("FROM ${BUILD_IMAGE} AS build")
+    assert runtime_stage.startswith("FROM ${RUNTIME_IMAGE}\n")
+    assert "gcc" in build_stage and "gcc" not in runtime_stage
+    assert "apt-get" not in runtime_stage
+
+
+def test_image_carries_oci_labels_with_the_project_version() -> None:
+    import tomllib
+
+    text = dockerfile()
+    _, runtime_stage = stage_text(text)
+    for key in ("source", "version", "revision", "title", "licenses"):
+        assert f"org.opencontainers.image.{key}=" in runtime_stage, key
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    # The default a plain `docker build` uses must be the version it builds.
+    assert f"ARG VERSION={version}\n" in runtime_stage
+
+
+@cache
+def load_image_check() -> Any:
+    """Import .ci/image_check.py, the container run CI performs (not a package: loaded by path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("densedev_ci_image_check", ROOT / ".ci" / "image_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # Registered before it runs: its dataclasses resolve their annotations through sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def base_pod() -> dict[str, Any]:
+    """Return the pod template of deploy/base/daemonset.yaml as the image check reads it."""
+    pod: dict[str, Any] = load_image_check().daemonset_pod(DEPLOY / "base" / "daemonset.yaml")
+    return pod
+
+
+def image_run_args(pod: dict[str, Any], **kw: Any) -> list[str]:
+    """Return the podman options and command the image check derives from ``pod``."""
+    ic = load_image_check()
+    volumes = {name: ic.Volume(Path(f"/node/{name}")) for name in ("device-plugins", "sys", "config")}
+    args: list[str] = ic.container_args(
+        pod,
+        volumes,
+        network="ns:/run/netns/node",
+        mount_paths={"/sys": "/host/sys"},
+        extra_args=["--sysfs-root=/host/sys"],
+        **kw,
     )
-    assert "(cython)" in out.stdout
+    return args
+
+
+def test_ci_runs_the_container_with_the_daemonsets_security_context() -> None:
+    # CI's image run (.ci/image.sh -> .ci/image_check.py) derives podman's options from the manifest;
+    # this pins the translation, so the run CI performs is the one the DaemonSet asks for.
+    args = image_run_args(base_pod())
+    split = args.index("--entrypoint=densedev") + 1
+    options, command = args[:split], args[split:]
+    assert set(options) == {
+        "--network=ns:/run/netns/node",
+        "--user=0:0",
+        "--security-opt=no-new-privileges",
+        "--read-only",
+        "--read-only-tmpfs=false",  # podman's default tmpfs on /tmp, /run, /var/tmp: a pod has none
+        "--cap-drop=ALL",
+        "--env=PYTHONDONTWRITEBYTECODE=1",
+        f"--memory={384 * 2**20}",
+        "--cpus=1",
+        f"--volume=/node/device-plugins:{KUBELET_DIR}:rw",
+        "--volume=/node/sys:/host/sys:ro",
+        "--volume=/node/config:/etc/densedev:ro",
+        "--entrypoint=densedev",
+    }
+    # The manifest's own arguments, then the one override; the daemon's parser takes the last one.
+    assert command[:-1] == container(build("base"))["args"]
+    parsed = cli.build_parser().parse_args(command)
+    assert str(parsed.sysfs_root) == "/host/sys" and str(parsed.kubelet_dir) == KUBELET_DIR
+    assert not parsed.no_netlink
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda pod: pod["containers"][0]["securityContext"].update(seLinuxOptions={"type": "spc_t"}),
+        lambda pod: pod["securityContext"].update(seccompProfile={"type": "Unconfined"}),
+        lambda pod: pod["securityContext"].update(sysctls=[]),
+        lambda pod: pod.update(hostNetwork=False),
+        lambda pod: pod.update(hostPID=True),
+        lambda pod: pod["containers"][0]["volumeMounts"][2].update(subPath="config.json"),
+        lambda pod: pod["containers"][0].update(lifecycle={}),
+        lambda pod: pod["containers"][0].pop("command"),
+    ],
+    ids=["selinux", "seccomp", "sysctls", "pod-network", "host-pid", "subpath", "lifecycle", "no-command"],
+)
+def test_ci_refuses_a_manifest_it_cannot_reproduce(change: Any) -> None:
+    # A DaemonSet field the container run would silently drop must fail CI instead.
+    pod = copy.deepcopy(base_pod())
+    change(pod)
+    with pytest.raises(load_image_check().CheckFailed):
+        image_run_args(pod)
+
+
+def test_ci_expects_the_pools_the_daemon_builds(tmp_path: Path) -> None:
+    # The container run's expectation is written from the simulated layout, not from densedev's
+    # selectors; here both must agree, with the variable an Allocate answers with.
+    from densedev import allocation, discovery, selectors
+    from densedev.testing import simnode
+
+    ic = load_image_check()
+    layout = simnode.build_node(tmp_path / "sys", pfs=6, vfs_per_pf=3)
+    simnode.write_config(tmp_path / "config.json", layout, prefix=ic.PREFIX)
+    cfg = config.load(tmp_path / "config.json")
+    pools = selectors.build_pools(cfg, discovery.scan(tmp_path / "sys").devices)
+    built = {p.config.full_name: {m.id for m in p.members} for p in pools}
+    assert built == ic.expected_pools(layout)
+    assert all(len(ids) == 9 if "mellanox" in name else len(ids) == 3 for name, ids in built.items())
+    for pool in pools:
+        assert ic.env_name(pool.config.full_name) == allocation.env_name(pool.config)
+
+
+def test_ci_builds_and_runs_the_image() -> None:
+    run = (ROOT / ".ci" / "run").read_text()
+    assert 'bash .ci/image.sh "$VENV/bin/python"' in run
+    script = (ROOT / ".ci" / "image.sh").read_text()
+    # Always from scratch (podman 4.3 reuses stale layers) with the CA bundle mounted, never copied.
+    assert "--no-cache" in script and "ca-certificates.crt:ro" in script
+    assert "BUILD_IMAGE=" in script and "RUNTIME_IMAGE=" in script
 
 
 # ------------------------------------------------------------------------------------- privilege

@@ -13,17 +13,19 @@ from types import ModuleType
 from . import _fast_py as twin
 
 
-def _choose() -> tuple[ModuleType, str]:
+def _choose() -> tuple[ModuleType, str, str]:
     if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
-        return twin, "python"
+        return twin, "python", "DENSEDEV_NO_EXTENSIONS is set"
     try:
         from . import _fast  # type: ignore[attr-defined]
-    except ImportError:
-        return twin, "python"
-    return _fast, "cython"
+    except ImportError as exc:
+        return twin, "python", f"no extension: {exc}"
+    return _fast, "cython", os.path.basename(_fast.__file__ or "_fast")
 
 
-impl, IMPLEMENTATION = _choose()
+# DETAIL says which file runs, or why the twin does (``densedev --version`` prints it): a wheel built
+# for another interpreter or without a compiler shows here instead of only running slower.
+impl, IMPLEMENTATION, DETAIL = _choose()
 
 # Hot-path functions, re-exported by name.  Keep this list in step with _fast.pyi.
 # (each group is added by the module that owns it; see _pyx/*.pxi and _fast_py/*.py)

@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of every sub-command."""
     parser = argparse.ArgumentParser(prog="densedev", description=__doc__)
     parser.add_argument(
-        "--version", action="version", version=f"densedev {__version__} ({accel.IMPLEMENTATION})"
+        "--version",
+        action="version",
+        version=f"densedev {__version__} ({accel.IMPLEMENTATION}: {accel.DETAIL})",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
