@@ -144,6 +144,7 @@ class KubeletEmulator:
         self._allocated: dict[str, set[str]] = {}  # resource → IDs held (the device manager's view)
         self._pod_seq = 0
         self._checkpoint_pending = False
+        self._admit_lock: asyncio.Lock | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -340,8 +341,22 @@ class KubeletEmulator:
         ask the plugin's preference when offered, call Allocate, and hold them; return what it got.
 
         Free means listed Healthy and not allocated *under that resource name* — the kubelet's own
-        accounting, which is blind to the same device listed under another resource.
+        accounting, which is blind to the same device listed under another resource.  Admissions run
+        one at a time, as the kubelet admits pods one by one.
         """
+        if self._admit_lock is None:
+            self._admit_lock = asyncio.Lock()
+        async with self._admit_lock:
+            return await self._admit(name, requests, namespace, container, uid)
+
+    async def _admit(
+        self,
+        name: str,
+        requests: dict[str, int | Sequence[str]],
+        namespace: str,
+        container: str,
+        uid: str | None,
+    ) -> dict[str, list[str]]:
         self._update_allocated()
         pod = _Pod(uid or f"uid-{name}", name, namespace)
         if pod.uid in self._pods and self._pods[pod.uid].active:
@@ -386,6 +401,12 @@ class KubeletEmulator:
             raise KubeletError(f"no pod {uid}")
         pod.active = False
         self._notify()
+
+    def free(self, resource: str) -> list[str]:
+        """Return the resource's devices the kubelet would hand out now: Healthy, not allocated under it."""
+        self._update_allocated()
+        taken = self._allocated.get(resource, set())
+        return [i for i, h in self.devices(resource).items() if h == HEALTHY and i not in taken]
 
     def pods(self) -> dict[str, dict[str, list[str]]]:
         """Return the running pods: UID → resource → device IDs (all containers)."""
