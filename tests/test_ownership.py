@@ -302,6 +302,23 @@ def test_own_answers_fill_the_gap_until_a_later_source_read(run: Run, tmp_path: 
         assert own.held == {"0000:3b:00.2": {"a.com/x"}}  # kept: within the grace
         now[0] += 10
         assert await own.refresh() and own.held == {}  # a read well after the answer: released
+        # An answer a later read shows is covered by the source: released as soon as the source says.
+        own.note_allocated("a.com/x", ["0000:3b:00.3"])
+        now[0] += 0.1
+        write(
+            [
+                {
+                    "PodUID": "u",
+                    "ContainerName": "c",
+                    "ResourceName": "a.com/x",
+                    "DeviceIDs": {"0": ["0000:3b:00.3"]},
+                }
+            ]
+        )
+        assert not await own.refresh() and own.held == {"0000:3b:00.3": {"a.com/x"}}
+        now[0] += 0.1
+        write(None)
+        assert await own.refresh() and own.held == {}
 
     run(main())
 

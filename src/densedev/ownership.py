@@ -152,9 +152,11 @@ class Ownership:
                 self._failed(Source.CHECKPOINT, str(exc))
         if base is not None:
             self._failures.pop(source.value, None)
-            # A source read that began after an answer's grace shows the allocation if it still exists.
+            # An answer is covered once a read that began after it shows the allocation (from then on
+            # the source says when it ends); one the source never shows (admission failed after our
+            # answer) counts until a read that began a grace period after it.
             cutoff = started - self.grace_s
-            self._own = {k: t for k, t in self._own.items() if t > cutoff}
+            self._own = {k: t for k, t in self._own.items() if t > cutoff and not (t < started and k in base)}
         if source is not self.source:
             log_event(log, "in-use devices read from", source=source.value)
             self.source = source
