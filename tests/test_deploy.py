@@ -36,10 +36,12 @@ K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 CDI_DIR = "/var/run/cdi"
 DEVINFO_DIR = "/var/run/k8s.cni.cncf.io/devinfo/dp"
+POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 
 # What each target must mount: container path → (host path, read-only).  Nothing else may appear.
 BASE_MOUNTS = {
     KUBELET_DIR: (KUBELET_DIR, False),  # sockets are created here
+    POD_RESOURCES_DIR: (POD_RESOURCES_DIR, True),  # the PodResources socket is only connected to
     "/sys": ("/sys", True),
 }
 EXTRA_MOUNTS: dict[str, dict[str, tuple[str, bool]]] = {
@@ -163,6 +165,8 @@ def test_flags_agree_with_mounts(target: str) -> None:
     assert args.command == "run"
     assert str(args.sysfs_root) == "/sys" and mounts["/sys"] == ("/sys", True)
     assert str(args.kubelet_dir) == KUBELET_DIR and mounts[KUBELET_DIR] == (KUBELET_DIR, False)
+    assert args.pod_resources_socket == Path(POD_RESOURCES_DIR) / "kubelet.sock"
+    assert mounts[POD_RESOURCES_DIR] == (POD_RESOURCES_DIR, True)
     # CDI and device-info are off unless their component is applied; when on, the dir is the host's.
     wants_cdi = name in ("cdi", "full")
     assert args.cdi_dir == (Path(CDI_DIR) if wants_cdi else None)
