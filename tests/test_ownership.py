@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
+from densedev import cdi
 from densedev import config as config_mod
 from densedev._proto import api_pb2
 from densedev.manager import Daemon, DaemonSettings, socket_name_for
@@ -147,8 +148,10 @@ def test_reload_moving_in_use_vfs_withholds_them_until_released(run: Run, node: 
 
 
 def test_pool_removed_while_in_use(run: Run, node: Node) -> None:
+    spec = node.tmp / "cdi" / cdi.spec_file_name(P1)
+
     async def main() -> None:
-        async with running(node) as (emu, daemon):
+        async with running(node, cdi_dir=node.tmp / "cdi") as (emu, daemon):
             got = (await emu.create_pod("c1", {P1: 3}))[P1]
             node.write([pool("rest", [node.pf0.netdev, node.pf1.netdev])])
             free = [a for a in node.pf0.vf_addresses if a not in got]
@@ -161,8 +164,12 @@ def test_pool_removed_while_in_use(run: Run, node: Node) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await emu.allocate(REST, [got[0]], check=False)
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            # c1's containers restart from the kubelet's checkpointed response, which names p1's CDI
+            # devices: the removed pool's spec stays while they are held, and goes once released.
+            assert {d["name"] for d in json.loads(spec.read_text())["devices"]} >= set(got)
             await take_everything_listed(emu, REST, "c2")
             await released_within(emu, "uid-c1", REST, got)
+            await emu.wait_for(lambda: not spec.exists(), GUARD_S)
             assert emu.double_holdings == []
 
     run(main())

@@ -384,7 +384,10 @@ class Daemon:
         """Delete our CDI specs of pools that are no longer configured (left by an earlier run)."""
         if self.settings.cdi_dir is None:
             return
-        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(r.allocator.kind for r in self.pools.values())
+        # A removed pool's spec stays while pods hold its devices: the kubelet restarts their containers
+        # from the checkpointed response, which names the devices by that kind (<prefix>/<name>).
+        keep = [r.allocator.kind for r in self.pools.values()] + sorted(self.ownership.resources_held())
+        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(keep)
         if removed:
             log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
 
@@ -398,8 +401,10 @@ class Daemon:
     async def _on_ownership_change(self) -> None:
         """Held devices were released (or newly seen held): list or withhold them in their pools."""
         async with self._reload_lock:
-            self._apply(self.devices, self.config)
-            self._note_event(0)
+            if self.ownership.would_change():
+                self._apply(self.devices, self.config)
+                self._note_event(0)
+            self._prune_cdi()
 
     @property
     def metrics_port(self) -> int | None:
@@ -807,7 +812,8 @@ class Daemon:
             for n in removed + reregister:
                 runtime = self.pools.pop(n, None)
                 if runtime is not None:
-                    await self._stop_runtime(runtime, deleted=n in removed)
+                    deleted = n in removed and n not in self.ownership.resources_held()
+                    await self._stop_runtime(runtime, deleted=deleted)
                 if n in removed:
                     self.metrics.remove_pool(n)
             with contextlib.suppress(Exception):

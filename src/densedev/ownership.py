@@ -114,6 +114,10 @@ class Ownership:
         """Return device ID → resource names of every device running pods hold (as last refreshed)."""
         return self.held
 
+    def resources_held(self) -> set[str]:
+        """Return every resource name running pods hold devices under."""
+        return {r for rs in self.held.values() for r in rs}
+
     def note_allocated(self, resource: str, ids: Iterable[str]) -> None:
         """Record an Allocate answer: the kubelet holds these IDs under ``resource`` from now on."""
         now = self._clock()
@@ -244,8 +248,9 @@ class Ownership:
 
     # ------------------------------------------------------------------------------ the loop
     async def run(self, on_change: Callable[[], Awaitable[None]], watch: DirectoryWatch | None) -> None:
-        """Refresh on every checkpoint rewrite (inotify) and every poll; call ``on_change`` when the
-        pools would list differently.  Never ends on an exception."""
+        """Refresh on every checkpoint rewrite (inotify) and every poll; call ``on_change`` when what is
+        held changed (``would_change`` says whether the pools would list differently).  Never ends on
+        an exception."""
         wake = self._wake = asyncio.Event()
         path = self.checkpoint
         seen = checkpoint_identity(path) if path is not None else None
@@ -276,7 +281,7 @@ class Ownership:
                 if pause > 0:
                     await asyncio.sleep(pause)
                 try:
-                    if await self.refresh() and self.would_change():
+                    if await self.refresh():
                         await on_change()
                 except Exception:
                     log.exception("refreshing in-use devices failed; the last view stays")
