@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import pytest
 
-from densedev import cdi
+from densedev import cdi, devinfo
 from densedev import config as config_mod
 from densedev._proto import api_pb2
 from densedev.manager import Daemon, DaemonSettings, socket_name_for
@@ -125,10 +125,21 @@ async def released_within(emu: KubeletEmulator, uid: str, resource: str, ids: li
 def test_reload_moving_in_use_vfs_withholds_them_until_released(run: Run, node: Node) -> None:
     vfs = node.pf0.vf_addresses
     held = [vfs[6], vfs[7]]
+    cdi_dir, devinfo_dir = node.tmp / "cdi", node.tmp / "devinfo"
+
+    def entries(resource: str) -> set[str]:
+        return {
+            d["name"] for d in json.loads((cdi_dir / cdi.spec_file_name(resource)).read_text())["devices"]
+        }
+
+    def infos() -> set[str]:
+        return {p.name for p in devinfo_dir.iterdir()}
 
     async def main() -> None:
-        async with running(node) as (emu, daemon):
+        async with running(node, cdi_dir=cdi_dir, devinfo_dir=devinfo_dir) as (emu, daemon):
             await emu.create_pod("c1", {P1: held})
+            held_infos = {devinfo.file_name(PREFIX, "p1", i) for i in held}
+            assert infos() == held_infos
             # p1 shrinks to VFs 0-4: VF 5 (free) and VFs 6-7 (held by c1) fall into rest.
             node.write(
                 [pool("p1", [f"{node.pf0.netdev}#0-4"]), pool("rest", [node.pf0.netdev, node.pf1.netdev])]
@@ -137,11 +148,16 @@ def test_reload_moving_in_use_vfs_withholds_them_until_released(run: Run, node: 
             listed = set(emu.devices(REST))
             assert listed == {vfs[5], *node.pf1.vf_addresses}
             assert daemon.ownership.withheld == {REST: tuple(held)}
+            # c1's containers restart from the checkpointed response naming p1's CDI devices: p1 keeps
+            # their entries, and the device-info files stay, while c1 holds them.
+            assert entries(P1) == {*vfs[:5], *held} and held_infos <= infos()
             await take_everything_listed(emu, REST, "c2")
             assert emu.double_holdings == []
             took = await released_within(emu, "uid-c1", REST, held)
             print(f"withheld-device release latency (PodResources poll): {took * 1e3:.0f} ms")
             assert daemon.ownership.withheld == {}
+            await emu.wait_for(lambda: entries(P1) == set(vfs[:5]) and not held_infos & infos(), GUARD_S)
+            assert set(held) <= entries(REST)
             await emu.create_pod("c3", {REST: held})  # free now: the kubelet may give them out
 
     run(main())

@@ -312,6 +312,7 @@ class Daemon:
             self._report_counts(runtime.name, i, healthy)
             self.pools[pool.config.full_name] = runtime
         self._order = [p.config.full_name for p in pools]
+        self._retain_held()
         self._prune_cdi()
         self._remove_stale_sockets()
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
@@ -404,7 +405,21 @@ class Daemon:
             if self.ownership.would_change():
                 self._apply(self.devices, self.config)
                 self._note_event(0)
+            else:
+                self._retain_held()
             self._prune_cdi()
+
+    def _retain_held(self) -> None:
+        """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
+        if self.settings.cdi_dir is None and self.settings.devinfo_dir is None:
+            return
+        held = self.ownership.by_resource()
+        by_id = self.table.by_id() if held else {}
+        for name, runtime in self.pools.items():
+            try:
+                runtime.allocator.retain([by_id[i] for i in sorted(held.get(name, ())) if i in by_id])
+            except Exception:
+                log.exception("pool %s: keeping the files of held devices failed", name)
 
     @property
     def metrics_port(self) -> int | None:
@@ -593,6 +608,7 @@ class Daemon:
                     added=summarise(sorted(after - before)),
                     removed=summarise(sorted(before - after)),
                 )
+        self._retain_held()
         return pools
 
     # ----------------------------------------------------------------------------------- health
@@ -840,6 +856,7 @@ class Daemon:
                 self.pools[name] = runtime
                 self._report_counts(name, i, healthy)
                 started.append(runtime)
+            self._retain_held()
             await asyncio.gather(*(self._start_runner(r) for r in started))
             self.stats["reloads"] += 1
             self.metrics.record_reload(True)

@@ -118,6 +118,14 @@ class Ownership:
         """Return every resource name running pods hold devices under."""
         return {r for rs in self.held.values() for r in rs}
 
+    def by_resource(self) -> dict[str, set[str]]:
+        """Return resource name → device IDs running pods hold under it."""
+        out: dict[str, set[str]] = {}
+        for device, resources in self.held.items():
+            for r in resources:
+                out.setdefault(r, set()).add(device)
+        return out
+
     def note_allocated(self, resource: str, ids: Iterable[str]) -> None:
         """Record an Allocate answer: the kubelet holds these IDs under ``resource`` from now on."""
         now = self._clock()
