@@ -264,19 +264,21 @@ class Ownership:
         seen = checkpoint_identity(path) if path is not None else None
 
         def on_dir() -> None:
+            # The kubelet rewrites its checkpoint after every ListAndWatch message of any plugin; it
+            # matters at once only while devices wait for their release (else the poll covers it).
             nonlocal seen
             now = checkpoint_identity(path) if path is not None else None
             if now != seen:
                 seen = now
-                wake.set()
+                if self.withheld:
+                    wake.set()
 
         unsubscribe = watch.subscribe(on_dir) if watch is not None and path is not None else None
         try:
             while True:
+                # While devices are withheld every fast tick also looks at the checkpoint, so a release
+                # is seen in time without inotify too.
                 interval = self.fast_poll_s if self.withheld else self.poll_s
-                if watch is None or not watch.active:
-                    # No inotify: the checkpoint is looked at on every fast tick instead.
-                    interval = self.fast_poll_s
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can lose a cancellation that arrives
                 # as the event is set, and then the daemon's stop waits for this task forever.
                 with contextlib.suppress(TimeoutError):
