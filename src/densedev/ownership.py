@@ -88,6 +88,7 @@ class Ownership:
         self._failures: dict[str, str] = {}  # source → last failure logged (log once per new failure)
         self._last_refresh = -1e9
         self._wake: asyncio.Event | None = None  # set by run(): wakes its loop early
+        self._lock: asyncio.Lock | None = None
         self._g_withheld = self._g_in_use = self._c_failures = None
         if registry is not None:
             self._g_withheld = Gauge(
@@ -145,6 +146,13 @@ class Ownership:
 
     async def refresh(self) -> bool:
         """Read what the kubelet holds (PodResources, else the checkpoint); return whether it changed."""
+        # One read at a time (the poll, a reload, a rescan): an older read finishing last would win.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._refresh()
+
+    async def _refresh(self) -> bool:
         started = self._clock()
         self._last_refresh = started
         self.refreshes += 1
