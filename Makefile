@@ -12,8 +12,9 @@ bench: compile
 	$(PY) bench/run_all.py $(BENCHFLAGS)
 
 proto:
-	cd src/densedev/_proto && $(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. api.proto
+	cd src/densedev/_proto && $(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. api.proto podresources.proto
 	sed -i 's/^import api_pb2 as api__pb2/from . import api_pb2 as api__pb2/' src/densedev/_proto/api_pb2_grpc.py
+	sed -i 's/^import podresources_pb2 as podresources__pb2/from . import podresources_pb2 as podresources__pb2/' src/densedev/_proto/podresources_pb2_grpc.py
 
 lint:
 	$(PY) -m ruff check src tests bench .ci

@@ -277,6 +277,8 @@ def fresh_kubelet_dir(node: Node, run: str) -> Node:
     kubelet_dir = node.kubelet_dir / f"kubelet-{run}" / "device-plugins"
     kubelet_dir.mkdir(parents=True)
     os.chmod(kubelet_dir, 0o750)  # as the kubelet creates it: root's, no access for others
+    # The kubelet's PodResources socket lives in a sibling directory (mounted read-only by the pod).
+    (kubelet_dir.parent / "pod-resources").mkdir(mode=0o750)
     return dataclasses.replace(node, kubelet_dir=kubelet_dir)
 
 
@@ -298,6 +300,7 @@ async def run_container(
         pod,
         {
             "device-plugins": Volume(node.kubelet_dir),
+            "pod-resources": Volume(node.kubelet_dir.parent / "pod-resources"),
             "sys": Volume(node.sysfs),
             "config": Volume(node.config_dir),
         },
@@ -310,7 +313,9 @@ async def run_container(
     if host not in ("", "127.0.0.1"):
         raise CheckFailed(f"metrics address {host}:{port}: the probes reach 127.0.0.1 only")
     expected = expected_pools(node.layout)
-    kubelet = KubeletEmulator(node.kubelet_dir)
+    kubelet = KubeletEmulator(
+        node.kubelet_dir, pod_resources_socket=node.kubelet_dir.parent / "pod-resources" / "kubelet.sock"
+    )
     await kubelet.start()
     started = False
     try:

@@ -36,10 +36,12 @@ K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 CDI_DIR = "/var/run/cdi"
 DEVINFO_DIR = "/var/run/k8s.cni.cncf.io/devinfo/dp"
+POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
 
 # What each target must mount: container path → (host path, read-only).  Nothing else may appear.
 BASE_MOUNTS = {
     KUBELET_DIR: (KUBELET_DIR, False),  # sockets are created here
+    POD_RESOURCES_DIR: (POD_RESOURCES_DIR, True),  # the PodResources socket is only connected to
     "/sys": ("/sys", True),
 }
 EXTRA_MOUNTS: dict[str, dict[str, tuple[str, bool]]] = {
@@ -163,6 +165,8 @@ def test_flags_agree_with_mounts(target: str) -> None:
     assert args.command == "run"
     assert str(args.sysfs_root) == "/sys" and mounts["/sys"] == ("/sys", True)
     assert str(args.kubelet_dir) == KUBELET_DIR and mounts[KUBELET_DIR] == (KUBELET_DIR, False)
+    assert args.pod_resources_socket == Path(POD_RESOURCES_DIR) / "kubelet.sock"
+    assert mounts[POD_RESOURCES_DIR] == (POD_RESOURCES_DIR, True)
     # CDI and device-info are off unless their component is applied; when on, the dir is the host's.
     wants_cdi = name in ("cdi", "full")
     assert args.cdi_dir == (Path(CDI_DIR) if wants_cdi else None)
@@ -356,7 +360,8 @@ def base_pod() -> dict[str, Any]:
 def image_run_args(pod: dict[str, Any], **kw: Any) -> list[str]:
     """Return the podman options and command the image check derives from ``pod``."""
     ic = load_image_check()
-    volumes = {name: ic.Volume(Path(f"/node/{name}")) for name in ("device-plugins", "sys", "config")}
+    names = ("device-plugins", "pod-resources", "sys", "config")
+    volumes = {name: ic.Volume(Path(f"/node/{name}")) for name in names}
     args: list[str] = ic.container_args(
         pod,
         volumes,
@@ -385,6 +390,7 @@ def test_ci_runs_the_container_with_the_daemonsets_security_context() -> None:
         f"--memory={384 * 2**20}",
         "--cpus=1",
         f"--volume=/node/device-plugins:{KUBELET_DIR}:rw",
+        "--volume=/node/pod-resources:/var/lib/kubelet/pod-resources:ro",
         "--volume=/node/sys:/host/sys:ro",
         "--volume=/node/config:/etc/densedev:ro",
         "--entrypoint=densedev",

@@ -16,10 +16,16 @@ import grpc
 import pytest
 from test_server import RESOURCE, FakePool, Run, pci_ids
 
-from densedev._proto import api_pb2
+from densedev._proto import api_pb2, podresources_pb2
 from densedev.feed import PoolFeed
 from densedev.server import PluginServer
-from densedev.testing.kubelet import CHECKPOINT, MAX_RECEIVE, KubeletEmulator, KubeletError
+from densedev.testing.kubelet import (
+    CHECKPOINT,
+    MAX_RECEIVE,
+    InvariantViolation,
+    KubeletEmulator,
+    KubeletError,
+)
 
 GUARD = 10.0  # hang guard only
 
@@ -313,7 +319,9 @@ def test_restart_writes_a_checkpoint_and_recreates_the_socket(run: Run, sock_dir
             data = checkpoint["Data"]
             assert data["RegisteredDevices"] == {RESOURCE: pool.ids[:3]}
             [entry] = data["PodDeviceEntries"]
-            assert entry["ResourceName"] == RESOURCE and entry["DeviceIDs"] == {"-1": pool.ids[:2]}
+            # DeviceIDs are keyed by each device's NUMA node, as the device manager checkpoints them.
+            assert entry["ResourceName"] == RESOURCE
+            assert entry["DeviceIDs"] == {"0": [pool.ids[0]], "1": [pool.ids[1]]}
             response = api_pb2.ContainerAllocateResponse.FromString(base64.b64decode(entry["AllocResp"]))
             assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == ",".join(pool.ids[:2])
             assert isinstance(checkpoint["Checksum"], int)
@@ -327,5 +335,67 @@ def test_restart_writes_a_checkpoint_and_recreates_the_socket(run: Run, sock_dir
             assert fresh.resources() == [RESOURCE] and fresh.capacity(RESOURCE) == 0
         finally:
             await fresh.stop()
+
+    run(main())
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_pods_are_accounted_per_resource_and_double_holdings_recorded(
+    run: Run, sock_dir: Path, strict: bool
+) -> None:
+    """Like the kubelet, a device listed under two resources is free under the second: it is handed out
+    again, and the emulator records (strict: raises on) the device held by two running pods."""
+    shared = pci_ids(3)
+    a, b = "example.com/a", "example.com/b"
+    pr_dir = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
+
+    async def main() -> None:
+        kubelet = KubeletEmulator(sock_dir, pod_resources_socket=pr_dir / "kubelet.sock", strict=strict)
+        await kubelet.start()
+        pools = {r: FakePool(shared) for r in (a, b)}
+        servers = [
+            PluginServer(r, sock_dir / f"{r[-1]}.sock", PoolFeed(p.message()), p) for r, p in pools.items()
+        ]
+        for server in servers:
+            await server.start()
+        try:
+            for r in (a, b):
+                await _register(sock_dir, r, f"{r[-1]}.sock")
+            await kubelet.wait_for(lambda: kubelet.capacity(a) == 3 and kubelet.capacity(b) == 3, GUARD)
+            got = await kubelet.create_pod("one", {a: 2})
+            assert kubelet.pods() == {"uid-one": {a: got[a]}}
+            with pytest.raises(KubeletError, match="not free"):
+                await kubelet.create_pod("again", {a: [got[a][0]]})  # per resource, it is accounted
+            if strict:
+                with pytest.raises(InvariantViolation, match=got[a][0]):
+                    await kubelet.create_pod("two", {b: [got[a][0]]})
+            else:
+                await kubelet.create_pod("two", {b: 3})  # all three: two of them are one's
+                assert {d.device for d in kubelet.double_holdings} == set(got[a])
+                assert all(
+                    d.pod == "uid-two" and d.holders == (("uid-one", a),) for d in kubelet.double_holdings
+                )
+            # Deleted pods free their devices at the next UpdateAllocatedDevices (a List here), and
+            # the checkpoint is not rewritten for it.
+            kubelet.delete_pod("uid-one")
+            kubelet.delete_pod("uid-two")
+            checkpoint = json.loads((sock_dir / CHECKPOINT).read_text())
+            assert {e["PodUID"] for e in checkpoint["Data"]["PodDeviceEntries"]} == {"uid-one", "uid-two"}
+            async with grpc.aio.insecure_channel(f"unix:{pr_dir / 'kubelet.sock'}") as channel:
+                listed = await channel.unary_unary(
+                    "/v1.PodResourcesLister/List",
+                    request_serializer=podresources_pb2.ListPodResourcesRequest.SerializeToString,
+                    response_deserializer=podresources_pb2.ListPodResourcesResponse.FromString,
+                )(podresources_pb2.ListPodResourcesRequest(), timeout=GUARD)
+            assert list(listed.pod_resources) == []
+            await kubelet.create_pod("three", {a: 3})  # everything is free again
+            # The checkpoint is rewritten at the admission: only the running pod is left.
+            checkpoint = json.loads((sock_dir / CHECKPOINT).read_text())
+            assert [e["PodUID"] for e in checkpoint["Data"]["PodDeviceEntries"]] == ["uid-three"]
+        finally:
+            for server in servers:
+                await server.stop()
+            await kubelet.stop()
+            shutil.rmtree(pr_dir, ignore_errors=True)
 
     run(main())

@@ -316,6 +316,7 @@ class PoolAllocator:
         self.settings = settings
         self.is_healthy = is_healthy
         self._devices: tuple[Device, ...] = ()
+        self._retained: dict[str, Device] = {}  # non-members whose files stay: pods hold them (retain)
         self._configure(pool.config)
         self._load(pool)
         self._refresh_cdi(self._devices)
@@ -375,7 +376,7 @@ class PoolAllocator:
         old = set(self._devices)
         self._load(pool)
         if old != set(self._devices) or not self._cdi_current:
-            present = {d.id for d in self._devices}
+            present = {d.id for d in self._devices} | self._retained.keys()
             gone = [d for d in self._cdi_entries if d not in present]
             for device_id in gone:
                 del self._cdi_entries[device_id]
@@ -385,8 +386,40 @@ class PoolAllocator:
             todo = [d for d in self._devices if d not in old] if self._cdi_current else self._devices
             self._refresh_cdi(todo, force=bool(gone))
         if self._info is not None:
-            present = {d.id for d in self._devices}
+            present = {d.id for d in self._devices} | self._retained.keys()
             self._info.remove(sorted(d for d in self._info.written if d not in present))
+
+    def retain(self, devices: Sequence[Device]) -> None:
+        """Keep the CDI entries and device-info files of these devices after they left the pool.
+
+        Running pods hold them under this pool's resource, and the kubelet restarts their containers
+        from its checkpointed Allocate response, which names our CDI devices.  Files of devices neither
+        members nor retained any more are removed.
+        """
+        members = {d.id for d in self._devices}
+        extra = {d.id: d for d in devices if d.id not in members}
+        if not extra and not self._retained:
+            return
+        self._retained = extra
+        present = members | extra.keys()
+        gone = [i for i in self._cdi_entries if i not in present]
+        for i in gone:
+            del self._cdi_entries[i]
+        self._refresh_cdi(tuple(extra.values()), force=bool(gone))
+        if self._info is not None:
+            self._info.remove(sorted(i for i in self._info.written if i not in present))
+            # A settings change starts the writer over; the files of held devices are written again.
+            docs = {
+                i: devinfo.info_document(d, needs_vhost_net(self.config), vdpa_path(d))
+                for i, d in extra.items()
+                if i not in self._info.written
+            }
+            try:
+                self._info.write_all(docs)
+            except OSError as e:
+                log.warning(
+                    "%s: cannot write device-info files of held devices: %s", self.config.full_name, e
+                )
 
     def _refresh_cdi(self, devices: Sequence[Device], strict: bool = False, force: bool = False) -> None:
         """Bring the CDI entries of ``devices`` up to date and rewrite the spec if any entry changed."""

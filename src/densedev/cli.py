@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="device-info files for Multus/SR-IOV CNI ('' disables)",
     )
     run.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
+    run.add_argument(
+        "--pod-resources-socket",
+        type=Path,
+        default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+        help="the kubelet's PodResources API: which devices running pods hold ('' for the checkpoint only)",
+    )
     run.add_argument("--metrics-addr", default=None, help="serve /metrics, /healthz, /readyz on HOST:PORT")
     run.add_argument("--no-netlink", action="store_true", help="do not watch netlink (simulated nodes)")
     run.add_argument(
@@ -201,6 +207,9 @@ async def _serve(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         netlink=not args.no_netlink,
         netns=args.netns,
+        pod_resources_socket=args.pod_resources_socket
+        if str(args.pod_resources_socket) not in ("", ".")
+        else None,
     )
     if args.netlink_rcvbuf is not None:
         settings = dataclasses.replace(settings, netlink_rcvbuf=args.netlink_rcvbuf)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import accel, discovery, leftovers, selectors
+from . import accel, cdi, discovery, leftovers, selectors
 from . import config as config_mod
 from ._proto import api_pb2
 from .allocation import AllocationSettings, PoolAllocator
@@ -31,8 +31,11 @@ from .logs import log_event, summarise
 from .metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
 from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
 from .netlink import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .ownership import GuardedService, Ownership
+from .podresources import CHECKPOINT, PodResourcesClient
 from .registration import PluginRunner
-from .server import MAX_UNIX_PATH, status_of
+from .server import MAX_UNIX_PATH, PoolService, status_of
+from .sockets import remove_stale_sockets
 from .watch import DirectoryWatch
 from .wire import ListEncoder
 
@@ -59,6 +62,8 @@ class DaemonSettings:
     config_poll_s: float = 1.0
     housekeeping_s: float = 1.0  # how often registration state is copied into metrics
     registration_poll_s: float = 0.2  # how often each pool checks kubelet.sock and its own socket
+    pod_resources_socket: Path | None = None  # the kubelet's PodResources API (None: checkpoint only)
+    in_use_poll_s: float = 5.0  # PodResources poll while no device is withheld (0.25 s while some are)
 
 
 # Kernel uevents that change what discovery would find (lib/kobject_uevent.c action names).
@@ -109,7 +114,7 @@ def socket_name_for(resource: str, kubelet_dir: Path) -> str:
 class MeteredService:
     """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
 
-    def __init__(self, resource: str, inner: PoolAllocator, metrics: Metrics) -> None:
+    def __init__(self, resource: str, inner: PoolService, metrics: Metrics) -> None:
         self.resource = resource
         self.inner = inner
         self.metrics = metrics
@@ -149,7 +154,12 @@ class PoolRuntime:
     """Everything that runs for one pool: its feed, encoder, allocator and kubelet-facing runner."""
 
     def __init__(
-        self, pool: Pool, settings: DaemonSettings, metrics: Metrics, watch: DirectoryWatch | None = None
+        self,
+        pool: Pool,
+        settings: DaemonSettings,
+        metrics: Metrics,
+        watch: DirectoryWatch | None = None,
+        ownership: Ownership | None = None,
     ) -> None:
         self.pool = pool
         self.feed = PoolFeed()
@@ -168,7 +178,10 @@ class PoolRuntime:
         )
         name = pool.config.full_name
         socket_name = socket_name_for(name, settings.kubelet_dir)
-        service = MeteredService(name, self.allocator, metrics)
+        inner: PoolService = self.allocator
+        if ownership is not None:
+            inner = GuardedService(name, inner, ownership)  # one pod per device across resources
+        service = MeteredService(name, inner, metrics)
         # Each pool watches kubelet.sock and its own socket: woken by the daemon's inotify watch of the
         # kubelet's directory, or (without one) looking 5 times a second, well within the 1 s the
         # kubelet allows a plugin to come back after its restart.
@@ -251,6 +264,12 @@ class Daemon:
         self._uevent_lost_at: float | None = None  # uevents lost, not yet resynced by a full rescan
         self._metrics_server: MetricsServer | None = None
         self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
+        self.ownership = Ownership(
+            settings.kubelet_dir / CHECKPOINT,
+            PodResourcesClient(settings.pod_resources_socket) if settings.pod_resources_socket else None,
+            registry=self.metrics.registry,
+            poll_s=settings.in_use_poll_s,
+        )
         self._reconcile = False  # the next full rescan is the periodic reconcile
         self.stats = {
             "scans": 0,
@@ -272,7 +291,11 @@ class Daemon:
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
         table = self._scan()
-        pools = selectors.build_pools(self.config, table.devices)
+        # What running pods hold is known before any pool lists a device (the kubelet kept the
+        # allocations of pods that outlived a previous run of this daemon).
+        with contextlib.suppress(Exception):
+            await self.ownership.refresh()
+        pools = self.ownership.filter(selectors.build_pools(self.config, table.devices))
         self.table = table
         self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
         if not self.settings.netlink:
@@ -281,7 +304,7 @@ class Daemon:
         initial = self.tracker.collect()
         for i, pool in enumerate(pools):
             try:
-                runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch)
+                runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
             except Exception:
                 # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
                 log.exception("pool %s could not be set up; the other pools go on", pool.config.full_name)
@@ -292,11 +315,15 @@ class Daemon:
             self._report_counts(runtime.name, i, healthy)
             self.pools[pool.config.full_name] = runtime
         self._order = [p.config.full_name for p in pools]
-        self._reconcile_files()
+        self._retain_held()
+        # Files of devices pods still hold stay, whichever pool wrote them (issue 12, section 5).
+        self._reconcile_files(frozenset(self.ownership.held))
+        self._remove_stale_sockets()
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
         self._spawn(self._rdma_loop(), "rdma-poll")
+        self._spawn(self.ownership.run(self._on_ownership_change, self._kubelet_watch), "in-use")
         self._spawn(self._rescan_loop(), "rescan")
         self._spawn(self._reload_loop(), "reload")
         self._spawn(self._housekeeping_loop(), "housekeeping")
@@ -378,6 +405,46 @@ class Daemon:
         if result.removed:
             names = [p.name for p in result.removed]
             log_event(log, "removed files left by an earlier run", files=summarise(names, noun="file"))
+
+    def _prune_cdi(self) -> None:
+        """Delete our CDI specs of pools no longer configured once no pod holds their devices."""
+        if self.settings.cdi_dir is None:
+            return
+        # A removed pool's spec stays while pods hold its devices: the kubelet restarts their containers
+        # from the checkpointed response, which names the devices by that kind (<prefix>/<name>).
+        keep = [r.allocator.kind for r in self.pools.values()] + sorted(self.ownership.resources_held())
+        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(keep)
+        if removed:
+            log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
+
+    def _remove_stale_sockets(self) -> None:
+        """Delete dead sockets of pools an earlier run served and the config no longer has."""
+        keep = {socket_name_for(n, self.settings.kubelet_dir) for n in self._order}
+        removed = remove_stale_sockets(self.settings.kubelet_dir, keep)
+        if removed:
+            log_event(log, "removed stale pool sockets", files=summarise(removed, noun="file"))
+
+    async def _on_ownership_change(self) -> None:
+        """Held devices were released (or newly seen held): list or withhold them in their pools."""
+        async with self._reload_lock:
+            if self.ownership.would_change():
+                self._apply(self.devices, self.config)
+                self._note_event(0)
+            else:
+                self._retain_held()
+            self._prune_cdi()
+
+    def _retain_held(self) -> None:
+        """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
+        if self.settings.cdi_dir is None and self.settings.devinfo_dir is None:
+            return
+        held = self.ownership.by_resource()
+        by_id = self.table.by_id() if held else {}
+        for name, runtime in self.pools.items():
+            try:
+                runtime.allocator.retain([by_id[i] for i in sorted(held.get(name, ())) if i in by_id])
+            except Exception:
+                log.exception("pool %s: keeping the files of held devices failed", name)
 
     @property
     def metrics_port(self) -> int | None:
@@ -504,6 +571,9 @@ class Daemon:
             # A merged table keeps the Devices it did not rescan: mostly identity checks.
             changed = table.devices != self.table.devices
         self._note_scan(table, time.perf_counter() - t0)
+        if changed:
+            with contextlib.suppress(Exception):
+                await self.ownership.refresh()  # a device that moved pools may be held by a pod
         self.table = table
         if changed:
             self._ibdev_cache = None
@@ -540,7 +610,7 @@ class Daemon:
 
     def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
         """Recompute pools from devices and config, and update pools whose membership changed."""
-        pools = selectors.build_pools(config, devices)
+        pools = self.ownership.filter(selectors.build_pools(config, devices))
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
@@ -567,6 +637,7 @@ class Daemon:
                     added=summarise(sorted(after - before)),
                     removed=summarise(sorted(before - after)),
                 )
+        self._retain_held()
         return pools
 
     # ----------------------------------------------------------------------------------- health
@@ -832,9 +903,12 @@ class Daemon:
             for n in removed + reregister:
                 runtime = self.pools.pop(n, None)
                 if runtime is not None:
-                    await self._stop_runtime(runtime, deleted=n in removed)
+                    deleted = n in removed and n not in self.ownership.resources_held()
+                    await self._stop_runtime(runtime, deleted=deleted)
                 if n in removed:
                     self.metrics.remove_pool(n)
+            with contextlib.suppress(Exception):
+                await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
             # The window may have changed: a new coalescer, but the old one's pending flush must neither
             # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
@@ -852,7 +926,9 @@ class Daemon:
                 if name in self.pools:
                     continue
                 try:
-                    runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch)
+                    runtime = PoolRuntime(
+                        pool, self.settings, self.metrics, self._kubelet_watch, self.ownership
+                    )
                 except Exception:
                     log.exception("pool %s could not be set up; the other pools go on", name)
                     continue
@@ -861,6 +937,7 @@ class Daemon:
                 self.pools[name] = runtime
                 self._report_counts(name, i, healthy)
                 started.append(runtime)
+            self._retain_held()
             await asyncio.gather(*(self._start_runner(r) for r in started))
             self.stats["reloads"] += 1
             self.metrics.record_reload(True)

@@ -4,6 +4,13 @@ It behaves as the real kubelet does (see the device-plugin reference): it valida
 plugin and reads its options inside Register, follows ListAndWatch with the 4 MiB receive limit, marks
 a resource's devices unhealthy when its stream ends and never redials, and refuses unhealthy or unknown
 devices before asking the plugin to allocate them.  Tests, the demo and the benchmarks drive it.
+
+Pods come and go through ``create_pod`` / ``delete_pod``.  Like the kubelet's device manager it
+accounts allocated devices per resource name only, so a device a plugin lists under two resources can
+be handed to two pods; every such double holding is recorded (``double_holdings``), and a strict
+emulator raises ``InvariantViolation`` on the first one.  It serves the PodResources API
+(``v1.PodResourcesLister``) when given a socket path, and writes ``kubelet_internal_checkpoint`` when
+and as the kubelet does.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from .._proto import api_pb2
+from .._proto import api_pb2, podresources_pb2
 from ..config import validate_resource_name
 from ..model import HEALTHY, UNHEALTHY
 
@@ -37,8 +44,37 @@ MAX_RECEIVE = 4 * 1024 * 1024  # the kubelet's gRPC default receive limit
 DIAL_TIMEOUT = 10.0  # the kubelet dials a registering plugin for up to 10 s, blocking Register
 
 
+NO_TOPOLOGY = -1  # the checkpoint's NUMA key of a device listed without topology (nodeWithoutTopology)
+
+
 class KubeletError(Exception):
     """A request the emulated kubelet refuses on its own side, before reaching the plugin."""
+
+
+class InvariantViolation(AssertionError):
+    """A strict emulator saw one device held by two running pods at once."""
+
+
+@dataclass(frozen=True)
+class DoubleHolding:
+    """One device held by two running pods at once: the pod that got it last, and who held it already."""
+
+    device: str
+    pod: str  # UID of the pod admitted last
+    resource: str
+    holders: tuple[tuple[str, str], ...]  # (pod UID, resource) of the pods already holding it
+
+
+@dataclass
+class _Pod:
+    """The kubelet's record of one admitted pod: per container, per resource, the device IDs it holds."""
+
+    uid: str
+    name: str
+    namespace: str
+    containers: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    responses: dict[tuple[str, str], bytes] = field(default_factory=dict)  # (container, resource) → resp
+    active: bool = True  # False once deleted: its devices are freed at the next UpdateAllocatedDevices
 
 
 @dataclass(frozen=True)
@@ -73,6 +109,7 @@ class _Endpoint:
     stream: asyncio.Task[None] | None = None
     updates: list[Update] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)
+    numa: dict[str, tuple[int, ...]] = field(default_factory=dict)
     registrations: int = 0
     stream_ended: bool = False
     stream_error: str = ""
@@ -82,17 +119,32 @@ class KubeletEmulator:
     """Serves ``/v1beta1.Registration/Register`` on ``kubelet.sock`` in ``plugin_dir`` like the kubelet."""
 
     def __init__(
-        self, plugin_dir: Path, *, dial_timeout: float = DIAL_TIMEOUT, checkpoint: bool = True
+        self,
+        plugin_dir: Path,
+        *,
+        dial_timeout: float = DIAL_TIMEOUT,
+        checkpoint: bool = True,
+        pod_resources_socket: Path | None = None,
+        strict: bool = False,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
         self.socket_path = self.plugin_dir / KUBELET_SOCKET
         self.dial_timeout = dial_timeout
         self.write_checkpoint = checkpoint
+        self.pod_resources_socket = pod_resources_socket
+        self.strict = strict
         self.refusals: list[tuple[str, str]] = []  # (resource, message) of refused registrations
+        self.double_holdings: list[DoubleHolding] = []
+        self.list_calls = 0  # PodResources List calls served
         self._endpoints: dict[str, _Endpoint] = {}
         self._server: grpc.aio.Server | None = None
+        self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Event()
-        self._allocations: list[dict[str, Any]] = []
+        self._pods: dict[str, _Pod] = {}
+        self._allocated: dict[str, set[str]] = {}  # resource → IDs held (the device manager's view)
+        self._pod_seq = 0
+        self._checkpoint_pending = False
+        self._admit_lock: asyncio.Lock | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -123,15 +175,21 @@ class KubeletEmulator:
         await server.start()
         self._server = server
         log.info("kubelet emulator: listening on %s", self.socket_path)
+        if self.pod_resources_socket is not None:
+            await self._serve_pod_resources(self.pod_resources_socket)
 
     async def stop(self) -> None:
         """Stop serving and drop every plugin connection, as a kubelet that exits does."""
         server, self._server = self._server, None
         if server is None:
             return
-        # The kubelet checkpoints as state changes; once at exit gives the same file for a restart.
         self._write_checkpoint()
         await server.stop(0)
+        pr_server, self._pr_server = self._pr_server, None
+        if pr_server is not None:
+            await pr_server.stop(0)
+            if self.pod_resources_socket is not None:
+                self.pod_resources_socket.unlink(missing_ok=True)
         for endpoint in self._endpoints.values():
             await self._disconnect(endpoint)
         self.socket_path.unlink(missing_ok=True)
@@ -204,8 +262,11 @@ class KubeletEmulator:
                 devices = {d.ID: d.health for d in response.devices}
                 numa = {d.ID: tuple(n.ID for n in d.topology.nodes) for d in response.devices}
                 endpoint.devices = devices
+                endpoint.numa = numa
                 endpoint.updates.append(Update(received, devices, numa, response.ByteSize()))
                 self._notify()
+                # genericDeviceUpdateCallback writes the checkpoint after every device update.
+                self._checkpoint_soon()
             endpoint.stream_error = "stream ended"
         except asyncio.CancelledError:
             endpoint.stream_error = "disconnected by the kubelet"
@@ -260,10 +321,204 @@ class KubeletEmulator:
         if not response.container_responses:
             raise KubeletError(f"{resource}: plugin returned an empty AllocateResponse")
         first = response.container_responses[0]  # the kubelet uses only the first
-        self._allocations.append(
-            {"resource": resource, "ids": list(ids), "response": first.SerializeToString()}
-        )
+        self._pod_seq += 1
+        pod = _Pod(f"emulated-pod-{self._pod_seq}", f"emulated-pod-{self._pod_seq}", "default")
+        self._hold(pod, "main", resource, list(ids), first.SerializeToString())
         return first
+
+    # -- pods ------------------------------------------------------------------------------------
+
+    async def create_pod(
+        self,
+        name: str,
+        requests: dict[str, int | Sequence[str]],
+        *,
+        namespace: str = "default",
+        container: str = "main",
+        uid: str | None = None,
+    ) -> dict[str, list[str]]:
+        """Admit a pod of one container: for each resource pick free devices (or take the given IDs),
+        ask the plugin's preference when offered, call Allocate, and hold them; return what it got.
+
+        Free means listed Healthy and not allocated *under that resource name* — the kubelet's own
+        accounting, which is blind to the same device listed under another resource.  Admissions run
+        one at a time, as the kubelet admits pods one by one.
+        """
+        if self._admit_lock is None:
+            self._admit_lock = asyncio.Lock()
+        async with self._admit_lock:
+            return await self._admit(name, requests, namespace, container, uid)
+
+    async def _admit(
+        self,
+        name: str,
+        requests: dict[str, int | Sequence[str]],
+        namespace: str,
+        container: str,
+        uid: str | None,
+    ) -> dict[str, list[str]]:
+        self._update_allocated()
+        pod = _Pod(uid or f"uid-{name}", name, namespace)
+        if pod.uid in self._pods and self._pods[pod.uid].active:
+            raise KubeletError(f"pod {pod.uid} exists")
+        got: dict[str, list[str]] = {}
+        for resource, want in requests.items():
+            if want == 0 or (not isinstance(want, int) and not want):
+                continue  # nothing needed: the kubelet calls no plugin
+            endpoint = self._endpoint(resource)
+            free = [i for i, h in endpoint.devices.items() if h == HEALTHY]
+            free = [i for i in free if i not in self._allocated.get(resource, set())]
+            if isinstance(want, int):
+                if want > len(free):
+                    raise KubeletError(f"{resource}: {want} requested, {len(free)} free")
+                ids = free[:want]
+                if endpoint.options.get_preferred_allocation_available:
+                    chosen = await self.preferred(resource, free, [], want)
+                    # The kubelet keeps only available IDs of the answer and fills a shortfall itself.
+                    picked = [i for i in dict.fromkeys(chosen) if i in set(free)][:want]
+                    ids = picked + [i for i in free if i not in set(picked)][: want - len(picked)]
+            else:
+                ids = list(want)
+                taken = [i for i in ids if i not in set(free)]
+                if taken:
+                    raise KubeletError(f"{resource}: devices not free: {taken}")
+            request = api_pb2.AllocateRequest(
+                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=ids)]
+            )
+            response = await endpoint.stub.Allocate(request)
+            if not response.container_responses:
+                raise KubeletError(f"{resource}: plugin returned an empty AllocateResponse")
+            self._hold(pod, container, resource, ids, response.container_responses[0].SerializeToString())
+            got[resource] = ids
+        self._write_checkpoint()  # allocateContainerResources ends with a checkpoint, devices or not
+        return got
+
+    def delete_pod(self, uid: str) -> None:
+        """Terminate a pod; as in the kubelet its devices are freed at the next UpdateAllocatedDevices
+        (a PodResources List or the next admission), and the checkpoint is not rewritten for it."""
+        pod = self._pods.get(uid)
+        if pod is None:
+            raise KubeletError(f"no pod {uid}")
+        pod.active = False
+        self._notify()
+
+    def free(self, resource: str) -> list[str]:
+        """Return the resource's devices the kubelet would hand out now: Healthy, not allocated under it."""
+        self._update_allocated()
+        taken = self._allocated.get(resource, set())
+        return [i for i, h in self.devices(resource).items() if h == HEALTHY and i not in taken]
+
+    def pods(self) -> dict[str, dict[str, list[str]]]:
+        """Return the running pods: UID → resource → device IDs (all containers)."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for pod in self._pods.values():
+            if pod.active:
+                merged: dict[str, list[str]] = {}
+                for per_resource in pod.containers.values():
+                    for resource, ids in per_resource.items():
+                        merged.setdefault(resource, []).extend(ids)
+                out[pod.uid] = merged
+        return out
+
+    def holders(self) -> dict[str, list[tuple[str, str]]]:
+        """Return device ID → (pod UID, resource) of every running pod holding it."""
+        out: dict[str, list[tuple[str, str]]] = {}
+        for uid, per_resource in self.pods().items():
+            for resource, ids in per_resource.items():
+                for i in ids:
+                    out.setdefault(i, []).append((uid, resource))
+        return out
+
+    def _hold(self, pod: _Pod, container: str, resource: str, ids: list[str], response: bytes) -> None:
+        before = self.holders()
+        clashes = [(i, tuple(before[i])) for i in ids if i in before]
+        self._pods[pod.uid] = pod
+        pod.containers.setdefault(container, {}).setdefault(resource, []).extend(ids)
+        pod.responses[(container, resource)] = response
+        self._allocated.setdefault(resource, set()).update(ids)
+        for device, holders in clashes:
+            self.double_holdings.append(DoubleHolding(device, pod.uid, resource, holders))
+        self._write_checkpoint()  # allocateContainerResources checkpoints after every allocation
+        self._notify()
+        if clashes and self.strict:
+            raise InvariantViolation(
+                f"device held by two running pods: {clashes[0][0]} given to {pod.uid} under {resource}, "
+                f"already held by {list(clashes[0][1])}"
+            )
+
+    def _update_allocated(self) -> None:
+        """UpdateAllocatedDevices: forget the devices of pods that are no longer active."""
+        gone = [uid for uid, pod in self._pods.items() if not pod.active]
+        for uid in gone:
+            del self._pods[uid]
+        if gone:
+            allocated: dict[str, set[str]] = {}
+            for pod in self._pods.values():
+                for per_resource in pod.containers.values():
+                    for resource, ids in per_resource.items():
+                        allocated.setdefault(resource, set()).update(ids)
+            self._allocated = allocated
+
+    # -- PodResources ----------------------------------------------------------------------------
+
+    async def _serve_pod_resources(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+        pr = podresources_pb2
+        server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "v1.PodResourcesLister",
+                    {
+                        "List": grpc.unary_unary_rpc_method_handler(
+                            self._pr_list,
+                            request_deserializer=pr.ListPodResourcesRequest.FromString,
+                            response_serializer=pr.ListPodResourcesResponse.SerializeToString,
+                        ),
+                        "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
+                            self._pr_allocatable,
+                            request_deserializer=pr.AllocatableResourcesRequest.FromString,
+                            response_serializer=pr.AllocatableResourcesResponse.SerializeToString,
+                        ),
+                    },
+                ),
+            )
+        )
+        if server.add_insecure_port(f"unix:{path}") == 0:
+            raise OSError(f"kubelet emulator: cannot listen on {path}")
+        await server.start()
+        self._pr_server = server
+
+    def _container_devices(self, resource: str, ids: Sequence[str]) -> podresources_pb2.ContainerDevices:
+        endpoint = self._endpoints.get(resource)
+        nodes = sorted({n for i in ids for n in (endpoint.numa.get(i, ()) if endpoint else ())})
+        return podresources_pb2.ContainerDevices(
+            resource_name=resource,
+            device_ids=list(ids),
+            topology=podresources_pb2.TopologyInfo(nodes=[podresources_pb2.NUMANode(ID=n) for n in nodes]),
+        )
+
+    async def _pr_list(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """List: free the devices of pods no longer active, then list every running pod's devices."""
+        self.list_calls += 1
+        self._update_allocated()
+        out = podresources_pb2.ListPodResourcesResponse()
+        for pod in self._pods.values():
+            pr = out.pod_resources.add(name=pod.name, namespace=pod.namespace)
+            for cname, per_resource in pod.containers.items():
+                c = pr.containers.add(name=cname)
+                for resource, ids in per_resource.items():
+                    c.devices.append(self._container_devices(resource, ids))
+        return out
+
+    async def _pr_allocatable(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        out = podresources_pb2.AllocatableResourcesResponse()
+        for name, endpoint in self._endpoints.items():
+            healthy = [i for i, h in endpoint.devices.items() if h == HEALTHY]
+            if healthy:
+                out.devices.append(self._container_devices(name, healthy))
+        return out
 
     async def preferred(
         self, resource: str, available: Sequence[str], must_include: Sequence[str], size: int
@@ -365,41 +620,81 @@ class KubeletEmulator:
             except FileNotFoundError:
                 pass
 
+    def _checkpoint_soon(self) -> None:
+        """Write the checkpoint once at the end of this loop iteration (a burst of updates, one write)."""
+        if not self._checkpoint_pending and self.write_checkpoint:
+            self._checkpoint_pending = True
+            asyncio.get_running_loop().call_soon(self._write_checkpoint)
+
     def _write_checkpoint(self) -> None:
-        """Write ``kubelet_internal_checkpoint`` in the kubelet's JSON shape (allocations and devices)."""
-        if not self.write_checkpoint:
+        """Write ``kubelet_internal_checkpoint`` as the kubelet's device manager does.
+
+        Same JSON as the Go structs marshal to (pkg/kubelet/cm/devicemanager/checkpoint): one
+        PodDeviceEntries record per pod, container and resource, DeviceIDs keyed by the NUMA node of
+        each device (-1 without topology), AllocResp the base64 of the ContainerAllocateResponse, a
+        ``null`` list when no pod holds devices, RegisteredDevices the healthy IDs per resource.  The
+        file is replaced by a rename, so watchers see IN_MOVED_TO.  The kubelet's Checksum is an FNV-32a
+        over Go's spew dump of Data, which this emulator does not reproduce: readers must not rely on it.
+        """
+        self._checkpoint_pending = False
+        if not self.write_checkpoint or not self.plugin_dir.is_dir():
             return
-        entries = [
-            {
-                "PodUID": f"emulated-pod-{n}",
-                "ContainerName": "main",
-                "ResourceName": alloc["resource"],
-                "DeviceIDs": {"-1": alloc["ids"]},
-                "AllocResp": base64.b64encode(alloc["response"]).decode(),
-            }
-            for n, alloc in enumerate(self._allocations)
-        ]
+        entries: list[dict[str, Any]] = []
+        for pod in self._pods.values():
+            for cname, per_resource in pod.containers.items():
+                for resource, ids in per_resource.items():
+                    endpoint = self._endpoints.get(resource)
+                    per_numa: dict[str, list[str]] = {}
+                    for i in ids:
+                        nodes = (endpoint.numa.get(i) if endpoint else None) or (NO_TOPOLOGY,)
+                        for n in nodes:
+                            per_numa.setdefault(str(n), []).append(i)
+                    entries.append(
+                        {
+                            "PodUID": pod.uid,
+                            "ContainerName": cname,
+                            "ResourceName": resource,
+                            "DeviceIDs": per_numa,
+                            "AllocResp": base64.b64encode(pod.responses.get((cname, resource), b"")).decode(),
+                        }
+                    )
         registered = {
             name: [i for i, h in endpoint.devices.items() if h == HEALTHY]
             for name, endpoint in self._endpoints.items()
         }
-        data = {"PodDeviceEntries": entries, "RegisteredDevices": registered}
+        data = {"PodDeviceEntries": entries or None, "RegisteredDevices": registered}
         body = json.dumps(data, sort_keys=True)
         path = self.plugin_dir / CHECKPOINT
-        tmp = path.with_name(f".{CHECKPOINT}.tmp")
+        tmp = path.with_name(f".{CHECKPOINT}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"Data": data, "Checksum": zlib.crc32(body.encode())}))
         os.replace(tmp, path)
 
     def _load_checkpoint(self) -> None:
-        """Bring back resources listed in the checkpoint with no devices until their plugin registers."""
+        """Bring back resources listed in the checkpoint with no devices until their plugin registers,
+        and, on a fresh emulator, the pods it names (the kubelet restores podDevices from it)."""
         path = self.plugin_dir / CHECKPOINT
         try:
             data = json.loads(path.read_text())["Data"]
-        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            registered = data.get("RegisteredDevices") or {}
+            entries = data.get("PodDeviceEntries") or []
+        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
             return
-        for name in data.get("RegisteredDevices", {}):
+        for name in registered:
             if name not in self._endpoints:
                 self._endpoints[name] = _Endpoint(name, Path(), None, None, api_pb2.DevicePluginOptions())
+        if self._pods:
+            return
+        for e in entries:
+            try:
+                uid, cname, resource = str(e["PodUID"]), str(e["ContainerName"]), str(e["ResourceName"])
+                ids = list(dict.fromkeys(i for per in e["DeviceIDs"].values() for i in per))
+                response = base64.b64decode(e.get("AllocResp") or "")
+            except (KeyError, TypeError, AttributeError, ValueError):
+                continue
+            pod = self._pods.setdefault(uid, _Pod(uid, uid, "default"))
+            pod.containers.setdefault(cname, {}).setdefault(resource, []).extend(ids)
+            pod.responses[(cname, resource)] = response
+            self._allocated.setdefault(resource, set()).update(ids)
 
 
 class _DevicePluginStub:

@@ -1,0 +1,346 @@
+"""One pod per device: what the kubelet holds, and which pool members must not be listed because of it.
+
+The kubelet's device manager accounts allocated devices per resource name only
+(pkg/kubelet/cm/devicemanager: ``allocatedDevices`` is keyed by resource), so when a reload, a
+rebind seen by a rescan or a removed pool moves a device held by a running pod from resource A into
+pool B, listing it in B makes it free in the kubelet's eyes and a second pod gets it.  Only the plugin
+can prevent that: a device held under another resource is withheld from its new pool — not listed —
+until the kubelet no longer holds it, then it joins.
+
+What is held comes from the PodResources API (the supported source), else the kubelet's checkpoint
+(the fallback), plus this daemon's own Allocate answers, which fill the gap between an answer and the
+moment a source shows it.  ``Ownership.held`` is a plain map ``device ID → resource names`` that
+other parts (file reconciliation at start) may consult.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from enum import Enum
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from ._proto import api_pb2
+from .logs import log_event, summarise
+from .model import Pool, RequestError
+from .podresources import (
+    Held,
+    PodResourcesClient,
+    SourceUnavailable,
+    checkpoint_identity,
+    read_checkpoint,
+)
+from .server import PoolService
+from .watch import DirectoryWatch
+
+log = logging.getLogger(__name__)
+
+POLL_S = 5.0  # PodResources poll while nothing is withheld (the kubelet allows 100 QPS; poll gently)
+FAST_POLL_S = 0.25  # while devices are withheld: a release is seen well within a second
+MIN_REFRESH_S = 0.1  # checkpoint rewrites (one per ListAndWatch message) refresh at most this often
+OWN_GRACE_S = 5.0  # an Allocate answer counts as held until a source read this much later covers it
+
+
+class Source(Enum):
+    """Where the current in-use view comes from."""
+
+    PODRESOURCES = "podresources"
+    CHECKPOINT = "checkpoint"
+    OWN = "own"  # neither source readable: only this daemon's Allocate answers since start
+
+
+def device_id_of(member_id: str) -> str:
+    """Return the device behind a pool member ID (a shared RDMA pool's ``<device>/<k>``, else itself)."""
+    return member_id.split("/", 1)[0]
+
+
+class Ownership:
+    """Knows which devices running pods hold, under which resource, and withholds them from other pools."""
+
+    def __init__(
+        self,
+        checkpoint: Path | None,
+        client: PodResourcesClient | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        poll_s: float = POLL_S,
+        fast_poll_s: float = FAST_POLL_S,
+        grace_s: float = OWN_GRACE_S,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.client = client
+        self.poll_s = poll_s
+        self.fast_poll_s = fast_poll_s
+        self.grace_s = grace_s
+        self._clock = clock
+        self.held: dict[str, frozenset[str]] = {}  # device ID → resource names holding it
+        self.source = Source.OWN
+        self.refreshes = 0
+        self._own: dict[tuple[str, str], float] = {}  # (resource, ID) → when this daemon allocated it
+        self._raw: tuple[Pool, ...] = ()
+        self.withheld: dict[str, tuple[str, ...]] = {}  # pool → member IDs not listed
+        self._failures: dict[str, str] = {}  # source → last failure logged (log once per new failure)
+        self._last_refresh = -1e9
+        self._wake: asyncio.Event | None = None  # set by run(): wakes its loop early
+        self._lock: asyncio.Lock | None = None
+        self._g_withheld = self._g_in_use = self._c_failures = None
+        if registry is not None:
+            self._g_withheld = Gauge(
+                "densedev_pool_withheld_devices",
+                "Devices of a pool not listed because running pods hold them under another resource.",
+                ["resource"],
+                registry=registry,
+            )
+            self._g_in_use = Gauge(
+                "densedev_devices_in_use",
+                "Devices running pods hold (any resource), by the source the view came from.",
+                ["source"],
+                registry=registry,
+            )
+            self._c_failures = Counter(
+                "densedev_in_use_read_failures",
+                "Failed reads of what the kubelet holds, by source.",
+                ["source"],
+                registry=registry,
+            )
+
+    # ------------------------------------------------------------------------------ what is held
+    def in_use(self) -> Mapping[str, frozenset[str]]:
+        """Return device ID → resource names of every device running pods hold (as last refreshed)."""
+        return self.held
+
+    def resources_held(self) -> set[str]:
+        """Return every resource name running pods hold devices under."""
+        return {r for rs in self.held.values() for r in rs}
+
+    def by_resource(self) -> dict[str, set[str]]:
+        """Return resource name → device IDs running pods hold under it."""
+        out: dict[str, set[str]] = {}
+        for device, resources in self.held.items():
+            for r in resources:
+                out.setdefault(r, set()).add(device)
+        return out
+
+    def note_allocated(self, resource: str, ids: Iterable[str]) -> None:
+        """Record an Allocate answer: the kubelet holds these IDs under ``resource`` from now on."""
+        now = self._clock()
+        for i in ids:
+            self._own[(resource, i)] = now
+            d = device_id_of(i)
+            self.held[d] = self.held.get(d, frozenset()) | {resource}
+
+    def conflicts(self, resource: str, ids: Iterable[str]) -> dict[str, frozenset[str]]:
+        """Return the IDs that running pods hold under another resource, with those resources."""
+        out: dict[str, frozenset[str]] = {}
+        for i in ids:
+            others = self.held.get(device_id_of(i), frozenset()) - {resource}
+            if others:
+                out[i] = others
+        return out
+
+    async def refresh(self) -> bool:
+        """Read what the kubelet holds (PodResources, else the checkpoint); return whether it changed."""
+        # One read at a time (the poll, a reload, a rescan): an older read finishing last would win.
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            return await self._refresh()
+
+    async def _refresh(self) -> bool:
+        started = self._clock()
+        self._last_refresh = started
+        self.refreshes += 1
+        base: Held | None = None
+        source = Source.OWN
+        if self.client is not None:
+            try:
+                base = await self.client.list()
+                source = Source.PODRESOURCES
+            except SourceUnavailable as exc:
+                self._failed(Source.PODRESOURCES, str(exc))
+        if base is None and self.checkpoint is not None:
+            try:
+                base = await asyncio.to_thread(read_checkpoint, self.checkpoint)
+                source = Source.CHECKPOINT
+            except SourceUnavailable as exc:
+                self._failed(Source.CHECKPOINT, str(exc))
+        if base is not None:
+            self._failures.pop(source.value, None)
+            # An answer is covered once a read that began after it shows the allocation (from then on
+            # the source says when it ends); one the source never shows (admission failed after our
+            # answer) counts until a read that began a grace period after it.
+            cutoff = started - self.grace_s
+            self._own = {k: t for k, t in self._own.items() if t > cutoff and not (t < started and k in base)}
+        if source is not self.source:
+            log_event(log, "in-use devices read from", source=source.value)
+            self.source = source
+        pairs = set(base or ()) | self._own.keys()
+        held: dict[str, set[str]] = {}
+        for resource, i in pairs:
+            held.setdefault(device_id_of(i), set()).add(resource)
+        frozen = {d: frozenset(r) for d, r in held.items()}
+        changed = frozen != self.held
+        self.held = frozen
+        if self._g_in_use is not None:
+            for s in Source:
+                self._g_in_use.labels(s.value).set(len(frozen) if s is source else 0)
+        return changed
+
+    def _failed(self, source: Source, why: str) -> None:
+        if self._c_failures is not None:
+            self._c_failures.labels(source.value).inc()
+        if self._failures.get(source.value) != why:
+            self._failures[source.value] = why
+            log_event(
+                log, "cannot read in-use devices", level=logging.WARNING, source=source.value, problem=why
+            )
+
+    # ------------------------------------------------------------------------------ withholding
+    def split(self, pools: Sequence[Pool]) -> tuple[tuple[Pool, ...], dict[str, tuple[str, ...]]]:
+        """Return the pools without members held under another resource, and those members per pool."""
+        if not self.held:
+            return tuple(pools), {}
+        out: list[Pool] = []
+        withheld: dict[str, tuple[str, ...]] = {}
+        held = self.held
+        for pool in pools:
+            name = pool.config.full_name
+            drop = [m.id for m in pool.members if m.device.id in held and held[m.device.id] - {name}]
+            if drop:
+                gone = set(drop)
+                withheld[name] = tuple(drop)
+                pool = Pool(pool.config, tuple(m for m in pool.members if m.id not in gone))
+            out.append(pool)
+        return tuple(out), withheld
+
+    def filter(self, pools: Sequence[Pool]) -> tuple[Pool, ...]:
+        """Return the pools to advertise (held devices withheld), logging and counting what changed."""
+        self._raw = tuple(pools)
+        out, withheld = self.split(pools)
+        self._report(withheld)
+        return out
+
+    def would_change(self) -> bool:
+        """Return whether the last pools, filtered with what is held now, differ from what is listed."""
+        return self.split(self._raw)[1] != self.withheld
+
+    def _report(self, withheld: dict[str, tuple[str, ...]]) -> None:
+        names = [p.config.full_name for p in self._raw]
+        for name in sorted(set(names) | self.withheld.keys()):
+            before = set(self.withheld.get(name, ()))
+            now = withheld.get(name, ())
+            added = [i for i in now if i not in before]
+            released = sorted(before - set(now))
+            if added:
+                under = sorted({r for i in added[:64] for r in self.held.get(device_id_of(i), ())} - {name})
+                log_event(
+                    log,
+                    "devices withheld",
+                    level=logging.WARNING,
+                    pool=name,
+                    count=len(now),
+                    held_under=",".join(under[:4]) + (",..." if len(under) > 4 else ""),
+                    devices=summarise(added),
+                )
+            if released:
+                log_event(
+                    log, "withheld devices released", pool=name, count=len(now), devices=summarise(released)
+                )
+        if self._g_withheld is not None:
+            for name in self.withheld.keys() - set(names):
+                with contextlib.suppress(KeyError):
+                    self._g_withheld.remove(name)
+            for name in names:
+                self._g_withheld.labels(name).set(len(withheld.get(name, ())))
+        if withheld and not self.withheld and self._wake is not None:
+            self._wake.set()  # the loop may sleep a slow poll: switch it to fast polling now
+        self.withheld = withheld
+
+    # ------------------------------------------------------------------------------ the loop
+    async def run(self, on_change: Callable[[], Awaitable[None]], watch: DirectoryWatch | None) -> None:
+        """Refresh on every checkpoint rewrite (inotify) and every poll; call ``on_change`` when what is
+        held changed (``would_change`` says whether the pools would list differently).  Never ends on
+        an exception."""
+        wake = self._wake = asyncio.Event()
+        path = self.checkpoint
+        seen = checkpoint_identity(path) if path is not None else None
+
+        def on_dir() -> None:
+            # The kubelet rewrites its checkpoint after every ListAndWatch message of any plugin; it
+            # matters at once only while devices wait for their release (else the poll covers it).
+            nonlocal seen
+            now = checkpoint_identity(path) if path is not None else None
+            if now != seen:
+                seen = now
+                if self.withheld:
+                    wake.set()
+
+        unsubscribe = watch.subscribe(on_dir) if watch is not None and path is not None else None
+        try:
+            while True:
+                # While devices are withheld every fast tick also looks at the checkpoint, so a release
+                # is seen in time without inotify too.
+                interval = self.fast_poll_s if self.withheld else self.poll_s
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can lose a cancellation that arrives
+                # as the event is set, and then the daemon's stop waits for this task forever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(interval):
+                        await wake.wait()
+                wake.clear()
+                on_dir()
+                wake.clear()
+                pause = self._last_refresh + MIN_REFRESH_S - self._clock()
+                if pause > 0:
+                    await asyncio.sleep(pause)
+                try:
+                    if await self.refresh():
+                        await on_change()
+                except Exception:
+                    log.exception("refreshing in-use devices failed; the last view stays")
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+            if self.client is not None:
+                with contextlib.suppress(Exception):
+                    await self.client.close()
+
+
+class GuardedService:
+    """A pool's kubelet calls, refusing devices held under another resource and recording allocations."""
+
+    def __init__(self, resource: str, inner: PoolService, ownership: Ownership) -> None:
+        self.resource = resource
+        self.inner = inner
+        self.ownership = ownership
+
+    def options(self) -> tuple[bool, bool]:
+        """Return the pool's options."""
+        return self.inner.options()
+
+    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+        """Refuse IDs running pods hold under another resource; otherwise allocate and record them."""
+        clash = self.ownership.conflicts(self.resource, ids)
+        if clash:
+            under = sorted({r for rs in clash.values() for r in rs})
+            raise RequestError(
+                RequestError.PRECONDITION,
+                f"{self.resource}: devices held by running pods under another resource "
+                f"({summarise(under, limit=2, noun='resource')}): {summarise(sorted(clash))}",
+            )
+        response = self.inner.allocate(ids)
+        self.ownership.note_allocated(self.resource, ids)
+        return response
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Answer GetPreferredAllocation."""
+        return self.inner.preferred(available, must_include, size)
+
+    def prestart(self, ids: Sequence[str]) -> None:
+        """Answer PreStartContainer."""
+        self.inner.prestart(ids)

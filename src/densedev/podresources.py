@@ -1,0 +1,145 @@
+"""What the kubelet holds, from its two records: the PodResources API and the device-manager checkpoint.
+
+The PodResources API (``v1.PodResourcesLister/List`` on ``/var/lib/kubelet/pod-resources/kubelet.sock``)
+is the supported way for a node agent to learn which devices running pods hold; its List first frees
+the devices of pods that are no longer active (the device manager's UpdateAllocatedDevices).  The
+checkpoint (``kubelet_internal_checkpoint`` in the device-plugin directory) is kubelet-internal but has
+kept its JSON shape since 1.20; the kubelet rewrites it after every allocation and device-list update,
+but not when a pod ends, so it may still name devices of finished pods: it is the fallback, never the
+reason to list a device.  Both readers return plain ``{(resource, id)}`` sets and never raise for what
+the kubelet (or a planted file) gives them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import grpc
+
+from ._proto import podresources_pb2
+
+DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+CHECKPOINT = "kubelet_internal_checkpoint"
+LIST_METHOD = "/v1.PodResourcesLister/List"
+# A List of a node running hundreds of pods with thousands of devices is a few MiB at most.
+MAX_RECEIVE = 64 * 1024 * 1024
+MAX_CHECKPOINT_BYTES = 64 * 1024 * 1024
+
+Held = frozenset[tuple[str, str]]  # (resource name, device ID as the kubelet knows it)
+
+
+class SourceUnavailable(Exception):
+    """The source cannot be read now (no socket, kubelet restarting, unreadable file); one line says why."""
+
+
+class PodResourcesClient:
+    """Calls ``List`` on the kubelet's PodResources socket; reconnects after any failure."""
+
+    def __init__(self, socket: Path, timeout: float = 2.0) -> None:
+        self.socket = Path(socket)
+        self.timeout = timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._list: grpc.aio.UnaryUnaryMultiCallable | None = None
+
+    async def list(self) -> Held:
+        """Return every (resource, device ID) a running pod holds; raise SourceUnavailable on failure."""
+        # Without the socket, gRPC would wait in its reconnect back-off; the kubelet creates the socket
+        # when it starts serving, so its absence is an answer.
+        try:
+            st = os.lstat(self.socket)
+        except OSError as exc:
+            raise SourceUnavailable(f"{self.socket}: {exc.strerror}") from None
+        if not stat.S_ISSOCK(st.st_mode):
+            raise SourceUnavailable(f"{self.socket}: not a socket")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                f"unix:{self.socket}", options=(("grpc.max_receive_message_length", MAX_RECEIVE),)
+            )
+            self._list = self._channel.unary_unary(
+                LIST_METHOD,
+                request_serializer=podresources_pb2.ListPodResourcesRequest.SerializeToString,
+                response_deserializer=podresources_pb2.ListPodResourcesResponse.FromString,
+            )
+        assert self._list is not None
+        try:
+            response = await self._list(podresources_pb2.ListPodResourcesRequest(), timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            # A restarted kubelet serves a new socket: start from a fresh channel next time.
+            await self.close()
+            details = (exc.details() or "")[:200]
+            raise SourceUnavailable(f"{self.socket}: List: {exc.code().name} {details}") from None
+        held: set[tuple[str, str]] = set()
+        for pod in response.pod_resources:
+            for container in pod.containers:
+                for devices in container.devices:
+                    held.update((devices.resource_name, i) for i in devices.device_ids)
+        return frozenset(held)
+
+    async def close(self) -> None:
+        """Close the channel (a later ``list`` opens a new one)."""
+        channel, self._channel, self._list = self._channel, None, None
+        if channel is not None:
+            await channel.close(None)
+
+
+def checkpoint_identity(path: Path) -> tuple[int, int, int, int] | None:
+    """Return what changes when the kubelet replaces the checkpoint (it writes a new file and renames it)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size, st.st_ctime_ns
+
+
+def read_checkpoint(path: Path) -> Held:
+    """Return every (resource, device ID) of the checkpoint's PodDeviceEntries.
+
+    Opened without following symlinks and only if a regular file of bounded size: the kubelet's
+    directory is writable by other device plugins.  The Checksum is not verified (the kubelet's is an
+    FNV hash of a Go-specific dump of Data); entries that do not have the documented shape are skipped.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SourceUnavailable(f"{path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceUnavailable(f"{path}: not a regular file")
+        if st.st_size > MAX_CHECKPOINT_BYTES:
+            raise SourceUnavailable(f"{path}: {st.st_size} bytes, over {MAX_CHECKPOINT_BYTES}")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            if sum(map(len, chunks)) > MAX_CHECKPOINT_BYTES:
+                raise SourceUnavailable(f"{path}: grew over {MAX_CHECKPOINT_BYTES} bytes while read")
+    except OSError as exc:
+        raise SourceUnavailable(f"{path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as exc:
+        raise SourceUnavailable(f"{path}: not JSON: {str(exc)[:120]}") from None
+    data = doc.get("Data") if isinstance(doc, dict) else None
+    if not isinstance(data, dict):
+        raise SourceUnavailable(f"{path}: no Data object")
+    entries = data.get("PodDeviceEntries") or []  # Go marshals an empty slice as null
+    if not isinstance(entries, list):
+        raise SourceUnavailable(f"{path}: PodDeviceEntries is not a list")
+    held: set[tuple[str, str]] = set()
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        resource = entry.get("ResourceName")
+        per_numa = entry.get("DeviceIDs")
+        if not isinstance(resource, str) or not isinstance(per_numa, dict):
+            continue
+        # DeviceIDs is keyed by NUMA node ("-1" without topology); a device on two nodes is listed twice.
+        for ids in per_numa.values():
+            if isinstance(ids, list):
+                held.update((resource, i) for i in ids if isinstance(i, str))
+    return frozenset(held)
