@@ -219,9 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
     )
     scan.add_argument("--json", action="store_true", help="print JSON (schema in docs/config.md)")
-    scan.add_argument(
-        "--verbose", action="store_true", help="with --config: list every excluded device, not counts"
-    )
 
     check = _sub(
         sub,
