@@ -204,3 +204,14 @@ def test_bad_config_and_missing_files_are_one_line(tmp_path: Path, child_env: di
     proc = densedev(["scan", "--sysfs-root", str(node), "--config", str(tmp_path / "none.json")], child_env)
     assert proc.returncode == 1
     assert "none.json" in one_line(proc.stderr)
+
+
+def test_check_config_strict_turns_warnings_into_errors(tmp_path: Path, child_env: dict[str, str]) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text('{"resourceList": [{"resourceName": "sriov-net_0", "selectors": {"vendors": ["15B3"]}}]}')
+    loose = densedev(["check-config", str(cfg)], child_env)
+    assert loose.returncode == 0 and loose.stdout.rstrip().endswith("OK")
+    assert loose.stdout.count(": warning: ") == 2
+    strict = densedev(["check-config", "--strict", str(cfg)], child_env)
+    assert strict.returncode == 1
+    assert strict.stdout.count(": error: ") == 2 and "OK" not in strict.stdout

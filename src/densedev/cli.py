@@ -228,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("file", type=Path, help="the config file")
     check.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat warnings as errors (e.g. what the SR-IOV network device plugin would refuse)",
+    )
+    check.add_argument(
         "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
     )
 
@@ -281,8 +286,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"{args.file}: {p}")
     if problems:
         return 1
-    for w in config.load(args.file, default_prefix=args.resource_prefix).warnings:
-        print(f"{args.file}: warning: {w}")
+    warnings = config.load(args.file, default_prefix=args.resource_prefix).warnings
+    label = "error" if args.strict else "warning"
+    for w in warnings:
+        print(f"{args.file}: {label}: {w}")
+    if args.strict and warnings:
+        return 1
     print(f"{args.file}: OK")
     return 0
 
