@@ -53,6 +53,10 @@ def one_line(stderr: str) -> str:
         (["demo", "--flip-interval", "nan"], "argument --flip-interval: 'nan' must be a finite number"),
         (["scan", "--sysfs-root", "/nonexistent-root"], "argument --sysfs-root: /nonexistent-root does not"),
         (["run", "--sysfs-root", "/nonexistent-root"], "argument --sysfs-root: /nonexistent-root does not"),
+        (
+            ["kubelet-emulator", "d", "--allocate", "x=2"],
+            "argument --allocate: 'x=2': expected RESOURCE=COUNT",
+        ),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(

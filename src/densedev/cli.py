@@ -99,6 +99,12 @@ def _sysfs_root(text: str) -> Path:
     return path
 
 
+def _allocation(text: str) -> tuple[str, int]:
+    from .emulator_cli import parse_allocation
+
+    return parse_allocation(text)
+
+
 def _add_common(p: argparse.ArgumentParser, level: str = "info") -> None:
     p.add_argument(
         "--log-level",
@@ -269,6 +275,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep the simulated node here and reuse it next time (default: a temp dir, removed)",
     )
+
+    emu = _sub(
+        sub,
+        "kubelet-emulator",
+        "serve a stand-in kubelet in DIR to try run end to end: registrations, device lists, allocations",
+        "densedev kubelet-emulator /tmp/kubelet --allocate intel.com/sriov_ens1f0=2",
+        level="warning",  # its printed lines are its output
+    )
+    emu.add_argument("dir", type=Path, help="the device-plugin directory to serve kubelet.sock in")
+    emu.add_argument(
+        "--allocate",
+        action="append",
+        default=[],
+        type=_allocation,
+        metavar="RESOURCE=COUNT",
+        help="once listed, allocate COUNT healthy devices of RESOURCE and print the env (repeatable)",
+    )
+    emu.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
     return parser
 
 
@@ -511,7 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error("a command is required: one of run, scan, check-config, simulate, demo")
+        parser.error(
+            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator"
+        )
     _setup_logging(args)
     # gRPC core writes its own lines (chttp2 GOAWAY notes, add_port errors) straight to stderr in its
     # own format; the daemon reports what matters itself, so they are off unless the user sets
@@ -553,6 +579,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         return uvloop.run(_serve(args))
+    if args.command == "kubelet-emulator":
+        from .emulator_cli import run_emulator
+
+        try:
+            return uvloop.run(run_emulator(args))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:  # an unwritable DIR, a socket path over 107 bytes
+            raise CommandError(str(exc)) from None
     if args.command == "demo":
         from .demo import run_demo
 
