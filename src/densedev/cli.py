@@ -329,7 +329,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         log.warning("scan: %s", w)
     if args.config is None:
         if args.json:
-            json.dump({"devices": [d._asdict() for d in table.devices]}, sys.stdout, indent=1)
+            json.dump({"devices": [_device_json(d) for d in table.devices]}, sys.stdout, indent=1)
             print()
         else:
             print(discovery.format_table(table))
@@ -347,6 +347,18 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     else:
         print(selectors.format_table(result))
     return 0
+
+
+def _device_json(d: Any) -> dict[str, Any]:
+    """One device of ``scan --json``: every Device field, plus the names ``scan --config --json`` uses.
+
+    ``device_code`` and ``numa`` (null when unknown) mean the same in both outputs; ``device`` and
+    ``numa_node`` stay for readers of the earlier form.
+    """
+    out: dict[str, Any] = d._asdict()
+    out["device_code"] = d.device
+    out["numa"] = d.numa_node if d.numa_node >= 0 else None
+    return out
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
