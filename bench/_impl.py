@@ -8,6 +8,7 @@ So a benchmark refuses to run without the extension unless the twin was asked fo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -38,4 +39,19 @@ def announce(script: str) -> None:
         f"{name}: the Cython extension is not available in {SRC} ({reason}); these figures would be the "
         f"plain-Python twin's. Build it in place from the repository root: {BUILD} "
         "(or set DENSEDEV_NO_EXTENSIONS=1 to measure the twin on purpose)"
+    )
+
+
+def kept(workdir: Path) -> None:
+    """Say on stderr that ``--dir`` kept the simulated nodes, how much they hold and how to free it."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(workdir):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    where = "RAM (tmpfs)" if str(workdir.resolve()).startswith("/dev/shm") else "disk"
+    print(
+        f"kept the simulated nodes in {workdir} for the next run: {total / 2**20:.0f} MiB of {where}; "
+        f"rm -rf {workdir} frees it",
+        file=sys.stderr,
     )

@@ -225,6 +225,8 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _impl.kept(workdir)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
