@@ -93,17 +93,6 @@ class InstanceLock:
         self._fd = fd
         return None
 
-    def held_here(self) -> bool:
-        """Return whether the lock file at the path is still the one we hold (it was not deleted)."""
-        if self._fd is None:
-            return False
-        try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except OSError:
-            return False
-        mine = os.fstat(self._fd)
-        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
     def release(self) -> None:
         """Remove the file (while still holding the lock, so no one locks a doomed file) and unlock."""
         fd, self._fd = self._fd, None
