@@ -309,7 +309,9 @@ async def run_container(
         extra_args=[f"--sysfs-root={SYSFS_IN_CONTAINER}", *(() if netlink else ("--no-netlink",))],
     )
     # Where the probes go: the daemon's own parser reads the command line (the last flag wins).
-    host, port = parse_addr(cli.build_parser().parse_args(args[_entrypoint(args) + 1 :]).metrics_addr)
+    # (The parser checks that --sysfs-root exists: the container's mount point does not on the host.)
+    command = [a for a in args[_entrypoint(args) + 1 :] if not a.startswith("--sysfs-root=")]
+    host, port = parse_addr(cli.build_parser().parse_args(command).metrics_addr)
     if host not in ("", "127.0.0.1"):
         raise CheckFailed(f"metrics address {host}:{port}: the probes reach 127.0.0.1 only")
     expected = expected_pools(node.layout)

@@ -27,6 +27,8 @@ from types import ModuleType
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
+import _impl  # noqa: E402  (bench/ is on sys.path: the script's own dir)
+
 BITS = 65536
 
 
@@ -130,6 +132,7 @@ def bench_tracker(rounds: int) -> dict[str, object]:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
+    _impl.announce(__file__)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

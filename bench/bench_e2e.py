@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
 import uvloop
 
 from densedev import accel
@@ -199,6 +200,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
 
 
 def main() -> int:
+    _impl.announce(__file__)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", action="store_true")

@@ -27,6 +27,8 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
+
 from densedev.metrics import Metrics, MetricsServer
 
 
@@ -104,6 +106,7 @@ async def scrape_times(m: Metrics, repeat: int) -> tuple[float, float]:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
+    _impl.announce(__file__)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

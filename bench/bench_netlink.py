@@ -37,6 +37,8 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
+
 from densedev import accel
 from densedev.health import Coalescer, HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
@@ -249,6 +251,7 @@ def percentile(samples: list[float], q: float) -> float:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
+    _impl.announce(__file__)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
+
 from densedev import config, selectors
 from densedev.model import ROLE_PF, ROLE_VF, Device
 
@@ -133,6 +135,7 @@ def measure(cfg: config.Config, devices: list[Device], repeat: int) -> float:
 
 def main() -> None:
     """Run the benchmark and print one line per size (or one JSON object with --json)."""
+    _impl.announce(__file__)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, for CI")
     ap.add_argument("--json", action="store_true", help="machine-readable output")

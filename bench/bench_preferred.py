@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
+
 from densedev import _fast_py
 from densedev.allocation import POLICIES, build_lookup, topology_of
 from densedev.model import ROLE_VF, Device
@@ -82,6 +84,7 @@ def time_calls(fn: Callable[[list[str]], object], ids: list[str], repeat: int) -
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
+    _impl.announce(__file__)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -41,6 +41,8 @@ from typing import Any
 SRC = Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
 
+import _impl  # noqa: E402  (bench/ is on sys.path: the script's own dir)
+
 from densedev import config, discovery, selectors  # noqa: E402
 from densedev.testing.simnode import build_node  # noqa: E402
 
@@ -282,6 +284,7 @@ def _print(results: dict[str, Any]) -> None:
 
 def main() -> int:
     """Parse flags, run the benchmark and print a table or JSON."""
+    _impl.announce(__file__)
     if sys.argv[1:2] == ["--child"]:
         kind, module, root, repeat = sys.argv[2:6]
         print(json.dumps(_run_child(kind, module, root, int(repeat))))
@@ -309,6 +312,8 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _impl.kept(workdir)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -37,6 +37,8 @@ from typing import Any
 SRC = Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
 
+import _impl  # noqa: E402  (bench/ is on sys.path: the script's own dir)
+
 SIZES = {2048: (8, 256), 16384: (64, 256)}  # VFs: (PFs, VFs per PF)
 PROBE_S = 0.001
 
@@ -197,6 +199,7 @@ def _print(results: dict[str, Any]) -> None:
 
 def main() -> int:
     """Parse flags, run the benchmark and print a table or JSON."""
+    _impl.announce(__file__)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2,048 VFs (smoke run)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -222,6 +225,8 @@ def main() -> int:
     finally:
         if args.dir is None:
             shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            _impl.kept(workdir)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

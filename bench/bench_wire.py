@@ -27,6 +27,8 @@ from types import ModuleType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
+
 from densedev import _fast_py as twin
 from densedev import accel
 from densedev._proto import api_pb2
@@ -79,6 +81,7 @@ def bench_impl(mod: ModuleType, ids: list[bytes], numa: list[int], repeat: int) 
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
+    _impl.announce(__file__)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

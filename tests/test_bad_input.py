@@ -214,13 +214,24 @@ def test_cdi_names_use_full_matches() -> None:
 
 def test_problems_are_bounded_in_length_and_number() -> None:
     huge = "x" * 100_000
-    problems = problems_of({"resourceList": [{"resourceName": "vf", "selectors": {"vendors": [huge]}}]})
+    problems = problems_of({"resourceList": [{"resourceName": "vf", "selectors": {"pciAddresses": [huge]}}]})
     assert all(len(p) < 1000 for p in problems)
-    many = {"resourceList": [{"resourceName": "vf", "selectors": {"vendors": ["zz"] * 5000}}]}
+    many = {"resourceList": [{"resourceName": "vf", "selectors": {"pciAddresses": ["zz"] * 5000}}]}
     problems = problems_of(many)
     # One clear line per problem, and not 5,000 of them: the last says how many more there were.
     assert len(problems) <= 101
     assert problems[-1].endswith("more problems") and "4900" in problems[-1]
+
+
+def test_warnings_are_bounded_in_length_and_number(tmp_path: Path) -> None:
+    # Vendor IDs that match nothing load with a warning each (as the SR-IOV plugin loads them), so a
+    # file of 5,000 of them must not print 5,000 lines, nor one of 100,000 characters.
+    path = tmp_path / "c.json"
+    vendors = [f"zz{i}" for i in range(5000)] + ["x" * 100_000]
+    path.write_text(json.dumps({"resourceList": [{"resourceName": "vf", "selectors": {"vendors": vendors}}]}))
+    warnings = load(path).warnings
+    assert len(warnings) <= 101 and all(len(w) < 1000 for w in warnings)
+    assert warnings[-1].endswith("more warnings") and "4901" in warnings[-1]
 
 
 # --- Allocate and GetPreferredAllocation -------------------------------------------------------------

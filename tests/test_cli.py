@@ -101,3 +101,19 @@ def test_check_config_prints_warnings_for_accepted_but_unsupported_keys(
     assert cli.main(["check-config", str(cfg)]) == 0
     out = capsys.readouterr().out
     assert "warning:" in out and "pKeys" in out and out.rstrip().endswith("OK")
+
+
+def test_scan_json_and_scan_config_json_share_field_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "node"
+    cli.main(["simulate", "--out", str(out), "--pfs", "2", "--vfs-per-pf", "2"])
+    capsys.readouterr()
+    assert cli.main(["scan", "--sysfs-root", str(out), "--json"]) == 0
+    plain = {d["id"]: d for d in json.loads(capsys.readouterr().out)["devices"]}
+    assert cli.main(["scan", "--sysfs-root", str(out), "--config", str(out / "config.json"), "--json"]) == 0
+    pooled = [d for p in json.loads(capsys.readouterr().out)["pools"] for d in p["devices"]]
+    assert pooled
+    for d in pooled:
+        same = plain[d["device"]]
+        assert (same["device_code"], same["numa"]) == (d["device_code"], d["numa"])

@@ -7,19 +7,34 @@ Everything else imports hot-path functions from here.  ``DENSEDEV_NO_EXTENSIONS=
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 from types import ModuleType
 
 from . import _fast_py as twin
 
+FALLBACK_REASON = ""  # why the twin runs though the extension was not turned off ("" otherwise)
+
 
 def _choose() -> tuple[ModuleType, str, str]:
+    global FALLBACK_REASON
     if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
-        return twin, "python", "DENSEDEV_NO_EXTENSIONS is set"
+        return twin, "python", "DENSEDEV_NO_EXTENSIONS is set"  # asked for: silent
     try:
         from . import _fast  # type: ignore[attr-defined]
     except ImportError as exc:
-        return twin, "python", f"no extension: {exc}"
+        if importlib.util.find_spec(f"{__package__}._fast") is None:
+            FALLBACK_REASON = "not built"
+        else:
+            # A .so that exists but does not load (wrong Python ABI, a missing symbol, a truncated
+            # file) would otherwise make every figure and every node silently the twin's: say so once.
+            FALLBACK_REASON = f"the built extension does not load: {exc}"
+            logging.getLogger(__name__).warning(
+                "running the plain-Python twin: %s (rebuild it, or set DENSEDEV_NO_EXTENSIONS=1)",
+                FALLBACK_REASON,
+            )
+        return twin, "python", f"no extension: {FALLBACK_REASON}"
     return _fast, "cython", os.path.basename(_fast.__file__ or "_fast")
 
 

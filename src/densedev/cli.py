@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any, NoReturn, TextIO
 
 import uvloop
 
@@ -22,11 +26,121 @@ log = logging.getLogger("densedev.cli")
 DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's default resourcePrefix
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Help that shows every flag's default and keeps the examples' line breaks."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the flag, with where to find help."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print one line and exit 2, as argparse does, without the multi-line usage before it."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class CommandError(Exception):
+    """An expected failure of a command (bad input, a busy port, a missing file): one line, exit ``code``."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below the minimum {low}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):  # rejects nan too
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
+    return value
+
+
+def _log_level(text: str) -> str:
+    from .logs import parse_level
+
+    try:
+        parse_level(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _metrics_addr(text: str) -> str:
+    from .metrics import parse_addr
+
+    try:
+        parse_addr(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _sysfs_root(text: str) -> Path:
+    from .preflight import sysfs_root_problem
+
+    path = Path(text)
+    problem = sysfs_root_problem(path)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return path
+
+
+def _allocation(text: str) -> tuple[str, int]:
+    from .emulator_cli import parse_allocation
+
+    return parse_allocation(text)
+
+
 def _add_common(p: argparse.ArgumentParser, level: str = "info") -> None:
-    p.add_argument("--log-level", default=os.environ.get("DENSEDEV_LOG_LEVEL", level))
     p.add_argument(
-        "--log-format", choices=("kv", "json"), default=os.environ.get("DENSEDEV_LOG_FORMAT", "kv")
+        "--log-level",
+        type=_log_level,
+        default=os.environ.get("DENSEDEV_LOG_LEVEL", level),
+        help="debug, info, warning or error (env DENSEDEV_LOG_LEVEL)",
     )
+    p.add_argument(
+        "--log-format",
+        choices=("kv", "json"),
+        default=os.environ.get("DENSEDEV_LOG_FORMAT", "kv"),
+        help="key=value lines or one JSON object per line (env DENSEDEV_LOG_FORMAT)",
+    )
+
+
+def _sub(sub: Any, name: str, summary: str, example: str, level: str = "info") -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=summary,
+        description=f"{summary[0].upper()}{summary[1:]}.",
+        epilog=f"example:\n  {example}",
+        formatter_class=_Formatter,
+    )
+    _add_common(p, level)
+    return p
+
+
+DESCRIPTION = """\
+densedev: a Kubernetes device plugin for SR-IOV VFs and RDMA devices at high density.
+
+It reads the SR-IOV network device plugin's config.json, advertises one resource per pool to the
+kubelet and keeps every device's health current.  Try it without root or hardware:
+
+  densedev demo --seconds 20
+"""
 
 
 def _positive_int(text: str) -> int:
@@ -42,20 +156,38 @@ def _positive_int(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of every sub-command."""
-    parser = argparse.ArgumentParser(prog="densedev", description=__doc__)
+    parser = _Parser(prog="densedev", description=DESCRIPTION, formatter_class=_Formatter)
     parser.add_argument(
         "--version",
         action="version",
         version=f"densedev {__version__} ({accel.IMPLEMENTATION}: {accel.DETAIL})",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Not required= here: argparse would then answer "densedev --bogus" with "a command is required"
+    # instead of naming the unknown flag; main() asks for the command itself.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run the device plugin daemon")
-    _add_common(run)
-    run.add_argument("--config", type=Path, default=Path("/etc/pcidp/config.json"))
-    run.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
-    run.add_argument("--kubelet-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
-    run.add_argument("--dev-root", type=Path, default=Path("/dev"))
+    run = _sub(
+        sub,
+        "run",
+        "run the device plugin daemon",
+        "densedev run --config /etc/pcidp/config.json --metrics-addr :9477",
+    )
+    run.add_argument("--config", type=Path, default=Path("/etc/pcidp/config.json"), help="the config file")
+    run.add_argument(
+        "--sysfs-root",
+        type=_sysfs_root,
+        default="/sys",  # a string, so argparse runs the check on the default too
+        help="sysfs to scan (refused unless it has bus/pci/devices)",
+    )
+    run.add_argument(
+        "--kubelet-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/device-plugins"),
+        help="the kubelet's device-plugin directory; refused when missing (the kubelet creates it, so a "
+        "missing one is a wrong path), while a missing kubelet.sock in it is waited for (a restarting "
+        "kubelet); holds densedev.lock, so one daemon serves one kubelet",
+    )
+    run.add_argument("--dev-root", type=Path, default=Path("/dev"), help="device nodes given to containers")
     run.add_argument("--cdi-dir", type=Path, default=None, help="write CDI specs here (e.g. /var/run/cdi)")
     run.add_argument(
         "--cdi-annotations",
@@ -68,14 +200,27 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("/var/run/k8s.cni.cncf.io/devinfo/dp"),
         help="device-info files for Multus/SR-IOV CNI ('' disables)",
     )
-    run.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
+    run.add_argument(
+        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
+    )
     run.add_argument(
         "--pod-resources-socket",
         type=Path,
         default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
         help="the kubelet's PodResources API: which devices running pods hold ('' for the checkpoint only)",
     )
-    run.add_argument("--metrics-addr", default=None, help="serve /metrics, /healthz, /readyz on HOST:PORT")
+    run.add_argument(
+        "--metrics-addr",
+        type=_metrics_addr,
+        default=None,
+        help="serve /metrics, /healthz, /readyz on HOST:PORT (e.g. :9477)",
+    )
+    run.add_argument(
+        "--start-timeout",
+        type=_seconds,
+        default=60.0,
+        help="seconds without any pool served before /readyz and the exit code report the failure",
+    )
     run.add_argument("--no-netlink", action="store_true", help="do not watch netlink (simulated nodes)")
     run.add_argument(
         "--netns",
@@ -89,35 +234,91 @@ def build_parser() -> argparse.ArgumentParser:
         help="receive buffer of each netlink socket in bytes (default 8 MiB; fault tests shrink it)",
     )
 
-    scan = sub.add_parser("scan", help="print the devices discovery finds (and pools with --config)")
-    _add_common(scan)
-    scan.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
-    scan.add_argument("--config", type=Path, default=None)
-    scan.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
-    scan.add_argument("--json", action="store_true")
+    scan = _sub(
+        sub,
+        "scan",
+        "print the devices discovery finds (and pools with --config)",
+        "densedev scan --config /etc/pcidp/config.json",
+    )
+    scan.add_argument(
+        "--sysfs-root",
+        type=_sysfs_root,
+        default="/sys",  # a string, so argparse runs the check on the default too
+        help="sysfs to scan (refused unless it has bus/pci/devices)",
+    )
+    scan.add_argument("--config", type=Path, default=None, help="also show each pool's selection")
+    scan.add_argument(
+        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
+    )
+    scan.add_argument("--json", action="store_true", help="print JSON (schema in docs/config.md)")
 
-    check = sub.add_parser("check-config", help="validate a config file and print every problem")
-    _add_common(check)
-    check.add_argument("file", type=Path)
-    check.add_argument("--resource-prefix", default=DEFAULT_PREFIX)
+    check = _sub(
+        sub,
+        "check-config",
+        "validate a config file and print every problem",
+        "densedev check-config /etc/pcidp/config.json",
+    )
+    check.add_argument("file", type=Path, help="the config file")
+    check.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat warnings as errors (e.g. what the SR-IOV network device plugin would refuse)",
+    )
+    check.add_argument(
+        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
+    )
 
-    sim = sub.add_parser("simulate", help="write a simulated SR-IOV/RDMA sysfs tree and a matching config")
-    _add_common(sim)
-    sim.add_argument("--out", type=Path, required=True)
-    sim.add_argument("--pfs", type=int, default=16)
-    sim.add_argument("--vfs-per-pf", type=int, default=256)
-    sim.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox")
-    sim.add_argument("--rdma", action="store_true")
-    sim.add_argument("--numa-nodes", type=int, default=2)
+    sim = _sub(
+        sub,
+        "simulate",
+        "write a simulated SR-IOV/RDMA sysfs tree and a matching config",
+        "densedev simulate --out /tmp/node --pfs 4 --vfs-per-pf 64 --rdma",
+    )
+    sim.add_argument("--out", type=Path, required=True, help="directory to create (refused if it exists)")
+    sim.add_argument("--force", action="store_true", help="replace an existing simulated node at --out")
+    sim.add_argument("--pfs", type=_int_at_least(0), default=16, help="physical functions")
+    sim.add_argument("--vfs-per-pf", type=_int_at_least(0), default=256, help="virtual functions per PF")
+    sim.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
+    sim.add_argument("--rdma", action="store_true", help="give every function an RDMA device")
+    sim.add_argument("--numa-nodes", type=_int_at_least(1), default=2, help="NUMA nodes to spread NICs on")
 
-    demo = sub.add_parser("demo", help="run the plugin on a simulated node against the kubelet emulator")
-    _add_common(demo, "error")  # the live view is the demo's output; device warnings are its content
-    demo.add_argument("--seconds", type=float, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
-    demo.add_argument("--pfs", type=int, default=16)
-    demo.add_argument("--vfs-per-pf", type=int, default=256)
-    demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox")
-    demo.add_argument("--flip-interval", type=float, default=0.5, help="seconds between health flips")
-    demo.add_argument("--workdir", type=Path, default=None, help="keep the simulated node here")
+    # The live view is the demo's output; device warnings are its content, so it logs errors only.
+    demo = _sub(
+        sub,
+        "demo",
+        "run the plugin on a simulated node against the kubelet emulator",
+        "densedev demo --seconds 20",
+        level="error",
+    )
+    demo.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
+    demo.add_argument("--pfs", type=_int_at_least(1), default=16, help="physical functions")
+    demo.add_argument("--vfs-per-pf", type=_int_at_least(1), default=256, help="virtual functions per PF")
+    demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
+    demo.add_argument("--flip-interval", type=_seconds, default=0.5, help="seconds between health flips")
+    demo.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the simulated node here and reuse it next time (default: a temp dir, removed)",
+    )
+
+    emu = _sub(
+        sub,
+        "kubelet-emulator",
+        "serve a stand-in kubelet in DIR to try run end to end: registrations, device lists, allocations",
+        "densedev kubelet-emulator /tmp/kubelet --allocate intel.com/sriov_ens1f0=2",
+        level="warning",  # its printed lines are its output
+    )
+    emu.add_argument("dir", type=Path, help="the device-plugin directory to serve kubelet.sock in")
+    emu.add_argument(
+        "--allocate",
+        action="append",
+        default=[],
+        type=_allocation,
+        metavar="RESOURCE=COUNT",
+        help="once listed, allocate COUNT healthy devices of RESOURCE and print the env (repeatable)",
+    )
+    emu.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
     return parser
 
 
@@ -139,8 +340,11 @@ def _cmd_check(args: argparse.Namespace) -> int:
         for p in exc.problems:
             print(f"{shown}: {p}")
         return 1
+    label = "error" if args.strict else "warning"
     for w in cfg.warnings:
-        print(f"{shown}: warning: {w}")
+        print(f"{shown}: {label}: {w}")
+    if args.strict and cfg.warnings:
+        return 1
     print(f"{shown}: OK")
     return 0
 
@@ -154,7 +358,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         log.warning("scan: %s", w)
     if args.config is None:
         if args.json:
-            json.dump({"devices": [d._asdict() for d in table.devices]}, sys.stdout, indent=1)
+            json.dump({"devices": [_device_json(d) for d in table.devices]}, sys.stdout, indent=1)
             print()
         else:
             print(discovery.format_table(table))
@@ -174,27 +378,152 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device_json(d: Any) -> dict[str, Any]:
+    """One device of ``scan --json``: every Device field, plus the names ``scan --config --json`` uses.
+
+    ``device_code`` and ``numa`` (null when unknown) mean the same in both outputs; ``device`` and
+    ``numa_node`` stay for readers of the earlier form.
+    """
+    out: dict[str, Any] = d._asdict()
+    out["device_code"] = d.device
+    out["numa"] = d.numa_node if d.numa_node >= 0 else None
+    return out
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from .testing import simnode
 
-    layout = simnode.simulate(args.out, args.pfs, args.vfs_per_pf, args.vendor, args.rdma, args.numa_nodes)
+    out: Path = args.out
+    replace = _check_simulate_target(out, args.force)
+    parent = out.absolute().parent
+    try:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise CommandError(f"cannot write {out}: {parent} is not a directory") from None
+        # Built beside the target and renamed into place: an interrupted run leaves no half-built node
+        # under --out, and the tree's own symlinks are relative, so it survives the rename.
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+    except OSError as exc:
+        raise CommandError(f"cannot write {out}: {exc.strerror}") from None
+    progress = _Progress(sys.stderr, "building the simulated node")
+    try:
+        with _sigterm_interrupts():
+            layout = simnode.simulate(
+                work,
+                args.pfs,
+                args.vfs_per_pf,
+                args.vendor,
+                args.rdma,
+                args.numa_nodes,
+                progress=progress,
+            )
+            if replace:
+                trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=parent))
+                os.rename(out, trash / "node")
+                os.rename(work, out)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(work, out)  # replaces an empty directory, as rename(2) allows
+    except ValueError as exc:  # sizes that do not fit a PCI domain
+        raise CommandError(str(exc)) from None
+    except OSError as exc:
+        raise CommandError(f"cannot write {out}: {exc.strerror or exc}") from None
+    finally:
+        progress.done()
+        shutil.rmtree(work, ignore_errors=True)
     nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
-    print(
-        f"simulated node in {args.out}: {len(layout.pfs)} PFs, {nvfs} VFs; config {args.out / 'config.json'}"
-    )
+    print(f"simulated node in {out}: {len(layout.pfs)} PFs, {nvfs} VFs; config {out / 'config.json'}")
     return 0
+
+
+def _check_simulate_target(out: Path, force: bool) -> bool:
+    """Return whether ``out`` holds a simulated node to replace; raise when it must not be touched."""
+    if out.is_symlink():
+        raise CommandError(f"--out {out} is a symbolic link; give the real directory")
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise CommandError(f"--out {out} exists and is not a directory")
+    if not any(out.iterdir()):
+        return False
+    # Only a tree simulate wrote (it keeps .simnode/ at its root) is ever deleted, even with --force.
+    if not (out / ".simnode").is_dir():
+        raise CommandError(f"--out {out} exists and is not a simulated node; choose another directory")
+    if not force:
+        raise CommandError(f"--out {out} already holds a simulated node; add --force to replace it")
+    return True
+
+
+class _Progress:
+    """A progress callback for long builds: a redrawn bar on a terminal, a line per quarter otherwise."""
+
+    def __init__(self, stream: TextIO, what: str) -> None:
+        self.stream = stream
+        self.what = what
+        self.tty = stream.isatty()
+        self._shown = -1
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        """Report that ``done`` of ``total`` steps are finished."""
+        pct = 100 * done // total if total else 100
+        if self.tty:
+            if pct != self._shown:
+                bar = "#" * (pct // 4)
+                self.stream.write(f"\r{self.what} [{bar:<25}] {pct:3d}% ({done}/{total})")
+                self.stream.flush()
+                self._drawn = True
+        elif pct // 25 != self._shown // 25 or done == total:
+            self.stream.write(f"{self.what}: {pct}% ({done}/{total})\n")
+            self.stream.flush()
+        self._shown = pct
+
+    def done(self) -> None:
+        """End the bar's line."""
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+class _Interrupted(BaseException):
+    """SIGTERM turned into an exception, so ``finally`` blocks clean up as for Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    def raise_interrupted(signum: int, frame: object) -> None:
+        raise _Interrupted()
+
+    old = signal.signal(signal.SIGTERM, raise_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 async def _serve(args: argparse.Namespace) -> int:
     from . import config as config_mod
     from .manager import Daemon, DaemonSettings
+    from .preflight import InstanceLock, PreflightError, kubelet_dir_problem
 
+    problem = kubelet_dir_problem(args.kubelet_dir)
+    if problem is not None:
+        raise CommandError(f"--kubelet-dir {problem}", 2)
     try:
         cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
     except config_mod.ConfigError as exc:
         for p in exc.problems:
             log.error("invalid config %s: %s", args.config, p)
         return 2
+    lock = InstanceLock(args.kubelet_dir)
+    try:
+        unlocked = lock.acquire()
+    except PreflightError as exc:
+        raise CommandError(str(exc)) from None
+    if unlocked is not None:
+        log.warning("%s; a second daemon on this directory would not be refused", unlocked)
     settings = DaemonSettings(
         sysfs_root=args.sysfs_root,
         kubelet_dir=args.kubelet_dir,
@@ -210,6 +539,7 @@ async def _serve(args: argparse.Namespace) -> int:
         pod_resources_socket=args.pod_resources_socket
         if str(args.pod_resources_socket) not in ("", ".")
         else None,
+        start_timeout_s=args.start_timeout,
     )
     if args.netlink_rcvbuf is not None:
         settings = dataclasses.replace(settings, netlink_rcvbuf=args.netlink_rcvbuf)
@@ -219,12 +549,24 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
-    await daemon.start()
     try:
-        await stop.wait()
+        try:
+            await daemon.start()
+        except OSError as exc:
+            # A busy or forbidden metrics port, an unreadable directory: the environment, not a bug.
+            await daemon.stop()
+            raise CommandError(f"cannot start: {exc.strerror or exc}" + _filename(exc)) from None
+        try:
+            await stop.wait()
+        finally:
+            await daemon.stop()
     finally:
-        await daemon.stop()
-    return 0
+        lock.release()
+    return daemon.exit_code()
+
+
+def _filename(exc: OSError) -> str:
+    return f": {exc.filename}" if exc.filename else ""
 
 
 # The daemon scans in worker threads (asyncio.to_thread), which hold the GIL while they turn what they
@@ -249,38 +591,82 @@ def _reader_gone() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``densedev`` command."""
+    """Entry point of the ``densedev`` command: every expected failure is one line and an exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:
+        parser.error(
+            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator"
+        )
+    _setup_logging(args)
+    # gRPC core writes its own lines (chttp2 GOAWAY notes, add_port errors) straight to stderr in its
+    # own format; the daemon reports what matters itself, so they are off unless the user sets
+    # GRPC_VERBOSITY (DEBUG, INFO, ERROR) to see them.  Read by gRPC core when it first initialises.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
-        _setup_logging(args)
-    except ValueError as exc:  # a log level or format the user mistyped: usage and one line, exit 2
-        parser.error(str(exc))
-    if args.command in ("check-config", "scan", "simulate"):
-        command = {"check-config": _cmd_check, "scan": _cmd_scan, "simulate": _cmd_simulate}[args.command]
-        try:
-            code = command(args)
-            sys.stdout.flush()  # inside the try: a reader gone before the last buffer is flushed
-        except BrokenPipeError:
-            return _reader_gone()
-        except OSError as exc:
-            # A path the OS refuses (unwritable --out, a file where a directory should be): the user's
-            # to fix, so one line naming it rather than a traceback.
-            from .printable import escape
-
-            where = f": {escape(str(exc.filename))}" if exc.filename else ""
-            print(f"densedev {args.command}: {exc.strerror or exc}{where}", file=sys.stderr)
-            return 1
+        code = _dispatch(args)
+        sys.stdout.flush()  # inside the try: a reader gone before the last buffer is flushed
         return code
+    except CommandError as exc:
+        _fail(args, str(exc))
+        return exc.code
+    except (KeyboardInterrupt, _Interrupted):
+        _fail(args, "interrupted")
+        return 130
+    except BrokenPipeError:
+        return _reader_gone()
+    except OSError as exc:
+        if args.command == "run":
+            raise
+        # A path the OS refuses (unwritable --out, a file where a directory should be): the user's to
+        # fix, so one line naming it rather than a traceback.
+        from .printable import escape
+
+        where = f": {escape(str(exc.filename))}" if exc.filename else ""
+        _fail(args, f"{exc.strerror or exc}{where}")
+        return 1
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    """Say why the command failed in one line: in the daemon's log format for run, plainly otherwise."""
+    if args.command == "run":
+        log.error("%s", message)
+    else:
+        print(f"densedev {args.command}: error: {message}", file=sys.stderr)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "check-config":
+        return _cmd_check(args)
+    if args.command == "scan":
+        return _cmd_scan(args)
+    if args.command == "simulate":
+        return _cmd_simulate(args)
     if args.command == "run":
         log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         return uvloop.run(_serve(args))
+    if args.command == "kubelet-emulator":
+        from .emulator_cli import run_emulator
+
+        try:
+            return uvloop.run(run_emulator(args))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:  # an unwritable DIR, a socket path over 107 bytes
+            raise CommandError(str(exc)) from None
     if args.command == "demo":
         from .demo import run_demo
 
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        return uvloop.run(run_demo(args))
+        try:
+            return uvloop.run(run_demo(args))
+        except BrokenPipeError:
+            raise
+        except OSError as exc:  # an unwritable --workdir, a full /dev/shm
+            raise CommandError(
+                f"{exc.strerror or exc}{_filename(exc)}" if exc.strerror else str(exc)
+            ) from None
     raise AssertionError(args.command)
 
 

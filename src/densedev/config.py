@@ -48,7 +48,6 @@ _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _QUALIFIED_NAME_RE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
 _PCI_ADDRESS_RE = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])")
 _HEX16_RE = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,4}")
-_ENV_SAFE_RE = re.compile(r"[A-Za-z0-9_./]+")
 # A JSON string (escapes included, possibly unterminated at the end of the text) or a bracket: brackets
 # inside strings do not nest anything.
 _NESTING_TOKEN_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"?|[\[{\]}]', re.S)
@@ -244,6 +243,7 @@ class _Reader:
         self.problems: list[str] = []
         self.more = 0  # problems found beyond MAX_PROBLEMS: counted, not kept (a 1 MiB file may hold 300k)
         self.warnings: list[str] = []
+        self.more_warnings = 0  # warnings beyond MAX_PROBLEMS: counted, not kept (as problems are)
 
     @property
     def count(self) -> int:
@@ -255,6 +255,18 @@ class _Reader:
             self.problems.append(f"{where}: {reason}" if where else reason)
         else:
             self.more += 1
+
+    def warn(self, text: str) -> None:
+        """Keep a warning, shortened, up to MAX_PROBLEMS of them; count the rest."""
+        if len(self.warnings) < MAX_PROBLEMS:
+            self.warnings.append(clip(text, MAX_PROBLEM_CHARS))
+        else:
+            self.more_warnings += 1
+
+    def all_warnings(self) -> tuple[str, ...]:
+        """Return the kept warnings, the last line saying how many more there were."""
+        more = (f"… and {self.more_warnings} more warnings",) if self.more_warnings else ()
+        return (*self.warnings, *more)
 
     def printable(self, value: str, where: str) -> bool:
         """Report a string holding a control character (never valid in a name, ID or value); False then."""
@@ -407,9 +419,9 @@ def _parse_selector(
             )
     kw: dict[str, Any] = {}
     if "vendors" in f:
-        kw["vendors"] = r.strings(f["vendors"], _join(where, "vendors"), _lower_hex16, "a hex vendor ID")
+        kw["vendors"] = _compat_ids(r, f["vendors"], _join(where, "vendors"), "vendor")
     if "devices" in f:
-        kw["devices"] = r.strings(f["devices"], _join(where, "devices"), _lower_hex16, "a hex device ID")
+        kw["devices"] = _compat_ids(r, f["devices"], _join(where, "devices"), "device")
     if "drivers" in f:
         kw["drivers"] = r.strings(f["drivers"], _join(where, "drivers"))
     if "pciAddresses" in f:
@@ -427,8 +439,7 @@ def _parse_selector(
         if key in f:
             kw[attr] = _parse_ranges(r, f[key], _join(where, key), is_pci)
     if "linkTypes" in f:
-        what = f"a link type ({' or '.join(LINK_TYPES)})"
-        kw["link_types"] = r.strings(f["linkTypes"], _join(where, "linkTypes"), _one_of(LINK_TYPES), what)
+        kw["link_types"] = _compat_link_types(r, f["linkTypes"], _join(where, "linkTypes"))
     if "isRdma" in f:
         kw["is_rdma"] = r.boolean(f["isRdma"], _join(where, "isRdma"), False)
     elif legacy_rdma is not None:
@@ -444,20 +455,95 @@ def _parse_selector(
     if "pKeys" in f:
         kw["pkeys"] = r.strings(f["pKeys"], _join(where, "pKeys"), _pkey, "a partition key (0x7fff)")
         if kw["pkeys"]:
-            r.warnings.append(
+            r.warn(
                 f"{_join(where, 'pKeys')}: not supported (the device table has no partition keys); "
                 "this selector matches no device"
             )
     if "auxTypes" in f:
         kw["aux_types"] = r.strings(f["auxTypes"], _join(where, "auxTypes"))
+    _compat_selector_warnings(r, f, kw, where, device_type)
     if "ddpProfiles" in f:
         kw["ddp_profiles"] = r.strings(f["ddpProfiles"], _join(where, "ddpProfiles"))
         if kw["ddp_profiles"]:
-            r.warnings.append(
+            r.warn(
                 f"{_join(where, 'ddpProfiles')}: not supported (densedev does not query DDP profiles "
                 "with devlink or ddptool); this selector matches no device"
             )
     return Selector(**kw)
+
+
+# ------------------------------------------------------------------------ SR-IOV plugin compatibility
+# A file the SR-IOV network device plugin loads must load here, selecting what it selects; what it would
+# refuse at start (or crash on) is accepted when the kubelet accepts it, with a warning, because mixed
+# fleets and rollbacks run the same ConfigMap through both.  `check-config --strict` turns the warnings
+# into errors.  Each rule below cites what the Go plugin does (pkg/resources, pkg/utils, pkg/types).
+
+_GO_REFUSES = "which the SR-IOV network device plugin refuses (it would not start with this file)"
+_GO_NAME_RE = re.compile(r"[a-zA-Z0-9_-]+")  # its resourceName check (pkg/resources/server.go)
+_CANONICAL_ID_RE = re.compile(r"[0-9a-f]{4}")  # sysfs vendor/device without "0x", as it compares them
+
+
+def _compat_ids(r: _Reader, value: Any, where: str, what: str) -> tuple[str, ...]:
+    """Read vendor or device IDs as exact strings, as the Go plugin compares them with sysfs's values.
+
+    It matches ``"15b3"`` only: ``"0x15b3"``, ``"15B3"`` or ``"fakeid"`` select nothing there, so nothing
+    here either, and each gets a warning naming the value that would match.
+    """
+    ids = r.strings(value, where)
+    for i, text in enumerate(ids):
+        if _CANONICAL_ID_RE.fullmatch(text):
+            continue
+        canonical = _lower_hex16(text)
+        hint = f'; write "{canonical}"' if canonical is not None else ""
+        r.warn(
+            f'{where}[{i}]: "{text}" matches no device: {what} IDs are compared as exact strings with '
+            f"sysfs's 4 lowercase hex digits, as the SR-IOV network device plugin does{hint}"
+        )
+    return ids
+
+
+def _compat_link_types(r: _Reader, value: Any, where: str) -> tuple[str, ...]:
+    """Read link types; an unknown one loads (the Go plugin loads it) and matches nothing, with a warning."""
+    types = r.strings(value, where)
+    for i, text in enumerate(types):
+        if text not in LINK_TYPES:
+            r.warn(
+                f'{where}[{i}]: "{text}" is not a link type ({" or ".join(LINK_TYPES)}); it matches no device'
+            )
+    return types
+
+
+def _compat_name_warnings(r: _Reader, where: str, name: str, full: str) -> None:
+    """Warn about names the kubelet accepts but that trouble shells or the Go plugin."""
+    if "-" in full:
+        # The Go plugin keeps the "-" in the variable (its own tests assert "sriov-net_0" valid): Go
+        # programs and CNIs read such variables through the environment fine; only shells cannot.
+        r.warn(
+            f'{where}: resourceName/resourcePrefix: the container gets {env_var_name(full)} (with "-", as '
+            "the SR-IOV network device plugin names it); programs read it, shell scripts cannot"
+        )
+    if not _GO_NAME_RE.fullmatch(name):
+        r.warn(
+            f'{where}: resourceName: "{name}" has characters outside [a-zA-Z0-9_-], {_GO_REFUSES}'
+        )
+
+
+def _compat_selector_warnings(
+    r: _Reader, f: Mapping[str, Any], kw: Mapping[str, Any], where: str, device_type: str
+) -> None:
+    """Warn about selectors the Go plugin refuses at start, and auxTypes that select nothing."""
+    if kw.get("is_rdma") and kw.get("vdpa_type"):
+        r.warn(f"{where}: isRdma with vdpaType in one selector, {_GO_REFUSES}")
+    if device_type != "auxNetDevice":
+        return
+    aux = kw.get("aux_types", ())
+    if "auxTypes" not in f or not aux:
+        r.warn(f'{where}: auxTypes: missing or empty, {_GO_REFUSES} (it needs ["sf"])')
+    for i, text in enumerate(aux):
+        if text != "sf":
+            r.warn(
+                f'{where}: auxTypes[{i}]: "{text}" matches no device (only "sf" exists), {_GO_REFUSES}'
+            )
 
 
 def _parse_ranges(r: _Reader, value: Any, where: str, is_pci: bool) -> tuple[IndexRange, ...]:
@@ -571,12 +657,8 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         why = validate_resource_name(full)
         if why is not None:
             r.problem(where, f"resourceName/resourcePrefix: the kubelet would refuse {why}")
-        elif not _ENV_SAFE_RE.fullmatch(full):
-            r.problem(
-                where,
-                f'resourceName/resourcePrefix: "{full}" is unsafe in the variable name {env_var_name(full)} '
-                '(only letters, digits, "_", "." and "/" map to a valid name; "-" does not)',
-            )
+        else:
+            _compat_name_warnings(r, where, name, full)
 
     device_type = "netDevice"
     if "deviceType" in f:
@@ -609,6 +691,11 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
                 f"{where}: selectors", f"expected an object or a list of objects, got {_type_name(raw)}"
             )
 
+    if "selectors" not in f:
+        r.warn(
+            f"{where}: selectors: missing: densedev takes every device of the pool's deviceType, "
+            f"{_GO_REFUSES}"
+        )
     for key in _GO_INTERNAL_KEYS:
         if key in f and f[key] is not None:
             r.problem(f"{where}: {key}", "internal field of the Go plugin: only null is accepted")
@@ -742,7 +829,7 @@ def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<st
         coalesce_ms=coalesce,
         rdma_poll_s=rdma_poll,
         reconcile_s=reconcile,
-        warnings=tuple(r.warnings),
+        warnings=r.all_warnings(),
     )
 
 

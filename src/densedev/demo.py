@@ -11,14 +11,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TextIO
 
 import grpc
 
@@ -87,40 +91,172 @@ def _scratch(need: int = 2 << 30) -> str | None:
     return None
 
 
+class _Stopped(Exception):
+    """Raised from the build's progress callback when Ctrl-C or SIGTERM arrived: abandon the build."""
+
+
 async def run_demo(args: argparse.Namespace) -> int:
-    """Run the demo until ``--seconds`` elapse (or Ctrl-C) and print a one-line summary."""
-    with contextlib.ExitStack() as stack:
-        if args.workdir is not None:
-            work = Path(args.workdir)
-            work.mkdir(parents=True, exist_ok=True)
-        else:
-            work = Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="densedev-demo-", dir=_scratch()))
+    """Run the demo until ``--seconds`` elapse, Ctrl-C or SIGTERM, and print a one-line summary."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Both signals only ask the demo to stop: it then prints its summary, stops the servers and removes
+    # its sockets and temp tree (SIGTERM's default action would leave all of them behind).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.workdir is not None:
+                work = Path(args.workdir)
+                work.mkdir(parents=True, exist_ok=True)
+            else:
+                work = Path(
+                    stack.enter_context(tempfile.TemporaryDirectory(prefix="densedev-demo-", dir=_scratch()))
+                )
+            return await _run(args, work, stop)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def _layout_file(work: Path) -> Path:
+    return work / "layout.json"
+
+
+def _load_kept(work: Path, args: argparse.Namespace) -> simnode.NodeLayout | None:
+    """Return the layout of a node an earlier ``--workdir`` run kept, when it has the asked-for shape."""
+    try:
+        saved = json.loads(_layout_file(work).read_text())
+        if saved["shape"] != [args.pfs, args.vfs_per_pf, args.vendor]:
+            return None
+        pfs = tuple(
+            simnode.SimPF(
+                address=str(pf["address"]),
+                netdev=str(pf["netdev"]),
+                numa_node=int(pf["numa_node"]),
+                vf_addresses=tuple(map(str, pf["vf_addresses"])),
+                vf_netdevs=tuple(map(str, pf["vf_netdevs"])),
+                ibdev=str(pf["ibdev"]),
+                vf_ibdevs=tuple(map(str, pf["vf_ibdevs"])),
+                vendor=str(pf["vendor"]),
             )
-        return await _run(args, work)
-    return 0
+            for pf in saved["pfs"]
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (work / "sys" / ".simnode").is_dir() or not (work / "config.json").is_file():
+        return None
+    return simnode.NodeLayout(root=work / "sys", pfs=pfs, vendor=args.vendor, rdma=args.vendor == "mellanox")
 
 
-async def _run(args: argparse.Namespace, work: Path) -> int:
+def _keep(work: Path, args: argparse.Namespace, layout: simnode.NodeLayout) -> None:
+    shape = [args.pfs, args.vfs_per_pf, args.vendor]
+    data = {"shape": shape, "pfs": [dataclasses.asdict(pf) for pf in layout.pfs]}
+    tmp = _layout_file(work).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, _layout_file(work))
+
+
+async def _build(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> simnode.NodeLayout:
+    """Build the simulated node in a worker thread (the loop stays free to see signals) with progress."""
+    sysfs = work / "sys"
+    if sysfs.is_symlink() or (sysfs.exists() and not (sysfs / ".simnode").is_dir()):
+        raise FileExistsError(f"{sysfs} exists and is not a simulated node; not replacing it")
+    _layout_file(work).unlink(missing_ok=True)
+    # Built beside its final place and renamed there: a build stopped half-way leaves nothing behind.
+    partial = Path(tempfile.mkdtemp(prefix=".sys.partial-", dir=work))
+    bar = _BuildProgress(sys.stdout)
+
+    def progress(done: int, total: int) -> None:
+        if stop.is_set():
+            raise _Stopped()
+        bar(done, total)
+
+    try:
+        built = await asyncio.to_thread(
+            simnode.build_node,
+            partial,
+            pfs=args.pfs,
+            vfs_per_pf=args.vfs_per_pf,
+            vendor=args.vendor,
+            rdma=args.vendor == "mellanox",
+            numa_nodes=2,
+            progress=progress,
+        )
+        if sysfs.exists():
+            shutil.rmtree(sysfs)  # a kept node of another shape
+        os.rename(partial, sysfs)
+    finally:
+        bar.done()
+        shutil.rmtree(partial, ignore_errors=True)
+    layout = dataclasses.replace(built, root=sysfs)
+    simnode.write_config(work / "config.json", layout)
+    if args.workdir is not None:
+        _keep(work, args, layout)
+    return layout
+
+
+class _BuildProgress:
+    """A bar redrawn in place on a terminal; otherwise a plain line at each quarter."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.quarter = -1
+        self.drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        """Show that ``done`` of ``total`` PFs (with their VFs) are written."""
+        pct = 100 * done // total if total else 100
+        if self.tty:
+            self.out.write(
+                f"\rbuilding the simulated node [{'#' * (pct // 4):<25}] {pct:3d}% ({done}/{total} PFs)"
+            )
+            self.drawn = True
+        elif pct // 25 != self.quarter:
+            self.quarter = pct // 25
+            self.out.write(f"building the simulated node: {pct}% ({done}/{total} PFs)\n")
+        self.out.flush()
+
+    def done(self) -> None:
+        """End the bar's line."""
+        if self.drawn:
+            self.out.write("\n")
+            self.out.flush()
+            self.drawn = False
+
+
+def _reset(sysfs: Path, layout: simnode.NodeLayout) -> None:
+    """Bring every link and RDMA port of a kept node up again, as a fresh node starts."""
+    for pf in layout.pfs:
+        simnode.set_link(sysfs, pf.netdev, True)
+        if pf.ibdev:
+            simnode.set_rdma_port(sysfs, pf.ibdev, 1, 4)
+
+
+async def _run(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> int:
     sysfs = work / "sys"
     t0 = time.perf_counter()
-    layout = simnode.build_node(
-        sysfs,
-        pfs=args.pfs,
-        vfs_per_pf=args.vfs_per_pf,
-        vendor=args.vendor,
-        rdma=args.vendor == "mellanox",
-        numa_nodes=2,
-    )
+    layout = _load_kept(work, args) if args.workdir is not None else None
+    if layout is not None:
+        _reset(sysfs, layout)
+        how = "reused"
+    else:
+        try:
+            layout = await _build(args, work, stop)
+        except _Stopped:
+            print("demo stopped while building the simulated node")
+            return 130
+        how = "built"
     cfg_path = work / "config.json"
-    simnode.write_config(cfg_path, layout)
     nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
-    print(f"simulated node: {len(layout.pfs)} PFs, {nvfs} VFs in {time.perf_counter() - t0:.1f} s ({work})")
+    took = time.perf_counter() - t0
+    print(f"simulated node: {len(layout.pfs)} PFs, {nvfs} VFs {how} in {took:.1f} s ({work})")
+    if stop.is_set():
+        return 130
     cfg = config_mod.load(cfg_path)
     kubelet_dir = work / "kubelet"
     kubelet_dir.mkdir(exist_ok=True)
     emulator = KubeletEmulator(kubelet_dir)
-    await emulator.start()
     settings = DaemonSettings(
         sysfs_root=sysfs,
         kubelet_dir=kubelet_dir,
@@ -131,29 +267,44 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
         netlink=False,  # the simulated PF netdevs do not exist in this namespace: links are injected
     )
     daemon = Daemon(settings, cfg)
-    t1 = time.perf_counter()
-    await daemon.start()
     expected = {p.full_name for p in cfg.pools}
-    await emulator.wait_for(
-        lambda: (
-            expected <= set(emulator.resources())
-            and all(emulator.devices(r) is not None and emulator.updates(r) for r in expected)
-        ),
-        10.0,
-    )
-    print(f"daemon up and all {len(expected)} pools registered in {(time.perf_counter() - t1) * 1e3:.0f} ms")
-
-    view = DemoView(emulator)
-    rng = random.Random(1)
     latencies: list[float] = []
     flips = port_flips = allocations = refused = errors = absorbed = 0
-    down: set[str] = set()
-    ports_down: set[str] = set()
-    deadline = time.monotonic() + args.seconds if args.seconds > 0 else float("inf")
-    next_render = 0.0
-    pool_of_pf = _pool_of_pf(daemon, layout)
+    view = DemoView(emulator)
     try:
-        while time.monotonic() < deadline:
+        await emulator.start()
+        t1 = time.perf_counter()
+        await daemon.start()
+        registered = asyncio.ensure_future(
+            emulator.wait_for(
+                lambda: (
+                    expected <= set(emulator.resources())
+                    and all(emulator.devices(r) is not None and emulator.updates(r) for r in expected)
+                ),
+                10.0,
+            )
+        )
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait((registered, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not registered.done():
+            registered.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await registered
+            return 130
+        registered.result()
+        print(
+            f"daemon up and all {len(expected)} pools registered in {(time.perf_counter() - t1) * 1e3:.0f} ms"
+        )
+        print(_legend(cfg, emulator, layout, args.flip_interval))
+        view.started = time.monotonic()
+        rng = random.Random(1)
+        down: set[str] = set()
+        ports_down: set[str] = set()
+        deadline = time.monotonic() + args.seconds if args.seconds > 0 else float("inf")
+        next_render = 0.0
+        pool_of_pf = _pool_of_pf(daemon, layout)
+        while time.monotonic() < deadline and not stop.is_set():
             now = time.monotonic()
             if now >= next_render:
                 view.render(latencies, flips, allocations)
@@ -190,11 +341,10 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
             allocated, stale = await _allocate_one(emulator, rng)
             allocations += allocated
             refused += stale
-            await asyncio.sleep(args.flip_interval)
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        pass
-    finally:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), args.flip_interval)
         view.render(latencies, flips, allocations)
+    finally:
         await daemon.stop()
         await emulator.stop()
     total = sum(len(emulator.devices(r) or {}) for r in emulator.resources())
@@ -209,6 +359,26 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
         f"implementation={accel.IMPLEMENTATION}"
     )
     return 0 if errors == 0 else 1
+
+
+def _legend(
+    cfg: config_mod.Config, emulator: KubeletEmulator, layout: simnode.NodeLayout, flip_interval: float
+) -> str:
+    """Say what the live view's numbers mean, in this node's own counts."""
+    total = sum(len(emulator.devices(r) or {}) for r in emulator.resources())
+    shared_pools = [p for p in cfg.pools if p.rdma_shared > 0]
+    shared = sum(len(emulator.devices(p.full_name) or {}) for p in shared_pools)
+    nvfs = sum(len(pf.vf_addresses) for pf in layout.pfs)
+    parts = [f"{nvfs:,} VFs"]
+    if shared:
+        per = ", ".join(str(p.rdma_shared) for p in shared_pools)
+        parts.append(f"{shared:,} shared RDMA device IDs ({len(layout.pfs)} PFs x {per} pods each)")
+    return (
+        f"what the numbers mean: {total:,} devices = {' + '.join(parts)}; "
+        f"every {flip_interval:g} s a random PF link or RDMA port flips, so healthy counts drift down "
+        f"and back; latency = injected link change -> kubelet emulator holding the update, inside this "
+        f"process (2 ms coalescing window included), not the README's cross-process benchmark figure"
+    )
 
 
 async def _updated(emulator: KubeletEmulator, resource: str, before: int, timeout: float = 2.0) -> bool:

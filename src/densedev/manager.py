@@ -33,7 +33,7 @@ from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
 from .netlink import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ownership import GuardedService, Ownership
 from .podresources import CHECKPOINT, PodResourcesClient
-from .registration import PluginRunner
+from .registration import PluginRunner, announce_kubelet
 from .server import MAX_UNIX_PATH, PoolService, status_of
 from .sockets import remove_stale_sockets
 from .watch import DirectoryWatch
@@ -64,6 +64,8 @@ class DaemonSettings:
     registration_poll_s: float = 0.2  # how often each pool checks kubelet.sock and its own socket
     pod_resources_socket: Path | None = None  # the kubelet's PodResources API (None: checkpoint only)
     in_use_poll_s: float = 5.0  # PodResources poll while no device is withheld (0.25 s while some are)
+    start_timeout_s: float = 60.0  # no pool served this long: /readyz and the exit code say so
+    start_retry_s: tuple[float, float] = (0.5, 10.0)  # backoff of a pool that failed to start
 
 
 # Kernel uevents that change what discovery would find (lib/kobject_uevent.c action names).
@@ -270,6 +272,8 @@ class Daemon:
             registry=self.metrics.registry,
             poll_s=settings.in_use_poll_s,
         )
+        self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
+        self._all_failed_since: float | None = None  # since when no configured pool is served
         self._reconcile = False  # the next full rescan is the periodic reconcile
         self.stats = {
             "scans": 0,
@@ -284,6 +288,7 @@ class Daemon:
     async def start(self) -> None:
         """Scan, build pools, serve and register every pool, then start the event sources."""
         self._kubelet_watch.start()
+        self._spawn(announce_kubelet(self.settings.kubelet_dir), "kubelet-presence")
         if self.settings.metrics_addr:
             host, port = parse_addr(self.settings.metrics_addr)
             self._metrics_server = MetricsServer(self.metrics, self.registered, host, port)
@@ -368,10 +373,89 @@ class Daemon:
         log_event(log, "daemon stopped")
 
     async def _start_runner(self, runtime: PoolRuntime) -> None:
+        if await self._try_start(runtime):
+            return
+        self._spawn(self._retry_start(runtime), f"start-retry {runtime.name}")
+
+    async def _try_start(self, runtime: PoolRuntime, attempt: int = 1) -> bool:
+        """Start the pool's server and registration; on failure note why (for /readyz) in one line."""
+        name = runtime.name
         try:
             await runtime.runner.start()
-        except Exception:
-            log.exception("pool %s failed to start; the other pools go on", runtime.name)
+        except Exception as exc:
+            # A planted file at the socket path, a full or read-only kubelet dir: the environment, which
+            # may heal, so one line and a retry (never a traceback, never a pool given up for good).
+            error = self._start_error_text(exc)
+            previous = self._start_errors.get(name)
+            self._start_errors[name] = error
+            self._note_failing()
+            delay = min(self.settings.start_retry_s[0] * 2 ** (attempt - 1), self.settings.start_retry_s[1])
+            # The first failure, a new reason, and then every 10th retry: visible, but no flood.
+            if error != previous or attempt % 10 == 0:
+                log_event(
+                    log,
+                    "pool failed to start; retrying",
+                    level=logging.WARNING,
+                    pool=name,
+                    attempt=attempt,
+                    retry_in_s=round(delay, 2),
+                    error=error,
+                )
+            return False
+        if self._start_errors.pop(name, None) is not None:
+            log_event(log, "pool started", pool=name, attempt=attempt)
+        self._note_failing()
+        return True
+
+    async def _retry_start(self, runtime: PoolRuntime) -> None:
+        attempt = 1
+        low, high = self.settings.start_retry_s
+        while self.pools.get(runtime.name) is runtime:
+            await asyncio.sleep(min(low * 2 ** (attempt - 1), high))
+            if self.pools.get(runtime.name) is not runtime:
+                break  # removed or replaced by a reload meanwhile
+            attempt += 1
+            if await self._try_start(runtime, attempt):
+                return
+            if self.start_failed() and attempt % 4 == 0:  # a reminder now and then, not every retry
+                log_event(
+                    log,
+                    "no pool could start",
+                    level=logging.ERROR,
+                    seconds=round(self._clock() - (self._all_failed_since or self._clock())),
+                    reasons=self._failure_text(),
+                )
+        if runtime.name not in self.pools:  # removed by a reload: its failure no longer counts
+            self._start_errors.pop(runtime.name, None)
+        self._note_failing()
+
+    def _start_error_text(self, exc: Exception) -> str:
+        """Say why a pool's server could not start, naming an unwritable kubelet dir plainly."""
+        kubelet_dir = self.settings.kubelet_dir
+        # bind(2) of a unix socket needs write access to the directory (EACCES, or EROFS on a read-only
+        # mount); gRPC reports either as "Failed to bind" without the errno, so look for ourselves.
+        if kubelet_dir.is_dir() and not os.access(kubelet_dir, os.W_OK):
+            return f"{kubelet_dir} is not writable"
+        return f"{type(exc).__name__}: {exc}"
+
+    def _note_failing(self) -> None:
+        failing = bool(self.pools) and all(n in self._start_errors for n in self.pools)
+        if not failing:
+            self._all_failed_since = None
+        elif self._all_failed_since is None:
+            self._all_failed_since = self._clock()
+
+    def _failure_text(self) -> str:
+        return "; ".join(f"{n}: {e}" for n, e in sorted(self._start_errors.items()))
+
+    def start_failed(self) -> bool:
+        """Return whether no configured pool has been served for ``start_timeout_s`` seconds."""
+        since = self._all_failed_since
+        return since is not None and self._clock() - since >= self.settings.start_timeout_s
+
+    def exit_code(self) -> int:
+        """Return the process exit code after a stop: 1 when no pool could start in time, else 0."""
+        return 1 if self.start_failed() else 0
 
     async def _stop_runtime(self, runtime: PoolRuntime, deleted: bool = False) -> None:
         try:
@@ -455,6 +539,13 @@ class Daemon:
         """Return whether every pool is registered with the kubelet, and which are not (for /readyz)."""
         if not self.started:
             return False, "starting"
+        if self.start_failed():
+            return (
+                False,
+                f"no pool could start for {self.settings.start_timeout_s:g} s: {self._failure_text()}",
+            )
+        if self._start_errors:
+            return False, "not serving: " + self._failure_text()
         missing = [n for n, r in self.pools.items() if not r.runner.registered]
         if missing:
             return False, "not registered: " + ", ".join(missing)

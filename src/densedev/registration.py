@@ -38,6 +38,26 @@ def identify(path: Path) -> FileIdentity | None:
     return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
+async def announce_kubelet(kubelet_dir: Path, poll: float = 0.5) -> None:
+    """Log once while ``kubelet.sock`` is missing and once when it appears, for as long as it runs.
+
+    Without it a daemon started before the kubelet (or pointed at the wrong directory) serves and waits
+    in silence; the kubelet creates ``kubelet.sock`` when its device manager starts listening and
+    deletes it on exit, so each restart shows as one "waiting" and one "appeared" line.
+    """
+    path = Path(kubelet_dir) / KUBELET_SOCKET
+    present: bool | None = None
+    while True:
+        now = identify(path) is not None
+        if now != present:
+            if not now:
+                log.info("waiting for %s: pools register when the kubelet listens there", path)
+            elif present is False:
+                log.info("%s appeared: registering", path)
+            present = now
+        await asyncio.sleep(poll)
+
+
 class PluginRunner:
     """Keeps one pool served and registered with the kubelet across kubelet restarts."""
 

@@ -103,7 +103,7 @@ class _Table:
         if index is None:
             index = {}
             # A PF's VFs sit next to each other in address order: one dict step per run, not per device.
-            for value, run in groupby(self.base(device_type), attrgetter(key)):
+            for value, run in groupby(self.base(device_type), _KEY_OF.get(key) or attrgetter(key)):
                 index.setdefault(value, []).extend(run)
             self._indexes[(device_type, key)] = index
         hits = [index[v] for v in set(values) if v in index]
@@ -145,10 +145,21 @@ def _type_reason(device_type: str, d: Device) -> str | None:
     return None
 
 
-def _merge_ranges(ranges: Iterable[IndexRange]) -> dict[str, IndexSpans | None]:
+def _folded_pf_netdev(d: Device) -> str:
+    return d.pf_netdev.lower()
+
+
+# Derived keys ``narrowed`` can index by: the SR-IOV network device plugin compares pfNames with the
+# PF's interface name case-insensitively (strings.EqualFold), so "ENS1F0#0-1" selects ens1f0's VFs.
+_KEY_OF: dict[str, Callable[[Device], str]] = {"pf_netdev_folded": _folded_pf_netdev}
+
+
+def _merge_ranges(ranges: Iterable[IndexRange], fold: bool = False) -> dict[str, IndexSpans | None]:
     """Fold ``name#indexes`` entries into name → indexes (None: every VF), unioning repeats of one name."""
     out: dict[str, IndexSpans | None] = {}
     for r in ranges:
+        if fold:
+            r = IndexRange(r.name.lower(), r.indexes)
         if r.name in out and out[r.name] is None:
             continue
         if r.indexes is None or r.name not in out:
@@ -191,7 +202,7 @@ def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | N
         acpi = frozenset(int(a) for a in sel.acpi_indexes)
         filters.append(lambda devs: [d for d in devs if d.acpi_index in acpi])
     if sel.pf_names:
-        filters.append(_range_filter(attrgetter("pf_netdev"), _merge_ranges(sel.pf_names)))
+        filters.append(_range_filter(_folded_pf_netdev, _merge_ranges(sel.pf_names, fold=True)))
     if sel.root_devices:
         filters.append(_range_filter(attrgetter("pf"), _merge_ranges(sel.root_devices)))
     if sel.link_types:
@@ -216,7 +227,7 @@ def _candidates(sel: Selector, device_type: str, table: _Table, base: list[Devic
         key = "pf" if device_type == "auxNetDevice" else "id"
         return table.narrowed(device_type, key, sel.pci_addresses)
     if sel.pf_names:
-        return table.narrowed(device_type, "pf_netdev", (r.name for r in sel.pf_names))
+        return table.narrowed(device_type, "pf_netdev_folded", (r.name.lower() for r in sel.pf_names))
     if sel.root_devices:
         return table.narrowed(device_type, "pf", (r.name for r in sel.root_devices))
     return base
@@ -305,7 +316,8 @@ def selector_reason(sel: Selector, device_type: str, d: Device, pf_link: dict[st
         shown = d.acpi_index if d.acpi_index >= 0 else "none"
         return f"acpiIndexes: {shown} not in {_show(sel.acpi_indexes)}"
     if sel.pf_names:
-        why = _ranges_reason("pfNames", d.pf_netdev, d.vf_index, _merge_ranges(sel.pf_names))
+        # Case-insensitive, as selection is (see _KEY_OF).
+        why = _ranges_reason("pfNames", d.pf_netdev.lower(), d.vf_index, _merge_ranges(sel.pf_names, True))
         if why is not None:
             return why
     if sel.root_devices:

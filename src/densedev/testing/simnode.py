@@ -17,7 +17,7 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -567,10 +567,12 @@ def build_node(
     rdma: bool = False,
     numa_nodes: int = 2,
     extras: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> NodeLayout:
     """Write a simulated node of ``pfs`` SR-IOV PFs with ``vfs_per_pf`` VFs each under ``root``.
 
     Two PFs share one dual-port NIC behind its own root port; NICs are spread over ``numa_nodes``.
+    ``progress(done, total)`` is called after each PF's VFs are written (the slow part).
     """
     if vendor not in _VENDORS:
         raise ValueError(f"vendor {vendor!r}: expected one of {sorted(_VENDORS)}")
@@ -604,8 +606,12 @@ def build_node(
             w.pf(port, bdf, spec, 0x020000, numa, vfs_per_pf, offset, 1, ifname, ibdev, None)
             layout_pfs.append((bdf, ifname, numa, ibdev))
     out: list[SimPF] = []
+    if progress is not None:
+        progress(0, len(layout_pfs))
     for bdf, ifname, numa, ibdev in layout_pfs:
         vfs = w.create_vfs(bdf, vfs_per_pf)
+        if progress is not None:
+            progress(len(out) + 1, len(layout_pfs))
         out.append(
             SimPF(
                 address=bdf,
@@ -892,10 +898,19 @@ def simulate(
     vendor: str = "mellanox",
     rdma: bool = False,
     numa_nodes: int = 2,
+    progress: Callable[[int, int], None] | None = None,
 ) -> NodeLayout:
     """Build a simulated node under ``out`` and write ``out/config.json`` for it (``densedev simulate``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    layout = build_node(out, pfs=pfs, vfs_per_pf=vfs_per_pf, vendor=vendor, rdma=rdma, numa_nodes=numa_nodes)
+    layout = build_node(
+        out,
+        pfs=pfs,
+        vfs_per_pf=vfs_per_pf,
+        vendor=vendor,
+        rdma=rdma,
+        numa_nodes=numa_nodes,
+        progress=progress,
+    )
     write_config(out / "config.json", layout)
     return layout

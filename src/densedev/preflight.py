@@ -1,0 +1,117 @@
+"""Checks the daemon makes before it serves anything: a real sysfs tree, the kubelet's directory, one
+instance per kubelet directory (an exclusive lock file beside the sockets)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+LOCK_NAME = "densedev.lock"
+
+
+class PreflightError(Exception):
+    """A condition under which the daemon cannot do anything useful; its text is one line for the user."""
+
+
+def sysfs_root_problem(root: Path) -> str | None:
+    """Return why ``root`` is not a sysfs tree (no ``bus/pci/devices`` directory), or None when it is.
+
+    A node with no matching devices is fine; a root without the PCI bus view is a typo or a missing
+    mount, and a daemon scanning it would serve nothing without a word.
+    """
+    if not root.exists():
+        return f"{root} does not exist"
+    if not root.is_dir():
+        return f"{root} is not a directory"
+    # Every Linux sysfs has bus/pci/devices (drivers/pci/pci-driver.c registers the bus at boot), even on
+    # a machine without PCI devices; the kernel's class/ and devices/ views hang off the same root.
+    if not (root / "bus" / "pci" / "devices").is_dir():
+        return f"{root} is not a sysfs tree: it has no bus/pci/devices directory"
+    return None
+
+
+def kubelet_dir_problem(path: Path) -> str | None:
+    """Return why the daemon cannot serve in the kubelet's device-plugin directory ``path``, or None.
+
+    The kubelet creates this directory when it starts (its device manager's socket dir); a daemon that
+    created it would serve sockets nobody reads, so a missing one is refused rather than made.
+    """
+    if not path.exists():
+        return (
+            f"{path} does not exist: the kubelet creates it when it starts; "
+            "is the kubelet running on this node, and is --kubelet-dir its device-plugins directory?"
+        )
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    return None
+
+
+class InstanceLock:
+    """An exclusive ``flock`` on ``<kubelet-dir>/densedev.lock`` holding the owner's PID.
+
+    Two daemons on one kubelet directory would replace each other's sockets and registrations; the
+    second one must refuse instead, naming the first.  The kernel drops a flock when its holder exits
+    (even by SIGKILL), so a stale file never blocks a restart.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.path = Path(directory) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> str | None:
+        """Take the lock; raise PreflightError naming the holder's PID when another daemon has it.
+
+        Returns None when locked, or why the file could not be made (a read-only or full directory):
+        the pools cannot start there either, and are retried until it heals, so that is a warning for
+        the caller to log rather than a refusal.
+        """
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise PreflightError(f"{self.path} is a symbolic link; refusing to follow it") from None
+            return f"cannot create the lock file {self.path}: {exc.strerror}"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = _read_pid(fd)
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                who = f"pid {holder}" if holder else "another process"
+                raise PreflightError(
+                    f"another densedev ({who}) already serves {self.path.parent} (it holds {self.path})"
+                ) from None
+            raise PreflightError(f"cannot lock {self.path}: {exc.strerror}") from None
+        # The mode given to open() is masked by the umask; set it explicitly so readers can see the PID.
+        os.fchmod(fd, 0o644)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        """Remove the file (while still holding the lock, so no one locks a doomed file) and unlock."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+            mine = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(self.path)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

@@ -1,0 +1,143 @@
+"""``densedev demo`` stopped the ways users stop it (Ctrl-C, SIGTERM, early or late) and run again on a
+kept node: a summary, no traceback, nothing left behind."""
+
+from __future__ import annotations
+
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+GUARD = 60.0  # hang guard only
+OTHER = ["--pfs", "2", "--vfs-per-pf", "8"]
+SMALL = ["--pfs", "4", "--vfs-per-pf", "16", "--flip-interval", "0.05"]
+
+
+def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "densedev.cli", "demo", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
+
+
+def _read_until(proc: subprocess.Popen[str], prefix: str) -> list[str]:
+    """Read stdout lines until one starts with ``prefix``; return them all (kill the demo on timeout)."""
+    assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in iter(proc.stdout.readline, ""):
+            lines.put(line)
+            if line.startswith(prefix):
+                return
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    try:
+        while (line := lines.get(timeout=GUARD)) is not None:
+            seen.append(line)
+            if line.startswith(prefix):
+                return seen
+    except queue.Empty:
+        pass
+    proc.kill()
+    proc.communicate()
+    raise AssertionError(f"no line starting {prefix!r} in {seen}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_the_demo_with_its_summary_and_cleans_up(
+    sig: signal.Signals, tmp_path: Path, child_env: dict[str, str]
+) -> None:
+    proc = _start(SMALL, child_env, tmp_path)
+    head = "".join(_read_until(proc, "what the numbers mean"))
+    work = Path(re.search(r"\((/[^)]+)\)", head).group(1))  # type: ignore[union-attr]
+    assert (work / "kubelet" / "kubelet.sock").exists()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=GUARD)
+    assert proc.returncode == 0, err
+    assert out.strip().splitlines()[-1].startswith("demo summary: 128 devices in 4 pools")
+    assert "Traceback" not in err
+    # SIGTERM's default action used to leave the whole tree (26 MB at 4,096 VFs) and the sockets behind.
+    assert not work.exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stopping_while_the_node_is_built_leaves_nothing(
+    sig: signal.Signals, tmp_path: Path, child_env: dict[str, str]
+) -> None:
+    workdir = tmp_path / "work"
+    proc = _start(["--pfs", "40", "--vfs-per-pf", "256", "--workdir", str(workdir)], child_env, tmp_path)
+    _read_until(proc, "building the simulated node: 0%")
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=GUARD)
+    assert proc.returncode == 130, out + err
+    assert out.strip().splitlines()[-1] == "demo stopped while building the simulated node"
+    assert err == ""  # gRPC's InvalidStateError traceback was here
+    assert list(workdir.iterdir()) == []
+
+
+def test_workdir_keeps_the_node_and_the_next_run_reuses_it(tmp_path: Path, child_env: dict[str, str]) -> None:
+    workdir = tmp_path / "work"
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "densedev.cli",
+                "demo",
+                "--seconds",
+                "0.5",
+                "--workdir",
+                str(workdir),
+                *SMALL,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=GUARD,
+            env=child_env,
+        )
+        assert proc.returncode == 0, proc.stderr  # the second run used to stop on FileExistsError
+        runs.append(proc.stdout)
+    assert "building the simulated node" in runs[0] and "64 VFs built" in runs[0]
+    assert "building the simulated node" not in runs[1] and "64 VFs reused" in runs[1]
+    assert "demo summary: 128 devices" in runs[1]
+    # Another shape rebuilds the kept node rather than reusing the wrong one.
+    other = subprocess.run(
+        [sys.executable, "-m", "densedev.cli", "demo", "--seconds", "0.5", "--workdir", str(workdir), *OTHER],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=child_env,
+    )
+    assert other.returncode == 0, other.stderr
+    assert "2 PFs, 16 VFs built" in other.stdout
+    assert not [p for p in workdir.iterdir() if p.name.startswith(".sys.partial")]
+
+
+def test_the_demo_says_what_its_numbers_mean(tmp_path: Path, child_env: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "densedev.cli", "demo", "--seconds", "0.3", *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=child_env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    legend = next(line for line in proc.stdout.splitlines() if line.startswith("what the numbers mean"))
+    # 4 PFs x 16 VFs, plus the shared RDMA pool's 16 IDs per PF: 128 devices for 64 VFs.
+    assert "128 devices = 64 VFs + 64 shared RDMA device IDs (4 PFs x 16 pods each)" in legend
+    assert "healthy counts drift" in legend and "not the README's" in legend
