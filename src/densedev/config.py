@@ -523,9 +523,7 @@ def _compat_name_warnings(r: _Reader, where: str, name: str, full: str) -> None:
             "the SR-IOV network device plugin names it); programs read it, shell scripts cannot"
         )
     if not _GO_NAME_RE.fullmatch(name):
-        r.warn(
-            f'{where}: resourceName: "{name}" has characters outside [a-zA-Z0-9_-], {_GO_REFUSES}'
-        )
+        r.warn(f'{where}: resourceName: "{name}" has characters outside [a-zA-Z0-9_-], {_GO_REFUSES}')
 
 
 def _compat_selector_warnings(
@@ -541,9 +539,7 @@ def _compat_selector_warnings(
         r.warn(f'{where}: auxTypes: missing or empty, {_GO_REFUSES} (it needs ["sf"])')
     for i, text in enumerate(aux):
         if text != "sf":
-            r.warn(
-                f'{where}: auxTypes[{i}]: "{text}" matches no device (only "sf" exists), {_GO_REFUSES}'
-            )
+            r.warn(f'{where}: auxTypes[{i}]: "{text}" matches no device (only "sf" exists), {_GO_REFUSES}')
 
 
 def _parse_ranges(r: _Reader, value: Any, where: str, is_pci: bool) -> tuple[IndexRange, ...]:
