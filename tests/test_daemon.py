@@ -448,3 +448,31 @@ def test_the_periodic_reconcile_finds_what_no_event_announced(run: Run, node: No
             assert emu.registrations(r) == 1
 
     run(main())
+
+
+def test_a_daemon_loop_that_raises_is_restarted_not_lost(run: Run, node: Node) -> None:
+    # No task of the daemon may die on an exception: a bug in one pass of a loop (here the housekeeping
+    # loop's metrics call) is logged and counted, and the loop runs again.
+    async def main() -> None:
+        async with running(node, housekeeping_s=0.01) as (_emu, daemon):
+            calls: list[str] = []
+            real = daemon.metrics.set_registered
+
+            def flaky(name: str, registered: bool) -> None:
+                calls.append(name)
+                if len(calls) == 1:
+                    raise RuntimeError("a bug in one pass")
+                real(name, registered)
+
+            daemon.metrics.set_registered = flaky  # type: ignore[method-assign]
+            await asyncio.wait_for(_until(lambda: len(calls) > 5), GUARD_S)
+            text = daemon.metrics.render().decode()
+            assert 'densedev_task_restarts_total{task="housekeeping"} 1.0' in text
+            assert all(not t.done() for t in daemon._tasks if t.get_name() == "housekeeping")
+
+    run(main())
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.005)

@@ -72,6 +72,8 @@ class DaemonSettings:
 UEVENT_SUBSYSTEMS = frozenset(("pci", "net", "infiniband", "auxiliary", "vdpa"))
 UEVENT_ACTIONS = frozenset(("add", "remove", "bind", "unbind", "change", "move"))
 MAX_TARGETED_RESCANS = 32
+SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
+SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
 _BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
@@ -327,13 +329,15 @@ class Daemon:
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
-        self._spawn(self._rdma_loop(), "rdma-poll")
-        self._spawn(self.ownership.run(self._on_ownership_change, self._kubelet_watch), "in-use")
-        self._spawn(self._rescan_loop(), "rescan")
-        self._spawn(self._reload_loop(), "reload")
-        self._spawn(self._housekeeping_loop(), "housekeeping")
+        self._spawn_loop(self._rdma_loop, "rdma-poll")
+        self._spawn_loop(
+            functools.partial(self.ownership.run, self._on_ownership_change, self._kubelet_watch), "in-use"
+        )
+        self._spawn_loop(self._rescan_loop, "rescan")
+        self._spawn_loop(self._reload_loop, "reload")
+        self._spawn_loop(self._housekeeping_loop, "housekeeping")
         if self.settings.config_path is not None:
-            self._spawn(self._config_watch_loop(), "config-watch")
+            self._spawn_loop(self._config_watch_loop, "config-watch")
         self.started = True
         # The device table, pools and caches live as long as the daemon: keep the cyclic GC from walking
         # 16k devices' objects on every full collection (a 50 ms stall of the loop at 16k devices).
@@ -349,6 +353,32 @@ class Daemon:
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))
+
+    def _spawn_loop(self, body: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        """Run one of the daemon's loops for its whole life under ``_supervise``."""
+        self._spawn(self._supervise(body, name), name)
+
+    async def _supervise(self, body: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        """Run ``body`` again whenever it raises: no task of the daemon may die on an exception.
+
+        A loop that died would leave its duty undone for good (a dead rescan loop: no device ever
+        added again) while the daemon looks healthy; so the failure is logged with its traceback (it
+        is our bug, not the user's), counted, and the loop restarts after a backoff that grows while
+        it keeps failing at once and resets once it has run a while.
+        """
+        delay = SUPERVISE_MIN_S
+        while True:
+            began = time.monotonic()
+            try:
+                await body()
+                return
+            except Exception:
+                if time.monotonic() - began > SUPERVISE_RESET_S:
+                    delay = SUPERVISE_MIN_S
+                self.metrics.record_task_restart(name)
+                log.exception("daemon task %s failed; restarting it in %.1f s", name, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, SUPERVISE_MAX_S)
 
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
@@ -619,8 +649,11 @@ class Daemon:
 
     async def _rescan_loop(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+            # arrives as the inner wait completes (cpython gh-86296), and stop() would wait forever.
             try:
-                await asyncio.wait_for(self._rescan_requested.wait(), self.config.reconcile_s)
+                async with asyncio.timeout(self.config.reconcile_s):
+                    await self._rescan_requested.wait()
             except TimeoutError:
                 self._full_rescan = True  # the safety net: reconcile everything now and then
                 self._reconcile = True

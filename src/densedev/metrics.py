@@ -209,6 +209,12 @@ class Metrics:
         )
 
         # --- config
+        self.task_restarts = Counter(
+            "densedev_task_restarts",
+            "Daemon loops restarted after an exception (each is a bug worth reporting), by task.",
+            ["task"],
+            registry=r,
+        )
         self.reloads = Counter(
             "densedev_config_reloads", "Config reload attempts, by result.", ["result"], registry=r
         )
@@ -357,6 +363,10 @@ class Metrics:
     def record_resync(self, reason: str) -> None:
         """Count a full resync (``"overrun"``, ``"reconcile"``, ``"kubelet-restart"``, ...)."""
         self.resyncs.labels(reason).inc()
+
+    def record_task_restart(self, task: str) -> None:
+        """Count a daemon loop restarted after an exception."""
+        self.task_restarts.labels(task).inc()
 
     def record_reload(self, ok: bool, when: float | None = None) -> None:
         """Count a config reload attempt; a refused one sets the last-reload-successful gauge to 0."""
