@@ -141,7 +141,10 @@ class DraPlugin:
         self.plugin_dir = Path(plugins_dir) / driver
         self.endpoint = self.plugin_dir / "dra.sock"
         self.registration_socket = self.registry_dir / f"{driver}-reg.sock"
-        self.versions = (*SUPPORTED_VERSIONS, HEALTH_VERSION) if health else SUPPORTED_VERSIONS
+        self.plugin_type = PLUGIN_TYPE
+        self.versions: tuple[str, ...] = (
+            (*SUPPORTED_VERSIONS, HEALTH_VERSION) if health else SUPPORTED_VERSIONS
+        )
         self._dra = UnixServer(f"DRA {driver}", self.endpoint, handlers)
         self._reg = UnixServer(f"DRA registration {driver}", self.registration_socket, (self._reg_handler(),))
         self._watch = watch
@@ -242,7 +245,7 @@ class DraPlugin:
     async def _get_info(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.info_calls += 1
         return reg_pb.PluginInfo(
-            type=PLUGIN_TYPE,
+            type=self.plugin_type,
             name=self.driver,
             endpoint=str(self.endpoint),
             supported_versions=list(self.versions),
