@@ -533,3 +533,47 @@ def test_checkpoint_round_trip(node: Node, run: Run) -> None:
     assert loaded == dict(node.service.prepared)
     # Another driver's checkpoint is not ours to trust.
     assert Checkpoint(node.settings.plugin_dir, "other.example.com").load() == {}
+
+
+def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(run: Run, node: Node) -> None:
+    # gRPC cancels a handler when the kubelet's deadline passes; the file writes run in a thread that
+    # cancellation cannot stop, so the next call must not start its own writes (and state update)
+    # before that thread has finished.
+    import asyncio
+    import threading
+
+    release = threading.Event()
+    inside = threading.Event()
+    active: list[int] = []
+    overlaps: list[int] = []
+    store = node.service._store
+
+    def slow_store(plans: Any) -> dict[str, str]:
+        active.append(1)
+        if len(active) > 1:
+            overlaps.append(1)
+        inside.set()
+        release.wait(10)
+        try:
+            return store(plans)
+        finally:
+            active.pop()
+
+    node.service._store = slow_store  # type: ignore[method-assign]
+    a, b = node.claim(("vf", VF)), node.claim(("vf", VF2))
+
+    async def main() -> None:
+        first = asyncio.ensure_future(node.service.prepare([a]))
+        while not inside.is_set():
+            await asyncio.sleep(0.001)
+        first.cancel()
+        second = asyncio.ensure_future(node.service.prepare([b]))
+        await asyncio.sleep(0.05)  # lets a second call reach its writes if the lock were free
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert (await second)[b.uid].error == ""
+
+    run(main())
+    assert overlaps == []
+    assert set(node.service.prepared) == {a.uid, b.uid}  # the cancelled call's writes still counted

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
@@ -51,6 +51,7 @@ from .claims import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CDI_CLASS = "claim"
 SPEC_PREFIX = "densedev_dra_"  # not "densedev-": the device-plugin side prunes its densedev-*.json specs
@@ -220,7 +221,7 @@ class NodeService:
                 for device_id in plan.held():
                     reserved[device_id] = ref
             if plans:
-                written = await asyncio.to_thread(self._store, plans)
+                written = await _in_thread(self._store, plans)
                 for uid, error in written.items():
                     if error:
                         out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
@@ -405,7 +406,7 @@ class NodeService:
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Remove what Prepare made for each claim; return an error (or "") per UID; unknown claims pass."""
         async with self._lock:
-            errors = await asyncio.to_thread(self._drop, [r.uid for r in refs])
+            errors = await _in_thread(self._drop, [r.uid for r in refs])
             self.unprepares += 1
         return {ref.uid: errors.get(ref.uid, "") for ref in refs}
 
@@ -434,6 +435,28 @@ class NodeService:
                 return errors
             self._commit(claims)
         return errors
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` in a worker thread and return its result; a cancellation waits for it to finish first.
+
+    gRPC cancels a handler when the kubelet's deadline passes, but a thread cannot be stopped: the
+    caller holds the lock, and releasing it while the thread still writes files and replaces the state
+    would let the next call run on a state about to change under it.
+    """
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
 
 
 def _ref_problem(ref: ClaimRef) -> str:
