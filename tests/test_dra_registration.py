@@ -336,3 +336,83 @@ def test_health_message_bytes_decode_to_the_full_list() -> None:
     assert {d.health_check_timeout_seconds for d in decoded.devices} == {30}
     with pytest.raises(ValueError):
         HealthStream(NODE, resend=30, timeout_seconds=30)
+
+
+# -- the composed kubelet plugin ----------------------------------------------------------------------------
+
+
+def test_the_kubelet_plugin_recovers_claims_before_its_sockets_exist(run: Run, root: Path) -> None:
+    from densedev.dra.plugin import KubeletPlugin
+
+    async def main() -> None:
+        node = Node(root)
+        ref = node.claim(("vf", VF))
+        assert (await node.service.prepare([ref]))[ref.uid].error == ""
+        registry = root / "registry"
+        plugin = KubeletPlugin(
+            DRIVER,
+            NODE,
+            node.store,
+            node.gate(),
+            plugins_dir=root / "plugins",
+            registry_dir=registry,
+            cdi_dir=node.settings.cdi_dir,
+            devinfo_dir=node.settings.devinfo_dir,
+            dev_root=node.dev_root,
+            poll=0.05,
+        )
+        registrations: list[int] = []
+        plugin.on_registered = lambda: registrations.append(1)
+        sockets_at_recovery: list[bool] = []
+        recover = plugin.service.recover
+
+        def spy() -> frozenset[str]:
+            sockets_at_recovery.append(
+                plugin.plugin.endpoint.exists() or plugin.plugin.registration_socket.exists()
+            )
+            return recover()
+
+        plugin.service.recover = spy  # type: ignore[method-assign]
+        assert await plugin.start() == {VF}
+        assert sockets_at_recovery == [False]
+        kubelet = DraKubelet(registry, poll=0.05, health_retry=0.1)
+        await kubelet.start()
+        try:
+            await kubelet.wait_for(lambda: registrations == [1] and plugin.health.streams == 1, GUARD)
+            # The restarted daemon answers the kubelet's repeat Prepare from its checkpoint, and holds VF.
+            answer = (await kubelet.prepare(DRIVER, [(ref.namespace, ref.name, ref.uid)]))[ref.uid]
+            assert answer.error == "" and answer.devices[0]["device"] == names.device_name(VF)
+            other = node.claim(("vf", VF))
+            refused = (await kubelet.prepare(DRIVER, [(other.namespace, other.name, other.uid)]))[other.uid]
+            assert "held elsewhere" in refused.error
+            plugin.health.update({VF: False})
+            await kubelet.wait_for(
+                lambda: kubelet.health(DRIVER) == {(NODE, names.device_name(VF)): "UNHEALTHY"}, GUARD
+            )
+        finally:
+            await plugin.stop()
+            await kubelet.stop()
+        assert not plugin.plugin.endpoint.exists() and not plugin.plugin.registration_socket.exists()
+
+    run(main())
+
+
+def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(run: Run, root: Path) -> None:
+    async def main() -> None:
+        async with stack(root) as s:
+            await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
+            healthy_gate = s.node.service.gate
+
+            def broken(device_id: str) -> Any:
+                raise RuntimeError("x" * 100_000)
+
+            s.node.service.gate = broken
+            claim = s.ref(("vf", VF))
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await s.kubelet.prepare(DRIVER, [claim])
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert len(e.value.details() or "") < 1100
+            s.node.service.gate = healthy_gate  # the server lives on: the next call works
+            assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
+
+    run(main())
