@@ -577,3 +577,22 @@ def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(run: Run, 
     run(main())
     assert overlaps == []
     assert set(node.service.prepared) == {a.uid, b.uid}  # the cancelled call's writes still counted
+
+
+def test_an_unprepare_that_cannot_remove_files_fails_and_a_retry_finishes(
+    run: Run, node: Node, tmp_path: Path
+) -> None:
+    ref = node.claim(("vf", VF))
+    assert prepare(run, node.service, ref)[ref.uid].error == ""
+    cdi_dir = node.settings.cdi_dir
+    moved = tmp_path / "cdi-real"
+    cdi_dir.rename(moved)
+    cdi_dir.symlink_to(moved)  # a planted symlink: nothing is removed through it
+    error = run(node.service.unprepare([ref]))[ref.uid]
+    assert "cannot remove its files" in error and "symlink" in error
+    assert set(node.service.prepared) == {ref.uid} and node.service.held() == {VF: ref}
+    assert (moved / f"densedev_dra_{DRIVER}_{ref.uid}.json").exists()
+    cdi_dir.unlink()
+    moved.rename(cdi_dir)
+    assert run(node.service.unprepare([ref])) == {ref.uid: ""}
+    assert node.service.prepared == {} and list(cdi_dir.iterdir()) == []

@@ -182,24 +182,24 @@ class NodeService:
     async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
         """Prepare every claim; return a result per claim UID (repeat calls return the same)."""
         out: dict[str, PrepareResult] = {}
-        todo: list[ClaimRef] = []
+        todo: dict[str, ClaimRef] = {}  # a claim named twice is prepared once
         for ref in refs:
-            if ref.uid in out or any(ref.uid == t.uid for t in todo):
+            if ref.uid in out or ref.uid in todo:
                 continue
             problem = _ref_problem(ref)
             if problem:
                 out[ref.uid] = PrepareResult(error=problem)
             else:
-                todo.append(ref)
+                todo[ref.uid] = ref
         # Read the claim objects first, concurrently and outside the lock (as the helper does); a claim
         # prepared already needs no read: its UID fixes its allocation, which is immutable.
-        fresh = [r for r in todo if r.uid not in self._claims]
+        fresh = [r for r in todo.values() if r.uid not in self._claims]
         objects = await asyncio.gather(*(self._read(r) for r in fresh))
         read = dict(zip((r.uid for r in fresh), objects, strict=True))
         async with self._lock:
             plans: dict[str, PreparedClaim] = {}
             reserved: dict[str, ClaimRef] = {}
-            for ref in todo:
+            for ref in todo.values():
                 known = self._claims.get(ref.uid)
                 if known is not None:
                     plans[ref.uid] = known
