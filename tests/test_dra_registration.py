@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -414,5 +415,100 @@ def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(run: Run, 
             assert len(e.value.details() or "") < 1100
             s.node.service.gate = healthy_gate  # the server lives on: the next call works
             assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
+
+    run(main())
+
+
+_DAEMON = """
+import asyncio, sys
+sys.path[:0] = {paths!r}
+import uvloop
+import test_dra_node as t
+from pathlib import Path
+from densedev.dra.plugin import KubeletPlugin
+
+async def main():
+    root = Path({root!r})
+    node = t.Node(root)
+    node.claim(("vf", t.VF), name="kept", uid={uid!r})
+    plugin = KubeletPlugin(
+        t.DRIVER, t.NODE, node.store, node.gate(), plugins_dir=root / "plugins",
+        registry_dir=root / "registry", cdi_dir=node.settings.cdi_dir,
+        devinfo_dir=node.settings.devinfo_dir, dev_root=node.dev_root, poll=0.05,
+    )
+    await plugin.start()
+    print("serving", flush=True)
+    await asyncio.sleep(600)
+
+uvloop.run(main())
+"""
+
+
+def test_a_killed_daemon_restarts_recovers_its_claims_and_is_registered_again(
+    run: Run, root: Path, child_env: dict[str, str]
+) -> None:
+    import signal
+    import sys
+    import uuid
+
+    from densedev.dra.plugin import KubeletPlugin
+
+    uid = str(uuid.uuid4())
+    here = str(Path(__file__).parent)
+    claim = ("default", "kept", uid)
+
+    async def main() -> None:
+        kubelet = DraKubelet(root / "registry", poll=0.05, health_retry=0.1)
+        await kubelet.start()
+        child = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _DAEMON.format(paths=[here, *sys.path], root=str(root), uid=uid),
+            stdout=asyncio.subprocess.PIPE,
+            env=child_env,
+            cwd=here,
+        )
+        plugin: KubeletPlugin | None = None
+        try:
+            assert child.stdout is not None
+            assert (await asyncio.wait_for(child.stdout.readline(), GUARD)).strip() == b"serving"
+            await kubelet.wait_for(lambda: DRIVER in kubelet.plugins, GUARD)
+            first = (await kubelet.prepare(DRIVER, [claim]))[uid]
+            assert first.error == ""
+            registered = kubelet.plugins[DRIVER]
+            child.send_signal(signal.SIGKILL)  # no cleanup: both sockets stay behind, unserved
+            await child.wait()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await kubelet.prepare(DRIVER, [claim], timeout=2)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            # The restarted daemon: claims first, then fresh sockets the kubelet registers again.
+            node = Node(root)
+            plugin = KubeletPlugin(
+                DRIVER,
+                NODE,
+                node.store,
+                node.gate(),
+                plugins_dir=root / "plugins",
+                registry_dir=root / "registry",
+                cdi_dir=node.settings.cdi_dir,
+                devinfo_dir=node.settings.devinfo_dir,
+                dev_root=node.dev_root,
+                poll=0.05,
+            )
+            assert await plugin.start() == {VF}
+            await kubelet.wait_for(
+                lambda: kubelet.plugins.get(DRIVER) not in (None, registered) and plugin.plugin.registered,
+                GUARD,
+            )
+            assert (await kubelet.prepare(DRIVER, [claim]))[uid] == first
+            assert await kubelet.unprepare(DRIVER, [claim]) == {uid: ""}
+            assert plugin.service.held() == {}
+        finally:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+            if plugin is not None:
+                await plugin.stop()
+            await kubelet.stop()
 
     run(main())

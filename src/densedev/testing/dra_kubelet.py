@@ -60,6 +60,10 @@ _PB = {
     "v1alpha3.NodeService": dra_v1beta1_pb2,
 }
 HEALTH_PATH = "/v1alpha1.DRAResourceHealth/NodeWatchResources"
+# Every dial gets its own connection, as each grpc.ClientConn of the kubelet does: gRPC's process-wide
+# subchannel pool would hand a new channel to a re-created socket the old one's failed connection and
+# its reconnect backoff (calls then fail with "connection refused" after the plugin is back).
+CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
 
 
 class RegistrationRefused(Exception):
@@ -225,7 +229,7 @@ class DraKubelet:
     # -- registration -------------------------------------------------------------------------------
 
     async def _register(self, path: Path) -> None:
-        channel = grpc.aio.insecure_channel(f"unix:{path}")
+        channel = grpc.aio.insecure_channel(f"unix:{path}", options=CHANNEL_OPTIONS)
         try:
             get_info = channel.unary_unary(
                 "/pluginregistration.Registration/GetInfo",
@@ -285,7 +289,7 @@ class DraKubelet:
         endpoint = info.endpoint or str(path)  # empty: the registration socket serves it all
         if not os.path.isabs(endpoint):
             raise RegistrationRefused(f"endpoint {endpoint!r} is not an absolute path")
-        channel = grpc.aio.insecure_channel(f"unix:{endpoint}")
+        channel = grpc.aio.insecure_channel(f"unix:{endpoint}", options=CHANNEL_OPTIONS)
         return DraPluginRecord(info.name, path, endpoint, version, tuple(info.supported_versions), channel)
 
     async def _drop(self, name: str) -> None:
