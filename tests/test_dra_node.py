@@ -15,13 +15,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from test_allocation import DPDK, RDMA, dev, pool_of, touch
 from test_cdi import validate_spec
 
 from densedev import devinfo
 from densedev.allocation import AllocationSettings, PoolAllocator
 from densedev.dra import names
-from densedev.dra.claims import CHECKPOINT_NAME, Checkpoint, ClaimRef, PoolGate
+from densedev.dra.claims import (
+    CHECKPOINT_NAME,
+    Checkpoint,
+    CheckpointError,
+    ClaimRef,
+    InfoFile,
+    PoolGate,
+    PreparedClaim,
+    PreparedDevice,
+    decode_checkpoint,
+    encode_checkpoint,
+    encode_claim,
+)
 from densedev.dra.node import NodeService, NodeSettings, PrepareResult
 from densedev.model import Device, PoolConfig
 from densedev.testing.dra_kubelet import ClaimStore, allocated_claim
@@ -596,3 +611,48 @@ def test_an_unprepare_that_cannot_remove_files_fails_and_a_retry_finishes(
     moved.rename(cdi_dir)
     assert run(node.service.unprepare([ref])) == {ref.uid: ""}
     assert node.service.prepared == {} and list(cdi_dir.iterdir()) == []
+
+
+_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+@st.composite
+def prepared_claims(draw: st.DrawFn) -> dict[str, PreparedClaim]:
+    """Random prepared claims: any text in names and documents, as a corrupt reader could hand us."""
+    out: dict[str, PreparedClaim] = {}
+    for n in range(draw(st.integers(0, 4))):
+        uid = f"uid-{n}-{draw(st.integers(0, 99))}"
+        devices = tuple(
+            PreparedDevice(
+                (draw(_text),), draw(_text), draw(_text), draw(_text), (draw(_text),), draw(st.booleans())
+            )
+            for _ in range(draw(st.integers(0, 3)))
+        )
+        spec = draw(
+            st.dictionaries(_text, st.one_of(_text, st.integers(), st.lists(_text, max_size=3)), max_size=3)
+        )
+        info = tuple(
+            InfoFile(draw(_text), draw(_text), draw(_text), {"k": draw(_text)})
+            for _ in range(draw(st.integers(0, 2)))
+        )
+        out[uid] = PreparedClaim(ClaimRef(draw(_text), draw(_text), uid), devices, f"s-{n}.json", spec, info)
+    return out
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(prepared_claims(), prepared_claims())
+def test_checkpoint_bytes_round_trip_with_and_without_cached_entries(
+    first: dict[str, PreparedClaim], second: dict[str, PreparedClaim]
+) -> None:
+    merged = {**first, **second}
+    plain = encode_checkpoint(DRIVER, merged)
+    reused = {uid: encode_claim(c) for uid, c in first.items() if merged[uid] is c}
+    cached = encode_checkpoint(DRIVER, merged, reused)
+    assert cached == plain
+    assert decode_checkpoint(DRIVER, plain) == merged
+    # The checksum covers the entries: any change to one is refused.
+    if merged:
+        doc = json.loads(plain)
+        doc["claims"][0]["name"] += "x"
+        with pytest.raises(CheckpointError, match="checksum"):
+            decode_checkpoint(DRIVER, json.dumps(doc).encode())
