@@ -1,0 +1,173 @@
+"""The DRA resource-health stream (``v1alpha1.DRAResourceHealth/NodeWatchResources``), fed by ``update``.
+
+The kubelet (1.34+, gate ResourceHealthStatus) keeps one stream per DRA plugin and reads each message
+as the complete health list of the driver's devices; a device missing from it, or not refreshed within
+its timeout (30 s by default, ``DefaultHealthTimeout``), becomes Unknown, and when the stream ends the
+kubelet forgets them all (k/k pkg/kubelet/cm/dra/manager.go ``HandleWatchResourcesStream``, healthinfo.go).
+So the whole list is sent on every change and re-sent every ``resend`` seconds, well within that.
+
+Messages are assembled from cached per-device encodings (as ``wire`` does for ListAndWatch): a change
+re-encodes only the devices that changed, and a resend costs a join, not 16k protobuf objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+import grpc
+
+from .._proto import dra_health_v1alpha1_pb2 as pb
+from . import names
+
+log = logging.getLogger(__name__)
+
+SERVICE = "v1alpha1.DRAResourceHealth"
+RESEND_SECONDS = 10.0  # a third of the kubelet's default 30 s health timeout
+TIMEOUT_SECONDS = 30  # what we tell kubelets 1.35+ to wait before calling a device Unknown
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _identity(message: bytes) -> bytes:
+    return message
+
+
+class HealthStream:
+    """Holds the health of the driver's devices on this node and streams it to the kubelet."""
+
+    def __init__(
+        self,
+        pool: str,
+        *,
+        resend: float = RESEND_SECONDS,
+        timeout_seconds: int = TIMEOUT_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not 0 < resend < timeout_seconds:
+            raise ValueError(f"resend {resend} s must be positive and below the timeout {timeout_seconds} s")
+        self.pool = pool
+        self.resend = resend
+        self.timeout_seconds = timeout_seconds
+        self._clock = clock
+        self._health: dict[str, bool] = {}
+        self._encoded: dict[str, bytes] = {}  # device ID -> encoded DeviceHealth, in first-seen order
+        self._message: bytes | None = None
+        self._version = 0
+        self._changed = asyncio.Event()
+        self._generation = 0  # the newest stream's number: older ones end when a new one opens
+        self._bad: set[str] = set()
+        self.streams = 0  # streams open now
+        self.streams_opened = 0
+        self.messages_sent = 0
+
+    # -- the feeding side ---------------------------------------------------------------------------
+
+    def update(self, health: Mapping[str, bool]) -> None:
+        """Set the health of devices by ID (PCI address); any change is streamed at once."""
+        changed = False
+        now = int(self._clock())
+        for device_id, healthy in health.items():
+            healthy = bool(healthy)
+            if self._health.get(device_id) is healthy:
+                continue
+            try:
+                name = names.device_name(device_id)
+            except ValueError:
+                if device_id not in self._bad:
+                    self._bad.add(device_id)
+                    log.warning("DRA health: %r has no DRA device name; it is not streamed", device_id)
+                continue
+            self._health[device_id] = healthy
+            self._encoded[device_id] = pb.DeviceHealth(
+                device=pb.DeviceIdentifier(pool_name=self.pool, device_name=name),
+                health=pb.HEALTHY if healthy else pb.UNHEALTHY,
+                last_updated_time=now,
+                health_check_timeout_seconds=self.timeout_seconds,
+            ).SerializeToString()
+            changed = True
+        if changed:
+            self._bump()
+
+    def forget(self, device_ids: Iterable[str]) -> None:
+        """Stop streaming these devices (they left the DRA pools); the kubelet then calls them Unknown."""
+        changed = False
+        for device_id in device_ids:
+            if self._health.pop(device_id, None) is not None:
+                del self._encoded[device_id]
+                changed = True
+        if changed:
+            self._bump()
+
+    def health(self) -> dict[str, bool]:
+        """Return the current health by device ID."""
+        return dict(self._health)
+
+    def _bump(self) -> None:
+        self._version += 1
+        self._message = None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def message(self) -> bytes:
+        """Return the encoded NodeWatchResourcesResponse: every device's health."""
+        if self._message is None:
+            # Field 1 (devices), wire type 2: tag byte 0x0a, length, the embedded message.
+            self._message = b"".join(b"\x0a" + _varint(len(e)) + e for e in self._encoded.values())
+        return self._message
+
+    # -- the serving side ---------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """End every open stream cleanly (each returns OK); streams opened later are served again."""
+        self._generation += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Return the gRPC handler of ``v1alpha1.DRAResourceHealth``."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "NodeWatchResources": grpc.unary_stream_rpc_method_handler(
+                    self._watch,
+                    request_deserializer=pb.NodeWatchResourcesRequest.FromString,
+                    response_serializer=_identity,
+                )
+            },
+        )
+
+    async def _watch(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        # One stream per kubelet: a new one (a restarted kubelet, or its 5 s re-open after an error)
+        # supersedes the old, whose peer is gone or about to be; no stream of a dead kubelet lingers.
+        self._generation += 1
+        mine = self._generation
+        older = self._changed
+        self._changed = asyncio.Event()
+        older.set()
+        self.streams += 1
+        self.streams_opened += 1
+        log.info("DRA health: NodeWatchResources stream opened")
+        try:
+            while mine == self._generation:
+                version = self._version
+                yield self.message()
+                self.messages_sent += 1
+                if version != self._version:
+                    continue
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), self.resend)
+        finally:
+            self.streams -= 1
+            log.info("DRA health: NodeWatchResources stream closed")

@@ -1,0 +1,531 @@
+"""NodePrepareResources / NodeUnprepareResources of one DRA driver on one node, and their gRPC handlers.
+
+Prepare gives a container what ``Allocate`` gives it under the device-plugin API — ``PCIDEVICE_*`` and
+``_INFO`` env, device nodes, device-info files — through one CDI spec per claim
+(``densedev_dra_<driver>_<claim UID>.json``, kind ``<driver>/claim``):
+
+- ``<uid>-<device name>``: the device's nodes and its own ``<ENV>_<ADDRESS>_INFO`` variable;
+- ``<uid>_<request>``: the combined ``PCIDEVICE_<RESOURCE>`` / ``_INFO`` of that request's devices,
+  named by the first device of the request only, so a container naming the request (or the whole
+  claim) gets it once.  Claim UIDs have no ``_`` and request names are DNS labels, so the two kinds of
+  names never collide.  A container naming two requests of one pool sees the variables of one of them:
+  CDI env edits of two devices with the same name overwrite each other.
+
+The claim UID is in every CDI name, so a runtime never resolves a stale cached entry of another claim
+(kubeletplugin's DRAPlugin doc).  Calls are serialised (the kubelet calls concurrently for different
+pods; the helper serialises too); claim objects are read before taking the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NamedTuple, TypeVar
+
+import grpc
+
+from .. import cdi, devinfo, files
+from .._proto import dra_v1_pb2, dra_v1beta1_pb2
+from ..allocation import NET_DEVICE, build_response, cdi_env, needs_vhost_net, vdpa_path
+from ..model import PoolConfig, RequestError
+from ..printable import clip, listing
+from . import names
+from .claims import (
+    Checkpoint,
+    ClaimReader,
+    ClaimRef,
+    Denied,
+    DeviceGate,
+    Grant,
+    InfoFile,
+    PreparedClaim,
+    PreparedDevice,
+    Refusal,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CDI_CLASS = "claim"
+SPEC_PREFIX = "densedev_dra_"  # not "densedev-": the device-plugin side prunes its densedev-*.json specs
+MAX_ERROR_CHARS = 1000  # per-claim errors end up in a pod event; a status in gRPC trailers (8 KiB)
+READ_TIMEOUT = 30.0  # the kubelet gives each call 45 s (defaultClientCallTimeout): answer before it
+# Kubernetes UIDs are UUIDs; accept what could be one, because the UID goes into file and CDI names.
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
+
+SERVICE_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
+SERVICE_V1BETA1 = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
+
+
+class ClaimError(Exception):
+    """One claim that cannot be prepared; the message becomes its per-claim error."""
+
+
+class PrepareResult(NamedTuple):
+    """The answer for one claim: its devices, or a non-empty error."""
+
+    devices: tuple[PreparedDevice, ...] = ()
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Who we are and where we write: driver, this node's pool, plugin dir, CDI/device-info dirs, /dev."""
+
+    driver: str
+    pool: str  # one pool per node, named after the node
+    plugin_dir: Path  # <kubelet plugins dir>/<driver>: the checkpoint lives here
+    cdi_dir: Path = cdi.DEFAULT_CDI_DIR
+    devinfo_dir: Path | None = devinfo.DEFAULT_DEVINFO_DIR
+    dev_root: Path = Path("/dev")
+
+
+def spec_stem(driver: str) -> str:
+    """Return the start of every CDI spec file name of a driver's claims (``densedev_dra_<driver>_``)."""
+    part = driver if len(driver) <= 120 else hashlib.sha256(driver.encode()).hexdigest()[:32]
+    return f"{SPEC_PREFIX}{part}_"
+
+
+class NodeService:
+    """Prepares and unprepares claims for one driver on one node; the state survives restarts."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        reader: ClaimReader,
+        gate: DeviceGate,
+        *,
+        read_timeout: float = READ_TIMEOUT,
+    ) -> None:
+        self.settings = settings
+        self.driver = settings.driver
+        self.pool = settings.pool
+        self.kind = cdi.make_kind(settings.driver, CDI_CLASS)
+        self._reader = reader
+        self.gate = gate
+        self._read_timeout = read_timeout
+        self._checkpoint = Checkpoint(settings.plugin_dir, settings.driver)
+        self._stem = spec_stem(settings.driver)
+        self._claims: dict[str, PreparedClaim] = {}
+        self._holders: dict[str, ClaimRef] = {}
+        self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
+        self._lock = asyncio.Lock()
+        self.prepares = 0  # calls answered, for tests and metrics
+        self.unprepares = 0
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    @property
+    def prepared(self) -> Mapping[str, PreparedClaim]:
+        """The prepared claims by UID."""
+        return self._claims
+
+    def held(self) -> Mapping[str, ClaimRef]:
+        """Return the device IDs that prepared claims hold, each with the claim holding it."""
+        return self._holders
+
+    def recover(self) -> frozenset[str]:
+        """Load the checkpoint, remove our CDI specs of claims it does not know; return held device IDs.
+
+        Call before anything is served: ownership must count these devices as taken first.
+        """
+        self._commit(self._checkpoint.load())
+        for claim in self._claims.values():
+            for i in claim.info:
+                self._writer(i.prefix, i.name).adopt([i.device_id])
+        keep = {c.spec_file for c in self._claims.values()}
+        try:
+            entries = files.list_names(self.settings.cdi_dir)
+        except OSError as e:
+            log.warning("cannot list CDI dir %s: %s", self.settings.cdi_dir, e)
+            entries = []
+        for name in entries:
+            ours = (name.startswith(self._stem) and name.endswith(".json")) or files.is_temp_of(
+                name, self._stem
+            )
+            if ours and name not in keep:
+                # A crash between writing a spec and recording its claim, or an Unprepare that removed
+                # the record but not the file: the kubelet does not know the claim as ours.
+                with contextlib.suppress(OSError):
+                    files.remove(self.settings.cdi_dir, name)
+                    log.info("removed CDI spec %s of no prepared claim", self.settings.cdi_dir / name)
+        if self._claims:
+            log.info(
+                "recovered %d prepared DRA claims holding %d devices", len(self._claims), len(self._holders)
+            )
+        return frozenset(self._holders)
+
+    def _commit(self, claims: dict[str, PreparedClaim]) -> None:
+        self._claims = claims
+        holders: dict[str, ClaimRef] = {}
+        for claim in claims.values():
+            for device_id in claim.held():
+                holders.setdefault(device_id, claim.ref)
+        self._holders = holders
+
+    def _writer(self, prefix: str, name: str) -> devinfo.InfoWriter:
+        assert self.settings.devinfo_dir is not None
+        w = self._writers.get((prefix, name))
+        if w is None:
+            w = self._writers[(prefix, name)] = devinfo.InfoWriter(self.settings.devinfo_dir, prefix, name)
+        return w
+
+    # -- prepare --------------------------------------------------------------------------------------
+
+    async def prepare(self, refs: Sequence[ClaimRef]) -> dict[str, PrepareResult]:
+        """Prepare every claim; return a result per claim UID (repeat calls return the same)."""
+        out: dict[str, PrepareResult] = {}
+        todo: dict[str, ClaimRef] = {}  # a claim named twice is prepared once
+        for ref in refs:
+            if ref.uid in out or ref.uid in todo:
+                continue
+            problem = _ref_problem(ref)
+            if problem:
+                out[ref.uid] = PrepareResult(error=problem)
+            else:
+                todo[ref.uid] = ref
+        # Read the claim objects first, concurrently and outside the lock (as the helper does); a claim
+        # prepared already needs no read: its UID fixes its allocation, which is immutable.
+        fresh = [r for r in todo.values() if r.uid not in self._claims]
+        objects = await asyncio.gather(*(self._read(r) for r in fresh))
+        read = dict(zip((r.uid for r in fresh), objects, strict=True))
+        async with self._lock:
+            plans: dict[str, PreparedClaim] = {}
+            reserved: dict[str, ClaimRef] = {}
+            for ref in todo.values():
+                known = self._claims.get(ref.uid)
+                if known is not None:
+                    plans[ref.uid] = known
+                    continue
+                obj = read.get(ref.uid)
+                if isinstance(obj, str):
+                    out[ref.uid] = PrepareResult(error=obj)
+                    continue
+                if obj is None:  # prepared meanwhile by a concurrent call's read... then unprepared
+                    out[ref.uid] = PrepareResult(error=f"claim {ref} changed during the call; retry")
+                    continue
+                try:
+                    plan = self._plan(ref, obj, reserved)
+                except ClaimError as e:
+                    out[ref.uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
+                    log.warning("DRA prepare refused: %s", e)
+                    continue
+                plans[ref.uid] = plan
+                for device_id in plan.held():
+                    reserved[device_id] = ref
+            if plans:
+                written = await _in_thread(self._store, plans)
+                for uid, error in written.items():
+                    if error:
+                        out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
+                    else:
+                        out[uid] = PrepareResult(plans[uid].devices)
+            self.prepares += 1
+        for uid, result in out.items():
+            if not result.error:
+                log.info(
+                    "DRA claim %s prepared: %s",
+                    uid,
+                    ", ".join(f"{d.name} ({d.device_id})" for d in result.devices),
+                )
+        return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
+
+    async def _read(self, ref: ClaimRef) -> Mapping[str, Any] | str:
+        """Return the claim object, or the per-claim error saying why it could not be read."""
+        try:
+            obj = await asyncio.wait_for(self._reader.get(ref.namespace, ref.name), self._read_timeout)
+        except TimeoutError:
+            return (
+                f"reading ResourceClaim {ref.namespace}/{ref.name} timed out after {self._read_timeout:g} s"
+            )
+        except Exception as e:
+            return clip(f"cannot read ResourceClaim {ref.namespace}/{ref.name}: {e}", MAX_ERROR_CHARS)
+        if not isinstance(obj, Mapping):
+            return f"ResourceClaim {ref.namespace}/{ref.name}: the reader returned no object"
+        return obj
+
+    def _plan(self, ref: ClaimRef, obj: Mapping[str, Any], reserved: Mapping[str, ClaimRef]) -> PreparedClaim:
+        """Return what preparing the claim makes, or raise ClaimError; writes nothing."""
+        results = self._our_results(ref, obj)
+        problems: list[str] = []
+        granted: list[tuple[str, str, str, str, bool, Grant]] = []  # request, pool, name, id, admin, grant
+        for r in results:
+            request = r.get("request")
+            pool, name = r.get("pool"), r.get("device")
+            admin = r.get("adminAccess") is True
+            if not isinstance(request, str) or not isinstance(pool, str) or not isinstance(name, str):
+                problems.append(f"malformed allocation result {clip(repr(dict(r)), 200)}")
+                continue
+            label = f"{pool}/{name}"
+            if pool != self.pool:
+                problems.append(f"{label}: {Refusal.NOT_ON_NODE.value} (this node's pool is {self.pool})")
+                continue
+            device_id = names.pci_address(name)
+            if device_id is None:
+                problems.append(f"{label}: not a device name of driver {self.driver}")
+                continue
+            verdict = self.gate(device_id)
+            if isinstance(verdict, Denied):
+                if verdict.refusal is Refusal.HELD and admin and verdict.grant is not None:
+                    verdict = verdict.grant  # admin access shares a device in use by design
+                else:
+                    detail = f" ({verdict.detail})" if verdict.detail else ""
+                    problems.append(f"{label} ({device_id}): {verdict.refusal.value}{detail}")
+                    continue
+            holder = self._holders.get(device_id) or reserved.get(device_id)
+            if holder is not None and holder.uid != ref.uid and not admin:
+                problems.append(f"{label} ({device_id}): {Refusal.HELD.value} (claim {holder})")
+                continue
+            granted.append((request.split("/", 1)[0], pool, name, device_id, admin, verdict))
+        if problems:
+            raise ClaimError(f"claim {ref}: cannot prepare {listing(problems, width=MAX_ERROR_CHARS)}")
+        return self._build(ref, granted)
+
+    def _our_results(self, ref: ClaimRef, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+        where = f"ResourceClaim {ref.namespace}/{ref.name}"
+        try:
+            uid = obj.get("metadata", {}).get("uid")
+            if uid != ref.uid:
+                raise ClaimError(f"{where} has UID {clip(str(uid), 80)}, not {ref.uid}: it was replaced")
+            allocation = (obj.get("status") or {}).get("allocation")
+            if not isinstance(allocation, Mapping):
+                raise ClaimError(f"{where} is not allocated")
+            results = (allocation.get("devices") or {}).get("results") or []
+            if not isinstance(results, list):
+                raise ClaimError(f"{where}: status.allocation.devices.results is not a list")
+        except (AttributeError, TypeError) as e:
+            raise ClaimError(f"{where} is malformed: {e}") from None
+        ours = [r for r in results if isinstance(r, Mapping) and r.get("driver") == self.driver]
+        if not ours:
+            raise ClaimError(f"{where} has no allocation result for driver {self.driver}")
+        return ours
+
+    def _build(
+        self, ref: ClaimRef, granted: Sequence[tuple[str, str, str, str, bool, Grant]]
+    ) -> PreparedClaim:
+        """Return the prepared claim: CDI entries per device and per request, device-info documents."""
+        entries: dict[str, dict[str, Any]] = {}
+        info: dict[tuple[str, str, str], InfoFile] = {}
+        # Per request, per pool config: the devices in result order, each once.
+        groups: dict[str, dict[PoolConfig, dict[str, Grant]]] = {}
+        for request, _pool, _name, device_id, _admin, grant in granted:
+            groups.setdefault(request, {}).setdefault(grant.config, {}).setdefault(device_id, grant)
+        device_names: dict[str, str] = {}
+        request_names: dict[str, str] = {}
+        for request, by_config in groups.items():
+            env: dict[str, str] = {}
+            for config, grants in by_config.items():
+                try:
+                    parts, per_device = build_response(
+                        config, [g.device for g in grants.values()], self.settings.dev_root
+                    )
+                except RequestError as e:
+                    raise ClaimError(f"claim {ref}: {e.message}") from None
+                env.update(parts.envs)
+                for part in per_device:
+                    d = part.device
+                    cdi_name = f"{ref.uid}-{names.device_name(d.id)}"
+                    device_names[d.id] = cdi_name
+                    entries.setdefault(
+                        cdi_name, cdi.device_entry(cdi_name, part.nodes, cdi_env(config, part))
+                    )
+                    if self.settings.devinfo_dir is not None and config.device_type == NET_DEVICE:
+                        doc = devinfo.info_document(d, needs_vhost_net(config), vdpa_path(d))
+                        key = (config.resource_prefix, config.resource_name, d.id)
+                        info.setdefault(key, InfoFile(*key, doc))
+            request_name = f"{ref.uid}_{request or 'claim'}"
+            request_names[request] = request_name
+            entries[request_name] = cdi.device_entry(request_name, (), env)
+        prepared: list[PreparedDevice] = []
+        first: set[str] = set()
+        for request, pool, name, device_id, admin, _grant in granted:
+            ids = [cdi.qualified_name(self.kind, device_names[device_id])]
+            if request not in first:
+                first.add(request)
+                ids.append(cdi.qualified_name(self.kind, request_names[request]))
+            prepared.append(PreparedDevice((request,), pool, name, device_id, tuple(ids), admin))
+        spec_file = files.check_name(f"{self._stem}{ref.uid}.json")
+        spec = cdi.spec_document(self.kind, entries.values())
+        return PreparedClaim(ref, tuple(prepared), spec_file, spec, tuple(info.values()))
+
+    def _store(self, plans: Mapping[str, PreparedClaim]) -> dict[str, str]:
+        """Write every plan's files, then the checkpoint; return an error (or "") per claim UID.
+
+        Runs in a worker thread under the lock (fsync must not stall the event loop); the state is
+        replaced only after the checkpoint holds it.
+        """
+        errors: dict[str, str] = {}
+        claims = dict(self._claims)
+        for uid, plan in plans.items():
+            try:
+                self._write_files(plan)
+            except OSError as e:
+                errors[uid] = f"claim {plan.ref}: cannot write its files: {e}"
+                if uid not in claims:
+                    with contextlib.suppress(OSError):
+                        self._remove_files(plan, claims)
+                continue
+            claims[uid] = plan
+            errors[uid] = ""
+        if claims != self._claims:
+            try:
+                self._checkpoint.save(claims)
+            except OSError as e:
+                for uid, plan in plans.items():
+                    if uid not in self._claims and not errors[uid]:
+                        errors[uid] = f"claim {plan.ref}: cannot record it in {self._checkpoint.path}: {e}"
+                        del claims[uid]
+                        with contextlib.suppress(OSError):
+                            self._remove_files(plan, claims)
+                return errors
+        self._commit(claims)
+        return errors
+
+    def _write_files(self, claim: PreparedClaim) -> None:
+        files.write_atomic(self.settings.cdi_dir, claim.spec_file, cdi.encode(claim.spec))
+        for i in claim.info:
+            self._writer(i.prefix, i.name).write_all({i.device_id: dict(i.doc)})
+
+    def _remove_files(self, claim: PreparedClaim, others: Mapping[str, PreparedClaim]) -> None:
+        """Remove a claim's spec and the device-info files no other claim in ``others`` also has."""
+        files.remove(self.settings.cdi_dir, claim.spec_file)
+        shared = {(i.prefix, i.name, i.device_id) for c in others.values() if c is not claim for i in c.info}
+        for i in claim.info:
+            if (i.prefix, i.name, i.device_id) not in shared:
+                self._writer(i.prefix, i.name).remove([i.device_id])
+
+    # -- unprepare ------------------------------------------------------------------------------------
+
+    async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
+        """Remove what Prepare made for each claim; return an error (or "") per UID; unknown claims pass."""
+        async with self._lock:
+            errors = await _in_thread(self._drop, [r.uid for r in refs])
+            self.unprepares += 1
+        return {ref.uid: errors.get(ref.uid, "") for ref in refs}
+
+    def _drop(self, uids: Sequence[str]) -> dict[str, str]:
+        errors: dict[str, str] = {}
+        claims = dict(self._claims)
+        for uid in dict.fromkeys(uids):
+            claim = claims.pop(uid, None)
+            if claim is None:
+                continue  # never prepared here, or unprepared already: success (kubelet retries)
+            try:
+                self._remove_files(claim, claims)
+            except OSError as e:
+                claims[uid] = claim
+                errors[uid] = clip(f"claim {claim.ref}: cannot remove its files: {e}", MAX_ERROR_CHARS)
+                continue
+            log.info("DRA claim %s unprepared", claim.ref)
+        if claims != self._claims:
+            try:
+                self._checkpoint.save(claims)
+            except OSError as e:
+                # The files are gone but the record stays: a repeated Unprepare finishes the job.
+                for uid in uids:
+                    if uid in self._claims and uid not in claims:
+                        errors[uid] = f"cannot update {self._checkpoint.path}: {e}"
+                return errors
+            self._commit(claims)
+        return errors
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn`` in a worker thread and return its result; a cancellation waits for it to finish first.
+
+    gRPC cancels a handler when the kubelet's deadline passes, but a thread cannot be stopped: the
+    caller holds the lock, and releasing it while the thread still writes files and replaces the state
+    would let the next call run on a state about to change under it.
+    """
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+def _ref_problem(ref: ClaimRef) -> str:
+    if not _UID.fullmatch(ref.uid):
+        return f"claim UID {clip(ref.uid, 80)} is not a Kubernetes UID"
+    if not ref.namespace or not ref.name:
+        return f"claim {clip(str(ref), 200)} lacks a namespace or name"
+    return ""
+
+
+# -- gRPC ---------------------------------------------------------------------------------------------
+
+
+def _device_pb(module: ModuleType, d: PreparedDevice) -> Any:
+    return module.Device(
+        request_names=list(d.requests), pool_name=d.pool, device_name=d.name, cdi_device_ids=list(d.cdi_ids)
+    )
+
+
+def handlers(service: NodeService) -> list[grpc.GenericRpcHandler]:
+    """Return the DRAPlugin handlers for v1 and v1beta1 (identical messages, the same service)."""
+    return [_handler(service, SERVICE_V1, dra_v1_pb2), _handler(service, SERVICE_V1BETA1, dra_v1beta1_pb2)]
+
+
+def _handler(service: NodeService, name: str, pb: ModuleType) -> grpc.GenericRpcHandler:
+    async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+        results = await _guard(context, "NodePrepareResources", service.prepare(refs))
+        response = pb.NodePrepareResourcesResponse()
+        for uid, result in results.items():
+            entry = response.claims[uid]
+            if result.error:
+                entry.error = result.error
+            else:
+                entry.devices.extend(_device_pb(pb, d) for d in result.devices)
+        return response
+
+    async def unprepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
+        errors = await _guard(context, "NodeUnprepareResources", service.unprepare(refs))
+        response = pb.NodeUnprepareResourcesResponse()
+        for uid, error in errors.items():
+            response.claims[uid].error = error  # an entry for every claim, even an empty one
+        return response
+
+    def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
+        )
+
+    return grpc.method_handlers_generic_handler(
+        name,
+        {
+            "NodePrepareResources": unary(
+                prepare, pb.NodePrepareResourcesRequest, pb.NodePrepareResourcesResponse
+            ),
+            "NodeUnprepareResources": unary(
+                unprepare, pb.NodeUnprepareResourcesRequest, pb.NodeUnprepareResourcesResponse
+            ),
+        },
+    )
+
+
+async def _guard(context: grpc.aio.ServicerContext, call: str, work: Awaitable[Any]) -> Any:
+    """Await ``work``; a bug fails this call with INTERNAL and a bounded message, never the server."""
+    try:
+        return await work
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("DRA %s failed", call)
+        await context.abort(grpc.StatusCode.INTERNAL, f"{call} failed: {clip(repr(exc), MAX_ERROR_CHARS)}")

@@ -1,0 +1,85 @@
+"""The kubelet side of the DRA driver in one piece: recover claims, then serve node, health, registration.
+
+What the daemon wires: it builds a ``KubeletPlugin`` with its ``DeviceGate`` (pools whose API is DRA,
+health, ownership) and a ``ClaimReader`` (the API client), calls ``start`` — which returns the device IDs
+that prepared claims hold, before any socket exists, so ownership counts them first — feeds
+``health.update`` from its health engine, and republishes its ResourceSlices from
+``on_registered`` (the kubelet deletes slices published before a registration completes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .. import cdi, devinfo
+from ..watch import DirectoryWatch
+from .claims import ClaimReader, DeviceGate
+from .health import RESEND_SECONDS, HealthStream
+from .node import NodeService, NodeSettings, handlers
+from .registration import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraPlugin
+
+
+class KubeletPlugin:
+    """One DRA driver on one node: its node service, its health stream and its two sockets."""
+
+    def __init__(
+        self,
+        driver: str,
+        node_name: str,
+        reader: ClaimReader,
+        gate: DeviceGate,
+        *,
+        plugins_dir: Path = DEFAULT_PLUGINS_DIR,
+        registry_dir: Path = DEFAULT_REGISTRY_DIR,
+        cdi_dir: Path = cdi.DEFAULT_CDI_DIR,
+        devinfo_dir: Path | None = devinfo.DEFAULT_DEVINFO_DIR,
+        dev_root: Path = Path("/dev"),
+        watch: DirectoryWatch | None = None,
+        poll: float = 1.0,
+        resend: float = RESEND_SECONDS,
+    ) -> None:
+        # One pool per node, named after the node (the ResourceSlice side names it the same way).
+        settings = NodeSettings(
+            driver,
+            node_name,
+            plugin_dir=Path(plugins_dir) / driver,
+            cdi_dir=cdi_dir,
+            devinfo_dir=devinfo_dir,
+            dev_root=dev_root,
+        )
+        self.service = NodeService(settings, reader, gate)
+        # Served whatever the kubelet does with it: 1.34-1.36 open the stream even when not advertised.
+        self.health = HealthStream(node_name, resend=resend)
+        self.plugin = DraPlugin(
+            driver,
+            [*handlers(self.service), self.health.handler()],
+            registry_dir=registry_dir,
+            plugins_dir=plugins_dir,
+            watch=watch,
+            poll=poll,
+        )
+        self._started = False
+
+    @property
+    def on_registered(self) -> Callable[[], None] | None:
+        """Called after each successful registration (publish the node's ResourceSlices then)."""
+        return self.plugin.on_registered
+
+    @on_registered.setter
+    def on_registered(self, hook: Callable[[], None] | None) -> None:
+        self.plugin.on_registered = hook
+
+    async def start(self) -> frozenset[str]:
+        """Recover prepared claims, then serve; return the device IDs those claims hold."""
+        held = self.service.recover()
+        await self.plugin.start()
+        self._started = True
+        return held
+
+    async def stop(self) -> None:
+        """End the health stream, then remove the registration socket and the DRA socket."""
+        self.health.stop()
+        if self._started:
+            self._started = False
+            await self.plugin.stop()

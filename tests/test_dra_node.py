@@ -1,0 +1,658 @@
+"""DRA NodePrepareResources / NodeUnprepareResources: CDI per claim, every per-claim error, checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Coroutine, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+from test_allocation import DPDK, RDMA, dev, pool_of, touch
+from test_cdi import validate_spec
+
+from densedev import devinfo
+from densedev.allocation import AllocationSettings, PoolAllocator
+from densedev.dra import names
+from densedev.dra.claims import (
+    CHECKPOINT_NAME,
+    Checkpoint,
+    CheckpointError,
+    ClaimRef,
+    InfoFile,
+    PoolGate,
+    PreparedClaim,
+    PreparedDevice,
+    decode_checkpoint,
+    encode_checkpoint,
+    encode_claim,
+)
+from densedev.dra.node import NodeService, NodeSettings, PrepareResult
+from densedev.model import Device, PoolConfig
+from densedev.testing.dra_kubelet import ClaimStore, allocated_claim
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+
+DRIVER = "net.densedev.io"
+NODE = "node-a"
+NET = PoolConfig("vf_pool", "example.com")
+VF = "0000:3b:00.2"
+VF2 = "0000:3b:00.3"
+VFIO = "0000:18:02.0"
+RDMA_VF = "0000:5e:00.1"
+OFF_POOL = "0000:3b:00.7"  # on the node, in no DRA pool
+KIND = f"{DRIVER}/claim"
+
+
+def devices() -> dict[str, tuple[Device, PoolConfig]]:
+    """The node's DRA devices: two kernel VFs, a vfio-pci VF and an RDMA VF, each with its pool."""
+    return {
+        VF: (dev(VF, netdevs=("ens1f0v2",)), NET),
+        VF2: (dev(VF2, netdevs=("ens1f0v3",)), NET),
+        VFIO: (dev(VFIO, vendor="8086", device="154c", driver="vfio-pci", iommu_group=83), DPDK),
+        RDMA_VF: (
+            dev(RDMA_VF, rdma_device="mlx5_3", rdma_nodes=("uverbs3", "umad3")),
+            RDMA,
+        ),
+    }
+
+
+class Node:
+    """A NodeService over temp dirs, with the state its gate reads, and an in-memory claim store."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.dev_root = root / "dev"
+        touch(self.dev_root, "/dev/vfio/vfio", "/dev/vfio/83", "/dev/infiniband/uverbs3")
+        touch(self.dev_root, "/dev/infiniband/umad3", "/dev/infiniband/rdma_cm")
+        self.table = devices()
+        self.unhealthy: set[str] = set()
+        self.holders: dict[str, str] = {}
+        self.store = ClaimStore()
+        self.settings = NodeSettings(
+            DRIVER,
+            NODE,
+            plugin_dir=root / "plugins" / DRIVER,
+            cdi_dir=root / "cdi",
+            devinfo_dir=root / "devinfo",
+            dev_root=self.dev_root,
+        )
+        self.service = self.fresh()
+
+    def gate(self) -> PoolGate:
+        by_config: dict[PoolConfig, list[Device]] = {}
+        for d, config in self.table.values():
+            by_config.setdefault(config, []).append(d)
+        return PoolGate(
+            lambda i: i in self.table or i == OFF_POOL,
+            [pool_of(c, ds) for c, ds in by_config.items()],
+            lambda i: i not in self.unhealthy,
+            self.holders.get,
+        )
+
+    def fresh(self) -> NodeService:
+        """A new service over the same files (a restarted daemon), not yet recovered."""
+        return NodeService(self.settings, self.store, self.gate())
+
+    def claim(self, *results: tuple[str, str], name: str = "", uid: str = "", pool: str = NODE) -> ClaimRef:
+        """Store an allocated claim of (request, device ID) results on this node's pool; return its ref."""
+        uid = uid or str(uuid.uuid4())
+        name = name or f"claim-{uid[:8]}"
+        self.store.put(
+            allocated_claim(
+                "default",
+                name,
+                uid,
+                [
+                    {"request": r, "driver": DRIVER, "pool": pool, "device": names.device_name(d)}
+                    for r, d in results
+                ],
+            )
+        )
+        return ClaimRef("default", name, uid)
+
+    def spec(self, uid: str) -> dict[str, Any]:
+        return json.loads((self.settings.cdi_dir / f"densedev_dra_{DRIVER}_{uid}.json").read_text())
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Node:
+    return Node(tmp_path)
+
+
+def prepare(run: Run, service: NodeService, *refs: ClaimRef) -> dict[str, PrepareResult]:
+    return run(service.prepare(list(refs)))
+
+
+def edits(spec: dict[str, Any], cdi_ids: Iterable[str]) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """Return the device nodes and env a runtime applies for these CDI IDs of one spec, in order."""
+    by_name = {d["name"]: d["containerEdits"] for d in spec["devices"]}
+    nodes: list[tuple[str, str, str]] = []
+    env: dict[str, str] = {}
+    for cdi_id in cdi_ids:
+        kind, name = cdi_id.split("=", 1)
+        assert kind == spec["kind"]
+        e = by_name[name]
+        for n in e.get("deviceNodes", []):
+            t = (n["path"], n["hostPath"], n["permissions"])
+            if t not in nodes:
+                nodes.append(t)
+        env.update(v.split("=", 1) for v in e.get("env", []))
+    return nodes, env
+
+
+# -- what a claim gets ---------------------------------------------------------------------------------
+
+
+def test_one_device_claim_gets_a_cdi_spec_with_what_allocate_gives(run: Run, node: Node) -> None:
+    ref = node.claim(("vf", VF))
+    result = prepare(run, node.service, ref)[ref.uid]
+    assert result.error == ""
+    (d,) = result.devices
+    assert (d.requests, d.pool, d.name, d.device_id) == (("vf",), NODE, "pci-0000-3b-00-2", VF)
+    assert d.cdi_ids == (f"{KIND}={ref.uid}-pci-0000-3b-00-2", f"{KIND}={ref.uid}_vf")
+    spec = node.spec(ref.uid)
+    validate_spec(spec)
+    # The same env the device-plugin Allocate answer and CDI spec give for this device.
+    allocator = PoolAllocator(
+        pool_of(NET, [node.table[VF][0]]),
+        AllocationSettings(cdi_dir=node.root / "dp-cdi", devinfo_dir=None, dev_root=node.dev_root),
+        lambda _i: True,
+    )
+    allocated = allocator.allocate([VF])
+    dp_spec = json.loads(next((node.root / "dp-cdi").iterdir()).read_text())
+    _nodes, dp_env = edits(dp_spec, [c.name for c in allocated.cdi_devices])
+    nodes, env = edits(spec, d.cdi_ids)
+    assert env == {**dict(allocated.envs), **dp_env}
+    assert nodes == []  # a kernel netdev VF has no node: the CNI moves the netdev
+    info = devinfo.file_name("example.com", "vf_pool", VF)
+    assert json.loads((node.settings.devinfo_dir / info).read_text()) == devinfo.info_document(  # type: ignore[operator]
+        node.table[VF][0], False, ""
+    )
+    # Claim names in every CDI name; the spec 0644 for runtimes, the checkpoint 0600.
+    assert all(e["name"].startswith(ref.uid) for e in spec["devices"])
+    spec_path = node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json"
+    assert stat.S_IMODE(spec_path.stat().st_mode) == 0o644
+    assert stat.S_IMODE((node.settings.plugin_dir / CHECKPOINT_NAME).stat().st_mode) == 0o600
+
+
+def test_vfio_and_rdma_devices_get_their_nodes_and_env_as_allocate(run: Run, node: Node) -> None:
+    ref = node.claim(("dpdk", VFIO), ("rdma", RDMA_VF))
+    result = prepare(run, node.service, ref)[ref.uid]
+    assert result.error == ""
+    spec = node.spec(ref.uid)
+    validate_spec(spec)
+    for request, device_id, config in (("dpdk", VFIO, DPDK), ("rdma", RDMA_VF, RDMA)):
+        (d,) = [d for d in result.devices if d.requests == (request,)]
+        allocated = PoolAllocator(
+            pool_of(config, [node.table[device_id][0]]),
+            AllocationSettings(cdi_dir=None, devinfo_dir=None, dev_root=node.dev_root),
+            lambda _i: True,
+        ).allocate([device_id])
+        nodes, env = edits(spec, d.cdi_ids)
+        assert nodes == [(n.container_path, n.host_path, n.permissions) for n in allocated.devices]
+        for key, value in allocated.envs.items():
+            assert env[key] == value
+    # vfio: container node and group; RDMA: its verbs nodes and rdma_cm (as docs/allocation.md says).
+    all_nodes, _env = edits(spec, [i for d in result.devices for i in d.cdi_ids])
+    assert {n[0] for n in all_nodes} == {
+        "/dev/vfio/vfio",
+        "/dev/vfio/83",
+        "/dev/infiniband/uverbs3",
+        "/dev/infiniband/umad3",
+        "/dev/infiniband/rdma_cm",
+    }
+
+
+def test_two_devices_of_one_request_share_one_request_entry(run: Run, node: Node) -> None:
+    ref = node.claim(("vfs", VF), ("vfs", VF2))
+    result = prepare(run, node.service, ref)[ref.uid]
+    first, second = result.devices
+    assert first.cdi_ids[1:] == (f"{KIND}={ref.uid}_vfs",) and len(second.cdi_ids) == 1
+    _nodes, env = edits(node.spec(ref.uid), [*first.cdi_ids, *second.cdi_ids])
+    assert env["PCIDEVICE_EXAMPLE_COM_VF_POOL"] == f"{VF},{VF2}"
+    assert set(json.loads(env["PCIDEVICE_EXAMPLE_COM_VF_POOL_INFO"])) == {VF, VF2}
+
+
+def test_subrequest_names_are_reported_as_their_base_request(run: Run, node: Node) -> None:
+    ref = node.claim(("nic/fast", VF))
+    (d,) = prepare(run, node.service, ref)[ref.uid].devices
+    assert d.requests == ("nic",)
+
+
+def test_results_of_other_drivers_are_left_alone(run: Run, node: Node) -> None:
+    uid = str(uuid.uuid4())
+    node.store.put(
+        allocated_claim(
+            "default",
+            "mixed",
+            uid,
+            [
+                {"request": "gpu", "driver": "gpu.example.com", "pool": NODE, "device": "gpu-0"},
+                {"request": "nic", "driver": DRIVER, "pool": NODE, "device": names.device_name(VF)},
+            ],
+        )
+    )
+    result = prepare(run, node.service, ClaimRef("default", "mixed", uid))[uid]
+    assert result.error == "" and [d.name for d in result.devices] == [names.device_name(VF)]
+
+
+# -- idempotency and serialisation --------------------------------------------------------------------
+
+
+def test_a_repeated_prepare_returns_the_same_without_reading_the_claim_again(run: Run, node: Node) -> None:
+    ref = node.claim(("vf", VF))
+    first = prepare(run, node.service, ref)
+    assert node.store.reads == 1
+    again = prepare(run, node.service, ref, ref)
+    assert again == first and node.store.reads == 1
+    # Even with the spec deleted meanwhile: the repeat puts it back.
+    spec_path = node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json"
+    content = spec_path.read_bytes()
+    spec_path.unlink()
+    assert prepare(run, node.service, ref) == first
+    assert spec_path.read_bytes() == content
+
+
+def test_concurrent_prepares_of_one_device_give_it_to_one_claim(run: Run, node: Node) -> None:
+    a, b = node.claim(("vf", VF)), node.claim(("vf", VF))
+
+    async def both() -> list[dict[str, PrepareResult]]:
+        import asyncio
+
+        return list(await asyncio.gather(node.service.prepare([a]), node.service.prepare([b])))
+
+    ra, rb = run(both())
+    errors = [ra[a.uid].error, rb[b.uid].error]
+    assert sorted(bool(e) for e in errors) == [False, True]
+    assert "held elsewhere (claim default/" in next(e for e in errors if e)
+
+
+# -- per-claim errors -----------------------------------------------------------------------------------
+
+
+def test_every_per_claim_error_fails_only_its_claim(run: Run, node: Node, tmp_path: Path) -> None:
+    node.unhealthy.add(VF2)
+    node.holders[VFIO] = "pod default/dpdk-app under intel.com/intel_sriov_dpdk"
+    held_by_claim = node.claim(("vf", VF), name="first")
+    assert prepare(run, node.service, held_by_claim)[held_by_claim.uid].error == ""
+    good = node.claim(("rdma", RDMA_VF), name="good")
+    missing = ClaimRef("default", "gone", str(uuid.uuid4()))
+    replaced = node.claim(("vf", VF), name="replaced")
+    replaced = replaced._replace(uid=str(uuid.uuid4()))
+    unallocated_uid = str(uuid.uuid4())
+    node.store.put({"metadata": {"namespace": "default", "name": "pending", "uid": unallocated_uid}})
+    unallocated = ClaimRef("default", "pending", unallocated_uid)
+    other_uid = str(uuid.uuid4())
+    node.store.put(
+        allocated_claim(
+            "default", "other", other_uid, [{"request": "g", "driver": "x.io", "pool": NODE, "device": "g0"}]
+        )
+    )
+    other_driver = ClaimRef("default", "other", other_uid)
+    other_node = node.claim(("vf", VF2), name="elsewhere", pool="node-b")
+    not_ours_uid = str(uuid.uuid4())
+    node.store.put(
+        allocated_claim(
+            "default",
+            "foreign",
+            not_ours_uid,
+            [{"request": "r", "driver": DRIVER, "pool": NODE, "device": "eth0"}],
+        )
+    )
+    foreign_name = ClaimRef("default", "foreign", not_ours_uid)
+    absent = node.claim(("vf", "0000:99:00.1"), name="absent")
+    off_pool = node.claim(("vf", OFF_POOL), name="offpool")
+    unhealthy = node.claim(("vf", VF2), name="sick")
+    held_by_pod = node.claim(("dpdk", VFIO), name="podheld")
+    taken = node.claim(("vf", VF), name="taken")
+    bad_uid = ClaimRef("default", "evil", "../../etc/passwd")
+    expected = {
+        missing.uid: 'default/gone: resourceclaims.resource.k8s.io "gone" not found',
+        replaced.uid: "it was replaced",
+        unallocated.uid: "is not allocated",
+        other_driver.uid: f"has no allocation result for driver {DRIVER}",
+        other_node.uid: f"node-b/pci-0000-3b-00-3: not on this node (this node's pool is {NODE})",
+        foreign_name.uid: f"{NODE}/eth0: not a device name of driver {DRIVER}",
+        absent.uid: f"{NODE}/pci-0000-99-00-1 (0000:99:00.1): not on this node",
+        off_pool.uid: f"({OFF_POOL}): not in a pool served through DRA",
+        unhealthy.uid: f"({VF2}): unhealthy",
+        held_by_pod.uid: f"({VFIO}): held elsewhere (pod default/dpdk-app under intel.com/intel_sriov_dpdk)",
+        taken.uid: f"({VF}): held elsewhere (claim default/first ({held_by_claim.uid}))",
+        bad_uid.uid: "is not a Kubernetes UID",
+    }
+    refs = [missing, replaced, unallocated, other_driver, other_node, foreign_name, absent, off_pool]
+    refs += [unhealthy, held_by_pod, taken, bad_uid, good]
+    cdi_before = sorted(p.name for p in node.settings.cdi_dir.iterdir())
+    results = prepare(run, node.service, *refs)
+    assert list(results) == [r.uid for r in refs]
+    for uid, text in expected.items():
+        assert text in results[uid].error, (uid, results[uid].error)
+        assert results[uid].devices == ()
+        assert len(results[uid].error) <= 1000
+    assert results[good.uid].error == "" and results[good.uid].devices[0].device_id == RDMA_VF
+    # Nothing was written for the refused claims: one new spec (the good one), no file named by a bad UID.
+    cdi_after = sorted(p.name for p in node.settings.cdi_dir.iterdir())
+    assert set(cdi_after) - set(cdi_before) == {f"densedev_dra_{DRIVER}_{good.uid}.json"}
+    assert set(node.service.prepared) == {held_by_claim.uid, good.uid}
+    assert not (tmp_path.parent / "etc").exists()
+
+
+def test_a_missing_device_node_fails_the_claim(run: Run, node: Node) -> None:
+    (node.dev_root / "vfio" / "83").unlink()
+    ref = node.claim(("dpdk", VFIO))
+    error = prepare(run, node.service, ref)[ref.uid].error
+    assert "required device nodes are missing" in error and "/dev/vfio/83" in error
+
+
+def test_admin_access_shares_a_device_in_use(run: Run, node: Node) -> None:
+    user = node.claim(("vf", VF))
+    assert prepare(run, node.service, user)[user.uid].error == ""
+    uid = str(uuid.uuid4())
+    result = {"request": "mon", "driver": DRIVER, "pool": NODE, "device": names.device_name(VF)}
+    node.store.put(allocated_claim("default", "monitor", uid, [{**result, "adminAccess": True}]))
+    monitor = ClaimRef("default", "monitor", uid)
+    answer = prepare(run, node.service, monitor)[uid]
+    assert answer.error == "" and answer.devices[0].admin
+    # The monitor holds nothing: its Unprepare leaves the user's device-info file in place.
+    assert node.service.held() == {VF: user}
+    assert run(node.service.unprepare([monitor])) == {uid: ""}
+    assert (node.settings.devinfo_dir / devinfo.file_name("example.com", "vf_pool", VF)).exists()  # type: ignore[operator]
+
+
+# -- unprepare ------------------------------------------------------------------------------------------
+
+
+def test_unprepare_removes_what_prepare_made_and_frees_the_devices(run: Run, node: Node) -> None:
+    ref = node.claim(("vf", VF), ("dpdk", VFIO))
+    assert prepare(run, node.service, ref)[ref.uid].error == ""
+    info = node.settings.devinfo_dir / devinfo.file_name("example.com", "vf_pool", VF)  # type: ignore[operator]
+    spec = node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json"
+    assert info.exists() and spec.exists() and set(node.service.held()) == {VF, VFIO}
+    node.store.delete("default", ref.name)  # the object may be gone by then: Unprepare needs none
+    assert run(node.service.unprepare([ref])) == {ref.uid: ""}
+    assert not info.exists() and not spec.exists()
+    assert node.service.held() == {} and node.service.prepared == {}
+    checkpoint = json.loads((node.settings.plugin_dir / CHECKPOINT_NAME).read_text())
+    assert checkpoint["claims"] == []
+    # Again, and for a claim never seen: both succeed.
+    unknown = ClaimRef("default", "never", str(uuid.uuid4()))
+    assert run(node.service.unprepare([ref, unknown])) == {ref.uid: "", unknown.uid: ""}
+    # The device is free for the next claim.
+    nxt = node.claim(("vf", VF))
+    assert prepare(run, node.service, nxt)[nxt.uid].error == ""
+
+
+# -- checkpoint and recovery ----------------------------------------------------------------------------
+
+
+def test_a_restarted_service_recovers_its_claims_before_serving(run: Run, node: Node) -> None:
+    a = node.claim(("vf", VF))
+    b = node.claim(("dpdk", VFIO), ("rdma", RDMA_VF))
+    answers = prepare(run, node.service, a, b)
+    # A stale spec of ours from a crash between writing it and recording its claim, and a file of
+    # another program: the first goes at recovery, the second stays.
+    stale = node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{uuid.uuid4()}.json"
+    stale.write_text("{}")
+    foreign = node.settings.cdi_dir / "vendor-gpu.json"
+    foreign.write_text("{}")
+    again = node.fresh()
+    assert again.recover() == {VF, VFIO, RDMA_VF}
+    assert again.prepared == node.service.prepared
+    assert not stale.exists() and foreign.exists()
+    reads = node.store.reads
+    assert prepare(run, again, a, b) == answers and node.store.reads == reads
+    # Recovered claims hold their devices: a new claim for one of them is refused.
+    c = node.claim(("vf", VF))
+    assert "held elsewhere (claim default/" in prepare(run, again, c)[c.uid].error
+    assert run(again.unprepare([a, b])) == {a.uid: "", b.uid: ""}
+    assert again.held() == {} and list(node.settings.cdi_dir.iterdir()) == [foreign]
+    assert list(node.settings.devinfo_dir.glob("*-device.json")) == []  # type: ignore[union-attr]
+
+
+_CHILD = """
+import asyncio, sys, time
+sys.path[:0] = {paths!r}
+import test_dra_node as t
+from pathlib import Path
+node = t.Node(Path({root!r}))
+ref = node.claim(("vf", t.VF), uid={uid!r})
+result = asyncio.run(node.service.prepare([ref]))[ref.uid]
+assert result.error == "", result.error
+print("prepared", flush=True)
+time.sleep(600)
+"""
+
+
+def test_claims_survive_a_killed_process(run: Run, tmp_path: Path, child_env: dict[str, str]) -> None:
+    uid = str(uuid.uuid4())
+    here = str(Path(__file__).parent)
+    script = _CHILD.format(paths=[here, *sys.path], root=str(tmp_path), uid=uid)
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, env=child_env, cwd=here, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "prepared"
+        child.send_signal(signal.SIGKILL)  # no cleanup of any kind runs
+        child.wait(30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    node = Node(tmp_path)
+    assert node.service.recover() == {VF}
+    assert node.service.prepared[uid].devices[0].device_id == VF
+    c = node.claim(("vf", VF))
+    assert "held elsewhere" in prepare(run, node.service, c)[c.uid].error
+
+
+def test_an_untrustworthy_checkpoint_is_kept_aside_with_one_line(
+    run: Run, node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    ref = node.claim(("vf", VF))
+    prepare(run, node.service, ref)
+    path = node.settings.plugin_dir / CHECKPOINT_NAME
+    doc = json.loads(path.read_text())
+    doc["claims"][0]["devices"][0]["id"] = VF2  # a hand edit: the checksum no longer matches
+    path.write_text(json.dumps(doc))
+    with caplog.at_level(logging.ERROR, logger="densedev.dra.claims"):
+        assert node.fresh().recover() == frozenset()
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "checksum mismatch" in line and "kept as checkpoint.json.bad-" in line
+    kept = [p for p in node.settings.plugin_dir.iterdir() if p.name.startswith("checkpoint.json.bad-")]
+    assert len(kept) == 1 and json.loads(kept[0].read_text()) == doc
+
+
+def test_a_symlink_planted_at_the_checkpoint_is_never_read_or_written_through(
+    run: Run, node: Node, tmp_path: Path
+) -> None:
+    first = node.claim(("vf", VF))
+    prepare(run, node.service, first)
+    victim = tmp_path / "victim.json"
+    # The victim holds a valid checkpoint of other claims: reading through the link would adopt them.
+    victim.write_bytes((node.settings.plugin_dir / CHECKPOINT_NAME).read_bytes())
+    before = victim.read_bytes()
+    path = node.settings.plugin_dir / CHECKPOINT_NAME
+    path.unlink()
+    path.symlink_to(victim)
+    assert node.fresh().recover() == frozenset()
+    path.unlink(missing_ok=True)
+    path.symlink_to(victim)
+    second = node.claim(("vf", VF2))
+    service = node.fresh()
+    assert prepare(run, service, second)[second.uid].error == ""
+    assert victim.read_bytes() == before
+    assert not path.is_symlink() and stat.S_ISREG(path.lstat().st_mode)
+
+
+def test_a_symlink_planted_at_the_cdi_spec_path_is_replaced_not_followed(
+    run: Run, node: Node, tmp_path: Path
+) -> None:
+    ref = node.claim(("vf", VF))
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    node.settings.cdi_dir.mkdir(parents=True)
+    spec = node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json"
+    spec.symlink_to(victim)
+    assert prepare(run, node.service, ref)[ref.uid].error == ""
+    assert victim.read_text() == "precious\n"
+    assert not spec.is_symlink() and json.loads(spec.read_text())["kind"] == KIND
+
+
+def test_a_symlinked_plugin_dir_fails_the_claim_with_a_clear_error(
+    run: Run, node: Node, tmp_path: Path
+) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    node.settings.plugin_dir.parent.mkdir(parents=True)
+    node.settings.plugin_dir.symlink_to(elsewhere)
+    ref = node.claim(("vf", VF))
+    error = prepare(run, node.service, ref)[ref.uid].error
+    assert "cannot record it in" in error and "symlink" in error
+    assert list(elsewhere.iterdir()) == []
+    assert not (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json").exists()
+    assert node.service.prepared == {}
+
+
+def test_files_have_exact_modes_under_umask_000(run: Run, node: Node) -> None:
+    old = os.umask(0)
+    try:
+        ref = node.claim(("vf", VF))
+        assert prepare(run, node.service, ref)[ref.uid].error == ""
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(node.settings.plugin_dir.stat().st_mode) == 0o755
+    assert stat.S_IMODE(node.settings.cdi_dir.stat().st_mode) == 0o755
+    assert stat.S_IMODE((node.settings.plugin_dir / CHECKPOINT_NAME).stat().st_mode) == 0o600
+    for p in node.settings.cdi_dir.iterdir():
+        assert stat.S_IMODE(p.stat().st_mode) == 0o644
+
+
+def test_checkpoint_round_trip(node: Node, run: Run) -> None:
+    ref = node.claim(("vf", VF), ("dpdk", VFIO))
+    prepare(run, node.service, ref)
+    loaded = Checkpoint(node.settings.plugin_dir, DRIVER).load()
+    assert loaded == dict(node.service.prepared)
+    # Another driver's checkpoint is not ours to trust.
+    assert Checkpoint(node.settings.plugin_dir, "other.example.com").load() == {}
+
+
+def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(run: Run, node: Node) -> None:
+    # gRPC cancels a handler when the kubelet's deadline passes; the file writes run in a thread that
+    # cancellation cannot stop, so the next call must not start its own writes (and state update)
+    # before that thread has finished.
+    import asyncio
+    import threading
+
+    release = threading.Event()
+    inside = threading.Event()
+    active: list[int] = []
+    overlaps: list[int] = []
+    store = node.service._store
+
+    def slow_store(plans: Any) -> dict[str, str]:
+        active.append(1)
+        if len(active) > 1:
+            overlaps.append(1)
+        inside.set()
+        release.wait(10)
+        try:
+            return store(plans)
+        finally:
+            active.pop()
+
+    node.service._store = slow_store  # type: ignore[method-assign]
+    a, b = node.claim(("vf", VF)), node.claim(("vf", VF2))
+
+    async def main() -> None:
+        first = asyncio.ensure_future(node.service.prepare([a]))
+        while not inside.is_set():
+            await asyncio.sleep(0.001)
+        first.cancel()
+        second = asyncio.ensure_future(node.service.prepare([b]))
+        await asyncio.sleep(0.05)  # lets a second call reach its writes if the lock were free
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert (await second)[b.uid].error == ""
+
+    run(main())
+    assert overlaps == []
+    assert set(node.service.prepared) == {a.uid, b.uid}  # the cancelled call's writes still counted
+
+
+def test_an_unprepare_that_cannot_remove_files_fails_and_a_retry_finishes(
+    run: Run, node: Node, tmp_path: Path
+) -> None:
+    ref = node.claim(("vf", VF))
+    assert prepare(run, node.service, ref)[ref.uid].error == ""
+    cdi_dir = node.settings.cdi_dir
+    moved = tmp_path / "cdi-real"
+    cdi_dir.rename(moved)
+    cdi_dir.symlink_to(moved)  # a planted symlink: nothing is removed through it
+    error = run(node.service.unprepare([ref]))[ref.uid]
+    assert "cannot remove its files" in error and "symlink" in error
+    assert set(node.service.prepared) == {ref.uid} and node.service.held() == {VF: ref}
+    assert (moved / f"densedev_dra_{DRIVER}_{ref.uid}.json").exists()
+    cdi_dir.unlink()
+    moved.rename(cdi_dir)
+    assert run(node.service.unprepare([ref])) == {ref.uid: ""}
+    assert node.service.prepared == {} and list(cdi_dir.iterdir()) == []
+
+
+_text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+
+
+@st.composite
+def prepared_claims(draw: st.DrawFn) -> dict[str, PreparedClaim]:
+    """Random prepared claims: any text in names and documents, as a corrupt reader could hand us."""
+    out: dict[str, PreparedClaim] = {}
+    for n in range(draw(st.integers(0, 4))):
+        uid = f"uid-{n}-{draw(st.integers(0, 99))}"
+        devices = tuple(
+            PreparedDevice(
+                (draw(_text),), draw(_text), draw(_text), draw(_text), (draw(_text),), draw(st.booleans())
+            )
+            for _ in range(draw(st.integers(0, 3)))
+        )
+        spec = draw(
+            st.dictionaries(_text, st.one_of(_text, st.integers(), st.lists(_text, max_size=3)), max_size=3)
+        )
+        info = tuple(
+            InfoFile(draw(_text), draw(_text), draw(_text), {"k": draw(_text)})
+            for _ in range(draw(st.integers(0, 2)))
+        )
+        out[uid] = PreparedClaim(ClaimRef(draw(_text), draw(_text), uid), devices, f"s-{n}.json", spec, info)
+    return out
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(prepared_claims(), prepared_claims())
+def test_checkpoint_bytes_round_trip_with_and_without_cached_entries(
+    first: dict[str, PreparedClaim], second: dict[str, PreparedClaim]
+) -> None:
+    merged = {**first, **second}
+    plain = encode_checkpoint(DRIVER, merged)
+    reused = {uid: encode_claim(c) for uid, c in first.items() if merged[uid] is c}
+    cached = encode_checkpoint(DRIVER, merged, reused)
+    assert cached == plain
+    assert decode_checkpoint(DRIVER, plain) == merged
+    # The checksum covers the entries: any change to one is refused.
+    if merged:
+        doc = json.loads(plain)
+        doc["claims"][0]["name"] += "x"
+        with pytest.raises(CheckpointError, match="checksum"):
+            decode_checkpoint(DRIVER, json.dumps(doc).encode())
