@@ -152,6 +152,11 @@ class PluginServer:
             if port == 0:
                 raise OSError(f"{self.resource}: cannot listen on {address}")
             _restrict_socket(self.socket_path)
+            # The identity of the socket we bound, read before start: a kubelet restart may delete the
+            # socket at any moment (its device manager removes every socket in the directory), and
+            # the registration loop must then see ours gone rather than this start fail half-done.
+            # ctime too: on ext4 a deleted socket's inode number is soon reused by the next one.
+            st = os.lstat(self.socket_path)
             await server.start()
         except BaseException:
             # Without an explicit stop, the half-made server's finaliser runs after the loop is gone.
@@ -159,8 +164,6 @@ class PluginServer:
             raise
         self._stopping = asyncio.Event()
         self._server = server
-        st = os.lstat(self.socket_path)
-        # ctime too: on ext4 a deleted socket's inode number is soon reused by the next one.
         self._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
 
