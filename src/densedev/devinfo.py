@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -54,14 +53,7 @@ def parse_name(name: str) -> tuple[str, str] | None:
 
 def read_owners(directory: Path) -> set[str]:
     """Return the stems recorded as densedev's in ``directory`` (empty when there is no record)."""
-    try:
-        dirfd = files.open_dir(directory)
-    except OSError:
-        return set()
-    try:
-        data = files.read_if_regular(dirfd, OWNED_RECORD, limit=1 << 20)
-    finally:
-        os.close(dirfd)
+    data = files.read_regular(directory, OWNED_RECORD, limit=1 << 20)
     if data is None:
         return set()
     try:

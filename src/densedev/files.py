@@ -118,6 +118,22 @@ def read_if_regular(dirfd: int, name: str, limit: int = MAX_READ) -> bytes | Non
         os.close(fd)
 
 
+def read_regular(directory: Path, name: str, limit: int = MAX_READ) -> bytes | None:
+    """Return the content of a regular file ``name`` in ``directory``, or None if it cannot be read so.
+
+    None also when the directory is absent, a symlink or unreadable: what callers read this way (our
+    own records and specs) is then simply not there.
+    """
+    try:
+        dirfd = open_dir(directory)
+    except OSError:
+        return None
+    try:
+        return read_if_regular(dirfd, name, limit)
+    finally:
+        os.close(dirfd)
+
+
 def temp_name(name: str) -> str:
     """Return a fresh temporary name for ``name``: hidden (runtimes load only *.json), unguessable."""
     return f".{name}.{secrets.token_hex(8)}{TMP_SUFFIX}"

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,14 +122,7 @@ def _list(directory: Path, problems: list[str]) -> list[str]:
 
 def _spec_devices(directory: Path, name: str) -> set[str]:
     """Return the device names a spec file lists (empty when it cannot be read as a spec)."""
-    try:
-        dirfd = files.open_dir(directory)
-    except OSError:
-        return set()
-    try:
-        data = files.read_if_regular(dirfd, name, MAX_SPEC_READ)
-    finally:
-        os.close(dirfd)
+    data = files.read_regular(directory, name, MAX_SPEC_READ)
     if data is None:
         return set()
     try:
