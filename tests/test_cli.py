@@ -117,3 +117,40 @@ def test_scan_json_and_scan_config_json_share_field_names(
     for d in pooled:
         same = plain[d["device"]]
         assert (same["device_code"], same["numa"]) == (d["device_code"], d["numa"])
+
+
+def test_scan_escapes_control_characters_in_names_read_from_sysfs(
+    tmp_path: Path, child_env: dict[str, str]
+) -> None:
+    # The kernel's dev_valid_name() refuses only '/', ':', whitespace and "."/".." in interface names, so
+    # an ESC sequence can name a netdev; `scan` must not send it to the operator's terminal raw.
+    import os
+
+    from densedev.testing import simnode
+
+    sysfs = tmp_path / "sys"
+    layout = simnode.build_node(sysfs, pfs=1, vfs_per_pf=2)
+    old = layout.pfs[0].netdev
+    evil = old + "\x1b[2J"
+    link = sysfs / "class" / "net" / old
+    target = os.readlink(link)
+    (link.parent / target).rename(link.parent / (target.rsplit("/", 1)[0] + "/" + evil))
+    link.unlink()
+    (link.parent / evil).symlink_to(target.rsplit("/", 1)[0] + "/" + evil)
+    for extra in ([], ["--config", str(_write_one_pool(tmp_path))]):
+        done = subprocess.run(
+            [sys.executable, "-m", "densedev.cli", "scan", "--sysfs-root", str(sysfs), *extra],
+            env=child_env,
+            capture_output=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert b"\x1b" not in done.stdout and b"\x1b" not in done.stderr
+        if not extra:  # the device table names every netdev: there it shows, escaped
+            assert rb"\x1b[2J" in done.stdout
+
+
+def _write_one_pool(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"resourceList": [{"resourceName": "vf", "selectors": {"drivers": ["x"]}}]}))
+    return path

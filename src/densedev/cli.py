@@ -361,7 +361,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
             json.dump({"devices": [_device_json(d) for d in table.devices]}, sys.stdout, indent=1)
             print()
         else:
-            print(discovery.format_table(table))
+            _print_escaped(discovery.format_table(table))
         return 0
     try:
         cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
@@ -374,8 +374,19 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
-        print(selectors.format_table(result))
+        _print_escaped(selectors.format_table(result))
     return 0
+
+
+def _print_escaped(text: str) -> None:
+    """Print a report line by line with control characters escaped.
+
+    Names come from sysfs, and the kernel's dev_valid_name() lets an interface name hold an escape
+    sequence: a report must not hand it to the operator's terminal (JSON output escapes by itself).
+    """
+    from .printable import escape
+
+    print("\n".join(escape(line) for line in text.split("\n")))
 
 
 def _device_json(d: Any) -> dict[str, Any]:
