@@ -207,8 +207,8 @@ def draw_cdf(records: list[Record]) -> Drawn | Missing:
     fig.suptitle("PF down → kubelet latency (cumulative)")
     d = docs[-1]
     caption = (
-        f"Real veth links in a network namespace; the daemon as its own process; coalescing window and "
-        f"hold-down {d['hold_down_s']} s included. Largest node: p50 {d['down_p50_ms']} ms, p99 "
+        f"Real veth links in a network namespace, the daemon as its own process, its coalescing window "
+        f"included (hold-down {d['hold_down_s']:g} s). Largest node: p50 {d['down_p50_ms']} ms, p99 "
         f"{d['down_p99_ms']} ms, max {d['down_max_ms']} ms over {d['flips']} flips."
     )
     if summary_only:
@@ -291,8 +291,10 @@ def draw_idle(records: list[Record]) -> Drawn | Missing:
         ax.grid(True, alpha=0.3)
     fig.suptitle("idle CPU and memory vs node size")
     caption = (
-        "Nothing changes while idle: only the daemon's timers run (the full reconcile every 60 s falls "
-        "in a 60 s window of a full run, not in --quick's 3 s)." + _one_size_note(docs)
+        f"Nothing changes while idle: only the daemon's timers run. A full reconcile comes every 60 s by "
+        f"default, so the {docs[-1]['idle_s']:g} s window here "
+        + ("holds about one." if docs[-1]["idle_s"] >= 60 else "may hold none (a full run idles 60 s).")
+        + _one_size_note(docs)
     )
     return Drawn(_png(fig), caption)
 
