@@ -107,6 +107,16 @@ def _size_axis(ax: Any, sizes: list[int], label: str = "node size (VFs)") -> Non
     )
 
 
+def _log_ms(ax: Any) -> None:
+    """A log y axis labelled in plain numbers at 1, 2 and 5 of each decade, so narrow ranges get labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+
+
 def _headroom(ax: Any, values: list[float]) -> None:
     """A linear y axis from 0 with a quarter of headroom above the highest value, for the legend."""
     ax.set_ylim(0, max(values) * 1.3 if max(values) > 0 else 1)
@@ -136,21 +146,19 @@ def draw_scan(records: list[Record]) -> Drawn | Missing:
             ax.annotate(f"{y:.3g} ms", (x, y), textcoords="offset points", xytext=(6, -12), fontsize=8)
     ax.plot([], [], "--", color="grey", alpha=0.6, label="linear: time ∝ VFs, through the smallest node")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
     ax.set_xticks(vfs, [f"{v:,}" for v in vfs])
     ax.minorticks_off()
+    _log_ms(ax)
     ax.set_xlim(lo, hi)
     ax.set_xlabel("VFs on the node" + (" (with RDMA)" if doc.get("rdma") else ""))
     ax.set_ylabel("scan time (ms, log)")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.suptitle("sysfs scan time vs VF count")
-    parts = []
-    for n in nodes:
-        if "ratio" in n:
-            parts.append(f"{n['vfs']:,} VFs: twin {n['ratio']} times slower")
-    caption = "Points above their dashed line grow faster than linearly. " + "; ".join(parts)
-    caption += "." if parts else ""
+    ratios = [f"{n['ratio']} at {n['vfs']:,} VFs" for n in nodes if "ratio" in n]
+    caption = "Points above their dashed line grow faster than linearly."
+    if ratios:
+        caption += " Twin time over extension time: " + ", ".join(ratios) + "."
     if not doc.get("extension"):
         caption += " The extension was not built: only the twin is drawn."
     if len(nodes) == 1:
@@ -322,7 +330,7 @@ def draw_preferred(records: list[Record]) -> Drawn | Missing:
                label=f"{label} p99")  # fmt: skip
         ax.plot([x for x, _ in have], [v["p50_ms"] for _, v in have], "_", color="black", ms=14, mew=2)
     ax.plot([], [], "_", color="black", ms=14, mew=2, label="p50")
-    ax.set_yscale("log")
+    _log_ms(ax)
     ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
     ax.set_xlabel("policy and devices requested (+pin: one device the kubelet must include)")
     ax.set_ylabel("ms per call (log)")
