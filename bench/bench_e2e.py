@@ -196,6 +196,9 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         "daemon_rss_after_idle_mib": round(rss_after, 1),
         "daemon_exit_code": code,
         "mean_down_ms": round(statistics.fmean(down_lat) * 1e3, 3),
+        # Every sample, so a report can draw the distribution rather than two percentiles of it.
+        "down_ms": [round(x * 1e3, 3) for x in down_lat],
+        "up_ms": [round(x * 1e3, 3) for x in up_lat],
     }
 
 
