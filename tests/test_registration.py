@@ -91,8 +91,10 @@ def test_waits_for_an_absent_kubelet(run: Run, sock_dir: Path) -> None:
             kubelet = KubeletEmulator(sock_dir)
             await kubelet.start()  # deletes our socket, as the kubelet does at start
             try:
-                await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 8, GUARD)
-                assert runner.registered and runner.registrations == 1
+                # The kubelet dials ListAndWatch as soon as its Register handler returns, which may be
+                # before our side has read that answer: wait for both, not the first.
+                await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 8 and runner.registered, GUARD)
+                assert runner.registrations == 1
             finally:
                 await kubelet.stop()
         finally:
