@@ -16,6 +16,7 @@ from pathlib import Path
 import uvloop
 
 from . import __version__, accel
+from .dra import commands as dra_commands
 
 log = logging.getLogger("densedev.cli")
 
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox")
     demo.add_argument("--flip-interval", type=float, default=0.5, help="seconds between health flips")
     demo.add_argument("--workdir", type=Path, default=None, help="keep the simulated node here")
+    dra_commands.add_parsers(sub, _add_common, DEFAULT_PREFIX)  # dra-slices, dra-manifests
     return parser
 
 
@@ -256,8 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _setup_logging(args)
     except ValueError as exc:  # a log level or format the user mistyped: usage and one line, exit 2
         parser.error(str(exc))
-    if args.command in ("check-config", "scan", "simulate"):
-        command = {"check-config": _cmd_check, "scan": _cmd_scan, "simulate": _cmd_simulate}[args.command]
+    simple = {
+        "check-config": _cmd_check,
+        "scan": _cmd_scan,
+        "simulate": _cmd_simulate,
+        **dra_commands.COMMANDS,
+    }
+    if args.command in simple:
+        command = simple[args.command]
         try:
             code = command(args)
             sys.stdout.flush()  # inside the try: a reader gone before the last buffer is flushed
