@@ -193,6 +193,10 @@ class ApiServerStandIn:
         self.writes: Counter[str] = Counter()  # per slice name: creates + updates + deletes
         self.requests: Counter[str] = Counter()  # per "METHOD kind" ("PUT resourceslices", "GET node" ...)
         self.rejected: list[str] = []  # every 422 message, for tests to show
+        # Faults: the next ``fail_writes`` writes get 500; ``on_write(method, name)`` runs as a write
+        # arrives, before it is checked (another writer slipping in: a real 409 follows).
+        self.fail_writes = 0
+        self.on_write: Any = None
         self._rv = 0
         self._events: list[tuple[int, str, dict[str, Any]]] = []
         self._watchers: list[_Watcher] = []
@@ -329,6 +333,14 @@ class ApiServerStandIn:
         except ValueError:
             raise web.HTTPBadRequest(text="body is not JSON") from None
 
+    def _fault(self, method: str, name: str) -> web.Response | None:
+        if self.on_write is not None:
+            self.on_write(method, name)
+        if self.fail_writes > 0:
+            self.fail_writes -= 1
+            return _status(500, "InternalError", "stand-in: injected failure")
+        return None
+
     def _invalid(self, exc: _Invalid, name: str) -> web.Response:
         message = f'ResourceSlice.{GROUP} "{name}" is invalid: {exc}'
         self.rejected.append(message)
@@ -418,6 +430,8 @@ class ApiServerStandIn:
         obj = await self._body(request)
         self.requests["POST resourceslices"] += 1
         name = str((obj.get("metadata") or {}).get("name", "")) if isinstance(obj, dict) else ""
+        if (fault := self._fault("POST", name)) is not None:
+            return fault
         try:
             self._check_write(obj, version, None)
         except _Invalid as exc:
@@ -445,6 +459,8 @@ class ApiServerStandIn:
         name = request.match_info["name"]
         obj = await self._body(request)
         self.requests["PUT resourceslices"] += 1
+        if (fault := self._fault("PUT", name)) is not None:
+            return fault
         old = self.slices.get(name)
         if old is None:
             return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
@@ -471,6 +487,8 @@ class ApiServerStandIn:
         self._version(request)
         name = request.match_info["name"]
         self.requests["DELETE resourceslices"] += 1
+        if (fault := self._fault("DELETE", name)) is not None:
+            return fault
         old = self.slices.get(name)
         if old is None:
             return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
