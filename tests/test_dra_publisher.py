@@ -411,3 +411,29 @@ def test_claim_reader_reads_claims_and_tokens_are_required(run: Run) -> None:
             await client.close()
 
     run(main())
+
+
+def test_kubeconfig_is_read_for_server_and_token(run: Run, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+
+    async def main() -> None:
+        async with ApiServerStandIn(token="t0ken") as srv:
+            srv.add_node(NODE)
+            kubeconfig.write_text(
+                json.dumps(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "clusters": [{"name": "c", "cluster": {"server": srv.url}}],
+                        "users": [{"name": "u", "user": {"token": "t0ken"}}],
+                        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                        "current-context": "x",
+                    }
+                )
+            )
+            client = await ResourceClient.from_kubeconfig(kubeconfig)
+            assert await client.discover() is slices.ApiVersion.V1
+            assert (await client.get_node(NODE))["metadata"]["name"] == NODE
+            await client.close()
+
+    run(main())

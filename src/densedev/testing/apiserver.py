@@ -533,3 +533,25 @@ class ApiServerStandIn:
         if node is None:
             return _status(404, "NotFound", f'nodes "{name}" not found')
         return web.json_response(node)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    import uvloop
+
+    p = argparse.ArgumentParser(description="API-server stand-in for DRA (benchmarks, manual tests)")
+    p.add_argument("--versions", default="v1,v1beta1")
+    p.add_argument("--no-validate", action="store_true", help="skip schema checks (measure the driver alone)")
+    p.add_argument("--node", action="append", default=[], help="create this Node (repeatable)")
+    a = p.parse_args()
+
+    async def _main() -> None:
+        async with ApiServerStandIn(a.versions.split(","), validate=not a.no_validate) as srv:
+            for n in a.node:
+                srv.add_node(n)
+            print(srv.url, flush=True)
+            await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_main())
