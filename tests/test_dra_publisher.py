@@ -85,10 +85,11 @@ async def published(
     versions: tuple[str, ...] = ("v1", "v1beta1"),
     clock: Clock | None = None,
     before: Callable[[ResourceClient], Coroutine[Any, Any, None]] | None = None,
+    drop_taints: bool = False,
     **knobs: Any,
 ) -> AsyncIterator[tuple[ApiServerStandIn, Publisher, ResourceClient]]:
     """A stand-in, a publisher of ``pools`` started against it and idle, and a second (kubelet's) client."""
-    async with ApiServerStandIn(versions) as srv:
+    async with ApiServerStandIn(versions, drop_taints=drop_taints) as srv:
         srv.add_node(NODE)
         other = ResourceClient.for_url(srv.url)
         await other.discover()
@@ -435,5 +436,34 @@ def test_kubeconfig_is_read_for_server_and_token(run: Run, tmp_path: Path) -> No
             assert await client.discover() is slices.ApiVersion.V1
             assert (await client.get_node(NODE))["metadata"]["name"] == NODE
             await client.close()
+
+    run(main())
+
+
+def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    down = set(node.pfs[1].vf_addresses)
+
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock, taints=True) as (srv, pub, _):
+            assert len(srv.node_slices(NODE)) == 2 * S  # 64 devices a slice with taints
+            clock.now += 10
+            pub.update(unhealthy=down)
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            tainted = [d for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
+            assert len(tainted) == 256 and len(_devices(srv)) == N and pub.writes == 2 * S + 4
+        # A server with the DRADeviceTaints gate off drops them silently: withdraw instead, or the
+        # unhealthy devices would look healthy.
+        clock = Clock()
+        async with published(pools, clock=clock, taints=True, drop_taints=True) as (srv, pub, _):
+            clock.now += 10
+            pub.update(unhealthy=down)
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.taints_dropped
+            got = srv.node_slices(NODE)
+            assert len(got) == S and len(_devices(srv)) == N - 256
+            assert {s["spec"]["pool"]["generation"] for s in got} == {2}
 
     run(main())

@@ -109,6 +109,9 @@ class Publisher:
         self.conflicts = 0
         self.errors = 0
         self.deferred: set[str] = set()  # slices waiting for their rate limit
+        # The API server dropped the taints we wrote (DRADeviceTaints is off: alpha in 1.33-1.35, and
+        # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
+        self.taints_dropped = False
 
     # ----------------------------------------------------------------------------------------- input
     def update(
@@ -167,7 +170,8 @@ class Publisher:
         """Return the slice builder of the current pools (made on first use after a change)."""
         if self._builder is None:
             s = self.settings
-            self._builder = SliceBuilder(s.node, s.driver, self._pools, version=self.version, taints=s.taints)
+            taints = s.taints and not self.taints_dropped
+            self._builder = SliceBuilder(s.node, s.driver, self._pools, version=self.version, taints=taints)
         return self._builder
 
     # ------------------------------------------------------------------------------------- reflector
@@ -392,6 +396,14 @@ class Publisher:
                         continue
                     raise
                 self._mirror[st.name] = stored
+                if self._taints_lost(st, stored):
+                    log.warning(
+                        "dra: the API server dropped device taints (feature gate DRADeviceTaints off?); "
+                        "withdrawing unhealthy devices from the slices instead"
+                    )
+                    self.taints_dropped = True
+                    self._builder = None
+                    return 0.0  # again at once, with the new layout
                 self._written[st.name] = (
                     stored["metadata"].get("resourceVersion"),
                     st,
@@ -404,6 +416,15 @@ class Publisher:
             else:
                 wait = 0.0 if wait is None else min(wait, self.settings.backoff_min_s)
         return wait
+
+    @staticmethod
+    def _taints_lost(state: SliceState, stored: dict[str, Any]) -> bool:
+        """Return whether we sent tainted devices and the stored slice has fewer tainted ones."""
+        sent = sum(tainted for _, tainted in state.devices)
+        if not sent:
+            return False
+        kept = sum(bool(d.get("taints")) for d in stored.get("spec", {}).get("devices") or ())
+        return kept < sent
 
     def _same(self, have: dict[str, Any], want: dict[str, Any]) -> bool:
         hm, wm = have.get("metadata", {}), want["metadata"]

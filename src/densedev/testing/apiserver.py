@@ -183,8 +183,11 @@ class ApiServerStandIn:
         *,
         validate: bool = True,
         token: str | None = None,
+        drop_taints: bool = False,
     ) -> None:
         self.versions = tuple(versions)
+        # Plays a server with the DRADeviceTaints gate off: device taints are dropped silently on write.
+        self.drop_taints = drop_taints
         self.validate = validate
         self.token = token
         self.slices: dict[str, dict[str, Any]] = {}
@@ -300,6 +303,10 @@ class ApiServerStandIn:
                 w.queue.put_nowait({"type": kind, "object": obj})
 
     def _store(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.drop_taints:
+            for d in (obj.get("spec") or {}).get("devices") or ():
+                d.pop("taints", None)
+                (d.get("basic") or {}).pop("taints", None)
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self.slices[obj["metadata"]["name"]] = obj
         self._emit(kind, obj)
