@@ -41,6 +41,7 @@ from .slices import ApiVersion, SliceBuilder, SliceState, node_owner
 log = logging.getLogger("densedev.dra.publisher")
 
 MAX_CONFLICT_RETRIES = 5  # per slice per pass; then the backoff takes over
+WRITES_IN_FLIGHT = 8  # concurrent slice writes of one pass
 
 
 @dataclass(frozen=True)
@@ -365,6 +366,7 @@ class Publisher:
             self._wrote(name)
 
         count = len(states)
+        todo: list[tuple[SliceState, dict[str, Any]]] = []
         for st in states:
             held = self._mirror.get(st.name)
             if held is not None:
@@ -373,49 +375,68 @@ class Publisher:
                 if sent == (held["metadata"].get("resourceVersion"), st, generation, count, bool(owner)):
                     continue
             want = builder.render(st, generation, count, owner)
-            for _attempt in range(MAX_CONFLICT_RETRIES):
-                have = self._mirror.get(st.name)
-                if have is not None and self._same(have, want):
-                    break
-                if not allowed(st.name):
-                    break
-                try:
-                    if have is None:
-                        stored = await self._client.create_slice(want)
-                    else:
-                        want["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
-                        stored = await self._client.replace_slice(want)
-                except ApiError as exc:
-                    if exc.status == 409:
-                        # Stale resourceVersion, or created meanwhile: read it fresh and go again.
-                        self.conflicts += 1
-                        await self._refresh(st.name)
-                        continue
-                    if exc.status == 404 and have is not None:
-                        self._mirror.pop(st.name, None)  # deleted under us: create it
-                        continue
-                    raise
-                self._mirror[st.name] = stored
-                if self._taints_lost(st, stored):
+            if held is not None and self._same(held, want):
+                continue
+            if allowed(st.name):
+                todo.append((st, want))
+        if not todo:
+            return wait
+        # A few writes in flight at once: the API server works on one while we encode the next (a
+        # PF's two slices go out together; a start's creates do not queue one behind the other).
+        gate = asyncio.Semaphore(WRITES_IN_FLIGHT)
+
+        async def one(st: SliceState, want: dict[str, Any]) -> bool:
+            async with gate:
+                return await self._write(st, want, generation, count, bool(owner))
+
+        done = await asyncio.gather(*(one(st, want) for st, want in todo), return_exceptions=True)
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
+        if self.taints_dropped and self._builder is None:
+            return 0.0  # the layout changes (see _write): again at once
+        if not all(done):
+            wait = 0.0 if wait is None else min(wait, self.settings.backoff_min_s)
+        return wait
+
+    async def _write(
+        self, st: SliceState, want: dict[str, Any], generation: int, count: int, owned: bool
+    ) -> bool:
+        """Create or replace one slice, retrying conflicts after a fresh read; False if they never end."""
+        for _attempt in range(MAX_CONFLICT_RETRIES):
+            have = self._mirror.get(st.name)
+            if have is not None and self._same(have, want):
+                return True
+            try:
+                if have is None:
+                    stored = await self._client.create_slice(want)
+                else:
+                    want["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+                    stored = await self._client.replace_slice(want)
+            except ApiError as exc:
+                if exc.status == 409:
+                    # Stale resourceVersion, or created meanwhile: read it fresh and go again.
+                    self.conflicts += 1
+                    await self._refresh(st.name)
+                    continue
+                if exc.status == 404 and have is not None:
+                    self._mirror.pop(st.name, None)  # deleted under us: create it
+                    continue
+                raise
+            self._mirror[st.name] = stored
+            self._wrote(st.name)
+            if self._taints_lost(st, stored):
+                if not self.taints_dropped:
                     log.warning(
                         "dra: the API server dropped device taints (feature gate DRADeviceTaints off?); "
                         "withdrawing unhealthy devices from the slices instead"
                     )
-                    self.taints_dropped = True
-                    self._builder = None
-                    return 0.0  # again at once, with the new layout
-                self._written[st.name] = (
-                    stored["metadata"].get("resourceVersion"),
-                    st,
-                    generation,
-                    count,
-                    bool(owner),
-                )
-                self._wrote(st.name)
-                break
-            else:
-                wait = 0.0 if wait is None else min(wait, self.settings.backoff_min_s)
-        return wait
+                self.taints_dropped = True
+                self._builder = None
+                return True
+            self._written[st.name] = (stored["metadata"].get("resourceVersion"), st, generation, count, owned)
+            return True
+        return False
 
     @staticmethod
     def _taints_lost(state: SliceState, stored: dict[str, Any]) -> bool:
