@@ -113,6 +113,7 @@ class Publisher:
         # The API server dropped the taints we wrote (DRADeviceTaints is off: alpha in 1.33-1.35, and
         # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
         self.taints_dropped = False
+        self._layout_checked: SliceBuilder | None = None  # the plan the mirror was last checked against
 
     # ----------------------------------------------------------------------------------------- input
     def update(
@@ -202,6 +203,9 @@ class Publisher:
                 self.poke()
         else:
             self._mirror[name] = obj
+            sent = self._written.get(name)
+            if sent is None or sent[0] != obj["metadata"].get("resourceVersion"):
+                self._layout_checked = None  # someone else's content: look for moved devices again
             self.poke()
 
     def _merge_list(self, items: Sequence[dict[str, Any]]) -> None:
@@ -216,6 +220,7 @@ class Publisher:
             if old is not None and new is not None and old > new:
                 fresh[name] = have
         self._mirror = fresh
+        self._layout_checked = None
 
     async def _reflect(self) -> None:
         delay = self.settings.backoff_min_s
@@ -313,6 +318,8 @@ class Publisher:
             return current + 1
         if any(int(s["spec"]["pool"].get("resourceSliceCount", 0)) != len(states) for s in mirror.values()):
             return current + 1
+        if self._layout_checked is self._builder:
+            return current  # the mirror holds only what this plan wrote: no device can have moved
         # A device published in one slice and wanted in another: move everything to a new generation.
         where: dict[str, str] = {}
         for name, s in mirror.items():
@@ -322,6 +329,7 @@ class Publisher:
             for dname, _ in st.devices:
                 if where.get(dname, st.name) != st.name:
                     return current + 1
+        self._layout_checked = self._builder
         return current
 
     async def sync_once(self) -> float | None:
@@ -460,6 +468,7 @@ class Publisher:
         self._last_write[name] = self._clock()
 
     async def _refresh(self, name: str) -> None:
+        self._layout_checked = None
         try:
             self._mirror[name] = await self._client.get_slice(name)
         except ApiError as exc:

@@ -165,6 +165,12 @@ class SliceBuilder:
         self.per_slice = MAX_DEVICES_TAINTED if self.taints else MAX_DEVICES
         self.groups = plan(node, driver, pools, self.per_slice)
         self.by_name = {g.name: g for g in self.groups}
+        # Every slice as shown with nothing unhealthy or withheld, and which slice holds each device:
+        # a change then costs the devices it names, not a pass over the node (16k devices: 6 ms).
+        self._full = tuple(
+            SliceState(g.name, tuple((name, False) for name, _d, _f in g.members)) for g in self.groups
+        )
+        self._group_of = {d.id: k for k, g in enumerate(self.groups) for _n, d, _f in g.members}
         self._devices: dict[str, dict[str, Any]] = {}
         self._taint = [{"key": f"{driver}/{TAINT_KEY}", "effect": "NoSchedule"}]
 
@@ -172,9 +178,11 @@ class SliceBuilder:
         self, unhealthy: Collection[str] = (), withheld: Collection[str] = ()
     ) -> tuple[SliceState, ...]:
         """Return what every slice shows for these unhealthy and withheld device IDs (PCI addresses)."""
-        out: list[SliceState] = []
+        out = list(self._full)
         taints = self.taints
-        for g in self.groups:
+        touched = {self._group_of[i] for ids in (unhealthy, withheld) for i in ids if i in self._group_of}
+        for k in sorted(touched):
+            g = self.groups[k]
             shown: list[tuple[str, bool]] = []
             for name, d, _full in g.members:
                 if d.id in withheld:
@@ -183,7 +191,7 @@ class SliceBuilder:
                 if bad and not taints:
                     continue
                 shown.append((name, bad))
-            out.append(SliceState(g.name, tuple(shown)))
+            out[k] = SliceState(g.name, tuple(shown))
         return tuple(out)
 
     def _device(self, name: str, d: Device, full: str, tainted: bool) -> dict[str, Any]:
