@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TextIO
 import uvloop
 
 from . import __version__, accel
+from .dra import commands as dra_commands
 
 log = logging.getLogger("densedev.cli")
 
@@ -319,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="once listed, allocate COUNT healthy devices of RESOURCE and print the env (repeatable)",
     )
     emu.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
+    dra_commands.add_parsers(sub, _add_common, DEFAULT_PREFIX)  # dra-slices, dra-manifests
     return parser
 
 
@@ -596,7 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(
-            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator"
+            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator, "
+            "dra-slices, dra-manifests"
         )
     _setup_logging(args)
     # gRPC core writes its own lines (chttp2 GOAWAY notes, add_port errors) straight to stderr in its
@@ -642,6 +645,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _cmd_scan(args)
     if args.command == "simulate":
         return _cmd_simulate(args)
+    if args.command in dra_commands.COMMANDS:
+        return dra_commands.COMMANDS[args.command](args)
     if args.command == "run":
         log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
         sys.setswitchinterval(SWITCH_INTERVAL_S)
