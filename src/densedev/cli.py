@@ -205,6 +205,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
     )
     run.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or None,
+        help="this node's name, for pools served through DRA (default $NODE_NAME)",
+    )
+    run.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="kubeconfig for the API server DRA publishes to (default: the in-cluster service account)",
+    )
+    run.add_argument(
+        "--kubelet-plugins-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins"),
+        help="where the DRA plugin socket and its claims checkpoint live",
+    )
+    run.add_argument(
+        "--kubelet-registry-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins_registry"),
+        help="the kubelet's plugin registry (DRA registration)",
+    )
+    run.add_argument(
+        "--dra-taints",
+        action="store_true",
+        help="taint unhealthy DRA devices NoSchedule instead of withdrawing them from their ResourceSlice",
+    )
+    run.add_argument(
         "--pod-resources-socket",
         type=Path,
         default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
@@ -507,6 +535,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from . import config as config_mod
+    from .dra.driver import DraSettings
     from .manager import Daemon, DaemonSettings
     from .preflight import InstanceLock, PreflightError, kubelet_dir_problem
 
@@ -542,6 +571,13 @@ async def _serve(args: argparse.Namespace) -> int:
         if str(args.pod_resources_socket) not in ("", ".")
         else None,
         start_timeout_s=args.start_timeout,
+        dra=DraSettings(
+            node_name=args.node_name,
+            kubeconfig=args.kubeconfig,
+            plugins_dir=args.kubelet_plugins_dir,
+            registry_dir=args.kubelet_registry_dir,
+            taints=args.dra_taints,
+        ),
     )
     if args.netlink_rcvbuf is not None:
         settings = dataclasses.replace(settings, netlink_rcvbuf=args.netlink_rcvbuf)
