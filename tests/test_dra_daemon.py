@@ -337,3 +337,20 @@ def test_one_ownership_map_holds_devices_across_both_apis(node: Node) -> None:
     assert own.set_claimed([]) is True
     assert own.held == {pf0[0]: frozenset({DP}), pf1[3]: frozenset({DP})}
     assert own.split(raw)[1] == {DRA: (pf1[3],)}
+
+
+def test_a_reload_adding_the_first_dra_pool_starts_the_driver(run: Run, node: Node) -> None:
+    node.write([pool("dp", [node.pf0.netdev])])
+
+    async def main() -> None:
+        async with cluster(node) as c:
+            daemon = c.daemon
+            assert daemon is not None
+            await c.kubelet.wait_for(lambda: bool(c.kubelet.devices(DP)), GUARD_S)
+            # A node that never served DRA touches nothing of it: no driver, no socket, no slice.
+            assert daemon.dra is None and not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
+            node.write([pool("dp", [node.pf0.netdev]), pool("dra", [node.pf1.netdev], api="dra")])
+            await c.until(lambda: node.published() == by_name(node.pf1.vf_addresses), "published")
+            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+
+    run(main())

@@ -25,6 +25,7 @@ from . import accel, cdi, discovery, leftovers, selectors
 from . import config as config_mod
 from ._proto import api_pb2
 from .allocation import AllocationSettings, PoolAllocator
+from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
 from .feed import PoolFeed
 from .health import Coalescer, HealthTracker, PoolUpdate
@@ -1062,6 +1063,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
+            self._dra_recover()  # the first DRA pool of this run
             # The window may have changed: a new coalescer, but the old one's pending flush must neither
             # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
             pending = self._coalescer.pending
@@ -1107,10 +1109,15 @@ class Daemon:
     # ----------------------------------------------------------------------------------- DRA
     def _dra_recover(self) -> None:
         """Build the DRA driver and count the devices its prepared claims hold (before serving)."""
-        if self.settings.dra is None or self.dra is not None:
+        dra = self.settings.dra
+        if dra is None or self.dra is not None:
+            return
+        # Nothing to do for a node that never served DRA: no DRA pool and no claims checkpoint.
+        checkpoint = dra.plugins_dir / self.config.dra_driver_name / CLAIMS_CHECKPOINT
+        if not any(p.api is PoolApi.DRA for p in self.config.pools) and not os.path.lexists(checkpoint):
             return
         self.dra = DraDriver(
-            self.settings.dra,
+            dra,
             self.config.dra_driver_name,
             cdi_dir=self.settings.cdi_dir,
             devinfo_dir=self.settings.devinfo_dir,
