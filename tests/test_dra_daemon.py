@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -354,3 +356,35 @@ def test_a_reload_adding_the_first_dra_pool_starts_the_driver(run: Run, node: No
             await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
 
     run(main())
+
+
+def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str]) -> None:
+    short = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))  # the DRA sockets live under it
+    small = ["--seconds", "1", "--pfs", "2", "--vfs-per-pf", "8", "--flip-interval", "0.2"]
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "densedev.cli",
+                "demo",
+                "--dra",
+                "--seconds",
+                "1",
+                "--workdir",
+                str(short),
+                *small,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env,
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "16 devices published in 2 ResourceSlices" in proc.stdout, proc.stdout
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("demo summary (DRA): 16 devices") and ", 0 errors" in summary, summary
+    prepared = int(summary.split(" link flips, ")[1].split(" claims")[0])
+    assert prepared >= 1, summary

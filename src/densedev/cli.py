@@ -325,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
     demo.add_argument("--flip-interval", type=_seconds, default=0.5, help="seconds between health flips")
     demo.add_argument(
+        "--dra",
+        action="store_true",
+        help="serve the node through DRA: ResourceSlices at an API-server stand-in, claims prepared "
+        "by a DRA kubelet emulator",
+    )
+    demo.add_argument(
         "--workdir",
         type=Path,
         default=None,
