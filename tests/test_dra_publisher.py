@@ -461,7 +461,12 @@ def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
             clock.now += 10
             pub.update(unhealthy=down)
             await eventually(lambda: pub.taints_dropped, "the dropped taints noticed")
-            # The re-layout rewrites the PF's slices written a moment ago: after their rate limit.
+            # The re-layout waits for the rate limit of the PF's four slices written a moment ago
+            # (two to rewrite, two to delete), the others it rewrites at once.
+            pf_slices = {
+                n for n in srv.slices if node.pfs[1].address.replace(":", "-").replace(".", "-") in n
+            }
+            await eventually(lambda: pub.deferred == pf_slices, "the PF's slices wait for their rate limit")
             clock.now += 10
             pub.poke()
             await asyncio.wait_for(pub.wait_idle(), 30)

@@ -305,24 +305,29 @@ class Publisher:
             self._owner = {}
 
     def _plan_generation(self, states: Sequence[SliceState]) -> int:
-        """Return the generation to write: the current one, or one more when slices change shape."""
+        """Return the generation to write: the current one, or one more when slices change shape.
+
+        Only the slices of the highest generation count (consumers ignore the rest, ResourcePool
+        docs): lower ones are left-overs of a move in progress, to be rewritten or deleted, so a move
+        that a rate limit or a failure interrupted resumes at its generation instead of starting over.
+        """
         mirror = self._mirror
-        gens = [int(s["spec"]["pool"].get("generation", 0)) for s in mirror.values()]
-        current = max(gens, default=0)
-        names = {s.name for s in states}
         if not mirror:
+            return 1
+        current = max(int(s["spec"]["pool"].get("generation", 0)) for s in mirror.values())
+        top = {n: s for n, s in mirror.items() if int(s["spec"]["pool"].get("generation", 0)) == current}
+        names = {s.name for s in states}
+        # Slices missing (deleted by someone) are created again at the same generation; an extra one
+        # or another slice count mean the pool changed shape.
+        if not set(top) <= names:
             return current + 1
-        # Slices missing (deleted by someone) are created again at the same generation; an extra one,
-        # mixed generations or another slice count mean the pool changed shape.
-        if not set(mirror) <= names or min(gens) != current:
-            return current + 1
-        if any(int(s["spec"]["pool"].get("resourceSliceCount", 0)) != len(states) for s in mirror.values()):
+        if any(int(s["spec"]["pool"].get("resourceSliceCount", 0)) != len(states) for s in top.values()):
             return current + 1
         if self._layout_checked is self._builder:
             return current  # the mirror holds only what this plan wrote: no device can have moved
         # A device published in one slice and wanted in another: move everything to a new generation.
         where: dict[str, str] = {}
-        for name, s in mirror.items():
+        for name, s in top.items():
             for d in s["spec"].get("devices") or ():
                 where[d["name"]] = name
         for st in states:
