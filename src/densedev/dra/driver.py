@@ -133,14 +133,19 @@ class DraDriver:
         self, raw: Sequence[Pool], listed: Sequence[Pool], withheld: Mapping[str, Sequence[str]]
     ) -> None:
         """Take the daemon's pools (as configured, and as listed in its order) and what is withheld."""
-        self.pools = tuple(p for p in raw if p.config.api is PoolApi.DRA)
+        pools = tuple(p for p in raw if p.config.api is PoolApi.DRA)
+        # A rescan or an ownership change re-applies every pool; the slices are re-planned only when
+        # the DRA pools themselves changed (a new plan costs a pass over their devices).
+        replan = pools != self.pools
+        self.pools = pools
         self.indexes = tuple(i for i, p in enumerate(listed) if p.config.api is PoolApi.DRA)
         self._listed = tuple(listed[i] for i in self.indexes)
         # A DRA pool never shares members (no rdmaShared), so member IDs are device IDs.
         self.withheld = frozenset(i for p in self.pools for i in withheld.get(p.config.full_name, ()))
-        self.gate.set_pools(self.pools)
+        if replan:
+            self.gate.set_pools(self.pools)
         if self.publisher is not None:
-            self.publisher.update(pools=self.pools, withheld=self.withheld)
+            self.publisher.update(pools=self.pools if replan else None, withheld=self.withheld)
 
     def take_health(self, health_of: Callable[[int], Sequence[bool]]) -> None:
         """Take the advertised health (hold-down applied) of the DRA pools from the daemon's tracker."""
