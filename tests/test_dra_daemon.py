@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from densedev import config as config_mod
-from densedev import discovery, selectors
+from densedev import devinfo, discovery, selectors
 from densedev.dra import names
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.driver import DraSettings
@@ -284,6 +284,10 @@ def test_reload_moving_pools_between_apis_never_gives_a_device_twice(run: Run, n
             daemon = c.daemon
             assert daemon is not None
             assert daemon.ownership.held.get(pf1[0]) == frozenset({DRA_CLAIMS})
+            # The leftover reconcile at start kept what the claim's container uses: its CDI spec and
+            # its device-info file (named as the device-plugin pool "dra" now names its own).
+            assert node.spec(ref[2]).exists()
+            assert (node.devinfo_dir / devinfo.file_name(PREFIX, "dra", pf1[0])).exists()
             await c.kubelet.wait_for(
                 lambda: pf1[0] not in c.kubelet.devices(DRA) and bool(c.kubelet.devices(DRA)), GUARD_S
             )
