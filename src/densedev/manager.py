@@ -883,7 +883,7 @@ class Daemon:
             self._report_change(runtime, idx, upd)
         if self.dra is not None and any(i in updates for i in self.dra.indexes):
             try:
-                self.dra.take_health(self.tracker.pool_health)
+                self.dra.take_changes({i: (u.healthy, u.changed) for i, u in updates.items()})
             except Exception:
                 log.exception("DRA: publishing health failed")
         deadline = self.tracker.next_deadline()

@@ -91,6 +91,7 @@ class DraDriver:
         self.driver = driver
         self._factory = client_factory
         self._health: dict[str, bool] = {}
+        self._unhealthy: set[str] = set()
         # A device the tracker has no word on is one withheld from its pool: the gate then names
         # who holds it rather than calling it unhealthy.
         self.gate = PoolGate(on_node, (), lambda d: self._health.get(d, True), holder)
@@ -155,11 +156,38 @@ class DraDriver:
                 health[m.device.id] = bool(ok)
         gone = self._health.keys() - health.keys()
         self._health = health
+        self._unhealthy = {d for d, ok in health.items() if not ok}
         if gone:
             self.plugin.health.forget(gone)
         self.plugin.health.update(health)
         if self.publisher is not None:
-            self.publisher.update(unhealthy=[d for d, ok in health.items() if not ok])
+            self.publisher.update(unhealthy=self._unhealthy)
+
+    def take_changes(self, changes: Mapping[int, tuple[Sequence[bool], Sequence[int]]]) -> None:
+        """Take a health flush: per pool position, the members' health and the positions that changed.
+
+        Costs the devices that changed, not the node: a PF going down at 16k devices touches its 256.
+        """
+        delta: dict[str, bool] = {}
+        for i, pool in zip(self.indexes, self._listed, strict=True):
+            change = changes.get(i)
+            if change is None:
+                continue
+            healthy, changed = change
+            members = pool.members
+            for p in changed:
+                delta[members[p].device.id] = bool(healthy[p])
+        if not delta:
+            return
+        self._health.update(delta)
+        for d, ok in delta.items():
+            if ok:
+                self._unhealthy.discard(d)
+            else:
+                self._unhealthy.add(d)
+        self.plugin.health.update(delta)
+        if self.publisher is not None:
+            self.publisher.update(unhealthy=self._unhealthy)
 
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
