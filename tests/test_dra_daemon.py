@@ -24,7 +24,7 @@ from densedev import config as config_mod
 from densedev import devinfo, discovery, selectors
 from densedev.dra import names
 from densedev.dra.apiclient import ResourceClient
-from densedev.dra.driver import DraSettings
+from densedev.dra.driver import ClientFactory, DraSettings
 from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
 from densedev.manager import Daemon, DaemonSettings
 from densedev.ownership import DRA_CLAIMS, Ownership
@@ -80,11 +80,11 @@ class Node:
         tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
         tmp.replace(self.config_path)
 
-    def daemon(self) -> Daemon:
+    def daemon(self, client: ClientFactory | None = None) -> Daemon:
         assert self.api is not None
         url = self.api.url
 
-        async def client() -> ResourceClient:
+        async def standin() -> ResourceClient:
             return ResourceClient.for_url(url)
 
         settings = DaemonSettings(
@@ -106,7 +106,7 @@ class Node:
             ),
         )
         cfg = config_mod.load(self.config_path, default_prefix=PREFIX)
-        return Daemon(settings, cfg, dra_client=client)
+        return Daemon(settings, cfg, dra_client=client or standin)
 
     # -- what the API server and the kubelets see --------------------------------------------------
     def published(self) -> dict[str, str]:
@@ -392,3 +392,29 @@ def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str
     assert summary.startswith("demo summary (DRA): 16 devices") and ", 0 errors" in summary, summary
     prepared = int(summary.split(" link flips, ")[1].split(" claims")[0])
     assert prepared >= 1, summary
+
+
+def test_no_api_server_leaves_dra_unserved_and_the_rest_served(run: Run, node: Node) -> None:
+    async def main() -> None:
+        async def refused() -> ResourceClient:
+            return ResourceClient.for_url("http://127.0.0.1:9")  # nothing listens on the discard port
+
+        kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket)
+        await kubelet.start()
+        api = ApiServerStandIn()
+        await api.start()
+        node.api = api
+        daemon = node.daemon(refused)  # the API server cannot be reached
+        try:
+            await daemon.start()  # does not raise: DRA is retried in the background
+            await kubelet.wait_for(lambda: set(kubelet.devices(DP)) == set(node.pf0.vf_addresses), GUARD_S)
+            ready, why = daemon.registered()
+            assert not ready and "DRA driver" in why
+            assert daemon.dra is not None and not daemon.dra.started
+            assert not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
+        finally:
+            await daemon.stop()
+            await kubelet.stop()
+            await api.stop()
+
+    run(main())

@@ -595,6 +595,8 @@ class Daemon:
             )
         if self._start_errors:
             return False, "not serving: " + self._failure_text()
+        if self.dra is not None and self.dra.needed() and not self.dra.started:
+            return False, "the DRA driver has not started (see the log)"
         missing = [n for n, r in self.pools.items() if not r.runner.registered]
         if missing:
             return False, "not registered: " + ", ".join(missing)
