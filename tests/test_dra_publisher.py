@@ -475,3 +475,32 @@ def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
             assert {s["spec"]["pool"]["generation"] for s in got} == {2}
 
     run(main())
+
+
+def test_a_generation_move_held_by_the_rate_limit_resumes_without_a_second_move(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, _):
+            pf0 = node.pfs[0]
+            clock.now += 10
+            pub.update(unhealthy={pf0.vf_addresses[200]})  # PF0's second slice written just now
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.writes == S + 1
+            moved = _pools(
+                node.root,
+                [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
+            )
+            pub.update(pools=moved)  # same instant: that slice must wait, the others move at once
+            await eventually(lambda: len(pub.deferred) == 1, "PF0's rewritten slice waits")
+            clock.now += 10
+            pub.poke()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            got = srv.node_slices(NODE)
+            assert {
+                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
+            } == {(2, S)}
+            assert pub.writes == 2 * S + 1  # every slice once at generation 2, none twice
+
+    run(main())
