@@ -320,12 +320,14 @@ def test_devices_moving_between_slices_move_the_pool_to_a_new_generation(
 def test_server_errors_back_off_and_nothing_dies(run: Run, pools: tuple[Pool, ...]) -> None:
     async def main() -> None:
         async with ApiServerStandIn() as srv:
+            srv.fail_discovery = 2
             srv.fail_writes = 3
             client = ResourceClient.for_url(srv.url)
             pub = Publisher(client, PublisherSettings(NODE, DRIVER, backoff_min_s=0.01), pools)
-            await pub.start()
+            await pub.start()  # returns at once: discovery is retried in the background
             await asyncio.wait_for(pub.wait_idle(), 60)
-            assert pub.errors >= 1 and len(srv.node_slices(NODE)) == S
+            assert srv.fail_discovery == 0 and srv.fail_writes == 0
+            assert pub.errors >= 3 and len(srv.node_slices(NODE)) == S
             # No Node object: slices go without ownerReferences rather than not at all.
             assert "ownerReferences" not in srv.node_slices(NODE)[0]["metadata"]
             await pub.stop()
