@@ -320,12 +320,14 @@ def test_devices_moving_between_slices_move_the_pool_to_a_new_generation(
 def test_server_errors_back_off_and_nothing_dies(run: Run, pools: tuple[Pool, ...]) -> None:
     async def main() -> None:
         async with ApiServerStandIn() as srv:
+            srv.fail_discovery = 2
             srv.fail_writes = 3
             client = ResourceClient.for_url(srv.url)
             pub = Publisher(client, PublisherSettings(NODE, DRIVER, backoff_min_s=0.01), pools)
-            await pub.start()
+            await pub.start()  # returns at once: discovery is retried in the background
             await asyncio.wait_for(pub.wait_idle(), 60)
-            assert pub.errors >= 1 and len(srv.node_slices(NODE)) == S
+            assert srv.fail_discovery == 0 and srv.fail_writes == 0
+            assert pub.errors >= 3 and len(srv.node_slices(NODE)) == S
             # No Node object: slices go without ownerReferences rather than not at all.
             assert "ownerReferences" not in srv.node_slices(NODE)[0]["metadata"]
             await pub.stop()
@@ -473,5 +475,34 @@ def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
             got = srv.node_slices(NODE)
             assert len(got) == S and len(_devices(srv)) == N - 256
             assert {s["spec"]["pool"]["generation"] for s in got} == {2}
+
+    run(main())
+
+
+def test_a_generation_move_held_by_the_rate_limit_resumes_without_a_second_move(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, _):
+            pf0 = node.pfs[0]
+            clock.now += 10
+            pub.update(unhealthy={pf0.vf_addresses[200]})  # PF0's second slice written just now
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.writes == S + 1
+            moved = _pools(
+                node.root,
+                [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
+            )
+            pub.update(pools=moved)  # same instant: that slice must wait, the others move at once
+            await eventually(lambda: len(pub.deferred) == 1, "PF0's rewritten slice waits")
+            clock.now += 10
+            pub.poke()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            got = srv.node_slices(NODE)
+            assert {
+                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
+            } == {(2, S)}
+            assert pub.writes == 2 * S + 1  # every slice once at generation 2, none twice
 
     run(main())

@@ -144,9 +144,7 @@ class Publisher:
 
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Start the reflector and the syncer."""
-        if self._client.version is None:
-            await self._client.discover()
+        """Start the reflector and the syncer; an API server not answering yet is retried, never raised."""
         self._idle.clear()
         self._tasks = [
             asyncio.create_task(self._reflect(), name="dra-reflector"),
@@ -226,6 +224,8 @@ class Publisher:
         delay = self.settings.backoff_min_s
         while True:
             try:
+                if self._client.version is None:
+                    await self._client.discover()
                 items, rv = await self._client.list_slices(self._field_selector)
                 self._merge_list(items)
                 self._listed.set()

@@ -199,6 +199,7 @@ class ApiServerStandIn:
         # Faults: the next ``fail_writes`` writes get 500; ``on_write(method, name)`` runs as a write
         # arrives, before it is checked (another writer slipping in: a real 409 follows).
         self.fail_writes = 0
+        self.fail_discovery = 0  # the next N API discoveries get 503 (a server still starting)
         self.on_write: Any = None
         self._rv = 0
         self._events: list[tuple[int, str, dict[str, Any]]] = []
@@ -355,6 +356,9 @@ class ApiServerStandIn:
 
     # -------------------------------------------------------------------------------------- handlers
     async def _group(self, request: web.Request) -> web.Response:
+        if self.fail_discovery > 0:
+            self.fail_discovery -= 1
+            return _status(503, "ServiceUnavailable", "stand-in: injected failure")
         versions = [{"groupVersion": f"{GROUP}/{v}", "version": v} for v in self.versions]
         return web.json_response(
             {
