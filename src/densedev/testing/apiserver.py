@@ -185,6 +185,10 @@ class ApiServerStandIn:
         token: str | None = None,
         drop_taints: bool = False,
     ) -> None:
+        if validate:
+            # Fail here, not at the first write (as a 500): validation needs the test extra.
+            import kubernetes_validate  # noqa: F401
+
         self.versions = tuple(versions)
         # Plays a server with the DRADeviceTaints gate off: device taints are dropped silently on write.
         self.drop_taints = drop_taints
