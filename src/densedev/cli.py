@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TextIO
 import uvloop
 
 from . import __version__, accel
+from .dra import commands as dra_commands
 
 log = logging.getLogger("densedev.cli")
 
@@ -204,6 +205,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
     )
     run.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or None,
+        help="this node's name, for pools served through DRA (default $NODE_NAME)",
+    )
+    run.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="kubeconfig for the API server DRA publishes to (default: the in-cluster service account)",
+    )
+    run.add_argument(
+        "--kubelet-plugins-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins"),
+        help="where the DRA plugin socket and its claims checkpoint live",
+    )
+    run.add_argument(
+        "--kubelet-registry-dir",
+        type=Path,
+        default=Path("/var/lib/kubelet/plugins_registry"),
+        help="the kubelet's plugin registry (DRA registration)",
+    )
+    run.add_argument(
+        "--dra-taints",
+        action="store_true",
+        help="taint unhealthy DRA devices NoSchedule instead of withdrawing them from their ResourceSlice",
+    )
+    run.add_argument(
         "--pod-resources-socket",
         type=Path,
         default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
@@ -296,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
     demo.add_argument("--flip-interval", type=_seconds, default=0.5, help="seconds between health flips")
     demo.add_argument(
+        "--dra",
+        action="store_true",
+        help="serve the node through DRA: ResourceSlices at an API-server stand-in, claims prepared "
+        "by a DRA kubelet emulator",
+    )
+    demo.add_argument(
         "--workdir",
         type=Path,
         default=None,
@@ -319,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="once listed, allocate COUNT healthy devices of RESOURCE and print the env (repeatable)",
     )
     emu.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
+    dra_commands.add_parsers(sub, _add_common, DEFAULT_PREFIX)  # dra-slices, dra-manifests
     return parser
 
 
@@ -516,6 +552,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from . import config as config_mod
+    from .dra.driver import DraSettings
     from .manager import Daemon, DaemonSettings
     from .preflight import InstanceLock, PreflightError, kubelet_dir_problem
 
@@ -551,6 +588,13 @@ async def _serve(args: argparse.Namespace) -> int:
         if str(args.pod_resources_socket) not in ("", ".")
         else None,
         start_timeout_s=args.start_timeout,
+        dra=DraSettings(
+            node_name=args.node_name,
+            kubeconfig=args.kubeconfig,
+            plugins_dir=args.kubelet_plugins_dir,
+            registry_dir=args.kubelet_registry_dir,
+            taints=args.dra_taints,
+        ),
     )
     if args.netlink_rcvbuf is not None:
         settings = dataclasses.replace(settings, netlink_rcvbuf=args.netlink_rcvbuf)
@@ -607,7 +651,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(
-            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator"
+            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator, "
+            "dra-slices, dra-manifests"
         )
     _setup_logging(args)
     # gRPC core writes its own lines (chttp2 GOAWAY notes, add_port errors) straight to stderr in its
@@ -653,6 +698,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _cmd_scan(args)
     if args.command == "simulate":
         return _cmd_simulate(args)
+    if args.command in dra_commands.COMMANDS:
+        return dra_commands.COMMANDS[args.command](args)
     if args.command == "run":
         log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
         sys.setswitchinterval(SWITCH_INTERVAL_S)

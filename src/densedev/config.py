@@ -7,6 +7,7 @@ time, and every problem found is reported at once, each naming the pool, the key
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import errno
 import functools
@@ -19,7 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .model import Config, HealthPolicy, IndexRange, IndexSpans, PoolConfig, Selector
+from .dra.classes import device_class_name
+from .dra.names import DEFAULT_DRIVER_NAME
+from .model import Config, HealthPolicy, IndexRange, IndexSpans, PoolApi, PoolConfig, Selector
 from .printable import clip, escape, first_unprintable, has_unprintable
 
 DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's --resource-prefix default
@@ -86,9 +89,10 @@ _POOL_KEYS = (
     "healthPolicy",
     "preferredAllocation",
     "preStart",
+    "api",
     *_GO_INTERNAL_KEYS,
 )
-_TOP_KEYS = ("resourceList", "coalesceMs", "rdmaPollSeconds", "reconcileSeconds")
+_TOP_KEYS = ("resourceList", "coalesceMs", "rdmaPollSeconds", "reconcileSeconds", "draDriverName")
 _HEALTH_KEYS = ("pfLink", "ownLink", "rdmaPort", "driver", "holdDownSeconds")
 
 
@@ -627,6 +631,54 @@ def _parse_additional_info(
     return tuple(out)
 
 
+# resource.k8s.io string attributes hold at most 64 characters; a DRA pool's resource name is one.
+DRA_MAX_STRING = 64
+DRA_MAX_DRIVER_NAME = 63  # ResourceSlice spec.driver: a DNS subdomain of at most 63 characters
+
+
+def _parse_api(r: _Reader, f: Mapping[str, Any], where: str, pool: PoolConfig) -> PoolApi:
+    """Read a pool's ``api`` (devicePlugin | dra) and report what DRA cannot serve."""
+    if "api" not in f:
+        return PoolApi.DEVICE_PLUGIN
+    text = r.string(f["api"], f"{where}: api")
+    if text is None:
+        return PoolApi.DEVICE_PLUGIN
+    try:
+        api = PoolApi(text)
+    except ValueError:
+        r.problem(f"{where}: api", f'"{clip(text)}" is not one of {", ".join(a.value for a in PoolApi)}')
+        return PoolApi.DEVICE_PLUGIN
+    if api is PoolApi.DRA:
+        # DRA device names are DNS labels made from PCI addresses (dra/names.py); a subfunction has none.
+        if pool.device_type == "auxNetDevice":
+            r.problem(
+                f"{where}: api", '"dra" cannot serve auxNetDevice pools (subfunctions have no PCI address)'
+            )
+        # A DRA device goes to one claim at a time: shared RDMA IDs have no DRA equivalent here.
+        if pool.rdma_shared:
+            r.problem(f"{where}: api", '"dra" cannot serve rdmaShared pools (a DRA device has one claim)')
+        if pool.resource_name and len(pool.full_name) > DRA_MAX_STRING:
+            r.problem(
+                f"{where}: api",
+                f'"dra" needs a resource name of at most {DRA_MAX_STRING} characters '
+                f"(a ResourceSlice string attribute), {pool.full_name!r} has {len(pool.full_name)}",
+            )
+    return api
+
+
+def _parse_driver_name(r: _Reader, value: Any) -> str:
+    text = r.string(value, "draDriverName")
+    if text is None:
+        return DEFAULT_DRIVER_NAME
+    if len(text) > DRA_MAX_DRIVER_NAME or not _DNS_SUBDOMAIN_RE.fullmatch(text):
+        r.problem(
+            "draDriverName",
+            f'"{clip(text)}" is not a lowercase DNS subdomain of at most {DRA_MAX_DRIVER_NAME} characters',
+        )
+        return DEFAULT_DRIVER_NAME
+    return text
+
+
 def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     base = f"resourceList[{index}]"
     if not isinstance(obj, Mapping):
@@ -730,9 +782,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     if "preStart" in f:
         prestart = r.boolean(f["preStart"], f"{where}: preStart", False)
 
-    if r.count > before:
-        return None
-    return PoolConfig(
+    pool = PoolConfig(
         resource_name=name,
         resource_prefix=prefix,
         device_type=device_type,
@@ -744,6 +794,10 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         preferred=preferred,
         prestart=prestart,
     )
+    api = _parse_api(r, f, where, pool)
+    if r.count > before:
+        return None
+    return dataclasses.replace(pool, api=api) if api is not PoolApi.DEVICE_PLUGIN else pool
 
 
 def _too_deep(text: str) -> int:
@@ -817,6 +871,7 @@ def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<st
     reconcile = d.reconcile_s
     if "reconcileSeconds" in f:
         reconcile = r.number(f["reconcileSeconds"], "reconcileSeconds", d.reconcile_s, minimum=0, strict=True)
+    driver_name = _parse_driver_name(r, f["draDriverName"]) if "draDriverName" in f else DEFAULT_DRIVER_NAME
     _check_unique(r, pools)
     if r.count:
         raise ConfigError(r.problems, source, more=r.more)
@@ -825,6 +880,7 @@ def parse(text: str, *, default_prefix: str = DEFAULT_PREFIX, source: str = "<st
         coalesce_ms=coalesce,
         rdma_poll_s=rdma_poll,
         reconcile_s=reconcile,
+        dra_driver_name=driver_name,
         warnings=r.all_warnings(),
     )
 
@@ -833,6 +889,7 @@ def _check_unique(r: _Reader, pools: Sequence[tuple[int, PoolConfig]]) -> None:
     """Report two pools with one full name, or with names that collide in the PCIDEVICE_ variable."""
     seen: dict[str, int] = {}
     seen_env: dict[str, int] = {}
+    seen_class: dict[str, int] = {}
     for i, pool in pools:
         where = f"resourceList[{i}] ({pool.resource_name})"
         full = pool.full_name
@@ -847,6 +904,13 @@ def _check_unique(r: _Reader, pools: Sequence[tuple[int, PoolConfig]]) -> None:
             )
             continue
         seen_env[env] = i
+        if pool.api is PoolApi.DRA:
+            # Each DRA pool gets a DeviceClass named after its resource; two names may fold into one.
+            cls = device_class_name(full)
+            if cls in seen_class:
+                r.problem(where, f'DeviceClass "{cls}" is also the class of resourceList[{seen_class[cls]}]')
+                continue
+            seen_class[cls] = i
 
 
 _FILE_KINDS = (

@@ -253,6 +253,10 @@ async def _run(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> int
     print(f"simulated node: {len(layout.pfs)} PFs, {nvfs} VFs {how} in {took:.1f} s ({work})")
     if stop.is_set():
         return 130
+    if getattr(args, "dra", False):
+        from .demo_dra import run_dra
+
+        return await run_dra(args, work, stop, layout)
     cfg = config_mod.load(cfg_path)
     kubelet_dir = work / "kubelet"
     kubelet_dir.mkdir(exist_ok=True)

@@ -25,13 +25,15 @@ from . import accel, cdi, discovery, leftovers, selectors
 from . import config as config_mod
 from ._proto import api_pb2
 from .allocation import AllocationSettings, PoolAllocator
+from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
+from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
 from .feed import PoolFeed
 from .health import Coalescer, HealthTracker, PoolUpdate
 from .logs import log_event, summarise
 from .metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
-from .model import ROLE_PF, Config, Device, Pool, PoolConfig, RequestError
+from .model import ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
 from .netlink import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
-from .ownership import GuardedService, Ownership
+from .ownership import DRA_CLAIMS, GuardedService, Ownership
 from .podresources import CHECKPOINT, PodResourcesClient
 from .registration import PluginRunner, announce_kubelet
 from .server import MAX_UNIX_PATH, PoolService, status_of
@@ -66,6 +68,7 @@ class DaemonSettings:
     in_use_poll_s: float = 5.0  # PodResources poll while no device is withheld (0.25 s while some are)
     start_timeout_s: float = 60.0  # no pool served this long: /readyz and the exit code say so
     start_retry_s: tuple[float, float] = (0.5, 10.0)  # backoff of a pool that failed to start
+    dra: DraSettings | None = None  # None: no DRA side (pools with "api": "dra" are not served)
 
 
 # Kernel uevents that change what discovery would find (lib/kobject_uevent.c action names).
@@ -240,8 +243,11 @@ class Daemon:
         config: Config,
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
+        dra_client: ClientFactory | None = None,
     ) -> None:
         self.settings = settings
+        self._dra_client = dra_client  # the API client's maker (tests); None: from the kubeconfig
+        self.dra: DraDriver | None = None
         self.config = config
         self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
@@ -302,14 +308,19 @@ class Daemon:
         # allocations of pods that outlived a previous run of this daemon).
         with contextlib.suppress(Exception):
             await self.ownership.refresh()
-        pools = self.ownership.filter(selectors.build_pools(self.config, table.devices))
         self.table = table
+        # Devices of prepared DRA claims are held before any pool of either API lists anything.
+        self._dra_recover()
+        raw = selectors.build_pools(self.config, table.devices)
+        pools = self.ownership.filter(raw)
         self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
         if not self.settings.netlink:
             self._read_sysfs_links()
         self._poll_rdma()
         initial = self.tracker.collect()
         for i, pool in enumerate(pools):
+            if pool.config.api is PoolApi.DRA:
+                continue  # published as ResourceSlices and served by the DRA driver
             try:
                 runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
             except Exception:
@@ -322,10 +333,13 @@ class Daemon:
             self._report_counts(runtime.name, i, healthy)
             self.pools[pool.config.full_name] = runtime
         self._order = [p.config.full_name for p in pools]
+        self._dra_take(raw, pools)
         self._retain_held()
-        # Files of devices pods still hold stay, whichever pool wrote them (issue 12, section 5).
+        # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
+        # (issue 12, section 5).
         self._reconcile_files(frozenset(self.ownership.held))
         self._remove_stale_sockets()
+        await self._dra_start()
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
@@ -397,6 +411,11 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     mon.stop()
         await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
+        if self.dra is not None:
+            try:
+                await self.dra.stop()
+            except Exception:
+                log.exception("the DRA driver failed to stop cleanly")
         self._kubelet_watch.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
@@ -576,6 +595,8 @@ class Daemon:
             )
         if self._start_errors:
             return False, "not serving: " + self._failure_text()
+        if self.dra is not None and self.dra.needed() and not self.dra.started:
+            return False, "the DRA driver has not started (see the log)"
         missing = [n for n, r in self.pools.items() if not r.runner.registered]
         if missing:
             return False, "not registered: " + ", ".join(missing)
@@ -734,10 +755,12 @@ class Daemon:
 
     def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
         """Recompute pools from devices and config, and update pools whose membership changed."""
-        pools = self.ownership.filter(selectors.build_pools(config, devices))
+        raw = selectors.build_pools(config, devices)
+        pools = self.ownership.filter(raw)
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
+        self._dra_take(raw, pools)
         for i, pool in enumerate(pools):
             runtime = self.pools.get(pool.config.full_name)
             if runtime is None:
@@ -860,6 +883,11 @@ class Daemon:
                 continue
             self.metrics.record_send(runtime.name, nbytes, latency, events)
             self._report_change(runtime, idx, upd)
+        if self.dra is not None and any(i in updates for i in self.dra.indexes):
+            try:
+                self.dra.take_changes({i: (u.healthy, u.changed) for i, u in updates.items()})
+            except Exception:
+                log.exception("DRA: publishing health failed")
         deadline = self.tracker.next_deadline()
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
@@ -1024,7 +1052,10 @@ class Daemon:
                 if n in old_by_name and _options_of(old_by_name[n]) != _options_of(new_by_name[n])
             ]
             changed = [n for n in new_by_name if n in old_by_name and old_by_name[n] != new_by_name[n]]
-            for n in removed + reregister:
+            # A pool moving to DRA leaves the device-plugin API: its server stops, its files stay for
+            # the pods that hold its devices (withheld from the DRA pool until they are released).
+            to_dra = [n for n in new_by_name if n in self.pools and new_by_name[n].api is PoolApi.DRA]
+            for n in removed + reregister + to_dra:
                 runtime = self.pools.pop(n, None)
                 if runtime is not None:
                     deleted = n in removed and n not in self.ownership.resources_held()
@@ -1034,6 +1065,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
+            self._dra_recover()  # the first DRA pool of this run
             # The window may have changed: a new coalescer, but the old one's pending flush must neither
             # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
             pending = self._coalescer.pending
@@ -1047,7 +1079,7 @@ class Daemon:
             started: list[PoolRuntime] = []
             for i, pool in enumerate(pools):
                 name = pool.config.full_name
-                if name in self.pools:
+                if name in self.pools or pool.config.api is PoolApi.DRA:
                     continue
                 try:
                     runtime = PoolRuntime(
@@ -1063,6 +1095,7 @@ class Daemon:
                 started.append(runtime)
             self._retain_held()
             await asyncio.gather(*(self._start_runner(r) for r in started))
+            await self._dra_start()
             self.stats["reloads"] += 1
             self.metrics.record_reload(True)
             log_event(
@@ -1074,6 +1107,89 @@ class Daemon:
                 reregistered=",".join(reregister) or "-",
                 pools=len(self.pools),
             )
+
+    # ----------------------------------------------------------------------------------- DRA
+    def _dra_recover(self) -> None:
+        """Build the DRA driver and count the devices its prepared claims hold (before serving)."""
+        dra = self.settings.dra
+        if dra is None or self.dra is not None:
+            return
+        # Nothing to do for a node that never served DRA: no DRA pool and no claims checkpoint.
+        checkpoint = dra.plugins_dir / self.config.dra_driver_name / CLAIMS_CHECKPOINT
+        if not any(p.api is PoolApi.DRA for p in self.config.pools) and not os.path.lexists(checkpoint):
+            return
+        self.dra = DraDriver(
+            dra,
+            self.config.dra_driver_name,
+            cdi_dir=self.settings.cdi_dir,
+            devinfo_dir=self.settings.devinfo_dir,
+            dev_root=self.settings.dev_root,
+            on_node=lambda device_id: device_id in self.table.by_id(),
+            holder=self._dra_holder,
+            on_claims=self._dra_claims_changed,
+            client_factory=self._dra_client,
+        )
+        self.ownership.set_claimed(self.dra.recover())
+
+    def _dra_holder(self, device_id: str) -> str | None:
+        """Name who holds a device under the device-plugin API (the DRA gate refuses it then)."""
+        return ", ".join(sorted(self.ownership.held.get(device_id, frozenset()) - {DRA_CLAIMS})) or None
+
+    def _dra_claims_changed(self) -> None:
+        """After a Prepare or Unprepare: the ownership map follows the claims at once."""
+        if self.dra is not None:
+            self.ownership.set_claimed(self.dra.claimed())
+
+    def _dra_take(self, raw: Sequence[Pool], pools: Sequence[Pool]) -> None:
+        if self.dra is None:
+            return
+        try:
+            self.dra.take_pools(raw, pools, self.ownership.withheld)
+            assert self.tracker is not None
+            self.dra.take_health(self.tracker.pool_health)
+        except Exception:
+            log.exception("DRA: taking the new pools failed")
+
+    async def _dra_start(self) -> None:
+        """Start the DRA driver when it is needed; on failure one line, and retries in the background."""
+        dra = self.dra
+        if dra is None:
+            if any(p.api is PoolApi.DRA for p in self.config.pools):
+                log_event(log, "DRA pools are not served: DRA is off", level=logging.WARNING)
+            return
+        if dra.started or not dra.needed() or any(t.get_name() == "dra-start" for t in self._tasks):
+            return
+        if dra.driver != self.config.dra_driver_name:
+            log_event(
+                log,
+                "draDriverName changes take effect at the next start",
+                level=logging.WARNING,
+                serving=dra.driver,
+            )
+        if not await self._dra_try_start(1):
+            self._spawn(self._dra_retry(), "dra-start")
+
+    async def _dra_try_start(self, attempt: int) -> bool:
+        assert self.dra is not None
+        try:
+            await self.dra.start()
+        except DraUnavailable as exc:
+            if attempt == 1 or attempt % 10 == 0:
+                log_event(log, "DRA driver cannot start; retrying", level=logging.WARNING, error=str(exc))
+            return False
+        except Exception:
+            log.exception("DRA driver failed to start; retrying")
+            return False
+        return True
+
+    async def _dra_retry(self) -> None:
+        low, high = self.settings.dra.retry_s if self.settings.dra is not None else (0.5, 30.0)
+        attempt = 1
+        while True:
+            await asyncio.sleep(min(low * 2 ** (attempt - 1), high))
+            attempt += 1
+            if await self._dra_try_start(attempt):
+                return
 
 
 def _options_of(pool: PoolConfig) -> tuple[bool, bool]:

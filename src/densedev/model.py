@@ -10,7 +10,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import NamedTuple
+
+from .dra.names import DEFAULT_DRIVER_NAME
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -143,6 +146,13 @@ class HealthPolicy:
     hold_down_s: float = 1.0  # healthy must hold this long before it is reported (unhealthy: at once)
 
 
+class PoolApi(Enum):
+    """Which kubelet API serves a pool: the device plugin API (the default) or DRA (ResourceSlices)."""
+
+    DEVICE_PLUGIN = "devicePlugin"
+    DRA = "dra"
+
+
 @dataclass(frozen=True)
 class PoolConfig:
     """One resource pool of the config file: what it selects and how it behaves."""
@@ -157,6 +167,7 @@ class PoolConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     preferred: str = "pack"  # pack | spread | none
     prestart: bool = False  # offer PreStartContainer (verifies presence and health before start)
+    api: PoolApi = PoolApi.DEVICE_PLUGIN  # "api": "dra" publishes the pool as ResourceSlices instead
 
     @property
     def full_name(self) -> str:
@@ -172,6 +183,7 @@ class Config:
     coalesce_ms: float = 2.0  # window that folds a burst of events into one message per pool
     rdma_poll_s: float = 1.0  # RDMA port state has no event source: poll it
     reconcile_s: float = 60.0  # full rescan as a safety net
+    dra_driver_name: str = DEFAULT_DRIVER_NAME  # "draDriverName": the DRA driver the node's slices name
     warnings: tuple[str, ...] = ()  # accepted but unsupported keys (pKeys, ddpProfiles): log them at load
 
 

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from ._proto import api_pb2
 from .logs import log_event, summarise
-from .model import Pool, RequestError
+from .model import Pool, PoolApi, RequestError
 from .podresources import (
     Held,
     PodResourcesClient,
@@ -44,6 +44,9 @@ POLL_S = 5.0  # PodResources poll while nothing is withheld (the kubelet allows 
 FAST_POLL_S = 0.25  # while devices are withheld: a release is seen well within a second
 MIN_REFRESH_S = 0.1  # checkpoint rewrites (one per ListAndWatch message) refresh at most this often
 OWN_GRACE_S = 5.0  # an Allocate answer counts as held until a source read this much later covers it
+# The holder name of devices prepared DRA claims hold: not a valid extended resource name (it has no
+# "/"), so it can never be mistaken for a device-plugin pool.
+DRA_CLAIMS = "dra-claims"
 
 
 class Source(Enum):
@@ -83,6 +86,9 @@ class Ownership:
         self.source = Source.OWN
         self.refreshes = 0
         self._own: dict[tuple[str, str], float] = {}  # (resource, ID) → when this daemon allocated it
+        self._claimed: frozenset[str] = frozenset()  # device IDs prepared DRA claims hold
+        self._kubelet_held: dict[str, frozenset[str]] = {}  # ``held`` without the claims
+        self._claims_moved = False  # claims changed since the loop last reported a change
         self._raw: tuple[Pool, ...] = ()
         self.withheld: dict[str, tuple[str, ...]] = {}  # pool → member IDs not listed
         self._failures: dict[str, str] = {}  # source → last failure logged (log once per new failure)
@@ -133,6 +139,7 @@ class Ownership:
         for i in ids:
             self._own[(resource, i)] = now
             d = device_id_of(i)
+            self._kubelet_held[d] = self._kubelet_held.get(d, frozenset()) | {resource}
             self.held[d] = self.held.get(d, frozenset()) | {resource}
 
     def conflicts(self, resource: str, ids: Iterable[str]) -> dict[str, frozenset[str]]:
@@ -184,13 +191,40 @@ class Ownership:
         held: dict[str, set[str]] = {}
         for resource, i in pairs:
             held.setdefault(device_id_of(i), set()).add(resource)
-        frozen = {d: frozenset(r) for d, r in held.items()}
-        changed = frozen != self.held
+        self._kubelet_held = {d: frozenset(r) for d, r in held.items()}
+        frozen = self._with_claims()
+        changed = frozen != self.held or self._claims_moved
+        self._claims_moved = False
         self.held = frozen
         if self._g_in_use is not None:
             for s in Source:
                 self._g_in_use.labels(s.value).set(len(frozen) if s is source else 0)
         return changed
+
+    def set_claimed(self, device_ids: Iterable[str]) -> bool:
+        """Take the device IDs prepared DRA claims hold (held under ``DRA_CLAIMS``); return if changed."""
+        claimed = frozenset(device_ids)
+        if claimed == self._claimed:
+            return False
+        self._claimed = claimed
+        held = self._with_claims()
+        changed = held != self.held
+        self.held = held  # at once: an Allocate right after a Prepare must see the device taken
+        if changed:
+            # The run loop re-applies the pools (under the daemon's reload lock) on its next turn.
+            self._claims_moved = True
+            if self._wake is not None:
+                self._wake.set()
+        return changed
+
+    def _with_claims(self) -> dict[str, frozenset[str]]:
+        if not self._claimed:
+            return dict(self._kubelet_held)
+        held = dict(self._kubelet_held)
+        mark = frozenset((DRA_CLAIMS,))
+        for d in self._claimed:
+            held[d] = held.get(d, frozenset()) | mark
+        return held
 
     def _failed(self, source: Source, why: str) -> None:
         if self._c_failures is not None:
@@ -211,7 +245,10 @@ class Ownership:
         held = self.held
         for pool in pools:
             name = pool.config.full_name
-            drop = [m.id for m in pool.members if m.device.id in held and held[m.device.id] - {name}]
+            # A DRA pool's devices are its own when claims hold them; a device-plugin pool's when pods
+            # hold them under its resource name.  Held by the other API: withheld until released.
+            own = DRA_CLAIMS if pool.config.api is PoolApi.DRA else name
+            drop = [m.id for m in pool.members if m.device.id in held and held[m.device.id] - {own}]
             if drop:
                 gone = set(drop)
                 withheld[name] = tuple(drop)

@@ -118,6 +118,8 @@ class NodeService:
         self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
         self._lock = asyncio.Lock()
         self.prepares = 0  # calls answered, for tests and metrics
+        # Called on the loop after a Prepare or Unprepare call (the daemon's ownership map follows).
+        self.on_change: Callable[[], None] | None = None
         self.unprepares = 0
 
     # -- state ----------------------------------------------------------------------------------------
@@ -161,6 +163,13 @@ class NodeService:
                 "recovered %d prepared DRA claims holding %d devices", len(self._claims), len(self._holders)
             )
         return frozenset(self._holders)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:
+                log.exception("DRA: the claims change hook failed")
 
     def _commit(self, claims: dict[str, PreparedClaim]) -> None:
         self._claims = claims
@@ -235,6 +244,7 @@ class NodeService:
                     uid,
                     ", ".join(f"{d.name} ({d.device_id})" for d in result.devices),
                 )
+        self._changed()
         return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
 
     async def _read(self, ref: ClaimRef) -> Mapping[str, Any] | str:
@@ -408,6 +418,7 @@ class NodeService:
         async with self._lock:
             errors = await _in_thread(self._drop, [r.uid for r in refs])
             self.unprepares += 1
+        self._changed()
         return {ref.uid: errors.get(ref.uid, "") for ref in refs}
 
     def _drop(self, uids: Sequence[str]) -> dict[str, str]:

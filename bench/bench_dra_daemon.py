@@ -1,0 +1,145 @@
+"""Benchmark the whole daemon serving a node through DRA: start → slices, and PF down → slices.
+
+``bench_dra.py`` measures the publisher alone; this runs ``Daemon`` as ``densedev run`` does (scan, pools,
+health tracker, ownership, claims checkpoint, DRA driver, kubelet plugin sockets) on uvloop, against the
+API-server stand-in in its own process and the DRA kubelet emulator.  For each size it prints:
+
+  * start → every slice at the stand-in: seconds from ``Daemon.start`` until the publisher is idle with
+    every device published, and the slice writes that took (target: writes = slices);
+  * PF down (its 256 VFs withdrawn) → slices written: from ``set_links`` (as a netlink event arrives)
+    through the 2 ms coalescing window, the tracker and the publisher until the stand-in acknowledged
+    the last write, p50/p99 over one event per PF, and writes per event (target ≤ 2).  The per-slice
+    rate limit is set to 0 here so each event is measured, not the policy.
+
+    PYTHONPATH=src python bench/bench_dra_daemon.py [--quick] [--json] [--dir /dev/shm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import uvloop
+from bench_dra import NODE, start_stand_in
+
+from densedev import accel
+from densedev import config as config_mod
+from densedev.dra.apiclient import ResourceClient
+from densedev.dra.driver import DraSettings
+from densedev.manager import Daemon, DaemonSettings
+from densedev.testing import simnode
+from densedev.testing.dra_kubelet import DraKubelet
+
+
+async def _writes_then_idle(daemon: Daemon, before: int) -> None:
+    assert daemon.dra is not None and daemon.dra.publisher is not None
+    pub = daemon.dra.publisher
+    while pub.writes == before:
+        await asyncio.sleep(0.0002)
+    await pub.wait_idle()
+
+
+async def run_size(pfs: int, vfs_per_pf: int, work: Path) -> dict[str, object]:
+    layout = simnode.build_node(work / "sys", pfs=pfs, vfs_per_pf=vfs_per_pf)
+    cfg_path = work / "config.json"
+    cfg_path.write_text(json.dumps({"resourceList": [{"resourceName": "vfs", "api": "dra"}]}))
+    proc, url = start_stand_in(validate=False)
+
+    async def client() -> ResourceClient:
+        return ResourceClient.for_url(url)
+
+    short = Path(tempfile.mkdtemp(prefix="bd-", dir="/tmp"))  # sun_path holds 107 bytes
+    kubelet = DraKubelet(short / "registry")
+    settings = DaemonSettings(
+        sysfs_root=work / "sys",
+        kubelet_dir=short / "dp",
+        dev_root=work / "dev",
+        cdi_dir=work / "cdi",
+        devinfo_dir=None,
+        config_path=cfg_path,
+        netlink=False,
+        pod_resources_socket=None,
+        dra=DraSettings(
+            node_name=NODE,
+            plugins_dir=short / "plugins",
+            registry_dir=short / "registry",
+            min_write_interval_s=0.0,
+        ),
+    )
+    (short / "dp").mkdir()
+    daemon = Daemon(settings, config_mod.load(cfg_path), dra_client=client)
+    devices = pfs * vfs_per_pf
+    try:
+        await kubelet.start()
+        t0 = time.perf_counter()
+        await daemon.start()
+        await _writes_then_idle(daemon, 0)
+        start_s = time.perf_counter() - t0
+        assert daemon.dra is not None and daemon.dra.publisher is not None
+        pub = daemon.dra.publisher
+        start_writes = pub.writes
+        latencies: list[float] = []
+        writes: list[int] = []
+        for pf in layout.pfs:
+            before = pub.writes
+            t = time.perf_counter()
+            daemon.set_links([(pf.netdev, False)])
+            await _writes_then_idle(daemon, before)
+            latencies.append(time.perf_counter() - t)
+            writes.append(pub.writes - before)
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+        proc.terminate()
+        proc.wait()
+    lat = sorted(latencies)
+    return {
+        "bench": "dra_daemon",
+        "implementation": accel.IMPLEMENTATION,
+        "devices": devices,
+        "start_s": round(start_s, 3),
+        "start_writes": start_writes,
+        "slices": -(-devices // 128),
+        "pf_down_events": len(lat),
+        "pf_down_writes_max": max(writes),
+        "pf_down_p50_ms": round(statistics.median(lat) * 1000, 2),
+        "pf_down_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 2),
+    }
+
+
+def main() -> int:
+    """Run the benchmark at 4,096 and 16,384 devices (``--quick``: 4,096 only) and print the figures."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="4,096 devices only")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--dir", type=Path, default=None, help="where the simulated nodes go (e.g. /dev/shm)")
+    args = p.parse_args()
+    logging.disable(logging.WARNING)  # the daemon's own lines (no PodResources here) are not the output
+    sizes = [(16, 256)] if args.quick else [(16, 256), (64, 256)]
+    for pfs, vfs in sizes:
+        with tempfile.TemporaryDirectory(prefix="bench-dra-daemon-", dir=args.dir) as tmp:
+            r = uvloop.run(run_size(pfs, vfs, Path(tmp)))
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(
+                f"{r['devices']:>6} devices ({r['implementation']}): start → all {r['slices']} slices "
+                f"{r['start_s']:.3f} s with {r['start_writes']} writes; PF down → slices written "
+                f"p50 {r['pf_down_p50_ms']} ms p99 {r['pf_down_p99_ms']} ms over {r['pf_down_events']} "
+                f"PFs, at most {r['pf_down_writes_max']} writes each"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

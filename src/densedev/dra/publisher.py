@@ -1,0 +1,482 @@
+"""Keeps a node's ResourceSlices at the API server equal to what its pools, health and owners say.
+
+Two tasks on the daemon's loop, neither of which may die of an exception:
+
+* the **reflector** lists our slices (``spec.nodeName=<node>,spec.driver=<driver>``) and watches them,
+  keeping a mirror of what the server holds; it re-lists when a watch ends or fails (and, if watching
+  is refused, every ``resync_s``), so a slice deleted by someone else is seen either way;
+* the **syncer** compares what the builder wants with the mirror and writes the difference: deletes
+  of stale slices of ours first (with UID and resourceVersion preconditions), then updates, then
+  creates, as the official helper orders them.
+
+Incremental: a change (``update``) re-derives every slice's state from bitmaps-cheap set lookups, but
+writes only slices whose state differs from the server's.  Bursts are coalesced (``coalesce_s``) and
+every slice has its own rate limit (``min_write_interval_s``): a slice written less than that long ago
+waits, and is then written once with the newest state, so a flapping PF costs one write per interval.
+
+Pool generation (resource.k8s.io ResourcePool docs): consumers use only the slices of the highest
+generation and check ``resourceSliceCount``.  Devices never move between slices while the plan stays
+(``slices.plan``), so health changes rewrite slices in place at the same generation; when the set of
+slices, the slice count or a device's slice changes (a reload, a rescan, slices left by another
+version), every slice moves to generation + 1.
+
+Conflicts (409) are retried at once after a fresh read of that slice; a slice gone under an update
+(404) is created again; other failures back off exponentially (0.5 s to 30 s) and re-list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..model import Pool
+from .apiclient import ApiError, ResourceClient
+from .slices import ApiVersion, SliceBuilder, SliceState, node_owner
+
+log = logging.getLogger("densedev.dra.publisher")
+
+MAX_CONFLICT_RETRIES = 5  # per slice per pass; then the backoff takes over
+WRITES_IN_FLIGHT = 8  # concurrent slice writes of one pass
+
+
+@dataclass(frozen=True)
+class PublisherSettings:
+    """Node, driver and the publisher's knobs."""
+
+    node: str
+    driver: str
+    taints: bool = False  # taint unhealthy devices NoSchedule (v1) instead of withdrawing them
+    min_write_interval_s: float = 1.0  # per slice: at most one write per interval
+    coalesce_s: float = 0.002  # fold a burst of updates into one pass
+    resync_s: float = 60.0  # re-list this often when watching is not possible
+    watch_timeout_s: int = 300  # the server ends each watch after this; the reflector re-lists
+    backoff_min_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+
+def _rv_int(rv: str) -> int | None:
+    # resourceVersions are opaque; etcd's are integers and that lets a late watch event of our own
+    # earlier write be told from a newer state.  Non-integers are compared for equality only.
+    return int(rv) if rv.isdigit() else None
+
+
+def _spec_for_compare(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec as we would have written it: the server's defaulting (taints' timeAdded) taken out."""
+    devices = spec.get("devices") or []
+    if any("taints" in d for d in devices):
+        devices = [
+            {**d, "taints": [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]}
+            if "taints" in d
+            else d
+            for d in devices
+        ]
+    return {**spec, "devices": devices}
+
+
+class Publisher:
+    """Publishes one node's DRA pools as ResourceSlices, incrementally, rate-limited and self-healing."""
+
+    def __init__(
+        self,
+        client: ResourceClient,
+        settings: PublisherSettings,
+        pools: Sequence[Pool] = (),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self.settings = settings
+        self._clock = clock
+        self._pools: Sequence[Pool] = pools
+        self._unhealthy: frozenset[str] = frozenset()
+        self._withheld: frozenset[str] = frozenset()
+        self._builder: SliceBuilder | None = None
+        self._owner: dict[str, Any] | None = None
+        self._mirror: dict[str, dict[str, Any]] = {}  # name → slice as the server holds it (ours only)
+        self._listed = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._last_write: dict[str, float] = {}
+        # name → (resourceVersion, state, generation, count, owned) of our last successful write
+        self._written: dict[str, tuple[Any, ...]] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._field_selector = f"spec.nodeName={settings.node},spec.driver={settings.driver}"
+        self.writes = 0  # successful creates, updates and deletes
+        self.conflicts = 0
+        self.errors = 0
+        self.deferred: set[str] = set()  # slices waiting for their rate limit
+        # The API server dropped the taints we wrote (DRADeviceTaints is off: alpha in 1.33-1.35, and
+        # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
+        self.taints_dropped = False
+        self._layout_checked: SliceBuilder | None = None  # the plan the mirror was last checked against
+
+    # ----------------------------------------------------------------------------------------- input
+    def update(
+        self,
+        *,
+        pools: Sequence[Pool] | None = None,
+        unhealthy: Collection[str] | None = None,
+        withheld: Collection[str] | None = None,
+    ) -> None:
+        """Take new DRA pools, unhealthy device IDs and/or withheld device IDs; publish soon."""
+        if pools is not None:
+            self._pools = pools
+            self._builder = None  # re-plan: the generation decides whether devices moved
+        if unhealthy is not None:
+            self._unhealthy = frozenset(unhealthy)
+        if withheld is not None:
+            self._withheld = frozenset(withheld)
+        self.poke()
+
+    def poke(self) -> None:
+        """Wake the syncer (after a clock change in tests, or to retry at once)."""
+        self._idle.clear()
+        self._wake.set()
+
+    async def wait_idle(self) -> None:
+        """Return once the server holds exactly the desired slices and no write is deferred."""
+        await self._idle.wait()
+
+    # ------------------------------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Start the reflector and the syncer; an API server not answering yet is retried, never raised."""
+        self._idle.clear()
+        self._tasks = [
+            asyncio.create_task(self._reflect(), name="dra-reflector"),
+            asyncio.create_task(self._sync_loop(), name="dra-syncer"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop both tasks (slices stay published: the kubelet wipes them if the driver goes away)."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+
+    @property
+    def version(self) -> ApiVersion:
+        """The resource.k8s.io version in use."""
+        assert self._client.version is not None
+        return self._client.version
+
+    def builder(self) -> SliceBuilder:
+        """Return the slice builder of the current pools (made on first use after a change)."""
+        if self._builder is None:
+            s = self.settings
+            taints = s.taints and not self.taints_dropped
+            self._builder = SliceBuilder(s.node, s.driver, self._pools, version=self.version, taints=taints)
+        return self._builder
+
+    # ------------------------------------------------------------------------------------- reflector
+    def _ours(self, obj: Any) -> bool:
+        # Shape checked once here: everything else reads mirror entries without guarding each key.
+        if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
+            return False
+        spec = obj.get("spec")
+        if not isinstance(spec, dict) or not isinstance(spec.get("pool"), dict):
+            return False
+        return spec.get("nodeName") == self.settings.node and spec.get("driver") == self.settings.driver
+
+    def _observe(self, kind: str, obj: dict[str, Any]) -> None:
+        """Fold one watch event into the mirror, ignoring events older than what we hold."""
+        if not self._ours(obj):
+            return
+        name = obj["metadata"].get("name", "")
+        have = self._mirror.get(name)
+        new_rv = _rv_int(str(obj.get("metadata", {}).get("resourceVersion", "")))
+        if have is not None and new_rv is not None:
+            old_rv = _rv_int(str(have["metadata"].get("resourceVersion", "")))
+            if old_rv is not None and new_rv <= old_rv and kind != "DELETED":
+                return
+        if kind == "DELETED":
+            if have is not None and have["metadata"].get("uid") == obj["metadata"].get("uid"):
+                del self._mirror[name]
+                self.poke()
+        else:
+            self._mirror[name] = obj
+            sent = self._written.get(name)
+            if sent is None or sent[0] != obj["metadata"].get("resourceVersion"):
+                self._layout_checked = None  # someone else's content: look for moved devices again
+            self.poke()
+
+    def _merge_list(self, items: Sequence[dict[str, Any]]) -> None:
+        """Replace the mirror by a fresh list, keeping our own writes that are newer than the list."""
+        fresh = {s["metadata"]["name"]: s for s in items if self._ours(s)}
+        for name, have in self._mirror.items():
+            got = fresh.get(name)
+            if got is None:
+                continue
+            old = _rv_int(str(have["metadata"].get("resourceVersion", "")))
+            new = _rv_int(str(got["metadata"].get("resourceVersion", "")))
+            if old is not None and new is not None and old > new:
+                fresh[name] = have
+        self._mirror = fresh
+        self._layout_checked = None
+
+    async def _reflect(self) -> None:
+        delay = self.settings.backoff_min_s
+        while True:
+            try:
+                if self._client.version is None:
+                    await self._client.discover()
+                items, rv = await self._client.list_slices(self._field_selector)
+                self._merge_list(items)
+                self._listed.set()
+                self.poke()
+                delay = self.settings.backoff_min_s
+                async for kind, obj in self._client.watch_slices(
+                    self._field_selector, rv, self.settings.watch_timeout_s
+                ):
+                    if kind == "BOOKMARK":
+                        continue
+                    self._observe(kind, obj)
+                continue  # the server ended the watch: list again (a periodic re-list for free)
+            except asyncio.CancelledError:
+                raise
+            except ApiError as exc:
+                self.errors += 1
+                if exc.status in (403, 405):
+                    # Watching refused: poll by listing instead.
+                    log.warning(
+                        "dra: cannot watch ResourceSlices (%s); listing every %gs",
+                        exc,
+                        self.settings.resync_s,
+                    )
+                    await asyncio.sleep(self.settings.resync_s)
+                    continue
+                if exc.status != 410:  # 410 Expired: our resourceVersion is too old, re-list at once
+                    log.warning("dra: ResourceSlice list/watch failed: %s; again in %.1fs", exc, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.settings.backoff_max_s)
+            except Exception:
+                self.errors += 1
+                log.exception("dra: reflector error; again in %.1fs", delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.settings.backoff_max_s)
+
+    # ----------------------------------------------------------------------------------------- syncer
+    async def _sync_loop(self) -> None:
+        delay = self.settings.backoff_min_s
+        while True:
+            await self._wake.wait()
+            if self.settings.coalesce_s > 0:
+                await asyncio.sleep(self.settings.coalesce_s)
+            self._wake.clear()
+            try:
+                await self._listed.wait()
+                if self._owner is None:
+                    await self._lookup_owner()
+                wait = await self.sync_once()
+                delay = self.settings.backoff_min_s
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.errors += 1
+                if isinstance(exc, ApiError):
+                    log.warning("dra: publishing slices failed: %s; again in %.1fs", exc, delay)
+                else:
+                    log.exception("dra: publishing slices failed; again in %.1fs", delay)
+                wait = delay
+                delay = min(delay * 2, self.settings.backoff_max_s)
+            if wait is None:
+                if not self._wake.is_set():
+                    self._idle.set()
+                continue
+            # Something is deferred (rate limit) or failed: come back then, or earlier when woken.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.set()
+
+    async def _lookup_owner(self) -> None:
+        try:
+            node = await self._client.get_node(self.settings.node)
+            uid = str(node.get("metadata", {}).get("uid", ""))
+            self._owner = node_owner(self.settings.node, uid) if uid else {}
+        except ApiError as exc:
+            # Without the Node's UID the slices simply have no owner; the kubelet still wipes them.
+            log.warning("dra: cannot read Node %s for ownerReferences: %s", self.settings.node, exc)
+            self._owner = {}
+
+    def _plan_generation(self, states: Sequence[SliceState]) -> int:
+        """Return the generation to write: the current one, or one more when slices change shape.
+
+        Only the slices of the highest generation count (consumers ignore the rest, ResourcePool
+        docs): lower ones are left-overs of a move in progress, to be rewritten or deleted, so a move
+        that a rate limit or a failure interrupted resumes at its generation instead of starting over.
+        """
+        mirror = self._mirror
+        if not mirror:
+            return 1
+        current = max(int(s["spec"]["pool"].get("generation", 0)) for s in mirror.values())
+        top = {n: s for n, s in mirror.items() if int(s["spec"]["pool"].get("generation", 0)) == current}
+        names = {s.name for s in states}
+        # Slices missing (deleted by someone) are created again at the same generation; an extra one
+        # or another slice count mean the pool changed shape.
+        if not set(top) <= names:
+            return current + 1
+        if any(int(s["spec"]["pool"].get("resourceSliceCount", 0)) != len(states) for s in top.values()):
+            return current + 1
+        if self._layout_checked is self._builder:
+            return current  # the mirror holds only what this plan wrote: no device can have moved
+        # A device published in one slice and wanted in another: move everything to a new generation.
+        where: dict[str, str] = {}
+        for name, s in top.items():
+            for d in s["spec"].get("devices") or ():
+                where[d["name"]] = name
+        for st in states:
+            for dname, _ in st.devices:
+                if where.get(dname, st.name) != st.name:
+                    return current + 1
+        self._layout_checked = self._builder
+        return current
+
+    async def sync_once(self) -> float | None:
+        """Write what differs; return seconds until a deferred write may go, or None when all is done."""
+        builder = self.builder()
+        states = builder.states(self._unhealthy, self._withheld)
+        generation = self._plan_generation(states)
+        owner = self._owner or None
+        now = self._clock()
+        interval = self.settings.min_write_interval_s
+        wait: float | None = None
+        self.deferred = set()
+
+        def allowed(name: str) -> bool:
+            nonlocal wait
+            last = self._last_write.get(name)
+            if last is None or now - last >= interval:
+                return True
+            left = last + interval - now
+            wait = left if wait is None else min(wait, left)
+            self.deferred.add(name)
+            return False
+
+        wanted = {st.name for st in states}
+        for name in [n for n in self._mirror if n not in wanted]:
+            if not allowed(name):
+                continue
+            stale = self._mirror[name]
+            try:
+                await self._client.delete_slice(
+                    name, stale["metadata"].get("uid", ""), stale["metadata"].get("resourceVersion", "")
+                )
+            except ApiError as exc:
+                if exc.status == 409:
+                    self.conflicts += 1
+                    await self._refresh(name)
+                    wait = 0.0
+                    continue
+                if exc.status != 404:
+                    raise
+            self._mirror.pop(name, None)
+            self._wrote(name)
+
+        count = len(states)
+        todo: list[tuple[SliceState, dict[str, Any]]] = []
+        for st in states:
+            held = self._mirror.get(st.name)
+            if held is not None:
+                # What we wrote last and the server still holds unchanged: no need to render it.
+                sent = self._written.get(st.name)
+                if sent == (held["metadata"].get("resourceVersion"), st, generation, count, bool(owner)):
+                    continue
+            want = builder.render(st, generation, count, owner)
+            if held is not None and self._same(held, want):
+                continue
+            if allowed(st.name):
+                todo.append((st, want))
+        if not todo:
+            return wait
+        # A few writes in flight at once: the API server works on one while we encode the next (a
+        # PF's two slices go out together; a start's creates do not queue one behind the other).
+        gate = asyncio.Semaphore(WRITES_IN_FLIGHT)
+
+        async def one(st: SliceState, want: dict[str, Any]) -> bool:
+            async with gate:
+                return await self._write(st, want, generation, count, bool(owner))
+
+        done = await asyncio.gather(*(one(st, want) for st, want in todo), return_exceptions=True)
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
+        if self.taints_dropped and self._builder is None:
+            return 0.0  # the layout changes (see _write): again at once
+        if not all(done):
+            wait = 0.0 if wait is None else min(wait, self.settings.backoff_min_s)
+        return wait
+
+    async def _write(
+        self, st: SliceState, want: dict[str, Any], generation: int, count: int, owned: bool
+    ) -> bool:
+        """Create or replace one slice, retrying conflicts after a fresh read; False if they never end."""
+        for _attempt in range(MAX_CONFLICT_RETRIES):
+            have = self._mirror.get(st.name)
+            if have is not None and self._same(have, want):
+                return True
+            try:
+                if have is None:
+                    stored = await self._client.create_slice(want)
+                else:
+                    want["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
+                    stored = await self._client.replace_slice(want)
+            except ApiError as exc:
+                if exc.status == 409:
+                    # Stale resourceVersion, or created meanwhile: read it fresh and go again.
+                    self.conflicts += 1
+                    await self._refresh(st.name)
+                    continue
+                if exc.status == 404 and have is not None:
+                    self._mirror.pop(st.name, None)  # deleted under us: create it
+                    continue
+                raise
+            self._mirror[st.name] = stored
+            self._wrote(st.name)
+            if self._taints_lost(st, stored):
+                if not self.taints_dropped:
+                    log.warning(
+                        "dra: the API server dropped device taints (feature gate DRADeviceTaints off?); "
+                        "withdrawing unhealthy devices from the slices instead"
+                    )
+                self.taints_dropped = True
+                self._builder = None
+                return True
+            self._written[st.name] = (stored["metadata"].get("resourceVersion"), st, generation, count, owned)
+            return True
+        return False
+
+    @staticmethod
+    def _taints_lost(state: SliceState, stored: dict[str, Any]) -> bool:
+        """Return whether we sent tainted devices and the stored slice has fewer tainted ones."""
+        sent = sum(tainted for _, tainted in state.devices)
+        if not sent:
+            return False
+        kept = sum(bool(d.get("taints")) for d in stored.get("spec", {}).get("devices") or ())
+        return kept < sent
+
+    def _same(self, have: dict[str, Any], want: dict[str, Any]) -> bool:
+        hm, wm = have.get("metadata", {}), want["metadata"]
+        if hm.get("labels") != wm.get("labels"):
+            return False
+        if "ownerReferences" in wm and hm.get("ownerReferences") != wm["ownerReferences"]:
+            return False
+        return bool(_spec_for_compare(have.get("spec") or {}) == _spec_for_compare(want["spec"]))
+
+    def _wrote(self, name: str) -> None:
+        self.writes += 1
+        self._last_write[name] = self._clock()
+
+    async def _refresh(self, name: str) -> None:
+        self._layout_checked = None
+        try:
+            self._mirror[name] = await self._client.get_slice(name)
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            self._mirror.pop(name, None)

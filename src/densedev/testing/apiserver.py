@@ -1,0 +1,572 @@
+"""An API-server stand-in for DRA tests: the resource.k8s.io endpoints the driver uses, over real HTTP.
+
+No kube-apiserver runs on these machines, so this serves what ``dra/apiclient.py`` calls, the way the
+real server answers it (aiohttp on the test's event loop, on 127.0.0.1):
+
+* ``GET /apis/resource.k8s.io``: API group discovery, listing the versions this stand-in serves (v1 and
+  v1beta1 by default; ``versions=("v1beta1",)`` plays a 1.32-1.33 cluster);
+* ResourceSlices: list (``fieldSelector`` on ``spec.nodeName`` / ``spec.driver``), watch (newline-
+  delimited events after a resourceVersion, ``410 Expired`` when it is too old), create, get, replace
+  (``409 Conflict`` on a stale resourceVersion), delete (with UID / resourceVersion preconditions) and
+  deletecollection (the kubelet's wipe of its node's slices at start);
+* ResourceClaim get, Node get; an optional bearer token (401 without it).
+
+Every object written is checked as the real server would: against the official OpenAPI schema with
+``kubernetes-validate`` (strict: unknown fields refused), plus the ResourceSlice limits the schema only
+states in prose (128 devices, DNS-label device names, qualified attribute names, 32 attributes, one value
+type each, 64-character strings, slice count above zero, immutable driver/pool/node).  Invalid writes
+get ``422 Invalid`` with a Status body.  Counters record every write per slice for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import re
+import uuid
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+GROUP = "resource.k8s.io"
+MAX_EVENTS = 20000  # watch history kept; older resourceVersions get 410 Expired, as etcd compaction gives
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_C_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ATTR_TYPES = ("int", "bool", "string", "version")
+# kubernetes-validate's schema for the Kubernetes minor each version is checked against: v1 exists from
+# 1.34 (the first strict schema with resource.k8s.io/v1); v1beta1 is checked as 1.32 served it.
+SCHEMA_VERSION = {"v1": "1.34", "v1beta1": "1.32"}
+
+
+class _Invalid(Exception):
+    """A write the real API server would refuse with 422 Invalid."""
+
+
+def _status(code: int, reason: str, message: str) -> web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": reason, "message": message}
+    return web.json_response({**body, "code": code}, status=code)
+
+
+class SchemaChecker:
+    """Validates objects against kubernetes-validate's OpenAPI schemas, one compiled validator per kind."""
+
+    def __init__(self) -> None:
+        self._validators: dict[tuple[str, str, str], Any] = {}
+
+    def _validator(self, kind: str, api_version: str, k8s: str) -> Any:
+        key = (kind, api_version, k8s)
+        v = self._validators.get(key)
+        if v is None:
+            import jsonschema
+            from kubernetes_validate.utils import schema_contents
+            from referencing import Registry, Resource
+
+            group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+            base = f"kubernetes-json-schema/v{k8s}.0-local-strict"
+            schema = schema_contents(f"{base}/{kind.lower()}-{group_version}.json", k8s)
+            defs = schema_contents(f"{base}/_definitions.json", k8s)
+            registry = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
+            v = jsonschema.validators.Draft202012Validator(schema, registry=registry)
+            self._validators[key] = v
+        return v
+
+    def check(self, obj: dict[str, Any], k8s: str) -> None:
+        """Raise _Invalid naming the first schema violation of ``obj``."""
+        import jsonschema
+
+        try:
+            self._validator(str(obj.get("kind")), str(obj.get("apiVersion")), k8s).validate(obj)
+        except jsonschema.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.absolute_path) or "<root>"
+            raise _Invalid(f"{where}: {exc.message[:300]}") from None
+
+
+def _slice_rules(obj: dict[str, Any], version: str) -> None:
+    """The ResourceSlice rules the API enforces in code (api resource/v1 types.go), not in the schema."""
+    spec = obj.get("spec") or {}
+    name = obj.get("metadata", {}).get("name", "")
+    if not name or len(name) > 253 or not _DNS_SUBDOMAIN.fullmatch(name):
+        raise _Invalid(f"metadata.name: {name!r} is not a DNS subdomain")
+    driver = spec.get("driver", "")
+    if len(driver) > 63 or not _DNS_SUBDOMAIN.fullmatch(driver):
+        raise _Invalid(f"spec.driver: {driver!r} is not a DNS subdomain of at most 63 characters")
+    pool = spec.get("pool") or {}
+    if not pool.get("name") or len(pool["name"]) > 253:
+        raise _Invalid("spec.pool.name: required, at most 253 characters")
+    if int(pool.get("resourceSliceCount", 0)) <= 0:
+        raise _Invalid("spec.pool.resourceSliceCount: must be greater than zero")
+    if int(pool.get("generation", -1)) < 0:
+        raise _Invalid("spec.pool.generation: must be non-negative")
+    modes = [k for k in ("nodeName", "nodeSelector", "allNodes", "perDeviceNodeSelection") if spec.get(k)]
+    if len(modes) != 1:
+        raise _Invalid(
+            f"spec: exactly one of nodeName, nodeSelector, allNodes, perDeviceNodeSelection, got {modes}"
+        )
+    devices = spec.get("devices") or []
+    tainted = any(
+        (d.get("taints") if version == "v1" else (d.get("basic") or {}).get("taints")) for d in devices
+    )
+    # 1.35+: at most 64 devices in a slice where any device has taints.
+    limit = 64 if tainted else 128
+    if len(devices) > limit:
+        raise _Invalid(f"spec.devices: must have at most {limit} items, got {len(devices)}")
+    seen: set[str] = set()
+    for i, d in enumerate(devices):
+        dname = d.get("name", "")
+        if len(dname) > 63 or not _DNS_LABEL.fullmatch(dname):
+            raise _Invalid(f"spec.devices[{i}].name: {dname!r} is not a DNS label")
+        if dname in seen:
+            raise _Invalid(f"spec.devices[{i}].name: duplicate {dname!r}")
+        seen.add(dname)
+        body = d if version == "v1" else (d.get("basic") or {})
+        attrs = body.get("attributes") or {}
+        if len(attrs) + len(body.get("capacity") or {}) > 32:
+            raise _Invalid(f"spec.devices[{i}]: more than 32 attributes and capacities")
+        for key, value in attrs.items():
+            prefix, _, ident = key.rpartition("/")
+            if not _C_IDENT.fullmatch(ident) or len(ident) > 32:
+                raise _Invalid(
+                    f"spec.devices[{i}].attributes[{key}]: not a C identifier of at most 32 characters"
+                )
+            if prefix and (len(prefix) > 63 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
+                raise _Invalid(f"spec.devices[{i}].attributes[{key}]: prefix is not a DNS subdomain")
+            set_types = [t for t in _ATTR_TYPES if value.get(t) is not None]
+            if len(set_types) != 1:
+                raise _Invalid(
+                    f"spec.devices[{i}].attributes[{key}]: exactly one value type, got {set_types}"
+                )
+            if set_types[0] in ("string", "version") and len(value[set_types[0]]) > 64:
+                raise _Invalid(f"spec.devices[{i}].attributes[{key}]: longer than 64 characters")
+        taints = body.get("taints") or []
+        if len(taints) > 16:
+            raise _Invalid(f"spec.devices[{i}].taints: at most 16")
+        for t in taints:
+            if t.get("effect") not in ("NoSchedule", "NoExecute", "None"):
+                raise _Invalid(f"spec.devices[{i}].taints: effect {t.get('effect')!r}")
+
+
+def _selector(text: str) -> list[tuple[str, str]]:
+    """Parse ``a=b,c==d`` field selectors; raise ValueError on a field ResourceSlices do not index."""
+    out: list[tuple[str, str]] = []
+    for term in filter(None, text.split(",")):
+        key, sep, value = term.partition("==") if "==" in term else term.partition("=")
+        if not sep or key not in ("spec.nodeName", "spec.driver", "metadata.name"):
+            raise ValueError(f'field label not supported: "{key}"')
+        out.append((key, value))
+    return out
+
+
+def _field(obj: dict[str, Any], key: str) -> str:
+    if key == "metadata.name":
+        return str(obj["metadata"]["name"])
+    return str((obj.get("spec") or {}).get(key.split(".", 1)[1]) or "")
+
+
+@dataclass
+class _Watcher:
+    selector: list[tuple[str, str]]
+    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
+
+
+class ApiServerStandIn:
+    """Serves the DRA endpoints on 127.0.0.1; ``url`` once started. Objects are kept in memory."""
+
+    def __init__(
+        self,
+        versions: Iterable[str] = ("v1", "v1beta1"),
+        *,
+        validate: bool = True,
+        token: str | None = None,
+        drop_taints: bool = False,
+    ) -> None:
+        if validate:
+            # Fail here, not at the first write (as a 500): validation needs the test extra.
+            import kubernetes_validate  # noqa: F401
+
+        self.versions = tuple(versions)
+        # Plays a server with the DRADeviceTaints gate off: device taints are dropped silently on write.
+        self.drop_taints = drop_taints
+        self.validate = validate
+        self.token = token
+        self.slices: dict[str, dict[str, Any]] = {}
+        self.claims: dict[tuple[str, str], dict[str, Any]] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.writes: Counter[str] = Counter()  # per slice name: creates + updates + deletes
+        self.requests: Counter[str] = Counter()  # per "METHOD kind" ("PUT resourceslices", "GET node" ...)
+        self.rejected: list[str] = []  # every 422 message, for tests to show
+        # Faults: the next ``fail_writes`` writes get 500; ``on_write(method, name)`` runs as a write
+        # arrives, before it is checked (another writer slipping in: a real 409 follows).
+        self.fail_writes = 0
+        self.fail_discovery = 0  # the next N API discoveries get 503 (a server still starting)
+        self.on_write: Any = None
+        self._rv = 0
+        self._events: list[tuple[int, str, dict[str, Any]]] = []
+        self._watchers: list[_Watcher] = []
+        self._checker = SchemaChecker()
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    # -------------------------------------------------------------------------------------- lifecycle
+    async def start(self) -> str:
+        """Listen on an ephemeral port of 127.0.0.1; return the base URL."""
+        app = web.Application(middlewares=[self._auth])
+        r = app.router
+        r.add_get(f"/apis/{GROUP}", self._group)
+        r.add_get(f"/apis/{GROUP}/{{v}}/resourceslices", self._list)
+        r.add_post(f"/apis/{GROUP}/{{v}}/resourceslices", self._create)
+        r.add_delete(f"/apis/{GROUP}/{{v}}/resourceslices", self._delete_collection)
+        r.add_get(f"/apis/{GROUP}/{{v}}/resourceslices/{{name}}", self._get)
+        r.add_put(f"/apis/{GROUP}/{{v}}/resourceslices/{{name}}", self._replace)
+        r.add_delete(f"/apis/{GROUP}/{{v}}/resourceslices/{{name}}", self._delete)
+        r.add_get(f"/apis/{GROUP}/{{v}}/namespaces/{{ns}}/resourceclaims/{{name}}", self._claim)
+        r.add_get("/api/v1/nodes/{name}", self._node)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self.url
+
+    async def stop(self) -> None:
+        """End every watch and stop listening."""
+        for w in self._watchers:
+            w.queue.put_nowait(None)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> ApiServerStandIn:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ------------------------------------------------------------------------------- test-side helpers
+    def add_node(self, name: str) -> dict[str, Any]:
+        """Create a Node object (with a UID) and return it."""
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "uid": str(uuid.uuid4())}}
+        self.nodes[name] = node
+        return node
+
+    def put_claim(self, claim: dict[str, Any]) -> None:
+        """Store a ResourceClaim as the scheduler left it (validated like any write)."""
+        version = str(claim.get("apiVersion", "")).rpartition("/")[2]
+        if self.validate:
+            self._checker.check(claim, SCHEMA_VERSION.get(version, "1.34"))
+        meta = claim["metadata"]
+        self.claims[(meta["namespace"], meta["name"])] = claim
+
+    def node_slices(self, node: str) -> list[dict[str, Any]]:
+        """Return the slices whose spec.nodeName is ``node``, by name."""
+        return [s for _, s in sorted(self.slices.items()) if (s.get("spec") or {}).get("nodeName") == node]
+
+    def external_update(self, name: str, mutate: Any) -> None:
+        """Change a stored slice as another writer would (bumps its resourceVersion, emits MODIFIED)."""
+        obj = copy.deepcopy(self.slices[name])
+        mutate(obj)
+        self._store("MODIFIED", obj)
+
+    def wipe_node(self, node: str) -> int:
+        """Delete the node's slices as the kubelet's deletecollection does at its start; return how many."""
+        gone = [n for n, s in self.slices.items() if (s.get("spec") or {}).get("nodeName") == node]
+        for n in gone:
+            self._remove(n)
+        return len(gone)
+
+    # ------------------------------------------------------------------------------------- internals
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return _status(401, "Unauthorized", "Unauthorized")
+        return await handler(request)
+
+    def _version(self, request: web.Request) -> str:
+        v = request.match_info["v"]
+        if v not in self.versions:
+            raise web.HTTPNotFound(text=json.dumps({"kind": "Status", "code": 404, "reason": "NotFound"}))
+        return v
+
+    def _next_rv(self) -> str:
+        self._rv += 1
+        return str(self._rv)
+
+    def _emit(self, kind: str, obj: dict[str, Any]) -> None:
+        rv = int(obj["metadata"]["resourceVersion"])
+        self._events.append((rv, kind, obj))
+        if len(self._events) > MAX_EVENTS:
+            del self._events[: len(self._events) - MAX_EVENTS]
+        for w in self._watchers:
+            if all(_field(obj, k) == v for k, v in w.selector):
+                w.queue.put_nowait({"type": kind, "object": obj})
+
+    def _store(self, kind: str, obj: dict[str, Any]) -> dict[str, Any]:
+        if self.drop_taints:
+            for d in (obj.get("spec") or {}).get("devices") or ():
+                d.pop("taints", None)
+                (d.get("basic") or {}).pop("taints", None)
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self.slices[obj["metadata"]["name"]] = obj
+        self._emit(kind, obj)
+        return obj
+
+    def _remove(self, name: str) -> dict[str, Any]:
+        obj = copy.deepcopy(self.slices.pop(name))
+        obj["metadata"]["resourceVersion"] = self._next_rv()
+        self.writes[name] += 1
+        self._emit("DELETED", obj)
+        return obj
+
+    def _check_write(self, obj: Any, version: str, old: dict[str, Any] | None) -> None:
+        if not isinstance(obj, dict) or obj.get("kind") != "ResourceSlice":
+            raise _Invalid("kind: expected ResourceSlice")
+        if obj.get("apiVersion") != f"{GROUP}/{version}":
+            raise _Invalid(f"apiVersion: {obj.get('apiVersion')!r} sent to the {version} endpoint")
+        if self.validate:
+            self._checker.check(obj, SCHEMA_VERSION[version])
+        _slice_rules(obj, version)
+        if old is not None:
+            for key in ("driver", "nodeName"):
+                if (old.get("spec") or {}).get(key) != obj["spec"].get(key):
+                    raise _Invalid(f"spec.{key}: field is immutable")
+            if old["spec"]["pool"]["name"] != obj["spec"]["pool"]["name"]:
+                raise _Invalid("spec.pool.name: field is immutable")
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except ValueError:
+            raise web.HTTPBadRequest(text="body is not JSON") from None
+
+    def _fault(self, method: str, name: str) -> web.Response | None:
+        if self.on_write is not None:
+            self.on_write(method, name)
+        if self.fail_writes > 0:
+            self.fail_writes -= 1
+            return _status(500, "InternalError", "stand-in: injected failure")
+        return None
+
+    def _invalid(self, exc: _Invalid, name: str) -> web.Response:
+        message = f'ResourceSlice.{GROUP} "{name}" is invalid: {exc}'
+        self.rejected.append(message)
+        return _status(422, "Invalid", message)
+
+    # -------------------------------------------------------------------------------------- handlers
+    async def _group(self, request: web.Request) -> web.Response:
+        if self.fail_discovery > 0:
+            self.fail_discovery -= 1
+            return _status(503, "ServiceUnavailable", "stand-in: injected failure")
+        versions = [{"groupVersion": f"{GROUP}/{v}", "version": v} for v in self.versions]
+        return web.json_response(
+            {
+                "kind": "APIGroup",
+                "apiVersion": "v1",
+                "name": GROUP,
+                "versions": versions,
+                "preferredVersion": versions[0],
+            }
+        )
+
+    async def _list(self, request: web.Request) -> web.StreamResponse:
+        version = self._version(request)
+        try:
+            selector = _selector(request.query.get("fieldSelector", ""))
+        except ValueError as exc:
+            return _status(400, "BadRequest", str(exc))
+        if request.query.get("watch") in ("true", "1"):
+            return await self._watch(request, selector)
+        self.requests["LIST resourceslices"] += 1
+        items = [
+            s
+            for _, s in sorted(self.slices.items())
+            if s["apiVersion"].endswith("/" + version) and all(_field(s, k) == v for k, v in selector)
+        ]
+        return web.json_response(
+            {
+                "kind": "ResourceSliceList",
+                "apiVersion": f"{GROUP}/{version}",
+                "metadata": {"resourceVersion": str(self._rv)},
+                "items": items,
+            }
+        )
+
+    async def _watch(self, request: web.Request, selector: list[tuple[str, str]]) -> web.StreamResponse:
+        self.requests["WATCH resourceslices"] += 1
+        since = int(request.query.get("resourceVersion") or self._rv)
+        timeout = float(request.query.get("timeoutSeconds") or 1800)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        w = _Watcher(selector)
+        oldest = self._events[0][0] if self._events else self._rv + 1
+        if since < self._rv and since + 1 < oldest:
+            gone = {
+                "kind": "Status",
+                "code": 410,
+                "reason": "Expired",
+                "message": f"too old resource version: {since}",
+            }
+            await resp.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+            return resp
+        for rv, kind, obj in self._events:
+            if rv > since and all(_field(obj, k) == v for k, v in selector):
+                w.queue.put_nowait({"type": kind, "object": obj})
+        self._watchers.append(w)
+        try:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + timeout
+            while True:
+                left = end - loop.time()
+                if left <= 0:
+                    break
+                try:
+                    event = await asyncio.wait_for(w.queue.get(), left)
+                except TimeoutError:
+                    break
+                if event is None:
+                    break
+                await resp.write(json.dumps(event).encode() + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self._watchers.remove(w)
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write_eof()
+        return resp
+
+    async def _create(self, request: web.Request) -> web.Response:
+        version = self._version(request)
+        obj = await self._body(request)
+        self.requests["POST resourceslices"] += 1
+        name = str((obj.get("metadata") or {}).get("name", "")) if isinstance(obj, dict) else ""
+        if (fault := self._fault("POST", name)) is not None:
+            return fault
+        try:
+            self._check_write(obj, version, None)
+        except _Invalid as exc:
+            return self._invalid(exc, name)
+        if name in self.slices:
+            return _status(409, "AlreadyExists", f'resourceslices.{GROUP} "{name}" already exists')
+        meta = obj["metadata"]
+        if meta.get("resourceVersion"):
+            return _status(400, "BadRequest", "resourceVersion should not be set on objects to be created")
+        meta["uid"] = str(uuid.uuid4())
+        meta["generation"] = 1
+        self.writes[name] += 1
+        return web.json_response(self._store("ADDED", obj), status=201)
+
+    async def _get(self, request: web.Request) -> web.Response:
+        self._version(request)
+        self.requests["GET resourceslices"] += 1
+        name = request.match_info["name"]
+        if name not in self.slices:
+            return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
+        return web.json_response(self.slices[name])
+
+    async def _replace(self, request: web.Request) -> web.Response:
+        version = self._version(request)
+        name = request.match_info["name"]
+        obj = await self._body(request)
+        self.requests["PUT resourceslices"] += 1
+        if (fault := self._fault("PUT", name)) is not None:
+            return fault
+        old = self.slices.get(name)
+        if old is None:
+            return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
+        try:
+            if (obj.get("metadata") or {}).get("name") != name:
+                raise _Invalid("metadata.name: does not match the URL")
+            self._check_write(obj, version, old)
+        except _Invalid as exc:
+            return self._invalid(exc, name)
+        rv = obj["metadata"].get("resourceVersion")
+        if rv and rv != old["metadata"]["resourceVersion"]:
+            return _status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on resourceslices.{GROUP} "{name}": the object has been '
+                "modified; please apply your changes to the latest version and try again",
+            )
+        obj["metadata"]["uid"] = old["metadata"]["uid"]
+        obj["metadata"]["generation"] = old["metadata"].get("generation", 1) + (old["spec"] != obj["spec"])
+        self.writes[name] += 1
+        return web.json_response(self._store("MODIFIED", obj))
+
+    async def _delete(self, request: web.Request) -> web.Response:
+        self._version(request)
+        name = request.match_info["name"]
+        self.requests["DELETE resourceslices"] += 1
+        if (fault := self._fault("DELETE", name)) is not None:
+            return fault
+        old = self.slices.get(name)
+        if old is None:
+            return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
+        body = await request.json() if request.can_read_body else {}
+        pre = (body or {}).get("preconditions") or {}
+        if pre.get("uid") and pre["uid"] != old["metadata"]["uid"]:
+            return _status(409, "Conflict", f"Precondition failed: UID in precondition: {pre['uid']}")
+        if pre.get("resourceVersion") and pre["resourceVersion"] != old["metadata"]["resourceVersion"]:
+            return _status(409, "Conflict", "Precondition failed: resourceVersion in precondition differs")
+        return web.json_response(self._remove(name))
+
+    async def _delete_collection(self, request: web.Request) -> web.Response:
+        version = self._version(request)
+        self.requests["DELETECOLLECTION resourceslices"] += 1
+        try:
+            selector = _selector(request.query.get("fieldSelector", ""))
+        except ValueError as exc:
+            return _status(400, "BadRequest", str(exc))
+        gone = [
+            n
+            for n, s in sorted(self.slices.items())
+            if s["apiVersion"].endswith("/" + version) and all(_field(s, k) == v for k, v in selector)
+        ]
+        items = [self._remove(n) for n in gone]
+        return web.json_response(
+            {"kind": "ResourceSliceList", "apiVersion": f"{GROUP}/{version}", "items": items}
+        )
+
+    async def _claim(self, request: web.Request) -> web.Response:
+        self._version(request)
+        self.requests["GET resourceclaims"] += 1
+        key = (request.match_info["ns"], request.match_info["name"])
+        claim = self.claims.get(key)
+        if claim is None:
+            return _status(404, "NotFound", f'resourceclaims.{GROUP} "{key[1]}" not found')
+        return web.json_response(claim)
+
+    async def _node(self, request: web.Request) -> web.Response:
+        self.requests["GET nodes"] += 1
+        name = request.match_info["name"]
+        node = self.nodes.get(name)
+        if node is None:
+            return _status(404, "NotFound", f'nodes "{name}" not found')
+        return web.json_response(node)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    import uvloop
+
+    p = argparse.ArgumentParser(description="API-server stand-in for DRA (benchmarks, manual tests)")
+    p.add_argument("--versions", default="v1,v1beta1")
+    p.add_argument("--no-validate", action="store_true", help="skip schema checks (measure the driver alone)")
+    p.add_argument("--node", action="append", default=[], help="create this Node (repeatable)")
+    a = p.parse_args()
+
+    async def _main() -> None:
+        async with ApiServerStandIn(a.versions.split(","), validate=not a.no_validate) as srv:
+            for n in a.node:
+                srv.add_node(n)
+            print(srv.url, flush=True)
+            await asyncio.Event().wait()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        uvloop.run(_main())

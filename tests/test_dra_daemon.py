@@ -1,0 +1,420 @@
+"""The daemon serving one pool through DRA and one through the device-plugin API, end to end.
+
+Everything runs as in production but for the other side: the DRA kubelet emulator (registration,
+Prepare/Unprepare, the health stream), the API-server stand-in (ResourceSlices validated against the
+official schema, the ResourceClaims), and the device-plugin kubelet emulator (pods, PodResources).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from densedev import config as config_mod
+from densedev import devinfo, discovery, selectors
+from densedev.dra import names
+from densedev.dra.apiclient import ResourceClient
+from densedev.dra.driver import ClientFactory, DraSettings
+from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
+from densedev.manager import Daemon, DaemonSettings
+from densedev.ownership import DRA_CLAIMS, Ownership
+from densedev.testing import simnode
+from densedev.testing.apiserver import ApiServerStandIn
+from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
+from densedev.testing.kubelet import KubeletEmulator
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+GUARD_S = 30.0
+PREFIX = "example.com"
+NODE = "node-a"
+DP = f"{PREFIX}/dp"
+DRA = f"{PREFIX}/dra"
+
+
+def pool(name: str, pf_names: list[str], api: str | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": pf_names}}
+    if api is not None:
+        doc["api"] = api
+    return doc
+
+
+class Node:
+    """A simulated node: PF 0's VFs in pool ``dp`` (device plugin), PF 1's in pool ``dra`` (DRA)."""
+
+    def __init__(self, tmp: Path, pfs: int = 2, vfs_per_pf: int = 8) -> None:
+        self.tmp = tmp
+        self.sysfs = tmp / "sys"
+        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=False)
+        self.config_path = tmp / "config.json"
+        # unix socket paths are limited to 107 bytes: short dirs, as the kubelet's own.
+        self.short = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+        self.kubelet_dir = self.short / "dp"
+        self.plugins_dir = self.short / "plugins"
+        self.registry_dir = self.short / "registry"
+        self.pr_socket = self.short / "pr.sock"
+        self.kubelet_dir.mkdir()
+        self.cdi_dir = tmp / "cdi"
+        self.devinfo_dir = tmp / "devinfo"
+        self.api: ApiServerStandIn | None = None
+
+    @property
+    def pf0(self) -> simnode.SimPF:
+        return self.layout.pfs[0]
+
+    @property
+    def pf1(self) -> simnode.SimPF:
+        return self.layout.pfs[1]
+
+    def write(self, pools: list[dict[str, Any]]) -> None:
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
+        tmp.replace(self.config_path)
+
+    def daemon(self, client: ClientFactory | None = None) -> Daemon:
+        assert self.api is not None
+        url = self.api.url
+
+        async def standin() -> ResourceClient:
+            return ResourceClient.for_url(url)
+
+        settings = DaemonSettings(
+            sysfs_root=self.sysfs,
+            kubelet_dir=self.kubelet_dir,
+            dev_root=self.tmp / "dev",
+            cdi_dir=self.cdi_dir,
+            devinfo_dir=self.devinfo_dir,
+            resource_prefix=PREFIX,
+            config_path=self.config_path,
+            netlink=False,
+            config_poll_s=0.05,
+            pod_resources_socket=self.pr_socket,
+            dra=DraSettings(
+                node_name=NODE,
+                plugins_dir=self.plugins_dir,
+                registry_dir=self.registry_dir,
+                min_write_interval_s=0.05,
+            ),
+        )
+        cfg = config_mod.load(self.config_path, default_prefix=PREFIX)
+        return Daemon(settings, cfg, dra_client=client or standin)
+
+    # -- what the API server and the kubelets see --------------------------------------------------
+    def published(self) -> dict[str, str]:
+        """Device name -> PCI address of every device in the node's slices at the stand-in."""
+        assert self.api is not None
+        out: dict[str, str] = {}
+        for s in self.api.node_slices(NODE):
+            for d in s["spec"].get("devices") or []:
+                out[d["name"]] = d["attributes"]["pciAddress"]["string"]
+        return out
+
+    def claim(self, address: str, name: str = "") -> tuple[str, str, str]:
+        """Store at the stand-in a claim allocated the device at ``address``; return its reference."""
+        assert self.api is not None
+        uid = str(uuid.uuid4())
+        name = name or f"claim-{uid[:8]}"
+        result = {"request": "nic", "driver": DRIVER, "pool": NODE, "device": names.device_name(address)}
+        self.api.put_claim(allocated_claim("default", name, uid, [result]))
+        return ("default", name, uid)
+
+    def spec(self, uid: str) -> Path:
+        return self.cdi_dir / f"densedev_dra_{DRIVER}_{uid}.json"
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    n.write([pool("dp", [n.pf0.netdev]), pool("dra", [n.pf1.netdev], api="dra")])
+    yield n
+    shutil.rmtree(n.short, ignore_errors=True)
+
+
+class Cluster:
+    """The three emulated parties and the daemon, started in the order a node starts them."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        assert node.api is not None
+        self.api = node.api
+        self.kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket, strict=True)
+        self.dra_kubelet = DraKubelet(node.registry_dir, on_start=self._wipe)
+        self.daemon: Daemon | None = None
+
+    async def _wipe(self) -> None:
+        # The kubelet deletes the node's slices at its start (DRA manager, deletecollection).
+        self.api.wipe_node(NODE)
+
+    async def start_daemon(self) -> Daemon:
+        self.daemon = self.node.daemon()
+        await self.daemon.start()
+        return self.daemon
+
+    async def stop_daemon(self) -> None:
+        if self.daemon is not None:
+            await self.daemon.stop()
+            self.daemon = None
+
+    async def until(self, cond: Callable[[], bool], what: str) -> None:
+        try:
+            await self.dra_kubelet.wait_for(cond, GUARD_S)
+        except TimeoutError:
+            raise AssertionError(f"never happened: {what}") from None
+
+
+@contextlib.asynccontextmanager
+async def cluster(node: Node) -> AsyncIterator[Cluster]:
+    api = ApiServerStandIn()
+    await api.start()
+    api.add_node(NODE)
+    node.api = api
+    c = Cluster(node)
+    await c.kubelet.start()
+    await c.dra_kubelet.start()
+    try:
+        await c.start_daemon()
+        yield c
+    finally:
+        await c.stop_daemon()
+        await c.dra_kubelet.stop()
+        await c.kubelet.stop()
+        await api.stop()
+        assert api.rejected == [], api.rejected
+
+
+def by_name(addresses: list[str]) -> dict[str, str]:
+    return {names.device_name(a): a for a in addresses}
+
+
+def test_dra_and_device_plugin_pools_end_to_end(run: Run, node: Node) -> None:
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+
+    async def main() -> None:
+        async with cluster(node) as c:
+            daemon = c.daemon
+            assert daemon is not None
+            # The DRA pool is published (validated by the stand-in), the other is listed to the kubelet.
+            await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+            await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
+            assert c.kubelet.resources() == [DP]  # the DRA pool is not served as a device plugin
+            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+            await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == len(pf1), "health streamed")
+
+            # A claim prepared end to end: the claim is read from the stand-in, the CDI spec written,
+            # the device held in the one ownership map.
+            ref = node.claim(pf1[2])
+            answer = (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]]
+            assert answer.error == ""
+            assert [d["device"] for d in answer.devices] == [names.device_name(pf1[2])]
+            assert node.spec(ref[2]).exists()
+            assert daemon.ownership.held.get(pf1[2]) == frozenset({DRA_CLAIMS})
+            # Idempotent: the same answer again.
+            assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]] == answer
+            # A device of the device-plugin pool is not the DRA driver's to give.
+            stray = node.claim(pf0[0])
+            refused = (await c.dra_kubelet.prepare(DRIVER, [stray]))[stray[2]]
+            assert refused.error and not node.spec(stray[2]).exists()
+
+            assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
+            assert not node.spec(ref[2]).exists()
+            assert pf1[2] not in daemon.ownership.held
+
+            # PF 1 down: its VFs leave the slices and the health stream says so.
+            daemon.set_links([(node.pf1.netdev, False)])
+            await c.until(lambda: node.published() == {}, "unhealthy devices withdrawn")
+            await c.until(
+                lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"UNHEALTHY"}, "health stream updated"
+            )
+            daemon.set_links([(node.pf1.netdev, True)])
+            await c.until(lambda: node.published() == by_name(pf1), "recovered devices published again")
+            await c.until(
+                lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"HEALTHY"}, "health stream recovered"
+            )
+
+            # A kubelet restart wipes the node's slices; the driver registers again and republishes.
+            await c.dra_kubelet.restart()
+            assert c.dra_kubelet.starts == 2
+            await c.until(lambda: node.published() == by_name(pf1), "slices republished after the wipe")
+
+    run(main())
+
+
+def test_reload_moving_pools_between_apis_never_gives_a_device_twice(run: Run, node: Node) -> None:
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+
+    async def main() -> None:
+        async with cluster(node) as c:
+            daemon = c.daemon
+            assert daemon is not None
+            await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+            await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
+            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+            # A pod holds PF 0's VF 0 under the device plugin; a claim holds PF 1's VF 0 under DRA.
+            await c.kubelet.create_pod("p1", {DP: [pf0[0]]})
+            ref = node.claim(pf1[0])
+            assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]].error == ""
+
+            # Swap the APIs of the two pools.
+            node.write([pool("dp", [node.pf0.netdev], api="dra"), pool("dra", [node.pf1.netdev])])
+            # PF 0's VFs are published, but the one the pod holds is withheld; PF 1's VFs are listed
+            # to the kubelet, but the one the claim holds is withheld.
+            await c.until(lambda: node.published() == by_name(pf0[1:]), "dp published without the held VF")
+            await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DRA)) == set(pf1[1:]), GUARD_S)
+            # NodePrepare refuses the device the pod holds, naming the holder.
+            other = node.claim(pf0[0])
+            refused = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]].error
+            assert "held" in refused and DP in refused, refused
+            # Every device the kubelet lists under the new device-plugin pool goes to a pod: never
+            # the one the claim holds (the strict emulator raises on a double holding too).
+            got = await c.kubelet.create_pod("p2", {DRA: c.kubelet.allocatable(DRA)})
+            assert pf1[0] not in got[DRA] and c.kubelet.double_holdings == []
+
+            # A daemon restart recovers the claim before serving anything: still withheld.
+            await c.stop_daemon()
+            await c.start_daemon()
+            daemon = c.daemon
+            assert daemon is not None
+            assert daemon.ownership.held.get(pf1[0]) == frozenset({DRA_CLAIMS})
+            # The leftover reconcile at start kept what the claim's container uses: its CDI spec and
+            # its device-info file (named as the device-plugin pool "dra" now names its own).
+            assert node.spec(ref[2]).exists()
+            assert (node.devinfo_dir / devinfo.file_name(PREFIX, "dra", pf1[0])).exists()
+            await c.kubelet.wait_for(
+                lambda: pf1[0] not in c.kubelet.devices(DRA) and bool(c.kubelet.devices(DRA)), GUARD_S
+            )
+            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered again")
+
+            # Releases: the pod goes, its VF joins the DRA slices; the claim is unprepared (served
+            # although its pool left DRA), its VF joins the device-plugin list.
+            c.kubelet.delete_pod("uid-p1")
+            await c.until(lambda: node.published() == by_name(pf0), "released VF published")
+            again = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]]
+            assert again.error == ""
+            assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
+            await c.kubelet.wait_for(lambda: pf1[0] in c.kubelet.devices(DRA), GUARD_S)
+            assert c.kubelet.double_holdings == []
+
+    run(main())
+
+
+def test_a_4096_device_node_is_published_whole(run: Run, tmp_path: Path) -> None:
+    node = Node(tmp_path, pfs=16, vfs_per_pf=256)
+    try:
+        node.write([pool("all", [pf.netdev for pf in node.layout.pfs], api="dra")])
+        every = [a for pf in node.layout.pfs for a in pf.vf_addresses]
+        assert len(every) == 4096
+
+        async def main() -> None:
+            async with cluster(node) as c:
+                await c.until(lambda: len(node.published()) == 4096, "4,096 devices published")
+                assert node.published() == by_name(every)
+                assert len(c.api.node_slices(NODE)) == 4096 // 128
+                await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == 4096, "health of all streamed")
+
+        run(main())
+    finally:
+        shutil.rmtree(node.short, ignore_errors=True)
+
+
+def test_one_ownership_map_holds_devices_across_both_apis(node: Node) -> None:
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+    cfg = config_mod.load(node.config_path, default_prefix=PREFIX)
+    raw = selectors.build_pools(cfg, discovery.scan(node.sysfs).devices)
+    own = Ownership(None)
+    own.note_allocated(DP, [pf0[0]])  # a pod holds it under the device-plugin pool: its own
+    own.note_allocated(DP, [pf1[3]])  # ... and this one, which a reload moved into the DRA pool
+    assert own.set_claimed([pf1[0], pf0[1]]) is True  # prepared claims (pf0[1]: the pool moved back)
+    assert own.set_claimed([pf1[0], pf0[1]]) is False
+    # Each API withholds what the other holds, and keeps what it holds itself.
+    _, withheld = own.split(raw)
+    assert withheld == {DP: (pf0[1],), DRA: (pf1[3],)}
+    # Allocate through the device-plugin API refuses a device a claim holds.
+    assert own.conflicts(DP, [pf0[1], pf0[2]]) == {pf0[1]: frozenset({DRA_CLAIMS})}
+    # Claims released: what pods hold stays held (an Allocate answer is not lost with the claims).
+    assert own.set_claimed([]) is True
+    assert own.held == {pf0[0]: frozenset({DP}), pf1[3]: frozenset({DP})}
+    assert own.split(raw)[1] == {DRA: (pf1[3],)}
+
+
+def test_a_reload_adding_the_first_dra_pool_starts_the_driver(run: Run, node: Node) -> None:
+    node.write([pool("dp", [node.pf0.netdev])])
+
+    async def main() -> None:
+        async with cluster(node) as c:
+            daemon = c.daemon
+            assert daemon is not None
+            await c.kubelet.wait_for(lambda: bool(c.kubelet.devices(DP)), GUARD_S)
+            # A node that never served DRA touches nothing of it: no driver, no socket, no slice.
+            assert daemon.dra is None and not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
+            node.write([pool("dp", [node.pf0.netdev]), pool("dra", [node.pf1.netdev], api="dra")])
+            await c.until(lambda: node.published() == by_name(node.pf1.vf_addresses), "published")
+            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+
+    run(main())
+
+
+def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str]) -> None:
+    short = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))  # the DRA sockets live under it
+    small = ["--seconds", "1", "--pfs", "2", "--vfs-per-pf", "8", "--flip-interval", "0.2"]
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "densedev.cli",
+                "demo",
+                "--dra",
+                "--seconds",
+                "1",
+                "--workdir",
+                str(short),
+                *small,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=child_env,
+        )
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "16 devices published in 2 ResourceSlices" in proc.stdout, proc.stdout
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("demo summary (DRA): 16 devices") and ", 0 errors" in summary, summary
+    prepared = int(summary.split(" link flips, ")[1].split(" claims")[0])
+    assert prepared >= 1, summary
+
+
+def test_no_api_server_leaves_dra_unserved_and_the_rest_served(run: Run, node: Node) -> None:
+    async def main() -> None:
+        async def refused() -> ResourceClient:
+            return ResourceClient.for_url("http://127.0.0.1:9")  # nothing listens on the discard port
+
+        kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket)
+        await kubelet.start()
+        api = ApiServerStandIn()
+        await api.start()
+        node.api = api
+        daemon = node.daemon(refused)  # the API server cannot be reached
+        try:
+            await daemon.start()  # does not raise: DRA is retried in the background
+            await kubelet.wait_for(lambda: set(kubelet.devices(DP)) == set(node.pf0.vf_addresses), GUARD_S)
+            ready, why = daemon.registered()
+            assert not ready and "DRA driver" in why
+            assert daemon.dra is not None and not daemon.dra.started
+            assert not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
+        finally:
+            await daemon.stop()
+            await kubelet.stop()
+            await api.stop()
+
+    run(main())

@@ -1,0 +1,508 @@
+"""The publisher against the API-server stand-in, over real HTTP, through the production client, on uvloop.
+
+Every slice the publisher writes is validated by the stand-in (official OpenAPI schema, strict, plus the
+API's written limits); a rejected write would leave the publisher never idle and fail the test.  Time is
+a fake clock the tests move, so rate limits are asserted by counting writes, never by timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from densedev import config, discovery, selectors
+from densedev.dra import names, slices
+from densedev.dra.apiclient import ApiError, HttpClaimReader, ResourceClient
+from densedev.dra.publisher import Publisher, PublisherSettings
+from densedev.model import Pool
+from densedev.testing import simnode
+from densedev.testing.apiserver import ApiServerStandIn
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+NODE = "worker-1"
+DRIVER = names.DEFAULT_DRIVER_NAME
+SELECTOR = f"spec.nodeName={NODE}"
+
+
+class Clock:
+    """A monotonic clock that moves only when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> simnode.NodeLayout:
+    # PFs of 256 VFs as at density, but few of them: every write is schema-validated, which costs.
+    return simnode.build_node(tmp_path_factory.mktemp("node"), pfs=4, vfs_per_pf=256)
+
+
+N = 4 * 256  # devices of ``node``
+S = N // 128  # its slices
+
+
+def _pools(root: Path, resources: list[dict[str, Any]]) -> tuple[Pool, ...]:
+    cfg = config.parse(json.dumps({"resourceList": resources}))
+    return slices.dra_pools(selectors.build_pools(cfg, discovery.scan(root).devices))
+
+
+ALL_VFS = {"resourceName": "vfs", "api": "dra", "selectors": {"vendors": ["15b3"], "devices": ["101e"]}}
+
+
+@pytest.fixture(scope="module")
+def pools(node: simnode.NodeLayout) -> tuple[Pool, ...]:
+    return _pools(node.root, [ALL_VFS])
+
+
+@pytest.fixture(scope="module")
+def pools4k(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pool, ...]:
+    big = simnode.build_node(tmp_path_factory.mktemp("node4k"), pfs=16, vfs_per_pf=256)
+    return _pools(big.root, [ALL_VFS])
+
+
+async def eventually(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """Wait (bounded) until ``cond()`` holds: the publisher reacts to watch events asynchronously."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not cond():
+        assert loop.time() < end, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def published(
+    pools: tuple[Pool, ...],
+    *,
+    versions: tuple[str, ...] = ("v1", "v1beta1"),
+    clock: Clock | None = None,
+    before: Callable[[ResourceClient], Coroutine[Any, Any, None]] | None = None,
+    drop_taints: bool = False,
+    **knobs: Any,
+) -> AsyncIterator[tuple[ApiServerStandIn, Publisher, ResourceClient]]:
+    """A stand-in, a publisher of ``pools`` started against it and idle, and a second (kubelet's) client."""
+    async with ApiServerStandIn(versions, drop_taints=drop_taints) as srv:
+        srv.add_node(NODE)
+        other = ResourceClient.for_url(srv.url)
+        await other.discover()
+        if before is not None:
+            await before(other)
+        client = ResourceClient.for_url(srv.url)
+        pub = Publisher(client, PublisherSettings(NODE, DRIVER, **knobs), pools, clock=clock or Clock())
+        await pub.start()
+        try:
+            await asyncio.wait_for(pub.wait_idle(), 60)
+            yield srv, pub, other
+        finally:
+            await pub.stop()
+            await client.close()
+            await other.close()
+    assert not srv.rejected, srv.rejected[:3]
+
+
+def _devices(srv: ApiServerStandIn) -> dict[str, str]:
+    """Device name → the slice holding it, over the node's published slices."""
+    return {d["name"]: s["metadata"]["name"] for s in srv.node_slices(NODE) for d in s["spec"]["devices"]}
+
+
+def test_start_publishes_4096_devices_with_one_write_per_slice(run: Run, pools4k: tuple[Pool, ...]) -> None:
+    async def main() -> None:
+        async with published(pools4k) as (srv, pub, _):
+            assert pub.version is slices.ApiVersion.V1
+            got = srv.node_slices(NODE)
+            assert len(got) == 32 and len(_devices(srv)) == 4096
+            assert sum(srv.writes.values()) == 32 == pub.writes
+            assert {
+                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
+            } == {(1, 32)}
+            uid = srv.nodes[NODE]["metadata"]["uid"]
+            assert all(s["metadata"]["ownerReferences"][0]["uid"] == uid for s in got)
+            assert srv.requests["PUT resourceslices"] == 0  # nothing rewritten after the creates
+
+    run(main())
+
+
+def test_pf_down_rewrites_only_its_two_slices_in_place(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, _):
+            before = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in srv.node_slices(NODE)}
+            clock.now += 10
+            down = set(node.pfs[2].vf_addresses)
+            pub.update(unhealthy=down)
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            after = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in srv.node_slices(NODE)}
+            changed = [n for n in before if before[n] != after[n]]
+            assert len(changed) == 2 and pub.writes == S + 2
+            assert len(_devices(srv)) == N - 256
+            assert not {names.device_name(a) for a in down} & set(_devices(srv))
+            # Same generation: no device moved, so consumers never see one twice.
+            assert {s["spec"]["pool"]["generation"] for s in srv.node_slices(NODE)} == {1}
+            clock.now += 10
+            pub.update(unhealthy=())
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert len(_devices(srv)) == N and pub.writes == S + 4
+
+    run(main())
+
+
+def test_conflict_is_retried_after_a_fresh_read(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, _):
+            target = srv.node_slices(NODE)[0]["metadata"]["name"]
+            sneaked: list[str] = []
+
+            def another_writer(method: str, name: str) -> None:
+                # Another writer changes the slice just before our PUT lands: its resourceVersion is stale.
+                if method == "PUT" and name == target and not sneaked:
+                    sneaked.append(name)
+                    srv.external_update(name, lambda o: o["metadata"].setdefault("labels", {}).update(x="y"))
+
+            srv.on_write = another_writer
+            clock.now += 10
+            pub.update(unhealthy={node.pfs[0].vf_addresses[0]})
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert sneaked == [target]
+            assert pub.conflicts == 1
+            final = srv.slices[target]
+            assert "x" not in final["metadata"]["labels"]  # ours again, from a fresh read
+            assert names.device_name(node.pfs[0].vf_addresses[0]) not in {
+                d["name"] for d in final["spec"]["devices"]
+            }
+            assert srv.writes[target] == 2  # our create and our retried update (the other writer aside)
+
+    run(main())
+
+
+def test_kubelet_deletecollection_and_single_deletes_are_republished(
+    run: Run, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, kubelet):
+            clock.now += 10
+            # What the kubelet does at its start (DeleteCollection, fieldSelector spec.nodeName).
+            await kubelet.delete_slices(SELECTOR)
+            await eventually(lambda: len(_devices(srv)) == N, "every device republished")
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            got = srv.node_slices(NODE)
+            assert len(got) == S and pub.writes == 2 * S
+            assert {s["spec"]["pool"]["resourceSliceCount"] for s in got} == {S}
+            assert set(srv.writes.values()) == {3}  # created, wiped by the kubelet, created again
+            # One slice deleted by someone: that one comes back, at the same generation, alone.
+            clock.now += 10
+            gone = got[3]
+            await kubelet.delete_slice(gone["metadata"]["name"])
+            await eventually(lambda: gone["metadata"]["name"] in srv.slices, "the deleted slice is back")
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.writes == 2 * S + 1
+            assert (
+                srv.slices[gone["metadata"]["name"]]["spec"]["pool"]["generation"]
+                == gone["spec"]["pool"]["generation"]
+            )
+
+    run(main())
+
+
+def test_writes_per_slice_are_rate_limited_and_coalesced(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock, min_write_interval_s=5.0) as (srv, pub, _):
+            pf = set(node.pfs[3].vf_addresses)
+            clock.now += 10
+            pub.update(unhealthy=pf)
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.writes == S + 2
+            affected = {n for n, c in srv.writes.items() if c == 2}
+            assert len(affected) == 2
+            # A flapping PF within the interval: nothing is written, the two slices wait.
+            for k in range(7):
+                pub.update(unhealthy=pf if k % 2 else ())
+                await asyncio.sleep(0)
+            await eventually(lambda: pub.deferred == affected, "both slices deferred")
+            assert pub.writes == S + 2
+            # Interval over: one write per slice, with the newest state (the PF back up).
+            clock.now += 5
+            pub.poke()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.writes == S + 4 and {srv.writes[n] for n in affected} == {3}
+            assert len(_devices(srv)) == N
+
+    run(main())
+
+
+def test_v1beta1_is_used_when_v1_is_not_served(run: Run, pools: tuple[Pool, ...]) -> None:
+    async def main() -> None:
+        async with published(pools, versions=("v1beta1",)) as (srv, pub, _):
+            assert pub.version is slices.ApiVersion.V1BETA1
+            got = srv.node_slices(NODE)
+            assert len(got) == S and all(s["apiVersion"] == "resource.k8s.io/v1beta1" for s in got)
+            assert all("basic" in d for d in got[0]["spec"]["devices"])
+        async with ApiServerStandIn(versions=("v1alpha3",)) as old:
+            client = ResourceClient.for_url(old.url)
+            with pytest.raises(ApiError, match="neither v1 nor v1beta1"):
+                await client.discover()
+            await client.close()
+
+    run(main())
+
+
+def test_stale_slices_of_ours_go_and_others_stay(run: Run, pools: tuple[Pool, ...]) -> None:
+    def slice_of(name: str, driver: str, generation: int) -> dict[str, Any]:
+        return {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {
+                "driver": driver,
+                "nodeName": NODE,
+                "pool": {"name": NODE, "generation": generation, "resourceSliceCount": 1},
+                "devices": [{"name": "pci-0000-99-00-1"}],
+            },
+        }
+
+    async def plant(client: ResourceClient) -> None:
+        # Left by an earlier densedev with another layout, and a slice of another driver on the node.
+        await client.create_slice(slice_of("worker-1-old-layout", DRIVER, 5))
+        await client.create_slice(slice_of("worker-1-gpu", "gpu.example.com", 1))
+
+    async def main() -> None:
+        async with published(pools, before=plant) as (srv, _pub, _):
+            assert "worker-1-old-layout" not in srv.slices
+            assert "worker-1-gpu" in srv.slices
+            ours = [s for s in srv.node_slices(NODE) if s["spec"]["driver"] == DRIVER]
+            assert len(ours) == S
+            assert {s["spec"]["pool"]["generation"] for s in ours} == {6}  # above what was there
+
+    run(main())
+
+
+def test_devices_moving_between_slices_move_the_pool_to_a_new_generation(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, _):
+            pf0 = node.pfs[0]
+            # A reload hands PF0's first 64 VFs to a device-plugin pool: PF0's other VFs shift slices.
+            moved = _pools(
+                node.root,
+                [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
+            )
+            clock.now += 10
+            pub.update(pools=moved)
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            got = srv.node_slices(NODE)
+            assert len(got) == S and len(_devices(srv)) == N - 64
+            assert {
+                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
+            } == {(2, S)}
+            assert pub.writes == 2 * S
+
+    run(main())
+
+
+def test_server_errors_back_off_and_nothing_dies(run: Run, pools: tuple[Pool, ...]) -> None:
+    async def main() -> None:
+        async with ApiServerStandIn() as srv:
+            srv.fail_discovery = 2
+            srv.fail_writes = 3
+            client = ResourceClient.for_url(srv.url)
+            pub = Publisher(client, PublisherSettings(NODE, DRIVER, backoff_min_s=0.01), pools)
+            await pub.start()  # returns at once: discovery is retried in the background
+            await asyncio.wait_for(pub.wait_idle(), 60)
+            assert srv.fail_discovery == 0 and srv.fail_writes == 0
+            assert pub.errors >= 3 and len(srv.node_slices(NODE)) == S
+            # No Node object: slices go without ownerReferences rather than not at all.
+            assert "ownerReferences" not in srv.node_slices(NODE)[0]["metadata"]
+            await pub.stop()
+            await client.close()
+
+    run(main())
+
+
+def test_the_stand_in_refuses_what_the_api_server_refuses(run: Run, pools: tuple[Pool, ...]) -> None:
+    good = slices.build_slices(NODE, DRIVER, pools)[0]
+
+    def spoiled(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        obj = json.loads(json.dumps(good))
+        change(obj)
+        return obj
+
+    bad = [
+        spoiled(lambda o: o["spec"].update(bogus=1)),  # unknown field (strict schema)
+        spoiled(lambda o: o["spec"]["devices"].extend(o["spec"]["devices"][:1])),  # 129 devices, a duplicate
+        spoiled(lambda o: o["spec"]["devices"][0]["attributes"].update({"bad-name": {"int": 1}})),
+        spoiled(lambda o: o["spec"]["devices"][0]["attributes"].update(x={"int": 1, "bool": True})),
+        spoiled(lambda o: o["spec"]["devices"][0]["attributes"].update(x={"string": "s" * 65})),
+        spoiled(lambda o: o["spec"]["pool"].update(resourceSliceCount=0)),
+        spoiled(lambda o: o["spec"]["devices"][0].update(name="PCI_0")),
+        spoiled(lambda o: o["spec"]["pool"].update(generation="1")),  # schema: integer
+    ]
+
+    async def main() -> None:
+        async with ApiServerStandIn() as srv:
+            client = ResourceClient.for_url(srv.url)
+            await client.discover()
+            for obj in bad:
+                with pytest.raises(ApiError) as exc:
+                    await client.create_slice(obj)
+                assert exc.value.status == 422 and len(exc.value.message) <= 300
+            assert len(srv.rejected) == len(bad) and not srv.slices
+            stored = await client.create_slice(good)
+            # Immutable fields and stale resourceVersions, as the real server enforces them.
+            moved = {**stored, "spec": {**stored["spec"], "nodeName": "elsewhere"}}
+            with pytest.raises(ApiError, match="immutable"):
+                await client.replace_slice(moved)
+            await client.replace_slice(stored)
+            with pytest.raises(ApiError) as conflict:
+                await client.replace_slice(stored)
+            assert conflict.value.status == 409
+            await client.close()
+
+    run(main())
+
+
+def test_claim_reader_reads_claims_and_tokens_are_required(run: Run) -> None:
+    claim = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "net", "namespace": "team", "uid": "0b1c"},
+        "spec": {"devices": {"requests": [{"name": "vf", "exactly": {"deviceClassName": "vfs.intel.com"}}]}},
+        "status": {
+            "allocation": {
+                "devices": {
+                    "results": [
+                        {"request": "vf", "driver": DRIVER, "pool": NODE, "device": "pci-0000-19-00-2"}
+                    ]
+                }
+            }
+        },
+    }
+
+    async def main() -> None:
+        async with ApiServerStandIn(token="s3cret") as srv:
+            srv.put_claim(claim)
+            anonymous = ResourceClient.for_url(srv.url)
+            with pytest.raises(ApiError) as exc:
+                await anonymous.discover()
+            assert exc.value.status == 401
+            await anonymous.close()
+            client = ResourceClient.for_url(srv.url, token="s3cret")
+            reader = HttpClaimReader(client)
+            got = await reader.get("team", "net")
+            assert got["metadata"]["uid"] == "0b1c"
+            assert got["status"]["allocation"]["devices"]["results"][0]["device"] == "pci-0000-19-00-2"
+            with pytest.raises(ApiError) as missing:
+                await reader.get("team", "gone")
+            assert missing.value.status == 404
+            await client.close()
+
+    run(main())
+
+
+def test_kubeconfig_is_read_for_server_and_token(run: Run, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+
+    async def main() -> None:
+        async with ApiServerStandIn(token="t0ken") as srv:
+            srv.add_node(NODE)
+            kubeconfig.write_text(
+                json.dumps(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "clusters": [{"name": "c", "cluster": {"server": srv.url}}],
+                        "users": [{"name": "u", "user": {"token": "t0ken"}}],
+                        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                        "current-context": "x",
+                    }
+                )
+            )
+            client = await ResourceClient.from_kubeconfig(kubeconfig)
+            assert await client.discover() is slices.ApiVersion.V1
+            assert (await client.get_node(NODE))["metadata"]["name"] == NODE
+            await client.close()
+
+    run(main())
+
+
+def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    down = set(node.pfs[1].vf_addresses)
+
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock, taints=True) as (srv, pub, _):
+            assert len(srv.node_slices(NODE)) == 2 * S  # 64 devices a slice with taints
+            clock.now += 10
+            pub.update(unhealthy=down)
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            tainted = [d for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
+            assert len(tainted) == 256 and len(_devices(srv)) == N and pub.writes == 2 * S + 4
+        # A server with the DRADeviceTaints gate off drops them silently: withdraw instead, or the
+        # unhealthy devices would look healthy.
+        clock = Clock()
+        async with published(pools, clock=clock, taints=True, drop_taints=True) as (srv, pub, _):
+            clock.now += 10
+            pub.update(unhealthy=down)
+            await eventually(lambda: pub.taints_dropped, "the dropped taints noticed")
+            # The re-layout waits for the rate limit of the PF's four slices written a moment ago
+            # (two to rewrite, two to delete), the others it rewrites at once.
+            pf_slices = {
+                n for n in srv.slices if node.pfs[1].address.replace(":", "-").replace(".", "-") in n
+            }
+            await eventually(lambda: pub.deferred == pf_slices, "the PF's slices wait for their rate limit")
+            clock.now += 10
+            pub.poke()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            got = srv.node_slices(NODE)
+            assert len(got) == S and len(_devices(srv)) == N - 256
+            assert {s["spec"]["pool"]["generation"] for s in got} == {2}
+
+    run(main())
+
+
+def test_a_generation_move_held_by_the_rate_limit_resumes_without_a_second_move(
+    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    async def main() -> None:
+        clock = Clock()
+        async with published(pools, clock=clock) as (srv, pub, _):
+            pf0 = node.pfs[0]
+            clock.now += 10
+            pub.update(unhealthy={pf0.vf_addresses[200]})  # PF0's second slice written just now
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert pub.writes == S + 1
+            moved = _pools(
+                node.root,
+                [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
+            )
+            pub.update(pools=moved)  # same instant: that slice must wait, the others move at once
+            await eventually(lambda: len(pub.deferred) == 1, "PF0's rewritten slice waits")
+            clock.now += 10
+            pub.poke()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            got = srv.node_slices(NODE)
+            assert {
+                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
+            } == {(2, S)}
+            assert pub.writes == 2 * S + 1  # every slice once at generation 2, none twice
+
+    run(main())
