@@ -154,3 +154,27 @@ def _write_one_pool(tmp_path: Path) -> Path:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"resourceList": [{"resourceName": "vf", "selectors": {"drivers": ["x"]}}]}))
     return path
+
+
+def test_scan_config_groups_exclusions_and_lists_them_all_with_verbose(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Exclusions are grouped by reason with a count and three examples; --verbose names every device.
+    from densedev.testing import simnode
+
+    sysfs = tmp_path / "sys"
+    layout = simnode.build_node(sysfs, pfs=2, vfs_per_pf=16)
+    config = _write_one_pool(tmp_path)
+    assert cli.main(["scan", "--sysfs-root", str(sysfs), "--config", str(config)]) == 0
+    short = capsys.readouterr().out
+    vfs = [a for pf in layout.pfs for a in pf.vf_addresses]
+    group = next(
+        line for line in short.splitlines() if line.lstrip().startswith(f"excluded {len(vfs)}: drivers")
+    )
+    assert group.endswith(", ...)") and sum(a in group for a in vfs) == 3
+    assert cli.main(["scan", "--sysfs-root", str(sysfs), "--config", str(config), "--verbose"]) == 0
+    full = capsys.readouterr().out
+    group = next(
+        line for line in full.splitlines() if line.lstrip().startswith(f"excluded {len(vfs)}: drivers")
+    )
+    assert all(a in group for a in vfs) and not group.endswith(", ...)")

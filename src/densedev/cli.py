@@ -280,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
     )
     scan.add_argument("--json", action="store_true", help="print JSON (schema in docs/config.md)")
+    scan.add_argument(
+        "--verbose",
+        action="store_true",
+        help="with --config, list every excluded device of each reason (default: a count and 3 examples)",
+    )
 
     check = _sub(
         sub,
@@ -410,7 +415,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
-        _print_escaped(selectors.format_table(result))
+        _print_escaped(selectors.format_table(result, max_excluded=len(table.devices) if args.verbose else 3))
     return 0
 
 
