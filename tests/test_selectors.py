@@ -389,7 +389,7 @@ def test_explain_schema_and_reasons() -> None:
     assert first["devices"] == [
         {
             "id": "0000:3b:01.0",
-            "device": "0000:3b:01.0",
+            "device_id": "0000:3b:01.0",
             "role": "vf",
             "vendor": "15b3",
             "device_code": "101e",
@@ -577,7 +577,7 @@ def test_build_pools_agrees_with_the_per_device_reasons(devices: list[Device], c
     for pool, got in zip(out["pools"], fast, strict=True):
         assert [d["id"] for d in pool["devices"]] == got
         # Every device is either in the pool or excluded with a reason, never both.
-        in_pool = {d["device"] for d in pool["devices"]}
+        in_pool = {d["device_id"] for d in pool["devices"]}
         excluded = {e["id"] for e in pool["excluded"]}
         assert in_pool | excluded == {d.id for d in devices}
         assert not in_pool & excluded

@@ -357,7 +357,7 @@ def pool_reason(pc: PoolConfig, d: Device, pf_link: dict[str, str]) -> str | Non
 def _describe(member_id: str, d: Device) -> dict[str, Any]:
     return {
         "id": member_id,
-        "device": d.id,
+        "device_id": d.id,  # the device behind the member ID (scan --json's "id")
         "role": d.role,
         "vendor": d.vendor,
         "device_code": d.device,
