@@ -438,7 +438,7 @@ class Daemon:
             previous = self._start_errors.get(name)
             self._start_errors[name] = error
             self._note_failing()
-            delay = min(self.settings.start_retry_s[0] * 2 ** (attempt - 1), self.settings.start_retry_s[1])
+            delay = backoff_delay(attempt, self.settings.start_retry_s)
             # The first failure, a new reason, and then every 10th retry: visible, but no flood.
             if error != previous or attempt % 10 == 0:
                 log_event(
@@ -458,9 +458,8 @@ class Daemon:
 
     async def _retry_start(self, runtime: PoolRuntime) -> None:
         attempt = 1
-        low, high = self.settings.start_retry_s
         while self.pools.get(runtime.name) is runtime:
-            await asyncio.sleep(min(low * 2 ** (attempt - 1), high))
+            await asyncio.sleep(backoff_delay(attempt, self.settings.start_retry_s))
             if self.pools.get(runtime.name) is not runtime:
                 break  # removed or replaced by a reload meanwhile
             attempt += 1
@@ -1183,13 +1182,19 @@ class Daemon:
         return True
 
     async def _dra_retry(self) -> None:
-        low, high = self.settings.dra.retry_s if self.settings.dra is not None else (0.5, 30.0)
+        bounds = self.settings.dra.retry_s if self.settings.dra is not None else (0.5, 30.0)
         attempt = 1
         while True:
-            await asyncio.sleep(min(low * 2 ** (attempt - 1), high))
+            await asyncio.sleep(backoff_delay(attempt, bounds))
             attempt += 1
             if await self._dra_try_start(attempt):
                 return
+
+
+def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
+    """Return the wait before retry ``attempt`` (1-based): the low bound, doubling, capped at the high."""
+    low, high = bounds
+    return min(low * 2 ** (attempt - 1), high)
 
 
 def _options_of(pool: PoolConfig) -> tuple[bool, bool]:
