@@ -39,8 +39,8 @@ import uvloop
 import yaml
 
 from densedev import cli
-from densedev.metrics import parse_addr
 from densedev.model import HEALTHY, UNHEALTHY
+from densedev.ops.metrics import parse_addr
 from densedev.testing import netns, simnode
 from densedev.testing.kubelet import KubeletEmulator
 

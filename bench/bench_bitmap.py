@@ -71,7 +71,7 @@ def bench_bitmaps(mod: ModuleType, calls: int, rounds: int) -> dict[str, float]:
 def bench_tracker(rounds: int) -> dict[str, object]:
     """Time one PF flip through the tracker at 16,384 devices (the accel this process picked)."""
     from densedev import accel
-    from densedev.health import HealthTracker
+    from densedev.health.tracker import HealthTracker
     from densedev.model import ROLE_PF, ROLE_VF, Device, Pool, PoolConfig, PoolMember
 
     def dev(addr: str, role: str, pf: str, pf_netdev: str, netdevs: tuple[str, ...], k: int) -> Device:

@@ -1,6 +1,6 @@
 """Benchmark the config loader on the worst files it may be given: memory and time per file.
 
-Each file is loaded by ``densedev.config.load`` in a fresh child process, which reports its peak
+Each file is loaded by ``densedev.pools.config.load`` in a fresh child process, which reports its peak
 resident memory (``ru_maxrss``) before and after the load, so one file's cost is not hidden by another's.
 The files: VF ranges ``"ens1#0-65535"`` repeated 100 and 2,000 times (issue 12 saw 641 MB and 6.4 GB),
 the same range under 55,000 names (a 1 MiB file that is valid), 1 MiB of empty pools (340,000 problems),
@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 CHILD = """
 import json, resource, sys, time
-from densedev import config
+from densedev.pools import config
 path = sys.argv[1]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()

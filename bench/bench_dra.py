@@ -34,10 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import uvloop
 
-from densedev import config, discovery, selectors
 from densedev.dra import names, slices
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.publisher import Publisher, PublisherSettings
+from densedev.node import scanner as discovery
+from densedev.pools import config
+from densedev.pools import select as selectors
 from densedev.testing import simnode
 
 NODE = "bench-node"

@@ -33,10 +33,10 @@ import uvloop
 from bench_dra import NODE, start_stand_in
 
 from densedev import accel
-from densedev import config as config_mod
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.driver import DraSettings
-from densedev.manager import Daemon, DaemonSettings
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.dra_kubelet import DraKubelet
 

@@ -40,8 +40,8 @@ import _impl
 import uvloop
 
 from densedev import accel
-from densedev import config as config_mod
 from densedev.model import UNHEALTHY
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import LinkSwitch, namespace

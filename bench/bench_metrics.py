@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import _impl
 
-from densedev.metrics import Metrics, MetricsServer
+from densedev.ops.metrics import Metrics, MetricsServer
 
 
 def per_call(fn: Callable[[int], object], calls: int, repeat: int) -> float:

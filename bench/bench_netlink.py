@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _impl
 
 from densedev import accel
-from densedev.health import Coalescer, HealthTracker
+from densedev.health.tracker import Coalescer, HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
-from densedev.netlink import NETLINK_ROUTE, LinkMonitor, link_states, open_netlink_socket, resolve_netns
+from densedev.node.events import NETLINK_ROUTE, LinkMonitor, link_states, open_netlink_socket, resolve_netns
 from densedev.testing.reference import pyroute2_links
 
 ROOT = Path(__file__).resolve().parents[1]

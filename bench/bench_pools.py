@@ -18,8 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import _impl
 
-from densedev import config, selectors
 from densedev.model import ROLE_PF, ROLE_VF, Device
+from densedev.pools import config
+from densedev.pools import select as selectors
 
 VFS_PER_PF = 128
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _impl
 
 from densedev import _fast_py
-from densedev.allocation import POLICIES, build_lookup, topology_of
+from densedev.alloc.respond import POLICIES, build_lookup, topology_of
 from densedev.model import ROLE_VF, Device
 
 PFS, VFS_PER_PF = 128, 128

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import uvloop
 
-from densedev import config as config_mod
-from densedev.manager import Daemon, DaemonSettings
+from densedev.daemon import Daemon, DaemonSettings
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 

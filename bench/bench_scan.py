@@ -43,7 +43,9 @@ sys.path.insert(0, str(SRC))
 
 import _impl  # noqa: E402  (bench/ is on sys.path: the script's own dir)
 
-from densedev import config, discovery, selectors  # noqa: E402
+from densedev.node import scanner as discovery  # noqa: E402
+from densedev.pools import config  # noqa: E402
+from densedev.pools import select as selectors  # noqa: E402
 from densedev.testing.simnode import build_node  # noqa: E402
 
 SIZES = {1024: (4, 256), 4096: (16, 256), 16384: (64, 256)}  # VFs: (PFs, VFs per PF)

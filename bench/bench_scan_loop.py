@@ -51,7 +51,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _measure(root: str, repeat: int, idle_s: float, no_gc: bool, switch_s: float) -> dict[str, Any]:
-    from densedev import accel, discovery
+    from densedev import accel
+    from densedev.node import scanner as discovery
 
     if no_gc:
         gc.disable()

@@ -32,7 +32,7 @@ import _impl
 from densedev import _fast_py as twin
 from densedev import accel
 from densedev._proto import api_pb2
-from densedev.wire import ListEncoder
+from densedev.kubelet.wire import ListEncoder
 
 
 def timed(fn: Callable[[], object], repeat: int) -> float:

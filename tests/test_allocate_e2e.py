@@ -24,10 +24,10 @@ from typing import Any
 import grpc
 import pytest
 
-from densedev import config as config_mod
 from densedev._proto import api_pb2
-from densedev.manager import Daemon, DaemonSettings
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator, KubeletError
 

@@ -15,9 +15,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
-from densedev.allocation import AllocationSettings, PoolAllocator, build_response, env_name
+from densedev.alloc.respond import AllocationSettings, PoolAllocator, build_response, env_name
+from densedev.kubelet.server import PoolService
 from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
-from densedev.server import PoolService
 
 # -- hand-built device records, shaped like what discovery reads from a real node ------------------
 
@@ -433,10 +433,10 @@ def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
 def test_through_the_kubelet_emulator(run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Path) -> None:
     import grpc
 
-    from densedev.feed import PoolFeed
-    from densedev.registration import PluginRunner
+    from densedev.kubelet.feed import PoolFeed
+    from densedev.kubelet.registration import PluginRunner
+    from densedev.kubelet.wire import ListEncoder
     from densedev.testing.kubelet import KubeletEmulator
-    from densedev.wire import ListEncoder
 
     sock_dir = Path(tempfile.mkdtemp(prefix="dd-alloc-", dir="/tmp"))  # sun_path is 108 bytes at most
     dev_root = tmp_path / "dev"

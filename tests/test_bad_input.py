@@ -25,16 +25,17 @@ import pytest
 from test_allocation import dev, pool_of
 from test_reload import GUARD_S, Node, res
 
-from densedev import cdi, cli
+from densedev import cli
 from densedev._proto import api_pb2
-from densedev.allocation import AllocationSettings, PoolAllocator
-from densedev.config import ConfigError, load, parse, validate_resource_name
-from densedev.feed import PoolFeed
-from densedev.manager import Daemon
+from densedev.alloc import cdi
+from densedev.alloc.respond import AllocationSettings, PoolAllocator
+from densedev.daemon import Daemon
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.server import PluginServer
+from densedev.kubelet.wire import ListEncoder
 from densedev.model import Config, PoolConfig, RequestError
-from densedev.server import PluginServer
+from densedev.pools.config import ConfigError, load, parse, validate_resource_name
 from densedev.testing import simnode
-from densedev.wire import ListEncoder
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 RESOURCE = "example.com/vf"

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from test_allocation import DPDK, RDMA, dev, pool_of, touch
 
-from densedev import cdi
-from densedev.allocation import AllocationSettings, PoolAllocator
+from densedev.alloc import cdi
+from densedev.alloc.respond import AllocationSettings, PoolAllocator
 from densedev.model import PoolConfig, RequestError
 
 # From the CDI JSON schema and SPEC.md: what a runtime's CDI registry refuses to load.

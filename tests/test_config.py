@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from densedev import config
-from densedev.config import (
+from densedev.model import HealthPolicy, IndexRange, IndexSpans, Selector
+from densedev.pools import config
+from densedev.pools.config import (
     ConfigError,
     check,
     env_var_name,
@@ -21,7 +22,6 @@ from densedev.config import (
     parse_index_range,
     validate_resource_name,
 )
-from densedev.model import HealthPolicy, IndexRange, IndexSpans, Selector
 
 DATA = Path(__file__).parent / "data" / "configs"
 

@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
-from densedev import config as config_mod
-from densedev.manager import Daemon, DaemonSettings
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from densedev import config as config_mod
-from densedev.manager import Daemon, DaemonSettings
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
-from densedev.netlink import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
+from densedev.node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import aip, ip

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from test_server import Run
 
-from densedev import config as config_mod
-from densedev.manager import Daemon, DaemonSettings, socket_name_for
-from densedev.preflight import LOCK_NAME
+from densedev.daemon import Daemon, DaemonSettings, socket_name_for
+from densedev.ops.preflight import LOCK_NAME
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 

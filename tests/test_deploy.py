@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from densedev import cli, config
-from densedev.metrics import parse_addr
+from densedev import cli
+from densedev.ops.metrics import parse_addr
+from densedev.pools import config
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 
@@ -429,7 +430,9 @@ def test_ci_refuses_a_manifest_it_cannot_reproduce(change: Any) -> None:
 def test_ci_expects_the_pools_the_daemon_builds(tmp_path: Path) -> None:
     # The container run's expectation is written from the simulated layout, not from densedev's
     # selectors; here both must agree, with the variable an Allocate answers with.
-    from densedev import allocation, discovery, selectors
+    from densedev.alloc import respond as allocation
+    from densedev.node import scanner as discovery
+    from densedev.pools import select as selectors
     from densedev.testing import simnode
 
     ic = load_image_check()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_allocation import NET, RDMA, dev, pool_of, touch
 
-from densedev.allocation import AllocationSettings, PoolAllocator
+from densedev.alloc.respond import AllocationSettings, PoolAllocator
 from densedev.model import PoolConfig, RequestError, Selector
 
 

@@ -14,8 +14,9 @@ from typing import Any, get_origin, get_type_hints
 
 import pytest
 
-from densedev import accel, discovery
+from densedev import accel
 from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Device
+from densedev.node import scanner as discovery
 from densedev.testing.simnode import (
     NodeLayout,
     bind_driver,

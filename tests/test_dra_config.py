@@ -11,9 +11,10 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from densedev import cli, config
+from densedev import cli
 from densedev.dra import names
 from densedev.model import PoolApi
+from densedev.pools import config
 from densedev.testing import simnode
 
 

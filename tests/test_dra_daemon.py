@@ -20,14 +20,16 @@ from typing import Any
 
 import pytest
 
-from densedev import config as config_mod
-from densedev import devinfo, discovery, selectors
+from densedev.alloc import devinfo
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.dra import names
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.driver import ClientFactory, DraSettings
 from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
-from densedev.manager import Daemon, DaemonSettings
-from densedev.ownership import DRA_CLAIMS, Ownership
+from densedev.node import scanner as discovery
+from densedev.pools import config as config_mod
+from densedev.pools import select as selectors
+from densedev.pools.ownership import DRA_CLAIMS, Ownership
 from densedev.testing import simnode
 from densedev.testing.apiserver import ApiServerStandIn
 from densedev.testing.dra_kubelet import DraKubelet, allocated_claim

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from test_allocation import DPDK, RDMA, dev, pool_of, touch
 from test_cdi import validate_spec
 
-from densedev import devinfo
-from densedev.allocation import AllocationSettings, PoolAllocator
+from densedev.alloc import devinfo
+from densedev.alloc.respond import AllocationSettings, PoolAllocator
 from densedev.dra import names
 from densedev.dra.claims import (
     CHECKPOINT_NAME,

@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from densedev import config, discovery, selectors
 from densedev.dra import names, slices
 from densedev.dra.apiclient import ApiError, HttpClaimReader, ResourceClient
 from densedev.dra.publisher import Publisher, PublisherSettings
 from densedev.model import Pool
+from densedev.node import scanner as discovery
+from densedev.pools import config
+from densedev.pools import select as selectors
 from densedev.testing import simnode
 from densedev.testing.apiserver import ApiServerStandIn
 

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
-from densedev import config, discovery, selectors
 from densedev.dra import classes, names, slices
 from densedev.model import Pool, PoolApi
+from densedev.node import scanner as discovery
+from densedev.pools import config
+from densedev.pools import select as selectors
 from densedev.testing import simnode
 from densedev.testing.apiserver import SchemaChecker, _slice_rules
 

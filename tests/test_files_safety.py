@@ -20,13 +20,14 @@ import grpc
 import pytest
 from test_allocation import NET, dev, pool_of
 
-from densedev import cdi, devinfo, files
+from densedev import files
 from densedev._proto import api_pb2
-from densedev.allocation import AllocationSettings, PoolAllocator
-from densedev.feed import PoolFeed
-from densedev.manager import socket_name_for
+from densedev.alloc import cdi, devinfo
+from densedev.alloc.respond import AllocationSettings, PoolAllocator
+from densedev.daemon import socket_name_for
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.server import PluginServer
 from densedev.model import PoolConfig, RequestError, Selector
-from densedev.server import PluginServer
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 VICTIM = b"precious\n"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densedev.health import (
+from densedev.health.tracker import (
     REASON_DRIVER,
     REASON_LINK,
     REASON_PF_LINK,

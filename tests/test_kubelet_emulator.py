@@ -17,8 +17,8 @@ import pytest
 from test_server import RESOURCE, FakePool, Run, pci_ids
 
 from densedev._proto import api_pb2, podresources_pb2
-from densedev.feed import PoolFeed
-from densedev.server import PluginServer
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.server import PluginServer
 from densedev.testing.kubelet import (
     CHECKPOINT,
     MAX_RECEIVE,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from test_daemon import GUARD_S, PREFIX, Node, Run, pools_config, res
 
-from densedev import cdi, devinfo, leftovers
+from densedev.alloc import cdi, devinfo, leftovers
 from densedev.testing.kubelet import KubeletEmulator
 
 A0, A1, A2 = "0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"

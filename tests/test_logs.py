@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from densedev.logs import (
+from densedev.ops.logs import (
     JsonFormatter,
     KeyValueFormatter,
     log_event,
@@ -69,11 +69,11 @@ def lines(stream: io.StringIO) -> list[str]:
 
 def test_kv_line_has_fixed_keys_then_fields(capture: io.StringIO) -> None:
     setup_logging("info", "kv", capture)
-    log = logging.getLogger("densedev.health")
+    log = logging.getLogger("densedev.health.tracker")
     log_event(log, "device unhealthy", level=logging.WARNING, pool="intel.com/sriov", device="0000:3b:00.2")
     [line] = lines(capture)
     assert re.fullmatch(
-        r"ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z level=warning logger=densedev\.health "
+        r"ts=\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z level=warning logger=densedev\.health\.tracker "
         r'msg="device unhealthy" pool=intel\.com/sriov device=0000:3b:00\.2',
         line,
     ), line
@@ -81,7 +81,7 @@ def test_kv_line_has_fixed_keys_then_fields(capture: io.StringIO) -> None:
 
 def test_extra_fields_form_equals_helper(capture: io.StringIO) -> None:
     setup_logging("info", "kv", capture)
-    log = logging.getLogger("densedev.server")
+    log = logging.getLogger("densedev.kubelet.server")
     log.info("pool registered", extra={"fields": {"pool": "a/b", "devices": 64}})
     log_event(log, "pool registered", pool="a/b", devices=64)
     first, second = (parse_kv(line) for line in lines(capture))
@@ -91,7 +91,7 @@ def test_extra_fields_form_equals_helper(capture: io.StringIO) -> None:
         == second
         == {
             "level": "info",
-            "logger": "densedev.server",
+            "logger": "densedev.kubelet.server",
             "msg": "pool registered",
             "pool": "a/b",
             "devices": "64",
@@ -151,12 +151,12 @@ def test_json_round_trips_any_text_on_one_line(msg: str, value: str) -> None:
 
 def test_json_one_object_per_line_with_native_types(capture: io.StringIO) -> None:
     setup_logging("debug", "json", capture)
-    log = logging.getLogger("densedev.discovery")
+    log = logging.getLogger("densedev.node.scanner")
     log_event(log, "scan done", level=logging.DEBUG, devices=4096, seconds=0.012, ok=True, ids=("a", "b"))
     log.info("plain %s message", "formatted")
     first, second = (json.loads(line) for line in lines(capture))
     assert first["level"] == "debug"
-    assert first["logger"] == "densedev.discovery"
+    assert first["logger"] == "densedev.node.scanner"
     assert first["msg"] == "scan done"
     assert (first["devices"], first["seconds"], first["ok"], first["ids"]) == (4096, 0.012, True, ["a", "b"])
     assert list(first)[:4] == ["ts", "level", "logger", "msg"]

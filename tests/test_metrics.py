@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from densedev import accel
-from densedev.metrics import ALLOCATE, PREFERRED, Metrics, MetricsServer, parse_addr
+from densedev.ops.metrics import ALLOCATE, PREFERRED, Metrics, MetricsServer, parse_addr
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 POOL_A = "intel.com/sriov_a"
@@ -345,8 +345,8 @@ def test_parse_addr_errors(addr: str, error: str) -> None:
 def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_path: Path) -> None:
     # The readiness callable the daemon provides, over real registration against the kubelet emulator:
     # not ready while no kubelet listens, ready once every pool registered, not ready when it goes away.
-    from densedev import config as config_mod
-    from densedev.manager import Daemon, DaemonSettings
+    from densedev.daemon import Daemon, DaemonSettings
+    from densedev.pools import config as config_mod
     from densedev.testing import simnode
     from densedev.testing.kubelet import KubeletEmulator
 

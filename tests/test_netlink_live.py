@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from densedev.health import Coalescer, HealthTracker
+from densedev.health.tracker import Coalescer, HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
-from densedev.netlink import (
+from densedev.node.events import (
     DEFAULT_RCVBUF,
     NETLINK_KOBJECT_UEVENT,
     RTM_DELLINK,

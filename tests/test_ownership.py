@@ -23,14 +23,14 @@ from typing import Any
 import grpc
 import pytest
 
-from densedev import cdi, devinfo
-from densedev import config as config_mod
 from densedev._proto import api_pb2
-from densedev.manager import Daemon, DaemonSettings, socket_name_for
+from densedev.alloc import cdi, devinfo
+from densedev.daemon import Daemon, DaemonSettings, socket_name_for
+from densedev.kubelet.podresources import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
+from densedev.kubelet.sockets import remove_stale_sockets
 from densedev.model import RequestError
-from densedev.ownership import GuardedService, Ownership, Source
-from densedev.podresources import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
-from densedev.sockets import remove_stale_sockets
+from densedev.pools import config as config_mod
+from densedev.pools.ownership import GuardedService, Ownership, Source
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 

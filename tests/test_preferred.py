@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_allocation import dev, pool_of
 
-from densedev.allocation import POLICIES, AllocationSettings, PoolAllocator, build_lookup, topology_of
+from densedev.alloc.respond import POLICIES, AllocationSettings, PoolAllocator, build_lookup, topology_of
 from densedev.model import ROLE_PCI, Device, PoolConfig
 
 PACK, SPREAD, NONE = POLICIES["pack"], POLICIES["spread"], POLICIES["none"]

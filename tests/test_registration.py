@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from test_server import RESOURCE, FakePool, Run, pci_ids
 
-from densedev.feed import PoolFeed
-from densedev.registration import PluginRunner
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.registration import PluginRunner
 from densedev.testing.kubelet import KubeletEmulator
 
 GUARD = 10.0  # hang guards only: nothing here asserts on speed

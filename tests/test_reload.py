@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from densedev import config as config_mod
-from densedev.manager import Daemon, DaemonSettings
+from densedev.daemon import Daemon, DaemonSettings
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 

@@ -11,8 +11,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densedev import config, selectors
 from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Config, Device, Pool
+from densedev.pools import config
+from densedev.pools import select as selectors
 
 DATA = Path(__file__).parent / "data" / "configs"
 
@@ -587,7 +588,7 @@ def test_build_pools_agrees_with_the_per_device_reasons(devices: list[Device], c
 
 
 def test_simulated_node_to_pools(tmp_path: Path) -> None:
-    from densedev import discovery
+    from densedev.node import scanner as discovery
     from densedev.testing import simnode
 
     layout = simnode.build_node(tmp_path / "sys", pfs=2, vfs_per_pf=8, rdma=True, extras=True)

@@ -13,10 +13,10 @@ import grpc
 import pytest
 
 from densedev._proto import api_pb2
-from densedev.feed import PoolFeed
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.server import PluginServer
+from densedev.kubelet.wire import ListEncoder
 from densedev.model import RequestError
-from densedev.server import PluginServer
-from densedev.wire import ListEncoder
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 RESOURCE = "example.com/vf"

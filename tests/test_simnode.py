@@ -264,8 +264,9 @@ def test_write_config_in_the_sriov_plugin_format(tmp_path: Path) -> None:
     assert pools[1]["selectors"] == {"vendors": ["15b3"], "devices": ["101e"], "drivers": ["mlx5_core"]}
     assert pools[2]["selectors"]["isRdma"] is True and pools[2]["rdmaShared"] == 16
     # Every pool selects something (first match wins, so later pools only take what is left).
-    from densedev import config as config_mod
-    from densedev import discovery, selectors
+    from densedev.node import scanner as discovery
+    from densedev.pools import config as config_mod
+    from densedev.pools import select as selectors
 
     built = selectors.build_pools(
         config_mod.load(tmp_path / "config.json"), discovery.scan(layout.root).devices

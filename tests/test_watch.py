@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from test_server import RESOURCE, FakePool, Run, pci_ids
 
-from densedev.feed import PoolFeed
-from densedev.registration import PluginRunner
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.registration import PluginRunner
+from densedev.kubelet.watch import IN_CREATE, IN_DELETE, IN_IGNORED, DirectoryWatch, parse_events
 from densedev.testing.kubelet import KubeletEmulator
-from densedev.watch import IN_CREATE, IN_DELETE, IN_IGNORED, DirectoryWatch, parse_events
 
 GUARD = 10.0  # hang guards only
 NEVER = 3600.0  # a poll interval no test waits for: only the watch can wake the runner

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
-from densedev.wire import KUBELET_MAX_MESSAGE, ListEncoder, bit
+from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder, bit
 
 F = descriptor_pb2.FieldDescriptorProto
 
@@ -203,7 +203,7 @@ def test_list_encoder_truncates_to_a_valid_list_over_the_limit(caplog: pytest.Lo
     whole = _expected(ids, numa, [True] * 100)
     limit = len(whole) // 2
     encoder = ListEncoder(ids, numa, limit=limit, name="example.com/vf")
-    with caplog.at_level(logging.ERROR, logger="densedev.wire"):
+    with caplog.at_level(logging.ERROR, logger="densedev.kubelet.wire"):
         message = encoder.encode([True] * 100)
     assert len(message) <= limit
     decoded = api_pb2.ListAndWatchResponse.FromString(message)

@@ -72,7 +72,7 @@ def _seconds(text: str) -> float:
 
 
 def _log_level(text: str) -> str:
-    from .logs import parse_level
+    from .ops.logs import parse_level
 
     try:
         parse_level(text)
@@ -82,7 +82,7 @@ def _log_level(text: str) -> str:
 
 
 def _metrics_addr(text: str) -> str:
-    from .metrics import parse_addr
+    from .ops.metrics import parse_addr
 
     try:
         parse_addr(text)
@@ -92,7 +92,7 @@ def _metrics_addr(text: str) -> str:
 
 
 def _sysfs_root(text: str) -> Path:
-    from .preflight import sysfs_root_problem
+    from .ops.preflight import sysfs_root_problem
 
     path = Path(text)
     problem = sysfs_root_problem(path)
@@ -364,13 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(args: argparse.Namespace) -> None:
-    from .logs import setup_logging
+    from .ops.logs import setup_logging
 
     setup_logging(args.log_level, args.log_format)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from . import config
+    from .pools import config
     from .printable import escape
 
     shown = escape(str(args.file))
@@ -391,8 +391,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _cmd_scan(args: argparse.Namespace) -> int:
-    from . import config as config_mod
-    from . import discovery, selectors
+    from .node import scanner as discovery
+    from .pools import config as config_mod
+    from .pools import select as selectors
 
     table = discovery.scan(args.sysfs_root)
     for w in table.warnings:
@@ -556,10 +557,10 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from . import config as config_mod
+    from .daemon import Daemon, DaemonSettings
     from .dra.driver import DraSettings
-    from .manager import Daemon, DaemonSettings
-    from .preflight import InstanceLock, PreflightError, kubelet_dir_problem
+    from .ops.preflight import InstanceLock, PreflightError, kubelet_dir_problem
+    from .pools import config as config_mod
 
     problem = kubelet_dir_problem(args.kubelet_dir)
     if problem is not None:

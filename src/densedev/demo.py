@@ -27,9 +27,9 @@ from typing import TextIO
 import grpc
 
 from . import accel
-from . import config as config_mod
-from .manager import Daemon, DaemonSettings
+from .daemon import Daemon, DaemonSettings
 from .model import HEALTHY
+from .pools import config as config_mod
 from .testing import simnode
 from .testing.kubelet import KubeletEmulator
 

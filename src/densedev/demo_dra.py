@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from . import accel
-from . import config as config_mod
+from .daemon import Daemon, DaemonSettings
 from .dra import names
 from .dra.apiclient import ResourceClient
 from .dra.driver import DraSettings
-from .manager import Daemon, DaemonSettings
+from .pools import config as config_mod
 from .testing import simnode
 from .testing.apiserver import ApiServerStandIn
 from .testing.dra_kubelet import DraKubelet, allocated_claim

@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from densedev import cli
-from densedev import config as config_mod
-from densedev.config import MAX_CONFIG_BYTES, MAX_PROBLEMS, ConfigError
-from densedev.manager import Daemon, DaemonSettings
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import Config
+from densedev.pools import config as config_mod
+from densedev.pools.config import MAX_CONFIG_BYTES, MAX_PROBLEMS, ConfigError
 from densedev.printable import has_unprintable
 from densedev.testing import simnode
 

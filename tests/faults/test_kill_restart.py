@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 import pytest
 
-from densedev import cdi, devinfo
-from densedev.manager import socket_name_for
+from densedev.alloc import cdi, devinfo
+from densedev.daemon import socket_name_for
 from densedev.testing import simnode
 from densedev.testing.kubelet import CHECKPOINT, KubeletEmulator, KubeletError
 

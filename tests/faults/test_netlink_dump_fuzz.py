@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from densedev.netlink import (
+from densedev.node.events import (
     NETLINK_ROUTE,
     NLM_F_DUMP_INTR,
     NLMSG_DONE,

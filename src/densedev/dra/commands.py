@@ -50,7 +50,7 @@ def _print_list(items: list[dict[str, Any]]) -> None:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from .. import config
+    from ..pools import config
 
     try:
         return config.load(args.config, default_prefix=args.resource_prefix)
@@ -62,7 +62,8 @@ def _load(args: argparse.Namespace) -> Any:
 
 def cmd_slices(args: argparse.Namespace) -> int:
     """Print the node's ResourceSlices as the publisher would first write them (generation 1)."""
-    from .. import discovery, selectors
+    from ..node import scanner as discovery
+    from ..pools import select as selectors
 
     node = args.node_name
     if not node:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import cdi
-from ..logs import log_event
+from ..alloc import cdi
+from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi
-from ..watch import DirectoryWatch
+from ..ops.logs import log_event
 from .apiclient import HttpClaimReader, ResourceClient
 from .claims import PoolGate
 from .plugin import KubeletPlugin

@@ -31,9 +31,10 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
-from .. import cdi, devinfo, files
+from .. import files
 from .._proto import dra_v1_pb2, dra_v1beta1_pb2
-from ..allocation import NET_DEVICE, build_response, cdi_env, needs_vhost_net, vdpa_path
+from ..alloc import cdi, devinfo
+from ..alloc.respond import NET_DEVICE, build_response, cdi_env, needs_vhost_net, vdpa_path
 from ..model import PoolConfig, RequestError
 from ..printable import clip, listing
 from . import names

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .. import cdi, devinfo
-from ..watch import DirectoryWatch
+from ..alloc import cdi, devinfo
+from ..kubelet.watch import DirectoryWatch
 from .claims import ClaimReader, DeviceGate
 from .health import RESEND_SECONDS, HealthStream
 from .node import NodeService, NodeSettings, handlers

@@ -26,12 +26,12 @@ import grpc
 
 from .. import files
 from .._proto import pluginregistration_pb2 as reg_pb
-from ..printable import clip
 
 # The device-plugin server's socket helpers: bind under a narrowed umask, refuse non-sockets, and take
 # turns starting and stopping grpc.aio servers on one loop (see server.py for why each is needed).
-from ..server import MAX_UNIX_PATH, SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
-from ..watch import DirectoryWatch
+from ..kubelet.server import MAX_UNIX_PATH, SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
+from ..kubelet.watch import DirectoryWatch
+from ..printable import clip
 
 log = logging.getLogger(__name__)
 

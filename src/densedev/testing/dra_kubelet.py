@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from .._proto import dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
-from ..watch import DirectoryWatch
+from ..kubelet.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
 

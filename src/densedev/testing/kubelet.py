@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 
 from .._proto import api_pb2, podresources_pb2
-from ..config import validate_resource_name
 from ..model import HEALTHY, UNHEALTHY
+from ..pools.config import validate_resource_name
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 
-from ..netlink import NETLINK_ROUTE, open_netlink_socket, resolve_netns
+from ..node.events import NETLINK_ROUTE, open_netlink_socket, resolve_netns
 
 RTM_NEWLINK = 16  # include/uapi/linux/rtnetlink.h
 NLM_F_REQUEST = 0x1

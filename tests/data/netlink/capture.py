@@ -16,7 +16,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from densedev.netlink import NETLINK_KOBJECT_UEVENT, NETLINK_ROUTE, RTMGRP_LINK, open_netlink_socket
+from densedev.node.events import NETLINK_KOBJECT_UEVENT, NETLINK_ROUTE, RTMGRP_LINK, open_netlink_socket
 from densedev.testing.reference import pyroute2_links
 
 HERE = Path(__file__).resolve().parent

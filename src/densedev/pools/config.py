@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .dra.classes import device_class_name
-from .dra.names import DEFAULT_DRIVER_NAME
-from .model import Config, HealthPolicy, IndexRange, IndexSpans, PoolApi, PoolConfig, Selector
-from .printable import clip, escape, first_unprintable, has_unprintable
+from ..dra.classes import device_class_name
+from ..dra.names import DEFAULT_DRIVER_NAME
+from ..model import Config, HealthPolicy, IndexRange, IndexSpans, PoolApi, PoolConfig, Selector
+from ..printable import clip, escape, first_unprintable, has_unprintable
 
 DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's --resource-prefix default
 DEVICE_TYPES = ("netDevice", "accelerator", "auxNetDevice")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from ._proto import api_pb2
+from .._proto import api_pb2
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
 from .watch import DirectoryWatch

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import accel, cdi, devinfo, leftovers
-from ._proto import api_pb2
-from .model import Device, Pool, PoolConfig, RequestError
-from .printable import listing
+from .. import accel
+from .._proto import api_pb2
+from ..model import Device, Pool, PoolConfig, RequestError
+from ..printable import listing
+from . import cdi, devinfo, leftovers
 
 log = logging.getLogger(__name__)
 

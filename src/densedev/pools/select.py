@@ -25,7 +25,7 @@ from itertools import groupby
 from operator import attrgetter
 from typing import Any
 
-from .model import (
+from ..model import (
     ROLE_PF,
     ROLE_SF,
     Config,
@@ -37,7 +37,7 @@ from .model import (
     PoolMember,
     Selector,
 )
-from .printable import listing
+from ..printable import listing
 
 # Root ports and switch ports sit in the device table (discovery scans every PCI function) but are the
 # fabric itself; an accelerator pool selecting by vendor alone must never take one.

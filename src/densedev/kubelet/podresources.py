@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 
-from ._proto import podresources_pb2
+from .._proto import podresources_pb2
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 CHECKPOINT = "kubelet_internal_checkpoint"

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from . import accel
-from .model import Device, Pool
+from .. import accel
+from ..model import Device, Pool
 
 # RDMA port states (include/rdma/ib_verbs.h, enum ib_port_state): 4 ACTIVE, 5 ACTIVE_DEFER pass.
 RDMA_PORT_ACTIVE = (4, 5)

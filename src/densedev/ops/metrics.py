@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from . import __version__, accel
+from .. import __version__, accel
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from . import accel
+from .. import accel
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class ReopenReason(enum.Enum):
 
 
 class NetlinkObserver(Protocol):
-    """Where monitors report faults and recoveries; :class:`densedev.metrics.Metrics` is one."""
+    """Where monitors report faults and recoveries; :class:`densedev.ops.metrics.Metrics` is one."""
 
     def record_overrun(self, source: str) -> None:
         """Count an ENOBUFS on ``source``."""

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import files
+from .. import files
 
 log = logging.getLogger(__name__)
 

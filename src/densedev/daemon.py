@@ -21,27 +21,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import accel, cdi, discovery, leftovers, selectors
-from . import config as config_mod
+from . import accel
 from ._proto import api_pb2
-from .allocation import AllocationSettings, PoolAllocator
+from .alloc import cdi, leftovers
+from .alloc.respond import AllocationSettings, PoolAllocator
 from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
-from .feed import PoolFeed
-from .health import Coalescer, HealthTracker, PoolUpdate
-from .logs import log_event, summarise
-from .metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
+from .health.tracker import Coalescer, HealthTracker, PoolUpdate
+from .kubelet.feed import PoolFeed
+from .kubelet.podresources import CHECKPOINT, PodResourcesClient
+from .kubelet.registration import PluginRunner, announce_kubelet
+from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
+from .kubelet.sockets import remove_stale_sockets
+from .kubelet.watch import DirectoryWatch
+from .kubelet.wire import ListEncoder
 from .model import ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
-from .netlink import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
-from .ownership import DRA_CLAIMS, GuardedService, Ownership
-from .podresources import CHECKPOINT, PodResourcesClient
-from .registration import PluginRunner, announce_kubelet
-from .server import MAX_UNIX_PATH, PoolService, status_of
-from .sockets import remove_stale_sockets
-from .watch import DirectoryWatch
-from .wire import ListEncoder
+from .node import scanner as discovery
+from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .ops.logs import log_event, summarise
+from .ops.metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
+from .pools import config as config_mod
+from .pools import select as selectors
+from .pools.ownership import DRA_CLAIMS, GuardedService, Ownership
 
-log = logging.getLogger("densedev.manager")
+log = logging.getLogger("densedev.daemon")
 T = TypeVar("T")
 
 

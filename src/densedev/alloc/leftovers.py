@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from . import cdi, devinfo, files
+from .. import files
+from . import cdi, devinfo
 
 log = logging.getLogger(__name__)
 

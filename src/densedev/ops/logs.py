@@ -15,7 +15,7 @@ How the rest of densedev logs (the one convention to follow):
 the same format) and replaces only the handler it installed before, so calling it again — on a config
 reload or in tests — never duplicates lines.  Output, ``kv``::
 
-    ts=2026-11-30T04:39:21.123Z level=warning logger=densedev.health msg="device unhealthy" pool=a/b
+    ts=2026-11-30T04:39:21.123Z level=warning logger=densedev.health.tracker msg="device unhealthy" pool=a/b
     device=0000:3b:00.2 reason=pf_link_down
 
 (shown wrapped; it is one line) and ``json``, one object per line with the same keys.  Values with

@@ -25,18 +25,18 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ._proto import api_pb2
-from .logs import log_event, summarise
-from .model import Pool, PoolApi, RequestError
-from .podresources import (
+from .._proto import api_pb2
+from ..kubelet.podresources import (
     Held,
     PodResourcesClient,
     SourceUnavailable,
     checkpoint_identity,
     read_checkpoint,
 )
-from .server import PoolService
-from .watch import DirectoryWatch
+from ..kubelet.server import PoolService
+from ..kubelet.watch import DirectoryWatch
+from ..model import Pool, PoolApi, RequestError
+from ..ops.logs import log_event, summarise
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from . import files
-from ._proto import api_pb2
+from .. import files
+from .._proto import api_pb2
+from ..model import RequestError
+from ..printable import clip
 from .feed import PoolFeed
-from .model import RequestError
-from .printable import clip
 from .wire import KUBELET_MAX_MESSAGE
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 
-from .accel import encode_device, encode_list
+from ..accel import encode_device, encode_list
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from . import accel
-from .model import Device
+from .. import accel
+from ..model import Device
 
 __all__ = [
     "DeviceTable",

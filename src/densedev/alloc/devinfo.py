@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from . import files
-from .model import Device
+from .. import files
+from ..model import Device
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Allocation: what a container gets for its devices (env, device nodes, CDI, device-info)."""

@@ -1,0 +1,1 @@
+"""The health stage: the one owner of every pool member's health."""

@@ -1,0 +1,1 @@
+"""The kubelet stage: the device plugin API's wire, servers and registration."""

@@ -1,0 +1,1 @@
+"""Operations: metrics, the HTTP endpoints and logging."""

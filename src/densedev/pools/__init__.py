@@ -1,0 +1,1 @@
+"""The pools stage: the configuration and which devices each pool serves."""
