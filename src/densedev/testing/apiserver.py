@@ -204,6 +204,12 @@ class ApiServerStandIn:
         # arrives, before it is checked (another writer slipping in: a real 409 follows).
         self.fail_writes = 0
         self.fail_discovery = 0  # the next N API discoveries get 503 (a server still starting)
+        # While set, every watch is refused with this status (403: RBAC grants list but not watch; 405:
+        # a proxy or aggregated server that does not serve watches).
+        self.refuse_watch = 0
+        # The next N watches end at once with a 410 Expired ERROR event, as the real server sends when
+        # the watch's resourceVersion has been compacted out of etcd's history.
+        self.expire_watches = 0
         self.on_write: Any = None
         self._rv = 0
         self._events: list[tuple[int, str, dict[str, Any]]] = []
@@ -399,13 +405,19 @@ class ApiServerStandIn:
 
     async def _watch(self, request: web.Request, selector: list[tuple[str, str]]) -> web.StreamResponse:
         self.requests["WATCH resourceslices"] += 1
+        if self.refuse_watch:
+            reason = {403: "Forbidden", 405: "MethodNotAllowed"}.get(self.refuse_watch, "Refused")
+            return _status(self.refuse_watch, reason, "stand-in: watching refused")
         since = int(request.query.get("resourceVersion") or self._rv)
         timeout = float(request.query.get("timeoutSeconds") or 1800)
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         await resp.prepare(request)
         w = _Watcher(selector)
         oldest = self._events[0][0] if self._events else self._rv + 1
-        if since < self._rv and since + 1 < oldest:
+        expired = self.expire_watches > 0
+        if expired:
+            self.expire_watches -= 1
+        if expired or (since < self._rv and since + 1 < oldest):
             gone = {
                 "kind": "Status",
                 "code": 410,
