@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .. import accel
+from .. import accel, pci
 from .._proto import api_pb2
 from ..model import Device, Pool, PoolConfig, RequestError
 from ..printable import listing
@@ -285,10 +285,6 @@ def topology_of(devices: Sequence[Device]) -> bytes:
     return bytes(out)
 
 
-# The kernel's name for a PCI function (pci_name(): "%04x:%02x:%02x.%d"), device number at most 0x1f.
-_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
-
-
 def build_lookup(index: dict[str, int]) -> bytes:
     """Return ``pick_devices``' lookup blocks: per PCI domain, a direct table from bus/devfn to member.
 
@@ -297,7 +293,8 @@ def build_lookup(index: dict[str, int]) -> bytes:
     """
     tables: dict[int, array.array[int]] = {}
     for dev_id, m in index.items():
-        if _BDF.fullmatch(dev_id):
+        # Fixed offsets below: like the accelerator's parse_bdf, the table covers 4-digit domains only.
+        if len(dev_id) == pci.CANONICAL_LENGTH and pci.is_address(dev_id):
             domain = int(dev_id[0:4], 16)
             if domain not in tables:
                 tables[domain] = array.array("i", [-1]) * 65536

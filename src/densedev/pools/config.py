@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import pci
 from ..dra.classes import device_class_name
 from ..dra.names import DEFAULT_DRIVER_NAME
 from ..model import Config, HealthPolicy, IndexRange, IndexSpans, PoolApi, PoolConfig, Selector
@@ -49,7 +50,10 @@ MAX_PROBLEM_CHARS = 500
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _QUALIFIED_NAME_RE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-_PCI_ADDRESS_RE = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])")
+# The SR-IOV plugin's pciAddresses and rootDevices: the kernel's address, domain optional, any case.
+_PCI_ADDRESS_RE = re.compile(
+    rf"(?:({pci.DOMAIN}):)?({pci.BUS}):({pci.DEVICE})\.({pci.FUNCTION})", re.IGNORECASE
+)
 _HEX16_RE = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,4}")
 # A JSON string (escapes included, possibly unterminated at the end of the text) or a bracket: brackets
 # inside strings do not nest anything.
