@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 from .. import accel, pci
 from .._proto import api_pb2
 from ..model import Device, Pool, PoolConfig, RequestError
+from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
 
@@ -83,11 +84,6 @@ class ResponseParts:
     devices: tuple[NodeSpec, ...]
     cdi_devices: tuple[str, ...]
     annotations: dict[str, str]
-
-
-def env_name(config: PoolConfig) -> str:
-    """Return ``PCIDEVICE_<PREFIX>_<NAME>``: the resource name upper-cased, ``.``, ``/``, ``-`` made ``_``."""
-    return "PCIDEVICE_" + re.sub(r"[^A-Za-z0-9_]", "_", config.full_name).upper()
 
 
 def needs_vhost_net(config: PoolConfig) -> bool:
@@ -218,7 +214,7 @@ def cdi_env(config: PoolConfig, part: DeviceParts) -> dict[str, str]:
     The combined ``PCIDEVICE_*`` variables depend on the whole allocation, so they come with the
     Allocate response; a CDI entry can only carry what is true of its device alone.
     """
-    key = f"{env_name(config)}_{re.sub(r'[^A-Za-z0-9_]', '_', part.device.id).upper()}_INFO"
+    key = f"{env_var_name(config.full_name)}_{re.sub(r'[^A-Za-z0-9_]', '_', part.device.id).upper()}_INFO"
     return {key: json.dumps({part.device.id: part.info}, sort_keys=True, separators=(",", ":"))}
 
 
@@ -244,7 +240,7 @@ def build_response(
             RequestError.PRECONDITION,
             f"required device nodes are missing under {dev_root}: {listing(missing, width=200)}",
         )
-    name = env_name(config)
+    name = env_var_name(config.full_name)
     envs = {name: ",".join(d.id for d in devices), f"{name}_INFO": encode_info(parts)}
     annotations: dict[str, str] = {}
     if cdi_kind is None:

@@ -150,7 +150,11 @@ def validate_resource_name(full_name: str) -> str | None:
 
 
 def env_var_name(full_name: str) -> str:
-    """Return the ``PCIDEVICE_<PREFIX>_<NAME>`` variable the SR-IOV plugin convention uses for a resource."""
+    """Return the ``PCIDEVICE_<PREFIX>_<NAME>`` variable a container gets for a resource's devices.
+
+    The SR-IOV network device plugin's convention (pkg/resources/pool_stub.go GetEnvs): the prefix and
+    name joined by "_", upper-cased, every "." made "_" and nothing else changed, so a "-" stays.
+    """
     return "PCIDEVICE_" + full_name.upper().replace(".", "_").replace("/", "_")
 
 
