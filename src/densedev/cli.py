@@ -21,10 +21,9 @@ import uvloop
 
 from . import __version__, accel
 from .dra import commands as dra_commands
+from .model import DEFAULT_PREFIX
 
 log = logging.getLogger("densedev.cli")
-
-DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's default resourcePrefix
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

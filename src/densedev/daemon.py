@@ -35,7 +35,7 @@ from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
 from .kubelet.sockets import remove_stale_sockets
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
+from .model import DEFAULT_PREFIX, ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ops.logs import log_event, summarise
@@ -58,7 +58,7 @@ class DaemonSettings:
     cdi_dir: Path | None = None
     devinfo_dir: Path | None = None
     cdi_annotations: bool = False  # also return cdi.k8s.io/ annotations (runtimes without CRI CDI fields)
-    resource_prefix: str = "intel.com"
+    resource_prefix: str = DEFAULT_PREFIX
     config_path: Path | None = None  # watched for changes when set
     metrics_addr: str | None = None
     netlink: bool = True  # watch rtnetlink links and kernel uevents

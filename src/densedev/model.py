@@ -15,6 +15,10 @@ from typing import NamedTuple
 
 from .dra.names import DEFAULT_DRIVER_NAME
 
+# A pool's resourcePrefix when the file gives none: the SR-IOV network device plugin's --resource-prefix
+# default, so its ConfigMaps name the same resources here (the CLI's --resource-prefix overrides it).
+DEFAULT_PREFIX = "intel.com"
+
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
@@ -158,7 +162,7 @@ class PoolConfig:
     """One resource pool of the config file: what it selects and how it behaves."""
 
     resource_name: str  # "intel_sriov_netdevice"
-    resource_prefix: str  # "intel.com"
+    resource_prefix: str  # "intel.com" (DEFAULT_PREFIX unless the pool sets one)
     device_type: str = "netDevice"  # netDevice | accelerator | auxNetDevice
     selectors: tuple[Selector, ...] = (Selector(),)
     exclude_topology: bool = False

@@ -23,10 +23,10 @@ from typing import Any
 from .. import pci
 from ..dra.classes import device_class_name
 from ..dra.names import DEFAULT_DRIVER_NAME
+from ..model import DEFAULT_PREFIX as DEFAULT_PREFIX
 from ..model import Config, HealthPolicy, IndexRange, IndexSpans, PoolApi, PoolConfig, Selector
 from ..printable import clip, escape, first_unprintable, has_unprintable
 
-DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's --resource-prefix default
 DEVICE_TYPES = ("netDevice", "accelerator", "auxNetDevice")
 PREFERRED_POLICIES = ("pack", "spread", "none")
 LINK_TYPES = ("ether", "infiniband")  # what discovery reports from ARPHRD 1 / 32

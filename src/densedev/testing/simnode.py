@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..model import DEFAULT_PREFIX
+
 __all__ = [
     "NodeLayout",
     "SimExtras",
@@ -842,7 +844,7 @@ def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
 def write_config(
     path: Path | str,
     layout: NodeLayout,
-    prefix: str = "intel.com",
+    prefix: str = DEFAULT_PREFIX,
     top: Mapping[str, object] | None = None,
 ) -> None:
     """Write an SR-IOV-network-device-plugin ``config.json`` whose every pool selects something.
