@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import accel
 from ..model import Device
+from .layout import PCI_DEVICES
 from .table import DeviceTable
 
 __all__ = [
@@ -117,7 +118,7 @@ def rescan_devices(sysfs_root: str | Path, addresses: Iterable[str]) -> DeviceTa
 
 def pf_family(sysfs_root: str | Path, pf_address: str) -> tuple[str, ...]:
     """Return the PF's address and the addresses of its current VFs (from its ``virtfn<k>`` links)."""
-    path = os.path.join(os.fsdecode(_root(sysfs_root)), "bus/pci/devices", pf_address)
+    path = os.path.join(os.fsdecode(_root(sysfs_root)), PCI_DEVICES, pf_address)
     out = [pf_address]
     try:
         names = os.listdir(path)
