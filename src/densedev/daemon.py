@@ -35,7 +35,7 @@ from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
 from .kubelet.sockets import remove_stale_sockets
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import DEFAULT_PREFIX, ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
+from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi, PoolConfig, Preferred, RequestError, Role
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ops.logs import log_event, summarise
@@ -746,7 +746,7 @@ class Daemon:
         root = self.settings.sysfs_root
         for address in sorted(targets):
             known = table.by_id().get(address)
-            is_pf = (known is not None and known.role == ROLE_PF) or os.path.exists(
+            is_pf = (known is not None and known.role == Role.PF) or os.path.exists(
                 os.path.join(root, "bus/pci/devices", address, "sriov_totalvfs")
             )
             if is_pf:
@@ -1201,7 +1201,7 @@ def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
 
 
 def _options_of(pool: PoolConfig) -> tuple[bool, bool]:
-    return pool.prestart, pool.preferred != "none"
+    return pool.prestart, pool.preferred != Preferred.NONE
 
 
 def _config_identity(path: Path) -> tuple[str, int, int, int] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import NamedTuple
 
 from .dra.names import DEFAULT_DRIVER_NAME
@@ -22,17 +22,41 @@ DEFAULT_PREFIX = "intel.com"
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
 
-ROLE_PF = "pf"  # SR-IOV capable function (has sriov_totalvfs)
-ROLE_VF = "vf"  # virtual function (has physfn)
-ROLE_PCI = "pci"  # plain PCI function without SR-IOV
-ROLE_SF = "sf"  # auxiliary-bus subfunction (mlx5_core.sf.N)
+
+class Role(StrEnum):
+    """What a device is to SR-IOV, as the scan names it in ``Device.role`` (and ``scan --json`` prints it)."""
+
+    PF = "pf"  # SR-IOV capable function (has sriov_totalvfs)
+    VF = "vf"  # virtual function (has physfn)
+    PCI = "pci"  # plain PCI function without SR-IOV
+    SF = "sf"  # auxiliary-bus subfunction (mlx5_core.sf.N)
+
+
+# The tests and benchmarks still spell roles this way; the tests' own restructuring moves them to Role.
+ROLE_PF, ROLE_VF, ROLE_PCI, ROLE_SF = Role.PF, Role.VF, Role.PCI, Role.SF
+
+
+class DeviceType(StrEnum):
+    """A pool's ``deviceType`` (the SR-IOV plugin's): which devices it may take, what containers get."""
+
+    NET_DEVICE = "netDevice"  # network controllers (class 02): VFs, and PFs without VFs enabled
+    ACCELERATOR = "accelerator"  # any PCI function but bridges (class 06)
+    AUX_NET_DEVICE = "auxNetDevice"  # auxiliary-bus subfunctions
+
+
+class Preferred(StrEnum):
+    """A pool's ``preferredAllocation``: how GetPreferredAllocation ranks devices, or not offered at all."""
+
+    PACK = "pack"  # a pod's devices share a PF and a NUMA node whenever they can
+    SPREAD = "spread"  # one device per PF before any PF gives a second
+    NONE = "none"  # GetPreferredAllocation not offered: the kubelet picks
 
 
 class Device(NamedTuple):
     """One function of the node as discovery saw it; ``id`` (PCI address or aux name) is stable."""
 
     id: str  # "0000:3b:00.2"; for subfunctions the aux device name "mlx5_core.sf.4"
-    role: str  # ROLE_*
+    role: str  # a Role's value: the scan's plain string, equal to the Role member
     vendor: str  # "15b3" (lower-case hex, no 0x)
     device: str  # "101e"
     pci_class: str  # "020000"
@@ -163,13 +187,13 @@ class PoolConfig:
 
     resource_name: str  # "intel_sriov_netdevice"
     resource_prefix: str  # "intel.com" (DEFAULT_PREFIX unless the pool sets one)
-    device_type: str = "netDevice"  # netDevice | accelerator | auxNetDevice
+    device_type: DeviceType = DeviceType.NET_DEVICE
     selectors: tuple[Selector, ...] = (Selector(),)
     exclude_topology: bool = False
     additional_info: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # address|"*" → k/v
     rdma_shared: int = 0  # >0: a shared RDMA pool with this many IDs per RDMA device (rdmaHcaMax)
     health: HealthPolicy = field(default_factory=HealthPolicy)
-    preferred: str = "pack"  # pack | spread | none
+    preferred: Preferred = Preferred.PACK
     prestart: bool = False  # offer PreStartContainer (verifies presence and health before start)
     api: PoolApi = PoolApi.DEVICE_PLUGIN  # "api": "dra" publishes the pool as ResourceSlices instead
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from .. import accel, pci
 from .._proto import api_pb2
-from ..model import Device, Pool, PoolConfig, RequestError
+from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError
 from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
@@ -31,8 +31,7 @@ from . import cdi, devinfo, leftovers
 log = logging.getLogger(__name__)
 
 DEFAULT_DEV_ROOT = Path("/dev")
-NET_DEVICE = "netDevice"
-POLICIES = {"pack": 0, "spread": 1, "none": 2}  # the _fast ranking's POLICY_* values
+POLICIES = {Preferred.PACK: 0, Preferred.SPREAD: 1, Preferred.NONE: 2}  # the _fast ranking's POLICY_* values
 
 # Every node is handed over "rw": the runtime creates the node in the container itself, so nothing
 # inside needs mknod, and the device cgroup's "m" would only let a container create nodes for the
@@ -317,9 +316,8 @@ class PoolAllocator:
 
     def _configure(self, config: PoolConfig) -> None:
         if config.preferred not in POLICIES:
-            raise ValueError(
-                f"pool {config.full_name}: preferred {config.preferred!r} is not one of {sorted(POLICIES)}"
-            )
+            known = sorted(map(str, POLICIES))
+            raise ValueError(f"pool {config.full_name}: preferred {config.preferred!r} is not one of {known}")
         self.config = config
         self._cdi: cdi.SpecWriter | None = None
         self.kind = ""
@@ -335,7 +333,7 @@ class PoolAllocator:
         self._cdi_current = False
         self._info = (
             devinfo.InfoWriter(self.settings.devinfo_dir, config.resource_prefix, config.resource_name)
-            if self.settings.devinfo_dir is not None and config.device_type == NET_DEVICE
+            if self.settings.devinfo_dir is not None and config.device_type == DeviceType.NET_DEVICE
             else None
         )
 
@@ -455,7 +453,7 @@ class PoolAllocator:
 
     def options(self) -> tuple[bool, bool]:
         """Return (pre_start_required, get_preferred_allocation_available) from the pool's config."""
-        return self.config.prestart, self.config.preferred != "none"
+        return self.config.prestart, self.config.preferred != Preferred.NONE
 
     def _check(self, ids: Sequence[str], vanished_kind: str) -> list[Device]:
         """Validate requested IDs and return their distinct devices, or raise RequestError naming the IDs.
