@@ -402,7 +402,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
             json.dump({"devices": [_device_json(d) for d in table.devices]}, sys.stdout, indent=1)
             print()
         else:
-            _print_escaped(discovery.format_table(table))
+            _print_escaped(discovery.format_devices(table))
         return 0
     try:
         cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
@@ -415,7 +415,9 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
-        _print_escaped(selectors.format_table(result, max_excluded=len(table.devices) if args.verbose else 3))
+        _print_escaped(
+            selectors.format_explain(result, max_excluded=len(table.devices) if args.verbose else 3)
+        )
     return 0
 
 

@@ -98,8 +98,12 @@ def info_document(device: Device, vhost_net: bool, vdpa_path: str) -> dict[str, 
     return {"type": "pci", "version": SPEC_VERSION, "pci": pci}
 
 
-def encode(doc: dict[str, Any]) -> bytes:
-    """Return the canonical bytes of a device-info document."""
+def document_bytes(doc: dict[str, Any]) -> bytes:
+    """Return the bytes of a device-info file: sorted keys, so equal content means equal bytes.
+
+    Not the compact canonical form: these files have always been written with json's default spacing,
+    and rewriting every file of a node on upgrade for whitespace alone would buy nothing.
+    """
     return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
@@ -154,7 +158,10 @@ class InfoWriter:
         try:
             for device_id, doc in docs.items():
                 name = file_name(self.prefix, self.name, device_id)
-                if files.write_atomic(self.directory, name, encode(doc)) or device_id not in self.written:
+                if (
+                    files.write_atomic(self.directory, name, document_bytes(doc))
+                    or device_id not in self.written
+                ):
                     done.append(device_id)
                 self.written.add(device_id)
         except BaseException:

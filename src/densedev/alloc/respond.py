@@ -10,7 +10,6 @@ CNI plugins and DPDK/RDMA applications already parse.
 from __future__ import annotations
 
 import array
-import json
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .. import accel, pci
+from .. import accel, files, pci
 from .._proto import api_pb2
 from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError
 from ..pools.config import env_var_name
@@ -204,7 +203,7 @@ def merge_nodes(parts: Sequence[DeviceParts]) -> tuple[NodeSpec, ...]:
 
 def encode_info(parts: Sequence[DeviceParts]) -> str:
     """Return the ``_INFO`` JSON: one object per device address."""
-    return json.dumps({p.device.id: p.info for p in parts}, sort_keys=True, separators=(",", ":"))
+    return files.canonical_json({p.device.id: p.info for p in parts})
 
 
 def cdi_env(config: PoolConfig, part: DeviceParts) -> dict[str, str]:
@@ -214,7 +213,7 @@ def cdi_env(config: PoolConfig, part: DeviceParts) -> dict[str, str]:
     Allocate response; a CDI entry can only carry what is true of its device alone.
     """
     key = f"{env_var_name(config.full_name)}_{re.sub(r'[^A-Za-z0-9_]', '_', part.device.id).upper()}_INFO"
-    return {key: json.dumps({part.device.id: part.info}, sort_keys=True, separators=(",", ":"))}
+    return {key: files.canonical_json({part.device.id: part.info})}
 
 
 def build_response(

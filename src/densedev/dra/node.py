@@ -400,7 +400,7 @@ class NodeService:
         return errors
 
     def _write_files(self, claim: PreparedClaim) -> None:
-        files.write_atomic(self.settings.cdi_dir, claim.spec_file, cdi.encode(claim.spec))
+        files.write_atomic(self.settings.cdi_dir, claim.spec_file, cdi.spec_bytes(claim.spec))
         for i in claim.info:
             self._writer(i.prefix, i.name).write_all({i.device_id: dict(i.doc)})
 

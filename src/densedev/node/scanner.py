@@ -17,13 +17,14 @@ from pathlib import Path
 
 from .. import accel
 from ..model import Device
+from ..printable import columns
 from .layout import PCI_DEVICES
 from .table import DeviceTable
 
 __all__ = [
     "DeviceTable",
     "PciNames",
-    "format_table",
+    "format_devices",
     "pf_family",
     "read_rdma_ports",
     "rescan_devices",
@@ -206,7 +207,7 @@ class PciNames:
         return self._devices.get((vendor.lower(), device.lower()), "")
 
 
-def format_table(table: DeviceTable, names: PciNames | None = None) -> str:
+def format_devices(table: DeviceTable, names: PciNames | None = None) -> str:
     """Render a device table for people: one line per device, with ``pci.ids`` names when available."""
     names = names if names is not None else PciNames()
     head = ("ID", "ROLE", "VENDOR:DEV", "CLASS", "DRIVER", "NUMA", "PF#VF", "NETDEV", "RDMA", "ROOT", "NAME")
@@ -229,7 +230,6 @@ def format_table(table: DeviceTable, names: PciNames | None = None) -> str:
                 " ".join(x for x in (names.device(d.vendor, d.device), extra) if x),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    lines = columns(rows)
     lines.append(f"{len(table.devices)} devices, {len(table.warnings)} warnings")
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join(lines)

@@ -37,7 +37,7 @@ from ..model import (
     Role,
     Selector,
 )
-from ..printable import listing
+from ..printable import columns, listing
 
 # Root ports and switch ports sit in the device table (discovery scans every PCI function) but are the
 # fabric itself; an accelerator pool selecting by vendor alone must never take one.
@@ -413,7 +413,7 @@ def explain(config: Config, devices: Sequence[Device]) -> dict[str, Any]:
     }
 
 
-def format_table(result: dict[str, Any], *, max_excluded: int = 3) -> str:
+def format_explain(result: dict[str, Any], *, max_excluded: int = 3) -> str:
     """Render an ``explain`` result for people: a device table per pool and exclusion reasons counted."""
     lines: list[str] = []
     for w in result.get("warnings", ()):
@@ -423,11 +423,7 @@ def format_table(result: dict[str, Any], *, max_excluded: int = 3) -> str:
         lines.append(f"{pool['resource']} ({pool['device_type']}): {pool['count']} IDs")
         rows = [[_cell(dev[c]) for c in cols] for dev in pool["devices"]]
         if rows:
-            widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
-            lines.extend(
-                "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
-            )
+            lines.extend(columns([cols, *rows], indent="  "))
         by_reason: dict[str, list[str]] = {}
         for ex in pool["excluded"]:
             by_reason.setdefault(ex["reason"], []).append(ex["id"])
