@@ -52,6 +52,18 @@ class Preferred(StrEnum):
     NONE = "none"  # GetPreferredAllocation not offered: the kubelet picks
 
 
+class VdpaType(StrEnum):
+    """A selector's ``vdpaType``: the vDPA bus driver a device's vDPA device must be bound to."""
+
+    VHOST = "vhost"  # vhost_vdpa: a /dev/vhost-vdpa-N node for user space (drivers/vhost/vdpa.c)
+    VIRTIO = "virtio"  # virtio_vdpa: a virtio device of the kernel's own (drivers/virtio/virtio_vdpa.c)
+
+    @property
+    def driver(self) -> str:
+        """Return the bus driver's name as ``Device.vdpa_driver`` holds it (``vhost_vdpa``)."""
+        return f"{self.value}_vdpa"
+
+
 class Device(NamedTuple):
     """One function of the node as discovery saw it; ``id`` (PCI address or aux name) is stable."""
 
@@ -78,7 +90,7 @@ class Device(NamedTuple):
     rdma_nodes: tuple[str, ...]  # /dev/infiniband/uverbsN, umadN, issmN, ucmN (those that exist)
     uio: str  # "uio3" when bound to a uio driver, "" otherwise
     vdpa: str  # "vdpa2" when a vDPA device sits on this function, "" otherwise
-    vdpa_driver: str  # "vhost_vdpa" / "virtio_vdpa" / ""
+    vdpa_driver: str  # a VdpaType's driver ("vhost_vdpa", "virtio_vdpa"), or "" (none, or another driver)
     pcie_root: str  # first component of the resolved /sys/devices path: "pci0000:3a"
     aux_type: str  # SF: "sf"; "" otherwise
 
@@ -157,7 +169,7 @@ class Selector:
     link_types: tuple[str, ...] = ()
     is_rdma: bool | None = None
     need_vhost_net: bool = False
-    vdpa_type: str = ""
+    vdpa_type: VdpaType | None = None
     pkeys: tuple[str, ...] = ()
     aux_types: tuple[str, ...] = ()
     ddp_profiles: tuple[str, ...] = ()
@@ -234,13 +246,21 @@ class Pool:
     members: tuple[PoolMember, ...]
 
 
-class RequestError(Exception):
-    """A kubelet request the plugin refuses; the server maps ``kind`` to a gRPC status code."""
+class RequestKind(StrEnum):
+    """Why a kubelet request is refused; the server maps each kind to a gRPC status code."""
 
     INVALID = "invalid"  # → INVALID_ARGUMENT (unknown IDs, IDs of another pool, bad sizes)
     PRECONDITION = "precondition"  # → FAILED_PRECONDITION (unhealthy or vanished devices)
 
-    def __init__(self, kind: str, message: str) -> None:
+
+class RequestError(Exception):
+    """A kubelet request the plugin refuses; the server maps ``kind`` to a gRPC status code."""
+
+    # The kinds, reachable from the exception every refusal already imports.
+    INVALID = RequestKind.INVALID
+    PRECONDITION = RequestKind.PRECONDITION
+
+    def __init__(self, kind: RequestKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message

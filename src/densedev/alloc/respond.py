@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from .. import accel, files, pci
 from .._proto import api_pb2
-from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError
+from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError, RequestKind, VdpaType
 from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
@@ -121,7 +121,7 @@ def _rdma_path(node: str) -> str:
 
 def vdpa_path(device: Device) -> str:
     """Return the vhost-vdpa node path of a device, or "" when it has none."""
-    if not device.vdpa or device.vdpa_driver != "vhost_vdpa":
+    if not device.vdpa or device.vdpa_driver != VdpaType.VHOST.driver:
         return ""
     # drivers/vhost/vdpa.c numbers its char devices from its own ida, so the node's number is the
     # vdpa<n> bus number only when devices were bound in order; discovery may record the node name
@@ -454,7 +454,7 @@ class PoolAllocator:
         """Return (pre_start_required, get_preferred_allocation_available) from the pool's config."""
         return self.config.prestart, self.config.preferred != Preferred.NONE
 
-    def _check(self, ids: Sequence[str], vanished_kind: str) -> list[Device]:
+    def _check(self, ids: Sequence[str], vanished_kind: RequestKind) -> list[Device]:
         """Validate requested IDs and return their distinct devices, or raise RequestError naming the IDs.
 
         Messages name a bounded sample of the IDs, escaped ("… and N more"): the server prefixes the

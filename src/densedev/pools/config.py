@@ -34,13 +34,14 @@ from ..model import (
     PoolConfig,
     Preferred,
     Selector,
+    VdpaType,
 )
 from ..printable import clip, escape, first_unprintable, has_unprintable
 
 DEVICE_TYPES = tuple(DeviceType)
 PREFERRED_POLICIES = tuple(Preferred)
 LINK_TYPES = ("ether", "infiniband")  # what discovery reports from ARPHRD 1 / 32
-VDPA_TYPES = ("vhost", "virtio")
+VDPA_TYPES = tuple(VdpaType)
 MAX_VF_INDEX = 65535  # the SR-IOV capability's NumVFs/TotalVFs are 16-bit registers
 MAX_RDMA_SHARED = 65535
 IFNAMSIZ = 16  # the kernel's dev_valid_name(): at most IFNAMSIZ - 1 bytes, no '/', ':' or whitespace
@@ -473,7 +474,7 @@ def _parse_selector(
         if text is not None and text not in VDPA_TYPES:
             r.problem(_join(where, "vdpaType"), f'"{clip(text)}" is not one of {", ".join(VDPA_TYPES)}')
         elif text is not None:
-            kw["vdpa_type"] = text
+            kw["vdpa_type"] = VdpaType(text)
     if "pKeys" in f:
         kw["pkeys"] = r.strings(f["pKeys"], _join(where, "pKeys"), _pkey, "a partition key (0x7fff)")
         if kw["pkeys"]:

@@ -36,6 +36,7 @@ from ..model import (
     PoolMember,
     Role,
     Selector,
+    VdpaType,
 )
 from ..printable import columns, listing
 
@@ -44,7 +45,6 @@ from ..printable import columns, listing
 _BRIDGE_CLASS = "06"
 # PoolMember(...) is a Python-level __new__ per ID; the tuple constructor makes the same named tuple.
 _make_member = partial(tuple.__new__, PoolMember)
-_VDPA_DRIVERS = {"vhost": "vhost_vdpa", "virtio": "virtio_vdpa"}  # vdpaType → bus/vdpa driver name
 
 Filter = Callable[[list[Device]], list[Device]]
 
@@ -214,7 +214,7 @@ def _compile(sel: Selector, device_type: DeviceType, table: _Table) -> list[Filt
     if sel.is_rdma:
         filters.append(lambda devs: [d for d in devs if d.rdma_device])
     if sel.vdpa_type:
-        vdpa = _VDPA_DRIVERS[sel.vdpa_type]
+        vdpa = VdpaType(sel.vdpa_type).driver
         filters.append(lambda devs: [d for d in devs if d.vdpa_driver == vdpa])
     if sel.aux_types:
         aux_types = frozenset(sel.aux_types)
@@ -331,8 +331,8 @@ def selector_reason(sel: Selector, device_type: DeviceType, d: Device, pf_link: 
             return f"linkTypes: {link or 'no link type'} not in {_show(sel.link_types)}"
     if sel.is_rdma and not d.rdma_device:
         return "isRdma: no RDMA device"
-    if sel.vdpa_type and d.vdpa_driver != _VDPA_DRIVERS[sel.vdpa_type]:
-        return f"vdpaType: vDPA driver {d.vdpa_driver or 'none'} is not {_VDPA_DRIVERS[sel.vdpa_type]}"
+    if sel.vdpa_type and d.vdpa_driver != VdpaType(sel.vdpa_type).driver:
+        return f"vdpaType: vDPA driver {d.vdpa_driver or 'none'} is not {VdpaType(sel.vdpa_type).driver}"
     if sel.aux_types and d.aux_type not in sel.aux_types:
         return f"auxTypes: {d.aux_type or 'none'} not in {_show(sel.aux_types)}"
     return None
