@@ -19,8 +19,15 @@ from .dra.names import DEFAULT_DRIVER_NAME
 # default, so its ConfigMaps name the same resources here (the CLI's --resource-prefix overrides it).
 DEFAULT_PREFIX = "intel.com"
 
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
+
+class Health(StrEnum):
+    """A device's health as the device plugin API spells it (v1beta1's Healthy and Unhealthy constants)."""
+
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+
+
+HEALTHY, UNHEALTHY = Health.HEALTHY, Health.UNHEALTHY  # the short names the emulators and tests use
 
 
 class Role(StrEnum):
