@@ -23,6 +23,7 @@ import uvloop
 from . import __version__, accel
 from .dra import commands as dra_commands
 from .model import DEFAULT_PREFIX
+from .node.layout import PCI_DEVICES, SYSFS_ROOT
 
 log = logging.getLogger("densedev.cli")
 
@@ -195,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--sysfs-root",
         type=_sysfs_root,
-        default="/sys",  # a string, so argparse runs the check on the default too
-        help="sysfs to scan (refused unless it has bus/pci/devices)",
+        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
+        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
     )
     run.add_argument(
         "--kubelet-dir",
@@ -290,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument(
         "--sysfs-root",
         type=_sysfs_root,
-        default="/sys",  # a string, so argparse runs the check on the default too
-        help="sysfs to scan (refused unless it has bus/pci/devices)",
+        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
+        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
     )
     scan.add_argument("--config", type=Path, default=None, help="also show each pool's selection")
     scan.add_argument(

@@ -38,6 +38,7 @@ from .kubelet.wire import ListEncoder
 from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi, PoolConfig, Preferred, RequestError, Role
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .node.layout import SYSFS_ROOT
 from .ops.logs import log_event, summarise
 from .ops.metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
 from .pools import config as config_mod
@@ -52,7 +53,7 @@ T = TypeVar("T")
 class DaemonSettings:
     """Where the daemon reads and writes; every path is a parameter so tests and the demo relocate it."""
 
-    sysfs_root: Path = Path("/sys")
+    sysfs_root: Path = Path(SYSFS_ROOT)
     kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")
     dev_root: Path = Path("/dev")
     cdi_dir: Path | None = None

@@ -9,6 +9,7 @@ sysfs-class-infiniband): ``bus/<bus>/devices`` and ``class/<class>`` hold relati
 
 from __future__ import annotations
 
+SYSFS_ROOT = "/sys"  # where the kernel's sysfs is mounted: the default root of every scan
 PCI_DEVICES = "bus/pci/devices"  # a link per PCI function, named by its address; always present
 PCI_DRIVERS = "bus/pci/drivers"  # a directory per PCI driver, a link per function it binds
 AUX_DEVICES = "bus/auxiliary/devices"  # auxiliary-bus devices: subfunctions (mlx5_core.sf.N)

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import accel
 from ..model import Device
 from ..printable import columns
-from .layout import PCI_DEVICES
+from .layout import PCI_DEVICES, SYSFS_ROOT
 from .table import DeviceTable
 
 __all__ = [
@@ -34,7 +34,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SYSFS = "/sys"
 # Where distributions install the PCI ID database (pciutils / hwdata); optional.
 PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/share/pci.ids")
 
@@ -95,7 +94,7 @@ def _devices(rows: tuple[tuple[object, ...], ...]) -> tuple[Device, ...]:
 
 
 def scan(
-    sysfs_root: str | Path = DEFAULT_SYSFS, previous: DeviceTable | None = None, *, threads: bool = True
+    sysfs_root: str | Path = SYSFS_ROOT, previous: DeviceTable | None = None, *, threads: bool = True
 ) -> DeviceTable:
     """Scan every PCI function and auxiliary subfunction under ``sysfs_root`` into a device table.
 
