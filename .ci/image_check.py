@@ -195,8 +195,8 @@ def expected_pools(layout: simnode.NodeLayout) -> dict[str, set[str]]:
 
 
 def env_name(resource: str) -> str:
-    """Return the SR-IOV device plugin's variable for a resource (``PCIDEVICE_INTEL_COM_X``)."""
-    return "PCIDEVICE_" + "".join(ch if ch.isalnum() else "_" for ch in resource).upper()
+    """Return the SR-IOV device plugin's variable for a resource (``PCIDEVICE_INTEL_COM_X``; a "-" stays)."""
+    return "PCIDEVICE_" + "".join("_" if ch in "./" else ch for ch in resource).upper()
 
 
 class Engine:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from densedev import files
 from densedev.alloc import devinfo, leftovers
 
-DOC = devinfo.encode({"type": "pci", "version": "1.1.0", "pci": {"pci-address": "0000:3b:00.2"}})
+DOC = devinfo.document_bytes({"type": "pci", "version": "1.1.0", "pci": {"pci-address": "0000:3b:00.2"}})
 
 
 def addresses(count: int) -> list[str]:

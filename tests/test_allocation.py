@@ -15,9 +15,10 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
-from densedev.alloc.respond import AllocationSettings, PoolAllocator, build_response, env_name
+from densedev.alloc.respond import AllocationSettings, PoolAllocator, build_response
 from densedev.kubelet.server import PoolService
 from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
+from densedev.pools.config import env_var_name
 
 # -- hand-built device records, shaped like what discovery reads from a real node ------------------
 
@@ -95,8 +96,23 @@ def settings(tmp_path: Path, dev_root: Path, cdi: bool = False) -> AllocationSet
 
 
 def test_env_name_follows_the_sriov_plugin() -> None:
-    assert env_name(PoolConfig("sriov_vppdpdk5", "intel.com")) == "PCIDEVICE_INTEL_COM_SRIOV_VPPDPDK5"
-    assert env_name(PoolConfig("mlx-vf.a", "example.org")) == "PCIDEVICE_EXAMPLE_ORG_MLX_VF_A"
+    # Its GetEnvs: "PCIDEVICE_<prefix>_<name>" upper-cased with "." made "_" and nothing else: "-" stays.
+    assert env_var_name("intel.com/sriov_vppdpdk5") == "PCIDEVICE_INTEL_COM_SRIOV_VPPDPDK5"
+    assert env_var_name("example.org/mlx-vf.a") == "PCIDEVICE_EXAMPLE_ORG_MLX-VF_A"
+
+
+def test_allocate_names_the_variables_as_the_config_warns(tmp_path: Path, dev_root: Path) -> None:
+    # The config warns that a "-" stays in the variable (shells cannot read it); Allocate must say the
+    # same name, or a workload written against the SR-IOV plugin finds no variable.
+    config = PoolConfig("sriov-net_0", "my-corp.com")
+    alloc = PoolAllocator(
+        pool_of(config, [dev("0000:3b:00.2")]), settings(tmp_path, dev_root), lambda _id: True
+    )
+    resp = alloc.allocate(["0000:3b:00.2"])
+    assert sorted(resp.envs) == [
+        "PCIDEVICE_MY-CORP_COM_SRIOV-NET_0",
+        "PCIDEVICE_MY-CORP_COM_SRIOV-NET_0_INFO",
+    ]
 
 
 # -- one test per device kind ----------------------------------------------------------------------
@@ -536,8 +552,8 @@ def test_any_mix_of_devices_gives_one_consistent_response(
     hosts = [n.host_path for n in parts.devices]
     assert len(hosts) == len(set(hosts)), "a node twice"
     assert set(hosts) == {n.host_path for p in per_device for n in p.nodes}
-    assert parts.envs[env_name(config)] == ",".join(d.id for d in chosen)
-    info = json.loads(parts.envs[env_name(config) + "_INFO"])
+    assert parts.envs[env_var_name(config.full_name)] == ",".join(d.id for d in chosen)
+    info = json.loads(parts.envs[env_var_name(config.full_name) + "_INFO"])
     assert list(info) == sorted(d.id for d in chosen)
     for d in chosen:
         assert info[d.id]["generic"] == {"deviceID": d.id}

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from densedev.model import HealthPolicy, IndexRange, IndexSpans, Selector
+from densedev.model import DeviceType, HealthPolicy, IndexRange, IndexSpans, Preferred, Selector, VdpaType
 from densedev.pools import config
 from densedev.pools.config import (
     ConfigError,
@@ -490,6 +490,23 @@ def test_names_with_a_dash_load_with_the_go_plugins_variable_name() -> None:
     )
     # A prefix with "-" is a fine DNS name: the same warning.
     assert len(parse(json.dumps(pool(resourcePrefix="my-corp.com", selectors={}))).warnings) == 1
+
+
+def test_kinds_are_parsed_once_into_enum_members() -> None:
+    # Later stages compare members (DeviceType.ACCELERATOR), never the file's strings.
+    doc = pool(deviceType="accelerator", preferredAllocation="none", selectors={"drivers": ["x"]})
+    got = parse(json.dumps(doc)).pools[0]
+    assert type(got.device_type) is DeviceType and got.device_type is DeviceType.ACCELERATOR
+    assert type(got.preferred) is Preferred and got.preferred is Preferred.NONE
+    default = parse(json.dumps(pool(selectors={"drivers": ["x"]}))).pools[0]
+    assert (default.device_type, default.preferred) == (DeviceType.NET_DEVICE, Preferred.PACK)
+    assert type(default.device_type) is DeviceType and type(default.preferred) is Preferred
+    vdpa = parse(json.dumps(pool(selectors={"vdpaType": "virtio"}))).pools[0].selectors[0]
+    assert vdpa.vdpa_type is VdpaType.VIRTIO and vdpa.vdpa_type.driver == "virtio_vdpa"
+    assert default.selectors[0].vdpa_type is None
+    # What a file, a log line or JSON shows is the value itself (StrEnum's str and format).
+    assert f"{got.device_type}/{got.preferred}" == "accelerator/none"
+    assert json.dumps([got.device_type, got.preferred]) == '["accelerator", "none"]'
 
 
 def test_duplicate_full_names_and_env_var_collisions() -> None:

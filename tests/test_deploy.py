@@ -430,7 +430,6 @@ def test_ci_refuses_a_manifest_it_cannot_reproduce(change: Any) -> None:
 def test_ci_expects_the_pools_the_daemon_builds(tmp_path: Path) -> None:
     # The container run's expectation is written from the simulated layout, not from densedev's
     # selectors; here both must agree, with the variable an Allocate answers with.
-    from densedev.alloc import respond as allocation
     from densedev.node import scanner as discovery
     from densedev.pools import select as selectors
     from densedev.testing import simnode
@@ -444,7 +443,7 @@ def test_ci_expects_the_pools_the_daemon_builds(tmp_path: Path) -> None:
     assert built == ic.expected_pools(layout)
     assert all(len(ids) == 9 if "mellanox" in name else len(ids) == 3 for name, ids in built.items())
     for pool in pools:
-        assert ic.env_name(pool.config.full_name) == allocation.env_name(pool.config)
+        assert ic.env_name(pool.config.full_name) == config.env_var_name(pool.config.full_name)
 
 
 def test_ci_builds_and_runs_the_image() -> None:

@@ -393,12 +393,12 @@ def test_pci_names_are_optional_and_lazy(tmp_path: Path) -> None:
     assert missing.vendor("15b3") == "" and missing.device("15b3", "101e") == ""
 
 
-def test_format_table_lists_every_device_with_names(tmp_path: Path) -> None:
+def test_format_devices_lists_every_device_with_names(tmp_path: Path) -> None:
     layout = build_node(tmp_path / "sys", pfs=2, vfs_per_pf=2, extras=True)
     ids = tmp_path / "pci.ids"
     ids.write_text("15b3  Mellanox Technologies\n\t101e  ConnectX Family mlx5Gen Virtual Function\n")
     table = discovery.scan(tmp_path / "sys")
-    text = discovery.format_table(table, discovery.PciNames(ids))
+    text = discovery.format_devices(table, discovery.PciNames(ids))
     lines = text.splitlines()
     assert len(lines) == len(table) + 2 and lines[-1] == f"{len(table)} devices, 0 warnings"
     vf = next(line for line in lines if line.startswith(layout.pfs[0].vf_addresses[1]))

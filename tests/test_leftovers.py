@@ -32,7 +32,9 @@ def info(directory: Path, stem: str, device: str, body: str = '{"type":"pci"}\n'
 
 def spec(directory: Path, kind: str, devices: list[str]) -> Path:
     p = directory / cdi.spec_file_name(kind)
-    p.write_bytes(cdi.encode(cdi.spec_document(kind, [{"name": d, "containerEdits": {}} for d in devices])))
+    p.write_bytes(
+        cdi.spec_bytes(cdi.spec_document(kind, [{"name": d, "containerEdits": {}} for d in devices]))
+    )
     return p
 
 

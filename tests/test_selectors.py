@@ -424,10 +424,10 @@ def test_explain_schema_and_reasons() -> None:
     )
 
 
-def test_format_table_shows_devices_and_counts_exclusions() -> None:
+def test_format_explain_shows_devices_and_counts_exclusions() -> None:
     devices = pf_with_vfs(0x3B, "ens1f0", 6)
     conf = cfg({"resourceName": "half", "selectors": {"pfNames": ["ens1f0#0-2"]}})
-    text = selectors.format_table(selectors.explain(conf, devices))
+    text = selectors.format_explain(selectors.explain(conf, devices))
     lines = text.splitlines()
     assert lines[0] == "intel.com/half (netDevice): 3 IDs"
     assert lines[1].split() == ["id", "numa", "pf", "vf_index", "driver", "netdev", "rdma_device"]
@@ -443,7 +443,7 @@ def test_explain_carries_config_warnings() -> None:
     conf = config.load(DATA / "plugin_full_schema.json")
     out = selectors.explain(conf, THREE)
     assert len(out["warnings"]) == 2
-    assert selectors.format_table(out).startswith("warning: resourceList[0] (sriov_net_A): selectors.pKeys")
+    assert selectors.format_explain(out).startswith("warning: resourceList[0] (sriov_net_A): selectors.pKeys")
 
 
 # --- the fast selection agrees with the per-device reasons (hypothesis) --------------------------------

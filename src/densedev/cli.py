@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -15,16 +16,18 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO, TypeVar
 
 import uvloop
 
 from . import __version__, accel
 from .dra import commands as dra_commands
+from .model import DEFAULT_PREFIX
+from .node.layout import PCI_DEVICES, SYSFS_ROOT
 
 log = logging.getLogger("densedev.cli")
 
-DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's default resourcePrefix
+_T = TypeVar("_T")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -47,57 +50,72 @@ class CommandError(Exception):
         self.code = code
 
 
+def _flag_type(parse: Callable[[str], _T]) -> Callable[[str], _T]:
+    """Make ``parse`` an argparse type whose ValueError is the flag's error line, word for word.
+
+    argparse prints an ArgumentTypeError's text as is, but replaces a ValueError's with "invalid <type>
+    value"; the parsers below (and the stages' own, imported only when the flag is given) raise ValueError.
+    """
+
+    @functools.wraps(parse)
+    def checked(text: str) -> _T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return checked
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+            raise ValueError(f"{text!r} is not a whole number") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below the minimum {low}")
+            raise ValueError(f"{value} is below the minimum {low}")
         return value
 
     parse.__name__ = "int"
-    return parse
+    return _flag_type(parse)
 
 
+@_flag_type
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        raise ValueError(f"{text!r} is not a number of seconds") from None
     if not value >= 0 or value == float("inf"):  # rejects nan too
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds >= 0")
+        raise ValueError(f"{text!r} must be a finite number of seconds >= 0")
     return value
 
 
+@_flag_type
 def _log_level(text: str) -> str:
     from .ops.logs import parse_level
 
-    try:
-        parse_level(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_level(text)
     return text
 
 
+@_flag_type
 def _metrics_addr(text: str) -> str:
     from .ops.metrics import parse_addr
 
-    try:
-        parse_addr(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    parse_addr(text)
     return text
 
 
+@_flag_type
 def _sysfs_root(text: str) -> Path:
     from .ops.preflight import sysfs_root_problem
 
     path = Path(text)
     problem = sysfs_root_problem(path)
     if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
+        raise ValueError(problem)
     return path
 
 
@@ -144,14 +162,15 @@ kubelet and keeps every device's health current.  Try it without root or hardwar
 """
 
 
+@_flag_type
 def _positive_int(text: str) -> int:
-    """Parse a positive integer argument (argparse reports a ValueError as one usage line)."""
+    """Parse a positive integer argument."""
     try:
         value = int(text)
     except ValueError:
         value = 0
     if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text!r}")
+        raise ValueError(f"must be a positive integer, not {text!r}")
     return value
 
 
@@ -177,8 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--sysfs-root",
         type=_sysfs_root,
-        default="/sys",  # a string, so argparse runs the check on the default too
-        help="sysfs to scan (refused unless it has bus/pci/devices)",
+        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
+        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
     )
     run.add_argument(
         "--kubelet-dir",
@@ -272,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     scan.add_argument(
         "--sysfs-root",
         type=_sysfs_root,
-        default="/sys",  # a string, so argparse runs the check on the default too
-        help="sysfs to scan (refused unless it has bus/pci/devices)",
+        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
+        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
     )
     scan.add_argument("--config", type=Path, default=None, help="also show each pool's selection")
     scan.add_argument(
@@ -403,7 +422,7 @@ def _cmd_scan(args: argparse.Namespace) -> int:
             json.dump({"devices": [_device_json(d) for d in table.devices]}, sys.stdout, indent=1)
             print()
         else:
-            _print_escaped(discovery.format_table(table))
+            _print_escaped(discovery.format_devices(table))
         return 0
     try:
         cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
@@ -416,7 +435,9 @@ def _cmd_scan(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=1)
         print()
     else:
-        _print_escaped(selectors.format_table(result, max_excluded=len(table.devices) if args.verbose else 3))
+        _print_escaped(
+            selectors.format_explain(result, max_excluded=len(table.devices) if args.verbose else 3)
+        )
     return 0
 
 

@@ -35,9 +35,10 @@ from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
 from .kubelet.sockets import remove_stale_sockets
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
+from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi, PoolConfig, Preferred, RequestError, Role
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .node.layout import SYSFS_ROOT
 from .ops.logs import log_event, summarise
 from .ops.metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
 from .pools import config as config_mod
@@ -52,13 +53,13 @@ T = TypeVar("T")
 class DaemonSettings:
     """Where the daemon reads and writes; every path is a parameter so tests and the demo relocate it."""
 
-    sysfs_root: Path = Path("/sys")
+    sysfs_root: Path = Path(SYSFS_ROOT)
     kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")
     dev_root: Path = Path("/dev")
     cdi_dir: Path | None = None
     devinfo_dir: Path | None = None
     cdi_annotations: bool = False  # also return cdi.k8s.io/ annotations (runtimes without CRI CDI fields)
-    resource_prefix: str = "intel.com"
+    resource_prefix: str = DEFAULT_PREFIX
     config_path: Path | None = None  # watched for changes when set
     metrics_addr: str | None = None
     netlink: bool = True  # watch rtnetlink links and kernel uevents
@@ -746,7 +747,7 @@ class Daemon:
         root = self.settings.sysfs_root
         for address in sorted(targets):
             known = table.by_id().get(address)
-            is_pf = (known is not None and known.role == ROLE_PF) or os.path.exists(
+            is_pf = (known is not None and known.role == Role.PF) or os.path.exists(
                 os.path.join(root, "bus/pci/devices", address, "sriov_totalvfs")
             )
             if is_pf:
@@ -1201,7 +1202,7 @@ def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
 
 
 def _options_of(pool: PoolConfig) -> tuple[bool, bool]:
-    return pool.prestart, pool.preferred != "none"
+    return pool.prestart, pool.preferred != Preferred.NONE
 
 
 def _config_identity(path: Path) -> tuple[str, int, int, int] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
@@ -25,6 +26,15 @@ MAX_READ = 64 * 1024 * 1024  # refuse to compare against anything bigger: it can
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 TMP_SUFFIX = ".tmp"
+
+
+def canonical_json(value: object) -> str:
+    """Return ``value`` as compact JSON with sorted keys: equal content always gives equal text.
+
+    What densedev writes for others to compare or re-read (CDI specs, ``_INFO`` variables, the DRA
+    checkpoint) is this form, so an unchanged document is recognised by its bytes alone.
+    """
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
 class UnsafeNameError(OSError):

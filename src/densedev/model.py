@@ -10,25 +10,72 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import NamedTuple
 
 from .dra.names import DEFAULT_DRIVER_NAME
 
-HEALTHY = "Healthy"
-UNHEALTHY = "Unhealthy"
+# A pool's resourcePrefix when the file gives none: the SR-IOV network device plugin's --resource-prefix
+# default, so its ConfigMaps name the same resources here (the CLI's --resource-prefix overrides it).
+DEFAULT_PREFIX = "intel.com"
 
-ROLE_PF = "pf"  # SR-IOV capable function (has sriov_totalvfs)
-ROLE_VF = "vf"  # virtual function (has physfn)
-ROLE_PCI = "pci"  # plain PCI function without SR-IOV
-ROLE_SF = "sf"  # auxiliary-bus subfunction (mlx5_core.sf.N)
+
+class Health(StrEnum):
+    """A device's health as the device plugin API spells it (v1beta1's Healthy and Unhealthy constants)."""
+
+    HEALTHY = "Healthy"
+    UNHEALTHY = "Unhealthy"
+
+
+HEALTHY, UNHEALTHY = Health.HEALTHY, Health.UNHEALTHY  # the short names the emulators and tests use
+
+
+class Role(StrEnum):
+    """What a device is to SR-IOV, as the scan names it in ``Device.role`` (and ``scan --json`` prints it)."""
+
+    PF = "pf"  # SR-IOV capable function (has sriov_totalvfs)
+    VF = "vf"  # virtual function (has physfn)
+    PCI = "pci"  # plain PCI function without SR-IOV
+    SF = "sf"  # auxiliary-bus subfunction (mlx5_core.sf.N)
+
+
+# The tests and benchmarks still spell roles this way; the tests' own restructuring moves them to Role.
+ROLE_PF, ROLE_VF, ROLE_PCI, ROLE_SF = Role.PF, Role.VF, Role.PCI, Role.SF
+
+
+class DeviceType(StrEnum):
+    """A pool's ``deviceType`` (the SR-IOV plugin's): which devices it may take, what containers get."""
+
+    NET_DEVICE = "netDevice"  # network controllers (class 02): VFs, and PFs without VFs enabled
+    ACCELERATOR = "accelerator"  # any PCI function but bridges (class 06)
+    AUX_NET_DEVICE = "auxNetDevice"  # auxiliary-bus subfunctions
+
+
+class Preferred(StrEnum):
+    """A pool's ``preferredAllocation``: how GetPreferredAllocation ranks devices, or not offered at all."""
+
+    PACK = "pack"  # a pod's devices share a PF and a NUMA node whenever they can
+    SPREAD = "spread"  # one device per PF before any PF gives a second
+    NONE = "none"  # GetPreferredAllocation not offered: the kubelet picks
+
+
+class VdpaType(StrEnum):
+    """A selector's ``vdpaType``: the vDPA bus driver a device's vDPA device must be bound to."""
+
+    VHOST = "vhost"  # vhost_vdpa: a /dev/vhost-vdpa-N node for user space (drivers/vhost/vdpa.c)
+    VIRTIO = "virtio"  # virtio_vdpa: a virtio device of the kernel's own (drivers/virtio/virtio_vdpa.c)
+
+    @property
+    def driver(self) -> str:
+        """Return the bus driver's name as ``Device.vdpa_driver`` holds it (``vhost_vdpa``)."""
+        return f"{self.value}_vdpa"
 
 
 class Device(NamedTuple):
     """One function of the node as discovery saw it; ``id`` (PCI address or aux name) is stable."""
 
     id: str  # "0000:3b:00.2"; for subfunctions the aux device name "mlx5_core.sf.4"
-    role: str  # ROLE_*
+    role: str  # a Role's value: the scan's plain string, equal to the Role member
     vendor: str  # "15b3" (lower-case hex, no 0x)
     device: str  # "101e"
     pci_class: str  # "020000"
@@ -50,7 +97,7 @@ class Device(NamedTuple):
     rdma_nodes: tuple[str, ...]  # /dev/infiniband/uverbsN, umadN, issmN, ucmN (those that exist)
     uio: str  # "uio3" when bound to a uio driver, "" otherwise
     vdpa: str  # "vdpa2" when a vDPA device sits on this function, "" otherwise
-    vdpa_driver: str  # "vhost_vdpa" / "virtio_vdpa" / ""
+    vdpa_driver: str  # a VdpaType's driver ("vhost_vdpa", "virtio_vdpa"), or "" (none, or another driver)
     pcie_root: str  # first component of the resolved /sys/devices path: "pci0000:3a"
     aux_type: str  # SF: "sf"; "" otherwise
 
@@ -129,7 +176,7 @@ class Selector:
     link_types: tuple[str, ...] = ()
     is_rdma: bool | None = None
     need_vhost_net: bool = False
-    vdpa_type: str = ""
+    vdpa_type: VdpaType | None = None
     pkeys: tuple[str, ...] = ()
     aux_types: tuple[str, ...] = ()
     ddp_profiles: tuple[str, ...] = ()
@@ -158,14 +205,14 @@ class PoolConfig:
     """One resource pool of the config file: what it selects and how it behaves."""
 
     resource_name: str  # "intel_sriov_netdevice"
-    resource_prefix: str  # "intel.com"
-    device_type: str = "netDevice"  # netDevice | accelerator | auxNetDevice
+    resource_prefix: str  # "intel.com" (DEFAULT_PREFIX unless the pool sets one)
+    device_type: DeviceType = DeviceType.NET_DEVICE
     selectors: tuple[Selector, ...] = (Selector(),)
     exclude_topology: bool = False
     additional_info: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # address|"*" → k/v
     rdma_shared: int = 0  # >0: a shared RDMA pool with this many IDs per RDMA device (rdmaHcaMax)
     health: HealthPolicy = field(default_factory=HealthPolicy)
-    preferred: str = "pack"  # pack | spread | none
+    preferred: Preferred = Preferred.PACK
     prestart: bool = False  # offer PreStartContainer (verifies presence and health before start)
     api: PoolApi = PoolApi.DEVICE_PLUGIN  # "api": "dra" publishes the pool as ResourceSlices instead
 
@@ -206,13 +253,21 @@ class Pool:
     members: tuple[PoolMember, ...]
 
 
-class RequestError(Exception):
-    """A kubelet request the plugin refuses; the server maps ``kind`` to a gRPC status code."""
+class RequestKind(StrEnum):
+    """Why a kubelet request is refused; the server maps each kind to a gRPC status code."""
 
     INVALID = "invalid"  # → INVALID_ARGUMENT (unknown IDs, IDs of another pool, bad sizes)
     PRECONDITION = "precondition"  # → FAILED_PRECONDITION (unhealthy or vanished devices)
 
-    def __init__(self, kind: str, message: str) -> None:
+
+class RequestError(Exception):
+    """A kubelet request the plugin refuses; the server maps ``kind`` to a gRPC status code."""
+
+    # The kinds, reachable from the exception every refusal already imports.
+    INVALID = RequestKind.INVALID
+    PRECONDITION = RequestKind.PRECONDITION
+
+    def __init__(self, kind: RequestKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message

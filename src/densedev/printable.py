@@ -10,7 +10,7 @@ status message that gRPC refuses to carry (a status travels in HTTP/2 trailers, 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 # C0 controls, DEL, C1 controls (U+0085 is a line break to str.splitlines), the Unicode line and
 # paragraph separators (also line breaks to splitlines) and lone surrogates (unencodable as UTF-8).
@@ -65,3 +65,12 @@ def listing(items: Iterable[object], limit: int = DEFAULT_ITEMS, width: int = DE
             rest += 1
     text = ", ".join(shown)
     return f"{text} … and {rest} more" if rest else text
+
+
+def columns(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    """Return rows as left-aligned columns two spaces apart, a line each, with no trailing spaces."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)] if rows else []
+    return [
+        (indent + "  ".join([*(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)), r[-1]])).rstrip()
+        for r in rows
+    ]

@@ -10,7 +10,6 @@ the old one (rename is atomic within a filesystem) and never rewritten when its 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -104,12 +103,12 @@ def spec_document(kind: str, entries: Iterable[dict[str, Any]]) -> dict[str, Any
     }
 
 
-def encode(doc: Mapping[str, Any]) -> bytes:
-    """Return the canonical bytes of a spec (sorted keys, so equal content means equal bytes).
+def spec_bytes(doc: Mapping[str, Any]) -> bytes:
+    """Return the bytes of a spec file: canonical JSON, so equal content means equal bytes.
 
     Compact, because a pool of 16k devices makes a spec of megabytes that runtimes re-read on change.
     """
-    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    return (files.canonical_json(doc) + "\n").encode()
 
 
 def write_atomic(path: Path, data: bytes) -> bool:
@@ -129,7 +128,7 @@ class SpecWriter:
 
     def write(self, kind: str, entries: Iterable[dict[str, Any]]) -> bool:
         """Write the kind's spec if its content changed; return whether the file was (re)written."""
-        return write_atomic(self.path_of(kind), encode(spec_document(kind, entries)))
+        return write_atomic(self.path_of(kind), spec_bytes(spec_document(kind, entries)))
 
     def remove(self, kind: str) -> None:
         """Delete the kind's spec (a pool that is gone); a missing file is fine, other failures are logged."""

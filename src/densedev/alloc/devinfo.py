@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .. import files
+from .. import files, pci
 from ..model import Device
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,8 @@ DEFAULT_DEVINFO_DIR = Path("/var/run/k8s.cni.cncf.io/devinfo/dp")
 SPEC_VERSION = "1.1.0"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
 SUFFIX = "-device.json"
-# What a device-info file of ours is named: the pool's stem, a PCI address (the kernel's pci_name()
-# "%04x:%02x:%02x.%d", domains of more than 4 digits on some hosts), the suffix.
-_OURS = re.compile(r"(?P<stem>.+)-(?P<id>[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7])-device\.json")
+# What a device-info file of ours is named: the pool's stem, a PCI address as the kernel names it, the suffix.
+_OURS = re.compile(rf"(?P<stem>.+)-(?P<id>{pci.ADDRESS})-device\.json")
 # The record of which stems (pools) densedev wrote files for, kept beside them: the directory is shared
 # with other device plugins (the SR-IOV network device plugin names its files the same way), so a file
 # is densedev's only when its stem is recorded here or belongs to a pool configured now.
@@ -99,8 +98,12 @@ def info_document(device: Device, vhost_net: bool, vdpa_path: str) -> dict[str, 
     return {"type": "pci", "version": SPEC_VERSION, "pci": pci}
 
 
-def encode(doc: dict[str, Any]) -> bytes:
-    """Return the canonical bytes of a device-info document."""
+def document_bytes(doc: dict[str, Any]) -> bytes:
+    """Return the bytes of a device-info file: sorted keys, so equal content means equal bytes.
+
+    Not the compact canonical form: these files have always been written with json's default spacing,
+    and rewriting every file of a node on upgrade for whitespace alone would buy nothing.
+    """
     return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
@@ -155,7 +158,10 @@ class InfoWriter:
         try:
             for device_id, doc in docs.items():
                 name = file_name(self.prefix, self.name, device_id)
-                if files.write_atomic(self.directory, name, encode(doc)) or device_id not in self.written:
+                if (
+                    files.write_atomic(self.directory, name, document_bytes(doc))
+                    or device_id not in self.written
+                ):
                     done.append(device_id)
                 self.written.add(device_id)
         except BaseException:

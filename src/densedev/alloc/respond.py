@@ -10,7 +10,6 @@ CNI plugins and DPDK/RDMA applications already parse.
 from __future__ import annotations
 
 import array
-import json
 import logging
 import os
 import re
@@ -21,17 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .. import accel
+from .. import accel, files, pci
 from .._proto import api_pb2
-from ..model import Device, Pool, PoolConfig, RequestError
+from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError, RequestKind, VdpaType
+from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
 
 log = logging.getLogger(__name__)
 
 DEFAULT_DEV_ROOT = Path("/dev")
-NET_DEVICE = "netDevice"
-POLICIES = {"pack": 0, "spread": 1, "none": 2}  # the _fast ranking's POLICY_* values
+POLICIES = {Preferred.PACK: 0, Preferred.SPREAD: 1, Preferred.NONE: 2}  # the _fast ranking's POLICY_* values
 
 # Every node is handed over "rw": the runtime creates the node in the container itself, so nothing
 # inside needs mknod, and the device cgroup's "m" would only let a container create nodes for the
@@ -85,11 +84,6 @@ class ResponseParts:
     annotations: dict[str, str]
 
 
-def env_name(config: PoolConfig) -> str:
-    """Return ``PCIDEVICE_<PREFIX>_<NAME>``: the resource name upper-cased, ``.``, ``/``, ``-`` made ``_``."""
-    return "PCIDEVICE_" + re.sub(r"[^A-Za-z0-9_]", "_", config.full_name).upper()
-
-
 def needs_vhost_net(config: PoolConfig) -> bool:
     """Return whether the pool's containers get /dev/vhost-net and /dev/net/tun (selector needVhostNet)."""
     return any(s.need_vhost_net for s in config.selectors)
@@ -127,7 +121,7 @@ def _rdma_path(node: str) -> str:
 
 def vdpa_path(device: Device) -> str:
     """Return the vhost-vdpa node path of a device, or "" when it has none."""
-    if not device.vdpa or device.vdpa_driver != "vhost_vdpa":
+    if not device.vdpa or device.vdpa_driver != VdpaType.VHOST.driver:
         return ""
     # drivers/vhost/vdpa.c numbers its char devices from its own ida, so the node's number is the
     # vdpa<n> bus number only when devices were bound in order; discovery may record the node name
@@ -209,7 +203,7 @@ def merge_nodes(parts: Sequence[DeviceParts]) -> tuple[NodeSpec, ...]:
 
 def encode_info(parts: Sequence[DeviceParts]) -> str:
     """Return the ``_INFO`` JSON: one object per device address."""
-    return json.dumps({p.device.id: p.info for p in parts}, sort_keys=True, separators=(",", ":"))
+    return files.canonical_json({p.device.id: p.info for p in parts})
 
 
 def cdi_env(config: PoolConfig, part: DeviceParts) -> dict[str, str]:
@@ -218,8 +212,8 @@ def cdi_env(config: PoolConfig, part: DeviceParts) -> dict[str, str]:
     The combined ``PCIDEVICE_*`` variables depend on the whole allocation, so they come with the
     Allocate response; a CDI entry can only carry what is true of its device alone.
     """
-    key = f"{env_name(config)}_{re.sub(r'[^A-Za-z0-9_]', '_', part.device.id).upper()}_INFO"
-    return {key: json.dumps({part.device.id: part.info}, sort_keys=True, separators=(",", ":"))}
+    key = f"{env_var_name(config.full_name)}_{re.sub(r'[^A-Za-z0-9_]', '_', part.device.id).upper()}_INFO"
+    return {key: files.canonical_json({part.device.id: part.info})}
 
 
 def build_response(
@@ -244,7 +238,7 @@ def build_response(
             RequestError.PRECONDITION,
             f"required device nodes are missing under {dev_root}: {listing(missing, width=200)}",
         )
-    name = env_name(config)
+    name = env_var_name(config.full_name)
     envs = {name: ",".join(d.id for d in devices), f"{name}_INFO": encode_info(parts)}
     annotations: dict[str, str] = {}
     if cdi_kind is None:
@@ -285,10 +279,6 @@ def topology_of(devices: Sequence[Device]) -> bytes:
     return bytes(out)
 
 
-# The kernel's name for a PCI function (pci_name(): "%04x:%02x:%02x.%d"), device number at most 0x1f.
-_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
-
-
 def build_lookup(index: dict[str, int]) -> bytes:
     """Return ``pick_devices``' lookup blocks: per PCI domain, a direct table from bus/devfn to member.
 
@@ -297,7 +287,8 @@ def build_lookup(index: dict[str, int]) -> bytes:
     """
     tables: dict[int, array.array[int]] = {}
     for dev_id, m in index.items():
-        if _BDF.fullmatch(dev_id):
+        # Fixed offsets below: like the accelerator's parse_bdf, the table covers 4-digit domains only.
+        if len(dev_id) == pci.CANONICAL_LENGTH and pci.is_address(dev_id):
             domain = int(dev_id[0:4], 16)
             if domain not in tables:
                 tables[domain] = array.array("i", [-1]) * 65536
@@ -324,9 +315,8 @@ class PoolAllocator:
 
     def _configure(self, config: PoolConfig) -> None:
         if config.preferred not in POLICIES:
-            raise ValueError(
-                f"pool {config.full_name}: preferred {config.preferred!r} is not one of {sorted(POLICIES)}"
-            )
+            known = sorted(map(str, POLICIES))
+            raise ValueError(f"pool {config.full_name}: preferred {config.preferred!r} is not one of {known}")
         self.config = config
         self._cdi: cdi.SpecWriter | None = None
         self.kind = ""
@@ -342,7 +332,7 @@ class PoolAllocator:
         self._cdi_current = False
         self._info = (
             devinfo.InfoWriter(self.settings.devinfo_dir, config.resource_prefix, config.resource_name)
-            if self.settings.devinfo_dir is not None and config.device_type == NET_DEVICE
+            if self.settings.devinfo_dir is not None and config.device_type == DeviceType.NET_DEVICE
             else None
         )
 
@@ -462,9 +452,9 @@ class PoolAllocator:
 
     def options(self) -> tuple[bool, bool]:
         """Return (pre_start_required, get_preferred_allocation_available) from the pool's config."""
-        return self.config.prestart, self.config.preferred != "none"
+        return self.config.prestart, self.config.preferred != Preferred.NONE
 
-    def _check(self, ids: Sequence[str], vanished_kind: str) -> list[Device]:
+    def _check(self, ids: Sequence[str], vanished_kind: RequestKind) -> list[Device]:
         """Validate requested IDs and return their distinct devices, or raise RequestError naming the IDs.
 
         Messages name a bounded sample of the IDs, escaped ("… and N more"): the server prefixes the

@@ -168,7 +168,7 @@ def _claim_of(doc: Mapping[str, Any]) -> PreparedClaim:
 
 
 def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return files.canonical_json(value).encode()
 
 
 def encode_claim(claim: PreparedClaim) -> bytes:

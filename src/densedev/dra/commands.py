@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..node.layout import SYSFS_ROOT
 from . import classes, slices
 
 _DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
@@ -27,7 +28,7 @@ def add_parsers(sub: Any, add_common: Callable[[argparse.ArgumentParser], None],
     )
     add_common(s)
     s.add_argument("--config", type=Path, required=True)
-    s.add_argument("--sysfs-root", type=Path, default=Path("/sys"))
+    s.add_argument("--sysfs-root", type=Path, default=Path(SYSFS_ROOT))
     s.add_argument("--node-name", default=os.environ.get("NODE_NAME") or None, help="default: $NODE_NAME")
     s.add_argument("--resource-prefix", default=default_prefix)
     s.add_argument("--api-version", choices=[v.value for v in slices.ApiVersion], default="v1")

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import re
 
+from .. import pci
+
 PREFIX = "pci-"
 DEFAULT_DRIVER_NAME = "net.densedev.io"
-_PCI = re.compile(r"([0-9a-f]{4}):([0-9a-f]{2}):([0-9a-f]{2})\.([0-7])")
-_NAME = re.compile(r"pci-([0-9a-f]{4})-([0-9a-f]{2})-([0-9a-f]{2})-([0-7])")
+_NAME = re.compile(rf"pci-({pci.DOMAIN})-({pci.BUS})-({pci.DEVICE})-({pci.FUNCTION})")
 
 
 def device_name(pci_address: str) -> str:
     """Return the DRA device name of a PCI address (``0000:19:00.2`` → ``pci-0000-19-00-2``)."""
-    m = _PCI.fullmatch(pci_address)
+    m = pci.ADDRESS_RE.fullmatch(pci_address)
     if m is None:
         raise ValueError(f"not a PCI address: {pci_address!r}")
     return PREFIX + "-".join(m.groups())

@@ -34,8 +34,8 @@ import grpc
 from .. import files
 from .._proto import dra_v1_pb2, dra_v1beta1_pb2
 from ..alloc import cdi, devinfo
-from ..alloc.respond import NET_DEVICE, build_response, cdi_env, needs_vhost_net, vdpa_path
-from ..model import PoolConfig, RequestError
+from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
+from ..model import DeviceType, PoolConfig, RequestError
 from ..printable import clip, listing
 from . import names
 from .claims import (
@@ -347,7 +347,7 @@ class NodeService:
                     entries.setdefault(
                         cdi_name, cdi.device_entry(cdi_name, part.nodes, cdi_env(config, part))
                     )
-                    if self.settings.devinfo_dir is not None and config.device_type == NET_DEVICE:
+                    if self.settings.devinfo_dir is not None and config.device_type == DeviceType.NET_DEVICE:
                         doc = devinfo.info_document(d, needs_vhost_net(config), vdpa_path(d))
                         key = (config.resource_prefix, config.resource_name, d.id)
                         info.setdefault(key, InfoFile(*key, doc))
@@ -400,7 +400,7 @@ class NodeService:
         return errors
 
     def _write_files(self, claim: PreparedClaim) -> None:
-        files.write_atomic(self.settings.cdi_dir, claim.spec_file, cdi.encode(claim.spec))
+        files.write_atomic(self.settings.cdi_dir, claim.spec_file, cdi.spec_bytes(claim.spec))
         for i in claim.info:
             self._writer(i.prefix, i.name).write_all({i.device_id: dict(i.doc)})
 

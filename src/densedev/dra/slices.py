@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..model import ROLE_VF, Device, Pool, PoolApi
+from ..model import Device, Pool, PoolApi, Role
 from . import names
 
 GROUP = "resource.k8s.io"
@@ -97,7 +97,7 @@ def plan(
             except ValueError:
                 continue
             d = m.device
-            parent = d.pf if d.role == ROLE_VF and d.pf else ""
+            parent = d.pf if d.role == Role.VF and d.pf else ""
             by_parent.setdefault(parent, []).append((name, d, full))
     groups: list[SliceGroup] = []
     # PFs in address order, then the functions that are not VFs ("" sorts first, so it is put last).
@@ -122,7 +122,7 @@ def device_attributes(d: Device, full_name: str, version: ApiVersion) -> dict[st
     _string(a, "pciAddress", d.id)
     _string(a, "pfName", d.pf_netdev)
     _string(a, "pfPciAddress", d.pf)
-    if d.role == ROLE_VF and d.vf_index >= 0:
+    if d.role == Role.VF and d.vf_index >= 0:
         a["vfIndex"] = {"int": d.vf_index}
     _string(a, "vendor", d.vendor)
     _string(a, "deviceID", d.device)

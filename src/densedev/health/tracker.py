@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .. import accel
-from ..model import Device, Pool
+from ..model import Device, Pool, Role
 
 # RDMA port states (include/rdma/ib_verbs.h, enum ib_port_state): 4 ACTIVE, 5 ACTIVE_DEFER pass.
 RDMA_PORT_ACTIVE = (4, 5)
@@ -101,10 +101,11 @@ class HealthTracker:
         self._by_netdev: dict[str, list[int]] = {}
         self._by_pf_netdev: dict[str, list[int]] = {}
         self._by_ibdev: dict[str, list[int]] = {}
+        pf = Role.PF  # a local: one enum attribute lookup, not one per device
         for i, d in enumerate(self._devices):
             for name in d.netdevs:
                 self._by_netdev.setdefault(name, []).append(i)
-            if d.pf_netdev and d.role != "pf":
+            if d.pf_netdev and d.role != pf:
                 self._by_pf_netdev.setdefault(d.pf_netdev, []).append(i)
             if d.rdma_device:
                 self._by_ibdev.setdefault(d.rdma_device, []).append(i)

@@ -11,18 +11,20 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 
 from .. import accel
 from ..model import Device
+from ..printable import columns
+from .layout import PCI_DEVICES, SYSFS_ROOT
+from .table import DeviceTable
 
 __all__ = [
     "DeviceTable",
     "PciNames",
-    "format_table",
+    "format_devices",
     "pf_family",
     "read_rdma_ports",
     "rescan_devices",
@@ -32,65 +34,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SYSFS = "/sys"
 # Where distributions install the PCI ID database (pciutils / hwdata); optional.
 PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/share/pci.ids")
-
-
-@dataclass(frozen=True)
-class DeviceTable:
-    """Every device one scan found, sorted by id, and the warnings about what it skipped or left empty."""
-
-    devices: tuple[Device, ...]
-    warnings: tuple[str, ...] = ()
-    _index: dict[str, int] = field(default_factory=dict, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # Built once: pools, health and allocation all look devices up by id.
-        index = {d.id: i for i, d in enumerate(self.devices)}
-        object.__setattr__(self, "_index", index)
-
-    def by_id(self) -> Mapping[str, Device]:
-        """Return a read-only mapping of device id → device."""
-        devices = self.devices
-        return _ById(self._index, devices)
-
-    def index_of(self, device_id: str) -> int:
-        """Return the position of ``device_id`` in ``devices`` (raises KeyError naming an unknown id)."""
-        try:
-            return self._index[device_id]
-        except KeyError:
-            raise KeyError(f"no device {device_id!r} in the device table") from None
-
-    def __len__(self) -> int:
-        return len(self.devices)
-
-    def merged(self, update: DeviceTable, scope: Iterable[str]) -> DeviceTable:
-        """Return this table with the ids in ``scope`` replaced by ``update``'s (or dropped)."""
-        drop = set(scope) | {d.id for d in update.devices}
-        kept = [d for d in self.devices if d.id not in drop]
-        kept.extend(update.devices)
-        kept.sort(key=lambda d: d.id)
-        return DeviceTable(tuple(kept), update.warnings)
-
-
-class _ById(Mapping[str, Device]):
-    """A mapping view over a table's index and devices, so ``by_id`` costs nothing to call."""
-
-    __slots__ = ("_devices", "_index")
-
-    def __init__(self, index: dict[str, int], devices: tuple[Device, ...]) -> None:
-        self._index = index
-        self._devices = devices
-
-    def __getitem__(self, key: str) -> Device:
-        return self._devices[self._index[key]]
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self._index)
-
-    def __len__(self) -> int:
-        return len(self._index)
 
 
 _make_device = partial(tuple.__new__, Device)
@@ -149,7 +94,7 @@ def _devices(rows: tuple[tuple[object, ...], ...]) -> tuple[Device, ...]:
 
 
 def scan(
-    sysfs_root: str | Path = DEFAULT_SYSFS, previous: DeviceTable | None = None, *, threads: bool = True
+    sysfs_root: str | Path = SYSFS_ROOT, previous: DeviceTable | None = None, *, threads: bool = True
 ) -> DeviceTable:
     """Scan every PCI function and auxiliary subfunction under ``sysfs_root`` into a device table.
 
@@ -173,7 +118,7 @@ def rescan_devices(sysfs_root: str | Path, addresses: Iterable[str]) -> DeviceTa
 
 def pf_family(sysfs_root: str | Path, pf_address: str) -> tuple[str, ...]:
     """Return the PF's address and the addresses of its current VFs (from its ``virtfn<k>`` links)."""
-    path = os.path.join(os.fsdecode(_root(sysfs_root)), "bus/pci/devices", pf_address)
+    path = os.path.join(os.fsdecode(_root(sysfs_root)), PCI_DEVICES, pf_address)
     out = [pf_address]
     try:
         names = os.listdir(path)
@@ -261,7 +206,7 @@ class PciNames:
         return self._devices.get((vendor.lower(), device.lower()), "")
 
 
-def format_table(table: DeviceTable, names: PciNames | None = None) -> str:
+def format_devices(table: DeviceTable, names: PciNames | None = None) -> str:
     """Render a device table for people: one line per device, with ``pci.ids`` names when available."""
     names = names if names is not None else PciNames()
     head = ("ID", "ROLE", "VENDOR:DEV", "CLASS", "DRIVER", "NUMA", "PF#VF", "NETDEV", "RDMA", "ROOT", "NAME")
@@ -284,7 +229,6 @@ def format_table(table: DeviceTable, names: PciNames | None = None) -> str:
                 " ".join(x for x in (names.device(d.vendor, d.device), extra) if x),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    lines = columns(rows)
     lines.append(f"{len(table.devices)} devices, {len(table.warnings)} warnings")
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join(lines)

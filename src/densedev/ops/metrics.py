@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .. import __version__, accel
+from ..model import Health
 
 log = logging.getLogger(__name__)
 
@@ -253,8 +254,8 @@ class Metrics:
         self, resource: str, healthy: int, unhealthy: int, reasons: Mapping[str, int] | None = None
     ) -> None:
         """Set a pool's device counts by health and its unhealthy devices by reason (absent ones → gone)."""
-        self.pool_devices.labels(resource, "Healthy").set(healthy)
-        self.pool_devices.labels(resource, "Unhealthy").set(unhealthy)
+        self.pool_devices.labels(resource, Health.HEALTHY).set(healthy)
+        self.pool_devices.labels(resource, Health.UNHEALTHY).set(unhealthy)
         reasons = reasons or {}
         old = self._reasons.get(resource, set())
         for reason in old - reasons.keys():
@@ -269,9 +270,9 @@ class Metrics:
     def record_transitions(self, resource: str, to_unhealthy: int = 0, to_healthy: int = 0) -> None:
         """Count devices of a pool that turned Unhealthy and that turned Healthy in one update."""
         if to_unhealthy:
-            self.transitions.labels(resource, "Unhealthy").inc(to_unhealthy)
+            self.transitions.labels(resource, Health.UNHEALTHY).inc(to_unhealthy)
         if to_healthy:
-            self.transitions.labels(resource, "Healthy").inc(to_healthy)
+            self.transitions.labels(resource, Health.HEALTHY).inc(to_healthy)
 
     def record_send(self, resource: str, nbytes: int, latency_s: float | None, events: int = 0) -> None:
         """Count one ListAndWatch message of ``nbytes``; ``latency_s`` is None for sends no event caused."""

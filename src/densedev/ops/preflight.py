@@ -9,6 +9,8 @@ import fcntl
 import os
 from pathlib import Path
 
+from ..node.layout import PCI_DEVICES
+
 LOCK_NAME = "densedev.lock"
 
 
@@ -28,8 +30,8 @@ def sysfs_root_problem(root: Path) -> str | None:
         return f"{root} is not a directory"
     # Every Linux sysfs has bus/pci/devices (drivers/pci/pci-driver.c registers the bus at boot), even on
     # a machine without PCI devices; the kernel's class/ and devices/ views hang off the same root.
-    if not (root / "bus" / "pci" / "devices").is_dir():
-        return f"{root} is not a sysfs tree: it has no bus/pci/devices directory"
+    if not (root / PCI_DEVICES).is_dir():
+        return f"{root} is not a sysfs tree: it has no {PCI_DEVICES} directory"
     return None
 
 

@@ -20,16 +20,28 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .. import pci
 from ..dra.classes import device_class_name
 from ..dra.names import DEFAULT_DRIVER_NAME
-from ..model import Config, HealthPolicy, IndexRange, IndexSpans, PoolApi, PoolConfig, Selector
+from ..model import DEFAULT_PREFIX as DEFAULT_PREFIX
+from ..model import (
+    Config,
+    DeviceType,
+    HealthPolicy,
+    IndexRange,
+    IndexSpans,
+    PoolApi,
+    PoolConfig,
+    Preferred,
+    Selector,
+    VdpaType,
+)
 from ..printable import clip, escape, first_unprintable, has_unprintable
 
-DEFAULT_PREFIX = "intel.com"  # the SR-IOV network device plugin's --resource-prefix default
-DEVICE_TYPES = ("netDevice", "accelerator", "auxNetDevice")
-PREFERRED_POLICIES = ("pack", "spread", "none")
+DEVICE_TYPES = tuple(DeviceType)
+PREFERRED_POLICIES = tuple(Preferred)
 LINK_TYPES = ("ether", "infiniband")  # what discovery reports from ARPHRD 1 / 32
-VDPA_TYPES = ("vhost", "virtio")
+VDPA_TYPES = tuple(VdpaType)
 MAX_VF_INDEX = 65535  # the SR-IOV capability's NumVFs/TotalVFs are 16-bit registers
 MAX_RDMA_SHARED = 65535
 IFNAMSIZ = 16  # the kernel's dev_valid_name(): at most IFNAMSIZ - 1 bytes, no '/', ':' or whitespace
@@ -49,7 +61,10 @@ MAX_PROBLEM_CHARS = 500
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _DNS_SUBDOMAIN_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
 _QUALIFIED_NAME_RE = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-_PCI_ADDRESS_RE = re.compile(r"(?:([0-9a-fA-F]{4,8}):)?([0-9a-fA-F]{2}):([01][0-9a-fA-F])\.([0-7])")
+# The SR-IOV plugin's pciAddresses and rootDevices: the kernel's address, domain optional, any case.
+_PCI_ADDRESS_RE = re.compile(
+    rf"(?:({pci.DOMAIN}):)?({pci.BUS}):({pci.DEVICE})\.({pci.FUNCTION})", re.IGNORECASE
+)
 _HEX16_RE = re.compile(r"(?:0[xX])?[0-9a-fA-F]{1,4}")
 # A JSON string (escapes included, possibly unterminated at the end of the text) or a bracket: brackets
 # inside strings do not nest anything.
@@ -62,10 +77,10 @@ _GO_INTERNAL_KEYS = ("SelectorObj", "SelectorObjs")
 # isRdma is common here (the plugin has it for net devices only): accelerator-type shared RDMA pools use it.
 _COMMON_SELECTOR_KEYS = ("vendors", "devices", "drivers", "pciAddresses", "acpiIndexes", "isRdma")
 _NET_SELECTOR_KEYS = ("pfNames", "rootDevices", "linkTypes")
-_SELECTOR_KEYS_BY_TYPE: dict[str, tuple[str, ...]] = {
+_SELECTOR_KEYS_BY_TYPE: dict[DeviceType, tuple[str, ...]] = {
     # The plugin's selector struct depends on deviceType; a key of another type is almost always a
     # forgotten deviceType, so it is reported rather than silently ignored as Go's decoder would.
-    "netDevice": (
+    DeviceType.NET_DEVICE: (
         *_COMMON_SELECTOR_KEYS,
         *_NET_SELECTOR_KEYS,
         "needVhostNet",
@@ -73,8 +88,8 @@ _SELECTOR_KEYS_BY_TYPE: dict[str, tuple[str, ...]] = {
         "pKeys",
         "ddpProfiles",
     ),
-    "accelerator": _COMMON_SELECTOR_KEYS,
-    "auxNetDevice": (*_COMMON_SELECTOR_KEYS, *_NET_SELECTOR_KEYS, "auxTypes"),
+    DeviceType.ACCELERATOR: _COMMON_SELECTOR_KEYS,
+    DeviceType.AUX_NET_DEVICE: (*_COMMON_SELECTOR_KEYS, *_NET_SELECTOR_KEYS, "auxTypes"),
 }
 _ALL_SELECTOR_KEYS = tuple(dict.fromkeys(k for keys in _SELECTOR_KEYS_BY_TYPE.values() for k in keys))
 _POOL_KEYS = (
@@ -146,7 +161,11 @@ def validate_resource_name(full_name: str) -> str | None:
 
 
 def env_var_name(full_name: str) -> str:
-    """Return the ``PCIDEVICE_<PREFIX>_<NAME>`` variable the SR-IOV plugin convention uses for a resource."""
+    """Return the ``PCIDEVICE_<PREFIX>_<NAME>`` variable a container gets for a resource's devices.
+
+    The SR-IOV network device plugin's convention (pkg/resources/pool_stub.go GetEnvs): the prefix and
+    name joined by "_", upper-cased, every "." made "_" and nothing else changed, so a "-" stays.
+    """
     return "PCIDEVICE_" + full_name.upper().replace(".", "_").replace("/", "_")
 
 
@@ -407,13 +426,13 @@ def _interface_name_problem(name: str) -> str | None:
 
 
 def _parse_selector(
-    r: _Reader, obj: Any, where: str, device_type: str, legacy_rdma: bool | None
+    r: _Reader, obj: Any, where: str, device_type: DeviceType, legacy_rdma: bool | None
 ) -> Selector | None:
     if not isinstance(obj, Mapping):
         r.problem(where, f"expected a selector object, got {_type_name(obj)}")
         return None
     f = r.fields(obj, _ALL_SELECTOR_KEYS, where)
-    allowed = _SELECTOR_KEYS_BY_TYPE.get(device_type, _ALL_SELECTOR_KEYS)
+    allowed = _SELECTOR_KEYS_BY_TYPE[device_type]
     for key in f:
         if key not in allowed:
             users = [t for t, keys in _SELECTOR_KEYS_BY_TYPE.items() if key in keys]
@@ -455,7 +474,7 @@ def _parse_selector(
         if text is not None and text not in VDPA_TYPES:
             r.problem(_join(where, "vdpaType"), f'"{clip(text)}" is not one of {", ".join(VDPA_TYPES)}')
         elif text is not None:
-            kw["vdpa_type"] = text
+            kw["vdpa_type"] = VdpaType(text)
     if "pKeys" in f:
         kw["pkeys"] = r.strings(f["pKeys"], _join(where, "pKeys"), _pkey, "a partition key (0x7fff)")
         if kw["pkeys"]:
@@ -531,12 +550,12 @@ def _compat_name_warnings(r: _Reader, where: str, name: str, full: str) -> None:
 
 
 def _compat_selector_warnings(
-    r: _Reader, f: Mapping[str, Any], kw: Mapping[str, Any], where: str, device_type: str
+    r: _Reader, f: Mapping[str, Any], kw: Mapping[str, Any], where: str, device_type: DeviceType
 ) -> None:
     """Warn about selectors the Go plugin refuses at start, and auxTypes that select nothing."""
     if kw.get("is_rdma") and kw.get("vdpa_type"):
         r.warn(f"{where}: isRdma with vdpaType in one selector, {_GO_REFUSES}")
-    if device_type != "auxNetDevice":
+    if device_type != DeviceType.AUX_NET_DEVICE:
         return
     aux = kw.get("aux_types", ())
     if "auxTypes" not in f or not aux:
@@ -650,7 +669,7 @@ def _parse_api(r: _Reader, f: Mapping[str, Any], where: str, pool: PoolConfig) -
         return PoolApi.DEVICE_PLUGIN
     if api is PoolApi.DRA:
         # DRA device names are DNS labels made from PCI addresses (dra/names.py); a subfunction has none.
-        if pool.device_type == "auxNetDevice":
+        if pool.device_type == DeviceType.AUX_NET_DEVICE:
             r.problem(
                 f"{where}: api", '"dra" cannot serve auxNetDevice pools (subfunctions have no PCI address)'
             )
@@ -708,13 +727,13 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
         else:
             _compat_name_warnings(r, where, name, full)
 
-    device_type = "netDevice"
+    device_type = DeviceType.NET_DEVICE
     if "deviceType" in f:
         text = r.string(f["deviceType"], f"{where}: deviceType")
         if text is not None and text not in DEVICE_TYPES:
             r.problem(f"{where}: deviceType", f'"{clip(text)}" is not one of {", ".join(DEVICE_TYPES)}')
         elif text is not None:
-            device_type = text
+            device_type = DeviceType(text)
 
     legacy_rdma: bool | None = None
     if "isRdma" in f:
@@ -768,7 +787,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     health = HealthPolicy()
     if "healthPolicy" in f:
         health = _parse_health(r, f["healthPolicy"], f"{where}: healthPolicy")
-    preferred = "pack"
+    preferred = Preferred.PACK
     if "preferredAllocation" in f:
         text = r.string(f["preferredAllocation"], f"{where}: preferredAllocation")
         if text is not None and text not in PREFERRED_POLICIES:
@@ -777,7 +796,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
                 f'"{clip(text)}" is not one of {", ".join(PREFERRED_POLICIES)}',
             )
         elif text is not None:
-            preferred = text
+            preferred = Preferred(text)
     prestart = False
     if "preStart" in f:
         prestart = r.boolean(f["preStart"], f"{where}: preStart", False)

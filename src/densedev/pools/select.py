@@ -26,25 +26,25 @@ from operator import attrgetter
 from typing import Any
 
 from ..model import (
-    ROLE_PF,
-    ROLE_SF,
     Config,
     Device,
+    DeviceType,
     IndexRange,
     IndexSpans,
     Pool,
     PoolConfig,
     PoolMember,
+    Role,
     Selector,
+    VdpaType,
 )
-from ..printable import listing
+from ..printable import columns, listing
 
 # Root ports and switch ports sit in the device table (discovery scans every PCI function) but are the
 # fabric itself; an accelerator pool selecting by vendor alone must never take one.
 _BRIDGE_CLASS = "06"
 # PoolMember(...) is a Python-level __new__ per ID; the tuple constructor makes the same named tuple.
 _make_member = partial(tuple.__new__, PoolMember)
-_VDPA_DRIVERS = {"vhost": "vhost_vdpa", "virtio": "virtio_vdpa"}  # vdpaType → bus/vdpa driver name
 
 Filter = Callable[[list[Device]], list[Device]]
 
@@ -61,17 +61,19 @@ def _natural(text: str) -> tuple[Any, ...]:
 
 def _sort_key(d: Device) -> tuple[int, Any]:
     # PCI addresses are fixed-width lower-case hex, so plain string order is address order.
-    return (1, _natural(d.id)) if d.role == ROLE_SF else (0, d.id)
+    return (1, _natural(d.id)) if d.role == Role.SF else (0, d.id)
 
 
 class _Table:
     """What every pool's selection shares: the sorted device list, per-type bases, PF link types."""
 
     def __init__(self, devices: Sequence[Device]) -> None:
-        # A scan's table is sorted by id already: sorting it again is one pass of comparisons.
-        pci = [d for d in devices if d.role != ROLE_SF]
+        # A scan's table is sorted by id already: sorting it again is one pass of comparisons.  The member
+        # is held in a local: an enum attribute lookup per device would triple the cost of these passes.
+        sf = Role.SF
+        pci = [d for d in devices if d.role != sf]
         pci.sort(key=attrgetter("id"))
-        sfs = [d for d in devices if d.role == ROLE_SF]
+        sfs = [d for d in devices if d.role == sf]
         sfs.sort(key=lambda d: _natural(d.id))
         self.pci = pci
         self.sfs = sfs
@@ -81,23 +83,22 @@ class _Table:
         self._indexes: dict[tuple[str, str], dict[str, list[Device]]] = {}
         self._positions: dict[str, dict[str, int]] = {}
 
-    def base(self, device_type: str) -> list[Device]:
+    def base(self, device_type: DeviceType) -> list[Device]:
         """Return the devices a pool of ``device_type`` may take, before selectors, in stable order."""
-        if device_type == "auxNetDevice":
+        if device_type == DeviceType.AUX_NET_DEVICE:
             return self.sfs
-        if device_type == "accelerator":
+        if device_type == DeviceType.ACCELERATOR:
             if self._accel is None:
                 self._accel = [d for d in self.pci if not d.pci_class.startswith(_BRIDGE_CLASS)]
             return self._accel
         if self._net is None:
+            pf = Role.PF
             self._net = [
-                d
-                for d in self.pci
-                if d.pci_class.startswith("02") and not (d.role == ROLE_PF and d.num_vfs > 0)
+                d for d in self.pci if d.pci_class.startswith("02") and not (d.role == pf and d.num_vfs > 0)
             ]
         return self._net
 
-    def narrowed(self, device_type: str, key: str, values: Iterable[str]) -> list[Device]:
+    def narrowed(self, device_type: DeviceType, key: str, values: Iterable[str]) -> list[Device]:
         """Return the base devices whose attribute ``key`` is one of ``values``, in base order."""
         index = self._indexes.get((device_type, key))
         if index is None:
@@ -129,18 +130,18 @@ class _Table:
         return self.pf_link().get(parent, "")
 
 
-def _type_reason(device_type: str, d: Device) -> str | None:
+def _type_reason(device_type: DeviceType, d: Device) -> str | None:
     """Return why a pool of ``device_type`` never takes ``d`` whatever its selectors, or None."""
-    if device_type == "auxNetDevice":
-        return None if d.role == ROLE_SF else "not a subfunction: auxNetDevice pools take SFs only"
-    if d.role == ROLE_SF:
+    if device_type == DeviceType.AUX_NET_DEVICE:
+        return None if d.role == Role.SF else "not a subfunction: auxNetDevice pools take SFs only"
+    if d.role == Role.SF:
         return f"a subfunction: only auxNetDevice pools take SFs, this pool is {device_type}"
-    if device_type == "accelerator" and d.pci_class.startswith(_BRIDGE_CLASS):
+    if device_type == DeviceType.ACCELERATOR and d.pci_class.startswith(_BRIDGE_CLASS):
         return f"PCI class {d.pci_class} is a bridge (06xxxx): part of the fabric, never handed to a pod"
-    if device_type == "netDevice":
+    if device_type == DeviceType.NET_DEVICE:
         if not d.pci_class.startswith("02"):
             return f"PCI class {d.pci_class} is not a network controller (02xxxx), as netDevice needs"
-        if d.role == ROLE_PF and d.num_vfs > 0:
+        if d.role == Role.PF and d.num_vfs > 0:
             return f"PF with {d.num_vfs} VFs enabled: netDevice pools skip it (its VFs are the devices)"
     return None
 
@@ -177,7 +178,7 @@ def _range_filter(parent: Callable[[Device], str], ranges: dict[str, IndexSpans 
     return lambda devs: [d for d in devs if (p := parent(d)) in every or d.vf_index in ranged.get(p, empty)]
 
 
-def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | None:
+def _compile(sel: Selector, device_type: DeviceType, table: _Table) -> list[Filter] | None:
     """Turn a selector into list filters; None when it can never match (unsupported keys)."""
     if sel.pkeys or sel.ddp_profiles:
         return None
@@ -193,7 +194,7 @@ def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | N
         filters.append(lambda devs: [d for d in devs if d.driver in drivers])
     if sel.pci_addresses:
         addresses = frozenset(sel.pci_addresses)
-        if device_type == "auxNetDevice":
+        if device_type == DeviceType.AUX_NET_DEVICE:
             # A subfunction has no address of its own: the plugin matches its parent PCI function.
             filters.append(lambda devs: [d for d in devs if d.pf in addresses])
         else:
@@ -213,7 +214,7 @@ def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | N
     if sel.is_rdma:
         filters.append(lambda devs: [d for d in devs if d.rdma_device])
     if sel.vdpa_type:
-        vdpa = _VDPA_DRIVERS[sel.vdpa_type]
+        vdpa = VdpaType(sel.vdpa_type).driver
         filters.append(lambda devs: [d for d in devs if d.vdpa_driver == vdpa])
     if sel.aux_types:
         aux_types = frozenset(sel.aux_types)
@@ -221,10 +222,10 @@ def _compile(sel: Selector, device_type: str, table: _Table) -> list[Filter] | N
     return filters
 
 
-def _candidates(sel: Selector, device_type: str, table: _Table, base: list[Device]) -> list[Device]:
+def _candidates(sel: Selector, device_type: DeviceType, table: _Table, base: list[Device]) -> list[Device]:
     """The part of ``base`` a selector that names devices can match (its filters still decide)."""
     if sel.pci_addresses:
-        key = "pf" if device_type == "auxNetDevice" else "id"
+        key = "pf" if device_type == DeviceType.AUX_NET_DEVICE else "id"
         return table.narrowed(device_type, key, sel.pci_addresses)
     if sel.pf_names:
         return table.narrowed(device_type, "pf_netdev_folded", (r.name.lower() for r in sel.pf_names))
@@ -296,7 +297,7 @@ def _ranges_reason(key: str, value: str, vf_index: int, ranges: dict[str, IndexS
     return None
 
 
-def selector_reason(sel: Selector, device_type: str, d: Device, pf_link: dict[str, str]) -> str | None:
+def selector_reason(sel: Selector, device_type: DeviceType, d: Device, pf_link: dict[str, str]) -> str | None:
     """Return the first key of ``sel`` that rejects ``d`` and why, or None when the selector matches it."""
     if sel.pkeys:
         return "pKeys: not supported (the device table has no partition keys)"
@@ -309,7 +310,7 @@ def selector_reason(sel: Selector, device_type: str, d: Device, pf_link: dict[st
     if sel.drivers and d.driver not in sel.drivers:
         return f"drivers: {d.driver or 'unbound'} not in {_show(sel.drivers)}"
     if sel.pci_addresses:
-        address = d.pf if device_type == "auxNetDevice" else d.id
+        address = d.pf if device_type == DeviceType.AUX_NET_DEVICE else d.id
         if address not in sel.pci_addresses:
             return f"pciAddresses: {address or 'no address'} not in {_show(sel.pci_addresses)}"
     if sel.acpi_indexes and str(d.acpi_index) not in sel.acpi_indexes:
@@ -330,8 +331,8 @@ def selector_reason(sel: Selector, device_type: str, d: Device, pf_link: dict[st
             return f"linkTypes: {link or 'no link type'} not in {_show(sel.link_types)}"
     if sel.is_rdma and not d.rdma_device:
         return "isRdma: no RDMA device"
-    if sel.vdpa_type and d.vdpa_driver != _VDPA_DRIVERS[sel.vdpa_type]:
-        return f"vdpaType: vDPA driver {d.vdpa_driver or 'none'} is not {_VDPA_DRIVERS[sel.vdpa_type]}"
+    if sel.vdpa_type and d.vdpa_driver != VdpaType(sel.vdpa_type).driver:
+        return f"vdpaType: vDPA driver {d.vdpa_driver or 'none'} is not {VdpaType(sel.vdpa_type).driver}"
     if sel.aux_types and d.aux_type not in sel.aux_types:
         return f"auxTypes: {d.aux_type or 'none'} not in {_show(sel.aux_types)}"
     return None
@@ -412,7 +413,7 @@ def explain(config: Config, devices: Sequence[Device]) -> dict[str, Any]:
     }
 
 
-def format_table(result: dict[str, Any], *, max_excluded: int = 3) -> str:
+def format_explain(result: dict[str, Any], *, max_excluded: int = 3) -> str:
     """Render an ``explain`` result for people: a device table per pool and exclusion reasons counted."""
     lines: list[str] = []
     for w in result.get("warnings", ()):
@@ -422,11 +423,7 @@ def format_table(result: dict[str, Any], *, max_excluded: int = 3) -> str:
         lines.append(f"{pool['resource']} ({pool['device_type']}): {pool['count']} IDs")
         rows = [[_cell(dev[c]) for c in cols] for dev in pool["devices"]]
         if rows:
-            widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip())
-            lines.extend(
-                "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
-            )
+            lines.extend(columns([cols, *rows], indent="  "))
         by_reason: dict[str, list[str]] = {}
         for ex in pool["excluded"]:
             by_reason.setdefault(ex["reason"], []).append(ex["id"])

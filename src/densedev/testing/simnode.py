@@ -21,6 +21,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..model import DEFAULT_PREFIX
+from ..node import layout
+
 __all__ = [
     "NodeLayout",
     "SimExtras",
@@ -217,7 +220,7 @@ class _Writer:
 
     def bus_link(self, path: str, bdf: str) -> None:
         rel = os.path.relpath(path, self.root)
-        self.link(f"../../../{rel}", os.path.join(self.root, "bus/pci/devices", bdf))
+        self.link(f"../../../{rel}", os.path.join(self.root, layout.PCI_DEVICES, bdf))
 
     def pci_files(
         self,
@@ -266,12 +269,12 @@ class _Writer:
         if driver is None:
             return
         self.driver_dir(driver)
-        self.link(f"{self.up_to_root(path)}/bus/pci/drivers/{driver}", link)
+        self.link(f"{self.up_to_root(path)}/{layout.PCI_DRIVERS}/{driver}", link)
         self.bind_view(path, driver)
 
     def driver_dir(self, driver: str) -> None:
         """``bus/pci/drivers/<driver>`` with the driver core's attribute files beside its device links."""
-        path = os.path.join(self.root, "bus/pci/drivers", driver)
+        path = os.path.join(self.root, layout.PCI_DRIVERS, driver)
         if path in self._made:
             return
         self.mkdir(path)
@@ -285,7 +288,7 @@ class _Writer:
         """
         rel = os.path.relpath(path, self.root)
         os.symlink(
-            f"../../../../{rel}", os.path.join(self.root, "bus/pci/drivers", driver, os.path.basename(path))
+            f"../../../../{rel}", os.path.join(self.root, layout.PCI_DRIVERS, driver, os.path.basename(path))
         )
 
     def unbind_view(self, path: str) -> None:
@@ -294,7 +297,7 @@ class _Writer:
             driver = os.path.basename(os.readlink(path + "/driver"))
         except OSError:
             return
-        _unlink(os.path.join(self.root, "bus/pci/drivers", driver, os.path.basename(path)))
+        _unlink(os.path.join(self.root, layout.PCI_DRIVERS, driver, os.path.basename(path)))
 
     def uevent_driver(self, path: str, driver: str | None) -> None:
         """Rewrite the DRIVER= line of a function's uevent (dropped when unbound) in place."""
@@ -309,7 +312,7 @@ class _Writer:
 
     def iommu(self, path: str, bdf: str, noiommu: bool = False) -> int:
         group = self.counter("iommu")
-        gdir = os.path.join(self.root, "kernel/iommu_groups", str(group))
+        gdir = os.path.join(self.root, layout.IOMMU_GROUPS, str(group))
         self.mkdir(gdir + "/devices")
         if noiommu:
             # drivers/vfio/group.c names a no-IOMMU group "vfio-noiommu" (node /dev/vfio/noiommu-<n>).
@@ -317,7 +320,7 @@ class _Writer:
         self.write(gdir + "/type", "DMA-FQ\n" if not noiommu else "identity\n")
         rel = os.path.relpath(path, self.root)
         self.link(f"../../../../{rel}", f"{gdir}/devices/{bdf}")
-        self.link(f"{self.up_to_root(path)}/kernel/iommu_groups/{group}", path + "/iommu_group")
+        self.link(f"{self.up_to_root(path)}/{layout.IOMMU_GROUPS}/{group}", path + "/iommu_group")
         return group
 
     def netdev(self, path: str, ifname: str, arphrd: int = 1, port_name: str = "") -> None:
@@ -342,7 +345,7 @@ class _Writer:
         w(ndir + "/ifindex", f"{index}\n")
         w(ndir + "/phys_port_name", f"{port_name}\n")
         rel = os.path.relpath(ndir, self.root)
-        self.link(f"../../{rel}", os.path.join(self.root, "class/net", ifname))
+        self.link(f"../../{rel}", os.path.join(self.root, layout.NET_CLASS, ifname))
 
     def next_ibdev(self, prefix: str) -> str:
         numbers: dict[str, int] = self.state["ibdev"]  # type: ignore[assignment]
@@ -362,7 +365,7 @@ class _Writer:
         w(pdir + "/pkeys/0", "0xffff\n")
         w(idir + "/node_type", "1: CA\n")
         rel = os.path.relpath(idir, self.root)
-        self.link(f"../../{rel}", os.path.join(self.root, "class/infiniband", ibdev))
+        self.link(f"../../{rel}", os.path.join(self.root, layout.INFINIBAND_CLASS, ibdev))
         kinds = [("infiniband_verbs", "uverbs", "uverbs"), ("infiniband_mad", "umad", "umad")]
         if infiniband:
             # The subnet-management node exists per IB port only (drivers/infiniband/core/user_mad.c).
@@ -385,17 +388,17 @@ class _Writer:
 
     def ensure_base(self) -> None:
         for d in (
-            "bus/pci/devices",
-            "bus/pci/drivers",
-            "bus/auxiliary/devices",
-            "bus/auxiliary/drivers",
-            "bus/vdpa/devices",
-            "bus/vdpa/drivers",
-            "class/net",
-            "class/infiniband",
-            "class/infiniband_verbs",
-            "class/infiniband_mad",
-            "kernel/iommu_groups",
+            layout.PCI_DEVICES,
+            layout.PCI_DRIVERS,
+            layout.AUX_DEVICES,
+            layout.AUX_DRIVERS,
+            layout.VDPA_DEVICES,
+            layout.VDPA_DRIVERS,
+            layout.NET_CLASS,
+            layout.INFINIBAND_CLASS,
+            layout.INFINIBAND_VERBS_CLASS,
+            layout.INFINIBAND_MAD_CLASS,
+            layout.IOMMU_GROUPS,
             "devices",
         ):
             self.mkdir(os.path.join(self.root, d))
@@ -447,7 +450,7 @@ class _Writer:
 
     def create_vfs(self, pf_bdf: str, n: int) -> tuple[str, ...]:
         """Create VFs 0..n-1 of a PF as the kernel does when sriov_numvfs goes 0 → n."""
-        pf_path = os.path.realpath(os.path.join(self.root, "bus/pci/devices", pf_bdf))
+        pf_path = os.path.realpath(os.path.join(self.root, layout.PCI_DEVICES, pf_bdf))
         parent = os.path.dirname(pf_path)
         total = _read_int(pf_path + "/sriov_totalvfs")
         if n > total:
@@ -467,7 +470,7 @@ class _Writer:
         base = _rid(pf_bdf)
         up = self.up_to_root(pf_path)
         rel_parent = os.path.relpath(parent, self.root)
-        bus_dir = os.path.join(self.root, "bus/pci/devices")
+        bus_dir = os.path.join(self.root, layout.PCI_DEVICES)
         out = []
         for k in range(n):
             # PCIe SR-IOV: VF k's routing ID = PF RID + First VF Offset + k x VF Stride; the
@@ -481,7 +484,7 @@ class _Writer:
             os.symlink(f"../../../{rel_parent}/{bdf}", f"{bus_dir}/{bdf}")
             if vf_driver:
                 self.driver_dir(vf_driver)
-                os.symlink(f"{up}/bus/pci/drivers/{vf_driver}", path + "/driver")
+                os.symlink(f"{up}/{layout.PCI_DRIVERS}/{vf_driver}", path + "/driver")
                 self.bind_view(path, vf_driver)
             self.iommu(path, bdf)
             ifname = f"{pf_if}v{k}" if pf_if and vf_driver in _NET_DRIVERS else ""
@@ -502,24 +505,24 @@ class _Writer:
         group = os.path.join(path, "iommu_group")
         if os.path.islink(group):
             shutil.rmtree(os.path.realpath(group), ignore_errors=True)
-        _unlink(os.path.join(self.root, "bus/pci/devices", bdf))
+        _unlink(os.path.join(self.root, layout.PCI_DEVICES, bdf))
         shutil.rmtree(path)
 
     def drop_views(self, path: str, keep_rdma: bool = False) -> None:
         """Remove net/, infiniband/, uio/ and the class links pointing at them (driver unbind)."""
         for ifname in _listdir(path + "/net"):
-            _unlink(os.path.join(self.root, "class/net", ifname))
+            _unlink(os.path.join(self.root, layout.NET_CLASS, ifname))
         shutil.rmtree(path + "/net", ignore_errors=True)
         if not keep_rdma:
             for ibdev in _listdir(path + "/infiniband"):
-                _unlink(os.path.join(self.root, "class/infiniband", ibdev))
+                _unlink(os.path.join(self.root, layout.INFINIBAND_CLASS, ibdev))
             shutil.rmtree(path + "/infiniband", ignore_errors=True)
             for cls in ("infiniband_verbs", "infiniband_mad", "infiniband_cm"):
                 for name in _listdir(f"{path}/{cls}"):
                     _unlink(os.path.join(self.root, "class", cls, name))
                 shutil.rmtree(f"{path}/{cls}", ignore_errors=True)
         for name in _listdir(path + "/uio"):
-            _unlink(os.path.join(self.root, "class/uio", name))
+            _unlink(os.path.join(self.root, layout.UIO_CLASS, name))
         shutil.rmtree(path + "/uio", ignore_errors=True)
 
 
@@ -648,10 +651,10 @@ def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
         path = f"{sf_pf_path}/{name}"
         w.mkdir(path)
         w.write(path + "/sfnum", f"{n}\n")
-        w.mkdir(os.path.join(w.root, "bus/auxiliary/drivers/mlx5_core.sf"))
-        w.link(f"{w.up_to_root(path)}/bus/auxiliary/drivers/mlx5_core.sf", path + "/driver")
+        w.mkdir(os.path.join(w.root, layout.AUX_DRIVERS, "mlx5_core.sf"))
+        w.link(f"{w.up_to_root(path)}/{layout.AUX_DRIVERS}/mlx5_core.sf", path + "/driver")
         rel = os.path.relpath(path, w.root)
-        w.link(f"../../../{rel}", os.path.join(w.root, "bus/auxiliary/devices", name))
+        w.link(f"../../../{rel}", os.path.join(w.root, layout.AUX_DEVICES, name))
         ifname, ibdev = f"ens90f0s{n}", w.next_ibdev("mlx5_")
         w.netdev(path, ifname)
         w.rdma(path, ibdev)
@@ -664,14 +667,16 @@ def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
     w.mkdir(eth)
     w.link(
         f"../../../{os.path.relpath(eth, w.root)}",
-        os.path.join(w.root, "bus/auxiliary/devices/mlx5_core.eth.0"),
+        os.path.join(w.root, layout.AUX_DEVICES, "mlx5_core.eth.0"),
     )
     vdpa_vf = vfs[1]
-    vdpa_path = os.path.realpath(os.path.join(w.root, "bus/pci/devices", vdpa_vf)) + "/vdpa0"
+    vdpa_path = os.path.realpath(os.path.join(w.root, layout.PCI_DEVICES, vdpa_vf)) + "/vdpa0"
     w.mkdir(vdpa_path)
-    w.mkdir(os.path.join(w.root, "bus/vdpa/drivers/vhost_vdpa"))
-    w.link(f"{w.up_to_root(vdpa_path)}/bus/vdpa/drivers/vhost_vdpa", vdpa_path + "/driver")
-    w.link(f"../../../{os.path.relpath(vdpa_path, w.root)}", os.path.join(w.root, "bus/vdpa/devices/vdpa0"))
+    w.mkdir(os.path.join(w.root, layout.VDPA_DRIVERS, "vhost_vdpa"))
+    w.link(f"{w.up_to_root(vdpa_path)}/{layout.VDPA_DRIVERS}/vhost_vdpa", vdpa_path + "/driver")
+    w.link(
+        f"../../../{os.path.relpath(vdpa_path, w.root)}", os.path.join(w.root, layout.VDPA_DEVICES, "vdpa0")
+    )
     w.counter("vdpa")
     bus += 2
     # 2. An E810 with 3 VFs: VF0 on igb_uio, VF1 on vfio-pci, VF2 on vfio-pci in a no-IOMMU group.
@@ -681,7 +686,7 @@ def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
     uio_vf, vfio_vf, noiommu_vf = w.create_vfs(e810, 3)
     bind_driver(w.root, uio_vf, "igb_uio", _writer=w)
     bind_driver(w.root, vfio_vf, "vfio-pci", _writer=w)
-    nvf_path = os.path.realpath(os.path.join(w.root, "bus/pci/devices", noiommu_vf))
+    nvf_path = os.path.realpath(os.path.join(w.root, layout.PCI_DEVICES, noiommu_vf))
     shutil.rmtree(os.path.realpath(nvf_path + "/iommu_group"))
     os.unlink(nvf_path + "/iommu_group")
     noiommu_group = w.iommu(nvf_path, noiommu_vf, noiommu=True)
@@ -738,7 +743,7 @@ def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
 
 
 def _device_path(root: str | Path, address: str) -> str:
-    link = os.path.join(str(root), "bus/pci/devices", address)
+    link = os.path.join(str(root), layout.PCI_DEVICES, address)
     if not os.path.lexists(link):
         raise FileNotFoundError(errno.ENOENT, f"no PCI device {address} under {root}")
     return os.path.realpath(link)
@@ -746,9 +751,9 @@ def _device_path(root: str | Path, address: str) -> str:
 
 def set_link(root: Path | str, ifname: str, up: bool) -> None:
     """Set a host interface's operstate/carrier as an admin up/down (``ip link set``) would."""
-    path = os.path.join(str(root), "class/net", ifname)
+    path = os.path.join(str(root), layout.NET_CLASS, ifname)
     if not os.path.isdir(path):
-        raise FileNotFoundError(errno.ENOENT, f"no interface {ifname} under {root}/class/net")
+        raise FileNotFoundError(errno.ENOENT, f"no interface {ifname} under {root}/{layout.NET_CLASS}")
     # carrier is unreadable (EINVAL) while the link is admin-down; "0" stands in for that.
     _write(path + "/operstate", "up\n" if up else "down\n")
     _write(path + "/carrier", "1\n" if up else "0\n")
@@ -808,8 +813,8 @@ def bind_driver(
         udir = f"{path}/uio/uio{n}"
         w.mkdir(udir)
         w.write(udir + "/name", f"{driver}\n")
-        w.mkdir(os.path.join(w.root, "class/uio"))
-        w.link(f"../../{os.path.relpath(udir, w.root)}", os.path.join(w.root, "class/uio", f"uio{n}"))
+        w.mkdir(os.path.join(w.root, layout.UIO_CLASS))
+        w.link(f"../../{os.path.relpath(udir, w.root)}", os.path.join(w.root, layout.UIO_CLASS, f"uio{n}"))
     if _writer is None:
         w.save()
 
@@ -821,7 +826,7 @@ def move_netdev_to_pod(root: Path | str, address: str) -> None:
     if not names:
         raise FileNotFoundError(errno.ENOENT, f"{address} has no host interface to move")
     for ifname in names:
-        _unlink(os.path.join(str(root), "class/net", ifname))
+        _unlink(os.path.join(str(root), layout.NET_CLASS, ifname))
         shutil.rmtree(f"{path}/net/{ifname}")
 
 
@@ -829,7 +834,7 @@ def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
     """Set an RDMA port's state (1 DOWN … 4 ACTIVE) and a matching physical state."""
     if state not in _PORT_STATES:
         raise ValueError(f"RDMA port state {state}: expected one of {sorted(_PORT_STATES)}")
-    pdir = os.path.join(str(root), "class/infiniband", ibdev, "ports", str(port))
+    pdir = os.path.join(str(root), layout.INFINIBAND_CLASS, ibdev, "ports", str(port))
     if not os.path.isdir(pdir):
         raise FileNotFoundError(errno.ENOENT, f"no RDMA port {ibdev}/{port} under {root}")
     _write(pdir + "/state", f"{state}: {_PORT_STATES[state]}\n")
@@ -842,7 +847,7 @@ def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
 def write_config(
     path: Path | str,
     layout: NodeLayout,
-    prefix: str = "intel.com",
+    prefix: str = DEFAULT_PREFIX,
     top: Mapping[str, object] | None = None,
 ) -> None:
     """Write an SR-IOV-network-device-plugin ``config.json`` whose every pool selects something.
