@@ -558,7 +558,7 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 async def _serve(args: argparse.Namespace) -> int:
     from .daemon import Daemon, DaemonSettings
-    from .dra.driver import DraSettings
+    from .dra import DraSettings
     from .ops.preflight import InstanceLock, PreflightError, kubelet_dir_problem
     from .pools import config as config_mod
 

@@ -1,4 +1,11 @@
-"""Dynamic Resource Allocation: the same engine's pools served as ResourceSlices and DRA claims."""
+"""Dynamic Resource Allocation: the same engine's pools served as ResourceSlices and DRA claims.
+
+This module holds only what the daemon and the command line need before they know whether DRA is used:
+its settings, their default kubelet paths and the name of the prepared claims' checkpoint.  The driver,
+its kubelet plugin and its API-server client (gRPC DRA services, kubernetes_asyncio, aiohttp) are imported
+by the daemon only when a pool's API is DRA or prepared claims are on record, so a device-plugin-only node
+never loads them (issue 14: start-up).
+"""
 
 from __future__ import annotations
 
