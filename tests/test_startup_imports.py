@@ -11,6 +11,7 @@ in fails here instead of slowing every node silently.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from densedev import accel, cli
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 
@@ -129,6 +131,8 @@ def test_a_device_plugin_only_run_imports_neither_metrics_nor_dra_nor_test_helpe
 ) -> None:
     modules = imported_by_run(run, node, kdir, child_env)
     assert unwanted(modules) == []
+    if accel.IMPLEMENTATION == "cython":  # the child runs what this process runs (same environment)
+        assert "densedev._fast_py" not in modules  # the twin is the fallback, not a dependency
 
 
 def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need(
@@ -140,3 +144,27 @@ def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need
     modules = imported_by_run(run, node, kdir, child_env, "--metrics-addr", f"127.0.0.1:{port}", scrape=port)
     assert "prometheus_client" in modules
     assert [m for m in unwanted(modules) if not m.startswith("prometheus_client")] == []
+
+
+def test_run_keeps_the_cyclic_gc_off_while_it_starts_and_on_afterwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Start-up's objects live as long as the daemon: collections over them before gc.freeze() were a
+    # tenth of the start's CPU at 4,096 VFs.  Whatever the command did, the process must leave with
+    # the GC on again, or the daemon would never collect a cycle.
+    seen: list[bool] = []
+
+    def fake_run(coro: Any) -> int:
+        coro.close()
+        seen.append(gc.isenabled())
+        return 0
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr("uvloop.run", fake_run)
+    try:
+        assert gc.isenabled()
+        assert cli.main(["run", "--config", "/nonexistent.json"]) == 0
+        assert seen == [False] and gc.isenabled()
+    finally:
+        sys.setswitchinterval(before)
+        gc.enable()
