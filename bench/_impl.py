@@ -82,9 +82,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def daemon_env() -> dict[str, str]:
-    """The environment of a daemon child: this one, importing densedev from ``src/`` like the parent."""
-    return {**os.environ, "PYTHONPATH": str(SRC)}
+def daemon_env(pycache: Path | None = None, src: Path = SRC) -> dict[str, str]:
+    """The environment of a daemon child: this one, importing densedev from ``src`` (this tree's).
+
+    With ``pycache``, the child keeps bytecode there (``PYTHONPYCACHEPREFIX``) even if this environment
+    says ``PYTHONDONTWRITEBYTECODE``: an installed densedev has its bytecode written at install time, so
+    start-up figures without it would time the compiler, not the daemon.
+    """
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    return env
 
 
 def daemon_argv(

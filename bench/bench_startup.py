@@ -11,10 +11,12 @@ Import time: the same start under ``python -X importtime``, stopped once the ful
 figure is the sum of the top-level imports' cumulative times (every import the run made, the lazy
 ones included), best of a few runs (importtime's own overhead inflates it; compare runs, not absolutes).
 
+The daemon runs from bytecode caches, as installed (``_impl.daemon_env``); the warm-up start writes them.
 As root with iproute2 the PFs' netdevs are real veth links in a private network namespace and the
 daemon watches netlink there, as on a node; otherwise it runs with ``--no-netlink`` (said in the output).
 
     PYTHONPATH=src python bench/bench_startup.py [--quick] [--json] [--sizes 1024,4096,16384] [--repeat 10]
+        [--src OLD/src --src src]   # before/after from one run
 """
 
 from __future__ import annotations
@@ -70,7 +72,13 @@ def import_total_ms(stderr: str) -> tuple[float, int]:
 
 
 async def start_once(
-    work: Path, sysfs: Path, config: Path, vfs: int, netns: str | None, python_flags: tuple[str, ...] = ()
+    work: Path,
+    sysfs: Path,
+    config: Path,
+    vfs: int,
+    netns: str | None,
+    src: Path,
+    python_flags: tuple[str, ...] = (),
 ) -> tuple[float, float, str]:
     """Start the daemon once: seconds from fork to the full list at the emulator, its CPU seconds by
     then (user + system), and its stderr."""
@@ -85,18 +93,23 @@ async def start_once(
     try:
         with tempfile.TemporaryFile() as err:
             t0 = time.monotonic()
-            daemon = subprocess.Popen(argv, env=_impl.daemon_env(), stderr=err)
+            env = _impl.daemon_env(work / "pycache", src)
+            daemon = subprocess.Popen(argv, env=env, stderr=err)
             try:
-                await emu.wait_for(full, 120)
-                received = next(u.received for u in emu.updates(RESOURCE) if len(u.devices) == vfs)
-                cpu = _impl.cpu_seconds(daemon.pid)  # load-independent: what the start itself cost
+                # A daemon that died ends the wait at once, with its stderr below, not after 120 s.
+                await emu.wait_for(lambda: full() or daemon.poll() is not None, 120)
+                listed = full()
+                if listed:
+                    received = next(u.received for u in emu.updates(RESOURCE) if len(u.devices) == vfs)
+                    cpu = _impl.cpu_seconds(daemon.pid)  # load-independent: what the start itself cost
             finally:
-                daemon.send_signal(signal.SIGTERM)
+                if daemon.poll() is None:
+                    daemon.send_signal(signal.SIGTERM)
                 code = await asyncio.to_thread(daemon.wait, 30)
             err.seek(0)
             text = err.read().decode(errors="replace")
-        if code != 0:
-            raise RuntimeError(f"densedev run exited {code}: {text[-2000:]}")
+        if not listed or code != 0:
+            raise RuntimeError(f"densedev run exited {code} (full list sent: {listed}): {text[-2000:]}")
         return received - t0, cpu, text
     finally:
         await emu.stop()
@@ -104,45 +117,57 @@ async def start_once(
 
 
 async def measure(
-    work: Path, vfs: int, repeat: int, import_runs: int, netns: str | None
-) -> dict[str, object]:
-    """Every figure of one node size."""
+    work: Path, vfs: int, srcs: list[Path], repeat: int, import_runs: int, netns: str | None
+) -> list[dict[str, object]]:
+    """Every figure of one node size, per source tree; the trees' starts take turns, so a machine
+    that gets busier mid-run weighs on each alike."""
     t = time.perf_counter()
     sysfs, config, netdevs = build(work, vfs)
     build_s = time.perf_counter() - t
     if netns is not None:
         _impl.veth_pfs(netns, netdevs)
+    runs: dict[Path, list[tuple[float, float, str]]] = {src: [] for src in srcs}
+    imports: dict[Path, list[tuple[float, int]]] = {src: [] for src in srcs}
     try:
-        await start_once(work, sysfs, config, vfs, netns)  # warm-up: page cache, .pyc files
-        runs = [await start_once(work, sysfs, config, vfs, netns) for _ in range(repeat)]
-        starts, cpus = [r[0] for r in runs], [r[1] for r in runs]
-        imports = []
+        for src in srcs:  # warm-up: page cache, bytecode (daemon_env)
+            await start_once(work, sysfs, config, vfs, netns, src)
+        for _ in range(repeat):
+            for src in srcs:
+                runs[src].append(await start_once(work, sysfs, config, vfs, netns, src))
         for _ in range(import_runs):
-            _, _, stderr = await start_once(work, sysfs, config, vfs, netns, ("-X", "importtime"))
-            imports.append(import_total_ms(stderr))
+            for src in srcs:
+                stderr = (await start_once(work, sysfs, config, vfs, netns, src, ("-X", "importtime")))[2]
+                imports[src].append(import_total_ms(stderr))
     finally:
         if netns is not None:
             # The next size makes links of the same names; each veth's peer goes with it.
             gone = "".join(f"link del {name}\n" for name in netdevs)
             subprocess.run(["ip", "-n", netns, "-batch", "-"], input=gone, text=True, capture_output=True)
-    best_import = min(imports, default=(0.0, 0))
-    return {
-        "devices": vfs,
-        "pools": 1,
-        "build_node_s": round(build_s, 2),
-        "repeats": repeat,
-        "start_median_ms": round(statistics.median(starts) * 1e3, 1),
-        "start_best_ms": round(min(starts) * 1e3, 1),
-        "start_p90_ms": round(_impl.percentile(starts, 0.9) * 1e3, 1),
-        "start_ms": [round(s * 1e3, 1) for s in starts],
-        # CPU the daemon used until the full list (clock ticks: 10 ms steps) is what a busy machine
-        # does not inflate, unlike the wall-clock figures above.
-        "cpu_median_ms": round(statistics.median(cpus) * 1e3, 1),
-        "cpu_best_ms": round(min(cpus) * 1e3, 1),
-        "import_runs": import_runs,
-        "import_best_ms": round(best_import[0], 1),
-        "modules_imported": best_import[1],
-    }
+    out = []
+    for src in srcs:
+        starts, cpus = [r[0] for r in runs[src]], [r[1] for r in runs[src]]
+        best_import = min(imports[src], default=(0.0, 0))
+        out.append(
+            {
+                "src": str(src),
+                "devices": vfs,
+                "pools": 1,
+                "build_node_s": round(build_s, 2),
+                "repeats": repeat,
+                "start_median_ms": round(statistics.median(starts) * 1e3, 1),
+                "start_best_ms": round(min(starts) * 1e3, 1),
+                "start_p90_ms": round(_impl.percentile(starts, 0.9) * 1e3, 1),
+                "start_ms": [round(s * 1e3, 1) for s in starts],
+                # CPU the daemon used until the full list (clock ticks: 10 ms steps) is what a busy
+                # machine does not inflate, unlike the wall-clock figures above.
+                "cpu_median_ms": round(statistics.median(cpus) * 1e3, 1),
+                "cpu_best_ms": round(min(cpus) * 1e3, 1),
+                "import_runs": import_runs,
+                "import_best_ms": round(best_import[0], 1),
+                "modules_imported": best_import[1],
+            }
+        )
+    return out
 
 
 def sizes(text: str) -> list[int]:
@@ -165,9 +190,18 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=10, help="timed starts per size (after one warm-up)")
     p.add_argument("--import-runs", type=int, default=3, help="starts under -X importtime per size")
     p.add_argument("--dir", default=None, help="where to build the simulated nodes (default: tmpfs if room)")
+    p.add_argument(
+        "--src",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="run densedev from this src/ directory instead (repeatable: the trees' starts take turns, "
+        "for before/after figures from one run; default: this tree's)",
+    )
     args = p.parse_args()
     if args.quick:
         args.sizes, args.repeat, args.import_runs = [1024], 3, 1
+    srcs = [d.resolve() for d in args.src] if args.src else [_impl.SRC]
     netlink = "netns" if available() is None else "off"
     results = []
     with ExitStack() as stack:
@@ -175,13 +209,15 @@ def main() -> int:
         for vfs in args.sizes:
             work = Path(tempfile.mkdtemp(prefix="densedev-start-", dir=args.dir or _impl.tmpfs_dir()))
             try:
-                r = uvloop.run(measure(work, vfs, args.repeat, args.import_runs, netns))
+                figures = uvloop.run(measure(work, vfs, srcs, args.repeat, args.import_runs, netns))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-            results.append(r)
-            if not args.json:
+            results += figures
+            for r in figures if not args.json else []:
+                where = f" {r['src']}" if args.src else ""
                 print(
-                    f"start-up [{accel.IMPLEMENTATION}, netlink {netlink}] {r['devices']} VFs, 1 pool: "
+                    f"start-up [{accel.IMPLEMENTATION}, netlink {netlink}]{where} {r['devices']} VFs, "
+                    "1 pool: "
                     f"median {r['start_median_ms']} ms, best {r['start_best_ms']} ms, "
                     f"p90 {r['start_p90_ms']} ms over {r['repeats']} starts (daemon CPU median "
                     f"{r['cpu_median_ms']} ms); imports "
