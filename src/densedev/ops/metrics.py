@@ -83,6 +83,8 @@ class _Child:
 
 
 class _CounterChild(_Child):
+    """One series of a counter."""
+
     __slots__ = ()
 
     def inc(self, amount: float = 1) -> None:
@@ -93,6 +95,8 @@ class _CounterChild(_Child):
 
 
 class _HistogramChild(_Child):
+    """One series of a histogram: a count per bucket, and the sum (``value``)."""
+
     __slots__ = ("bounds", "counts")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
