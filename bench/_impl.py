@@ -55,3 +55,105 @@ def kept(workdir: Path) -> None:
         f"rm -rf {workdir} frees it",
         file=sys.stderr,
     )
+
+
+# --------------------------------------------------------------------------- the daemon as a process
+# Shared by the benchmarks that start ``densedev run`` as its own process (bench_e2e, bench_startup):
+# the same command line and environment a DaemonSet would run, pointed at a simulated node.
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process now, in MiB (/proc/<pid>/statm, second field, in pages)."""
+    with open(f"/proc/{pid}/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15, in clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def daemon_env(pycache: Path | None = None, src: Path = SRC) -> dict[str, str]:
+    """The environment of a daemon child: this one, importing densedev from ``src`` (this tree's).
+
+    With ``pycache``, the child keeps bytecode there (``PYTHONPYCACHEPREFIX``) even if this environment
+    says ``PYTHONDONTWRITEBYTECODE``: an installed densedev has its bytecode written at install time, so
+    start-up figures without it would time the compiler, not the daemon.
+    """
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    return env
+
+
+def daemon_argv(
+    config: Path,
+    sysfs: Path,
+    kubelet_dir: Path,
+    dev_root: Path,
+    netns: str | None,
+    python_flags: tuple[str, ...] = (),
+) -> list[str]:
+    """``densedev run`` on a simulated node: devinfo off (needs root paths), errors-only logging.
+
+    ``netns`` names the namespace holding the PFs' links; None turns netlink off (the simulated PF
+    links do not exist in the host's namespace).  ``python_flags`` go to the interpreter
+    (``-X importtime``).
+    """
+    netlink = ["--netns", netns] if netns is not None else ["--no-netlink"]
+    return [
+        sys.executable,
+        *python_flags,
+        "-m",
+        "densedev.cli",
+        "run",
+        "--config",
+        str(config),
+        "--sysfs-root",
+        str(sysfs),
+        "--kubelet-dir",
+        str(kubelet_dir),
+        "--dev-root",
+        str(dev_root),
+        "--devinfo-dir",
+        "",
+        *netlink,
+        "--log-level",
+        "error",
+    ]
+
+
+def veth_pfs(ns: str, netdevs: list[str]) -> None:
+    """Make each PF netdev a real veth link, up, in namespace ``ns`` (one ``ip -batch`` run)."""
+    import subprocess
+
+    batch = subprocess.run(
+        ["ip", "-n", ns, "-batch", "-"],
+        input="".join(
+            f"link add {name} type veth peer name p{i}\nlink set p{i} up\nlink set {name} up\n"
+            for i, name in enumerate(netdevs)
+        ),
+        text=True,
+        capture_output=True,
+    )
+    if batch.returncode:
+        raise RuntimeError(batch.stderr)
+
+
+def tmpfs_dir(need: int = 4 << 30) -> str | None:
+    """/dev/shm when it is writable with ``need`` bytes free, else None (the system's temp directory)."""
+    import shutil
+
+    if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free > need:
+        return "/dev/shm"
+    return None

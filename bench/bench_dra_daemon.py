@@ -34,8 +34,8 @@ from bench_dra import NODE, start_stand_in
 
 from densedev import accel
 from densedev.daemon import Daemon, DaemonSettings
+from densedev.dra import DraSettings
 from densedev.dra.apiclient import ResourceClient
-from densedev.dra.driver import DraSettings
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.dra_kubelet import DraKubelet

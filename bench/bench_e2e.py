@@ -47,41 +47,12 @@ from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import LinkSwitch, namespace
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a process now, in MiB (/proc/<pid>/statm, second field, in pages)."""
-    with open(f"/proc/{pid}/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15, in clock ticks)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, object]:
     sysfs = work / "sys"
     t = time.perf_counter()
     layout = simnode.build_node(sysfs, pfs=args.pfs, vfs_per_pf=args.vfs_per_pf, numa_nodes=2)
     build_s = time.perf_counter() - t
-    batch = subprocess.run(
-        ["ip", "-n", ns, "-batch", "-"],
-        input="".join(
-            f"link add {pf.netdev} type veth peer name p{i}\nlink set p{i} up\nlink set {pf.netdev} up\n"
-            for i, pf in enumerate(layout.pfs)
-        ),
-        text=True,
-        capture_output=True,
-    )
-    if batch.returncode:
-        raise RuntimeError(batch.stderr)
+    _impl.veth_pfs(ns, [pf.netdev for pf in layout.pfs])
     per_pool = max(1, args.pfs // 16)
     groups = [layout.pfs[i : i + per_pool] for i in range(0, len(layout.pfs), per_pool)]
     doc = {
@@ -106,27 +77,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
     names = [p.full_name for p in cfg.pools]
     t = time.perf_counter()
     daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "densedev.cli",
-            "run",
-            "--config",
-            str(work / "config.json"),
-            "--sysfs-root",
-            str(sysfs),
-            "--kubelet-dir",
-            str(kubelet_dir),
-            "--dev-root",
-            str(work / "dev"),
-            "--devinfo-dir",
-            "",
-            "--netns",
-            ns,
-            "--log-level",
-            "error",
-        ],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+        _impl.daemon_argv(work / "config.json", sysfs, kubelet_dir, work / "dev", ns), env=_impl.daemon_env()
     )
     await emu.wait_for(lambda: all(emu.updates(n) for n in names), 120)
     startup_s = time.perf_counter() - t
@@ -163,12 +114,12 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         )
         restart_s = time.perf_counter() - t
         # Idle: nothing changes; only timers (reconcile, registration watch, port poll) may run.
-        rss_start = rss_mib(daemon.pid)
-        cpu0, wall0 = cpu_seconds(daemon.pid), time.monotonic()
+        rss_start = _impl.rss_mib(daemon.pid)
+        cpu0, wall0 = _impl.cpu_seconds(daemon.pid), time.monotonic()
         await asyncio.sleep(args.idle)
-        cpu1, wall1 = cpu_seconds(daemon.pid), time.monotonic()
+        cpu1, wall1 = _impl.cpu_seconds(daemon.pid), time.monotonic()
         cpu = cpu1 - cpu0
-        rss_after = rss_mib(daemon.pid)
+        rss_after = _impl.rss_mib(daemon.pid)
     finally:
         switch.close()
         daemon.send_signal(signal.SIGTERM)
@@ -184,11 +135,11 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         "startup_ms": round(startup_s * 1e3, 1),
         "kubelet_restart_to_all_registered_ms": round(restart_s * 1e3, 1),
         "flips": args.flips,
-        "down_p50_ms": round(percentile(down_lat, 0.5) * 1e3, 3),
-        "down_p99_ms": round(percentile(down_lat, 0.99) * 1e3, 3),
+        "down_p50_ms": round(_impl.percentile(down_lat, 0.5) * 1e3, 3),
+        "down_p99_ms": round(_impl.percentile(down_lat, 0.99) * 1e3, 3),
         "down_max_ms": round(max(down_lat) * 1e3, 3),
-        "up_p50_ms": round(percentile(up_lat, 0.5) * 1e3, 3),
-        "up_p99_ms": round(percentile(up_lat, 0.99) * 1e3, 3),
+        "up_p50_ms": round(_impl.percentile(up_lat, 0.5) * 1e3, 3),
+        "up_p99_ms": round(_impl.percentile(up_lat, 0.99) * 1e3, 3),
         "hold_down_s": args.hold_down,
         "idle_s": args.idle,
         "idle_cpu_percent": round(100 * cpu / (wall1 - wall0), 3),
@@ -229,12 +180,7 @@ def main() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("bench_e2e: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
         return 0
-    shm = (
-        "/dev/shm"
-        if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free > 4 << 30
-        else None
-    )
-    work = Path(tempfile.mkdtemp(prefix="densedev-bench-", dir=args.dir or shm))
+    work = Path(tempfile.mkdtemp(prefix="densedev-bench-", dir=args.dir or _impl.tmpfs_dir()))
     try:
         with namespace("densedev-b") as ns:
             result = uvloop.run(measure(args, work, ns))

@@ -8,7 +8,8 @@ script, its exit code and wall time, and one record for a script that printed no
 last line: why it skipped).  ``--report DIR`` implies ``--json`` and draws the run as an HTML page with
 plots in DIR (bench/report.py; needs matplotlib: ``pip install -e '.[bench]'``).  ``--e2e-sizes`` runs
 the end-to-end benchmark once per node size (VF counts), so start-up, idle CPU and memory can be drawn
-against node size.  A script that fails is reported and the others still run.
+against node size (bench_startup.py measures start-up alone at 1k/4k/16k VFs, with import time).  A
+script that fails is reported and the others still run.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ def test_run_and_demo_shorten_the_switch_interval(monkeypatch: pytest.MonkeyPatc
         return 0
 
     before = sys.getswitchinterval()
-    monkeypatch.setattr(cli.uvloop, "run", fake_run)
+    monkeypatch.setattr("uvloop.run", fake_run)  # cli imports uvloop inside the commands that use it
     try:
         assert cli.main(["demo", "--seconds", "1"]) == 0
         assert cli.main(["run", "--config", "/nonexistent.json"]) == 0

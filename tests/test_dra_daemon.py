@@ -22,9 +22,9 @@ import pytest
 
 from densedev.alloc import devinfo
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.dra import names
+from densedev.dra import DraSettings, names
 from densedev.dra.apiclient import ResourceClient
-from densedev.dra.driver import ClientFactory, DraSettings
+from densedev.dra.driver import ClientFactory
 from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
 from densedev.node import scanner as discovery
 from densedev.pools import config as config_mod

@@ -393,3 +393,65 @@ def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_
             await emulator.stop()
 
     run(main())
+
+
+def _same_ops(counter: Any, gauge: Any, hist: Any, plain_counter: Any, plain_hist: Any) -> None:
+    """The same updates, whichever library's metric objects they are applied to."""
+    plain_counter.inc()
+    plain_counter.inc(2.5)
+    counter.labels("a", "x").inc(3)
+    counter.labels("b", "x").inc()
+    counter.labels("a", "y")
+    counter.remove("b", "x")
+    gauge.labels("a").set(7)
+    gauge.labels(POOL_A).set(-1.5)
+    gauge.labels("c").set(0)
+    gauge.remove_by_labels({"resource": "c"})
+    for amount in (0.0005, 0.001, 0.003, 0.05, 2.0, float("nan"), 0.0):  # bounds, between, over, NaN
+        hist.labels(POOL_B).observe(amount)
+        plain_hist.observe(amount)
+    hist.labels(POOL_A)  # a series made and never observed
+
+
+def test_plain_metrics_render_exactly_as_prometheus_client_would() -> None:
+    # ops.metrics keeps its numbers itself so that prometheus-client is imported only when collected
+    # (issue 14, start-up); the exposition must stay byte for byte what prometheus-client's own
+    # Counter, Gauge and Histogram give, _created timestamps aside (each library takes its own).
+    import prometheus_client as pc
+
+    from densedev.ops import metrics as plain
+
+    buckets = (0.0005, 0.001, 0.0025, 0.05, 1.0)
+    ref = pc.CollectorRegistry(auto_describe=True)
+    ours = plain.Registry()
+    made = []
+    for lib, registry in ((pc, ref), (plain, ours)):
+        made.append(
+            (
+                lib.Counter("t_events", "Events, by kind.", ["resource", "kind"], registry=registry),
+                lib.Gauge("t_devices", 'Devices "now"\\ with\na newline.', ["resource"], registry=registry),
+                lib.Histogram("t_seconds", "Latency.", ["resource"], buckets=buckets, registry=registry),
+                lib.Counter("t_scans", "Scans.", registry=registry),
+                lib.Histogram("t_scan_seconds", "Scan time.", buckets=buckets, registry=registry),
+            )
+        )
+    for objects in made:
+        _same_ops(*objects)
+
+    def stamped(text: bytes) -> str:
+        lines = text.decode().splitlines()
+        return "\n".join(
+            ln.rsplit(" ", 1)[0] + " T" if "_created" in ln.split(" ")[0] else ln for ln in lines
+        )
+
+    expected = stamped(pc.generate_latest(ref))
+    assert "t_seconds_created" in expected and "t_events_total" in expected  # the comparison is not empty
+    assert stamped(ours.render()) == expected
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        plain.Counter("t_scans", "Again.", registry=ours)
+    with pytest.raises(ValueError, match="non-negative"):
+        made[1][0].labels("a", "x").inc(-1)
+    with pytest.raises(ValueError, match="Incorrect label count"):
+        made[1][1].labels("a", "b")
+    with pytest.raises(ValueError, match="missing label values"):
+        made[1][0].inc()

@@ -12,15 +12,20 @@ import logging
 import os
 from types import ModuleType
 
-from . import _fast_py as twin
-
 FALLBACK_REASON = ""  # why the twin runs though the extension was not turned off ("" otherwise)
+
+
+def _twin() -> ModuleType:
+    # Imported only when it runs: the twin is ~10 ms of imports a node with the extension never uses.
+    from . import _fast_py
+
+    return _fast_py
 
 
 def _choose() -> tuple[ModuleType, str, str]:
     global FALLBACK_REASON
     if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
-        return twin, "python", "DENSEDEV_NO_EXTENSIONS is set"  # asked for: silent
+        return _twin(), "python", "DENSEDEV_NO_EXTENSIONS is set"  # asked for: silent
     try:
         from . import _fast  # type: ignore[attr-defined]
     except ImportError as exc:
@@ -34,7 +39,7 @@ def _choose() -> tuple[ModuleType, str, str]:
                 "running the plain-Python twin: %s (rebuild it, or set DENSEDEV_NO_EXTENSIONS=1)",
                 FALLBACK_REASON,
             )
-        return twin, "python", f"no extension: {FALLBACK_REASON}"
+        return _twin(), "python", f"no extension: {FALLBACK_REASON}"
     return _fast, "cython", os.path.basename(_fast.__file__ or "_fast")
 
 

@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import accel
 from ._proto import api_pb2
 from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
-from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
-from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
+from .dra import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
+from .dra import DraSettings
 from .health.tracker import Coalescer, HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
@@ -44,6 +44,11 @@ from .ops.metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, 
 from .pools import config as config_mod
 from .pools import select as selectors
 from .pools.ownership import DRA_CLAIMS, GuardedService, Ownership
+
+if TYPE_CHECKING:
+    # The DRA driver (gRPC DRA services, the API-server client) is imported where it is built, only
+    # when a pool is DRA or prepared claims are on record: a device-plugin-only node never loads it.
+    from .dra.driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.daemon")
 T = TypeVar("T")
@@ -1121,6 +1126,8 @@ class Daemon:
         checkpoint = dra.plugins_dir / self.config.dra_driver_name / CLAIMS_CHECKPOINT
         if not any(p.api is PoolApi.DRA for p in self.config.pools) and not os.path.lexists(checkpoint):
             return
+        from .dra.driver import DraDriver
+
         self.dra = DraDriver(
             dra,
             self.config.dra_driver_name,
@@ -1173,6 +1180,8 @@ class Daemon:
             self._spawn(self._dra_retry(), "dra-start")
 
     async def _dra_try_start(self, attempt: int) -> bool:
+        from .dra.driver import DraUnavailable  # imported already: self.dra is a DraDriver
+
         assert self.dra is not None
         try:
             await self.dra.start()

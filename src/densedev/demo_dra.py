@@ -22,9 +22,8 @@ from typing import Any
 
 from . import accel
 from .daemon import Daemon, DaemonSettings
-from .dra import names
+from .dra import DraSettings, names
 from .dra.apiclient import ResourceClient
-from .dra.driver import DraSettings
 from .pools import config as config_mod
 from .testing import simnode
 from .testing.apiserver import ApiServerStandIn

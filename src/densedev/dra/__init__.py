@@ -1,1 +1,30 @@
-"""Dynamic Resource Allocation: the same engine's pools served as ResourceSlices and DRA claims."""
+"""Dynamic Resource Allocation: the same engine's pools served as ResourceSlices and DRA claims.
+
+This module holds only what the daemon and the command line need before they know whether DRA is used:
+its settings, their default kubelet paths and the name of the prepared claims' checkpoint.  The driver,
+its kubelet plugin and its API-server client (gRPC DRA services, kubernetes_asyncio, aiohttp) are imported
+by the daemon only when a pool's API is DRA or prepared claims are on record, so a device-plugin-only node
+never loads them (issue 14: start-up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
+DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
+CHECKPOINT_NAME = "checkpoint.json"
+
+
+@dataclass(frozen=True)
+class DraSettings:
+    """Where the DRA side talks to the kubelet and the API server."""
+
+    node_name: str | None = None  # the Node object's name: the ResourceSlices' pool and nodeName
+    kubeconfig: Path | None = None  # None: the in-cluster service account
+    plugins_dir: Path = DEFAULT_PLUGINS_DIR
+    registry_dir: Path = DEFAULT_REGISTRY_DIR
+    taints: bool = False  # taint unhealthy devices NoSchedule instead of withdrawing them
+    min_write_interval_s: float = 1.0  # per slice: at most one write per interval
+    retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of a start that failed

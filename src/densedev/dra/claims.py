@@ -22,10 +22,10 @@ from typing import Any, NamedTuple, Protocol
 
 from .. import files
 from ..model import Device, Pool, PoolConfig
+from . import CHECKPOINT_NAME
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_NAME = "checkpoint.json"
 CHECKPOINT_KIND = "DensedevDRACheckpoint"
 CHECKPOINT_VERSION = 1
 CHECKPOINT_MODE = 0o600  # claim names and device IDs: nobody but the daemon needs to read them

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,30 +27,17 @@ from ..alloc import cdi
 from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi
 from ..ops.logs import log_event
+from . import DraSettings
 from .apiclient import HttpClaimReader, ResourceClient
 from .claims import PoolGate
 from .plugin import KubeletPlugin
 from .publisher import Publisher, PublisherSettings
-from .registration import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 
 log = logging.getLogger("densedev.dra.driver")
 
 
 class DraUnavailable(Exception):
     """The DRA side cannot start (no node name, no API server): DRA pools stay unserved, retried."""
-
-
-@dataclass(frozen=True)
-class DraSettings:
-    """Where the DRA side talks to the kubelet and the API server."""
-
-    node_name: str | None = None  # the Node object's name: the ResourceSlices' pool and nodeName
-    kubeconfig: Path | None = None  # None: the in-cluster service account
-    plugins_dir: Path = DEFAULT_PLUGINS_DIR
-    registry_dir: Path = DEFAULT_REGISTRY_DIR
-    taints: bool = False  # taint unhealthy devices NoSchedule instead of withdrawing them
-    min_write_interval_s: float = 1.0  # per slice: at most one write per interval
-    retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of a start that failed
 
 
 ClientFactory = Callable[[], Awaitable[ResourceClient]]

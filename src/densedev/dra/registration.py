@@ -32,6 +32,7 @@ from .._proto import pluginregistration_pb2 as reg_pb
 from ..kubelet.server import MAX_UNIX_PATH, SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
 from ..kubelet.watch import DirectoryWatch
 from ..printable import clip
+from . import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,6 @@ REGISTRATION_SERVICE = "pluginregistration.Registration"
 # listed (and would silently fall back to v1alpha3 otherwise, which we do not serve).
 SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 HEALTH_VERSION = "v1alpha1.DRAResourceHealth"
-DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
-DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 MAX_NOTIFICATIONS = 100  # the registration statuses kept for inspection; older ones are dropped
 
 Identity = tuple[int, int, int]

@@ -1,8 +1,11 @@
 """Prometheus metrics and the ``/metrics``, ``/healthz``, ``/readyz`` HTTP endpoints.
 
-``Metrics`` owns its own ``CollectorRegistry`` (never the process-global one, so tests and a reloading
-daemon can make as many as they like) and offers plain methods the daemon calls at each event; callers
-never touch prometheus-client objects.  Series are labelled by ``resource`` (the pool's full extended
+``Metrics`` owns its own ``Registry`` (never prometheus-client's process-global one, so tests and a
+reloading daemon can make as many as they like) and offers plain methods the daemon calls at each event;
+callers never touch prometheus-client objects.  The counters, gauges and histograms here are plain numbers
+with prometheus-client's semantics; prometheus-client itself (~20 ms of imports, a tenth of the daemon's
+start) is imported only when something collects them — a scrape of ``/metrics`` or a test — so a node
+without ``--metrics-addr`` never loads it.  Series are labelled by ``resource`` (the pool's full extended
 resource name, ``intel.com/sriov_a``), never by device: a node has thousands of devices and a label per
 device would make every scrape as large as the device table.
 
@@ -16,11 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import os
+import re
 import time
-from collections.abc import Callable, Mapping
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from typing import Any
 
 from .. import __version__, accel
 from ..model import Health
@@ -45,6 +51,266 @@ PREFERRED = "GetPreferredAllocation"
 PRESTART = "PreStartContainer"
 
 
+# ------------------------------------------------------------------------------- plain metrics
+# prometheus-client's metric types, as far as densedev uses them, over plain numbers.  Updated on the
+# event loop's thread only; collected from any thread (a /metrics render runs in a worker), which reads
+# a snapshot: copying a dict or list of str tuples and floats runs in C without releasing the GIL.
+
+_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+_LABEL = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _created_series() -> bool:
+    """Whether counters and histograms export ``_created``, as prometheus-client decides it."""
+    return os.environ.get("PROMETHEUS_DISABLE_CREATED_SERIES", "False").lower() not in ("true", "1", "t")
+
+
+class _Child:
+    """One series of a family (one combination of label values)."""
+
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        """Add ``amount`` to a gauge."""
+        self.value += amount
+
+    def set(self, value: float) -> None:
+        """Set a gauge's value."""
+        self.value = float(value)
+
+
+class _CounterChild(_Child):
+    """One series of a counter."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        """Add ``amount`` (a counter refuses a negative one, as prometheus-client does)."""
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        self.value += amount
+
+
+class _HistogramChild(_Child):
+    """One series of a histogram: a count per bucket, and the sum (``value``)."""
+
+    __slots__ = ("bounds", "counts")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        super().__init__()
+        self.bounds = bounds
+        self.counts = [0] * len(bounds)  # per bucket, not cumulative
+
+    def observe(self, amount: float) -> None:
+        """Count ``amount`` in the first bucket whose upper bound holds it, and add it to the sum."""
+        self.value += amount
+        i = bisect_left(self.bounds, amount)
+        if i < len(self.bounds) and amount <= self.bounds[i]:  # NaN is in no bucket, as upstream
+            self.counts[i] += 1
+
+
+class _Family:
+    """A metric name with its help, label names and series (prometheus-client's labelled metric)."""
+
+    kind = ""
+    suffixes: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Iterable[str] = (),
+        *,
+        registry: Registry | None = None,
+    ) -> None:
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"Invalid metric name: {name}")
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        for label in self.labelnames:
+            if not _LABEL.fullmatch(label) or label.startswith("__"):
+                raise ValueError(f"Invalid label metric name: {label}")
+        self._children: dict[tuple[str, ...], Any] = {}
+        if not self.labelnames:
+            self._children[()] = self._child()  # a label-less metric is its own single series
+        if registry is not None:
+            registry.register(self)
+
+    def _child(self) -> Any:
+        raise NotImplementedError
+
+    def labels(self, *values: object) -> Any:
+        """Return the series of these label values, made (at zero) the first time."""
+        if not self.labelnames:
+            raise ValueError(f"No label names were set when constructing {self.kind}:{self.name}")
+        if len(values) != len(self.labelnames):
+            raise ValueError("Incorrect label count")
+        key = tuple(str(v) for v in values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self._child()
+        return child
+
+    def remove(self, *values: object) -> None:
+        """Drop the series of these label values (nothing when absent)."""
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"Incorrect label count (expected {len(self.labelnames)}, got {values})")
+        self._children.pop(tuple(str(v) for v in values), None)
+
+    def remove_by_labels(self, labels: Mapping[str, str]) -> None:
+        """Drop every series whose labels include all of ``labels``."""
+        want = {self.labelnames.index(k): str(v) for k, v in labels.items()}
+        for key in [k for k in list(self._children) if all(k[i] == v for i, v in want.items())]:
+            self._children.pop(key, None)
+
+    def _single(self) -> Any:
+        """The series of a label-less metric; a labelled one has none until ``labels()`` names it."""
+        if self.labelnames:
+            raise ValueError(f"{self.kind} metric is missing label values")
+        return self._children[()]
+
+    def _series(self) -> list[tuple[tuple[str, ...], Any]]:
+        return list(self._children.items())
+
+    def collect(self) -> Any:
+        """Return the family as a prometheus-client metric family (imports prometheus-client)."""
+        raise NotImplementedError
+
+
+class Counter(_Family):
+    """A counter: only goes up; exported as ``<name>_total`` (and ``<name>_created``)."""
+
+    kind = "counter"
+    suffixes = ("_total", "_created")
+
+    def _child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def inc(self, amount: float = 1) -> None:
+        """Add ``amount`` to the label-less series."""
+        self._single().inc(amount)
+
+    def collect(self) -> Any:
+        """Return the family as a prometheus-client ``CounterMetricFamily``."""
+        from prometheus_client.core import CounterMetricFamily
+
+        created = _created_series()
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in self._series():
+            family.add_metric(key, child.value, created=child.created if created else None)
+        return family
+
+
+class Gauge(_Family):
+    """A gauge: a value that is set."""
+
+    kind = "gauge"
+
+    def _child(self) -> _Child:
+        return _Child()
+
+    def set(self, value: float) -> None:
+        """Set the label-less series."""
+        self._single().set(value)
+
+    def collect(self) -> Any:
+        """Return the family as a prometheus-client ``GaugeMetricFamily``."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in self._series():
+            family.add_metric(key, child.value)
+        return family
+
+
+class Histogram(_Family):
+    """A histogram of observations in fixed buckets (``+Inf`` added), with their count and sum."""
+
+    kind = "histogram"
+    suffixes = ("_bucket", "_count", "_sum", "_created")
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Iterable[str] = (),
+        *,
+        buckets: Sequence[float],
+        registry: Registry | None = None,
+    ) -> None:
+        bounds = [float(b) for b in buckets]
+        if bounds != sorted(bounds):
+            raise ValueError("Buckets not in sorted order")
+        if bounds and bounds[-1] != math.inf:
+            bounds.append(math.inf)
+        if len(bounds) < 2:
+            raise ValueError("Must have at least two buckets")
+        if "le" in labelnames:
+            raise ValueError("Invalid label metric name: le")
+        self.bounds = tuple(bounds)
+        super().__init__(name, documentation, labelnames, registry=registry)
+
+    def _child(self) -> _HistogramChild:
+        return _HistogramChild(self.bounds)
+
+    def observe(self, amount: float) -> None:
+        """Observe ``amount`` in the label-less series."""
+        self._single().observe(amount)
+
+    def collect(self) -> Any:
+        """Return the family as a prometheus-client ``HistogramMetricFamily``, cumulative buckets."""
+        from prometheus_client.core import HistogramMetricFamily
+        from prometheus_client.samples import Sample
+        from prometheus_client.utils import floatToGoString
+
+        created = _created_series()
+        les = [floatToGoString(b) for b in self.bounds]
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for key, child in self._series():
+            total, sum_value, cumulative = 0, child.value, []
+            for le, count in zip(les, child.counts[:], strict=True):
+                total += count
+                cumulative.append((le, total))
+            family.add_metric(key, cumulative, sum_value if self.bounds[0] >= 0 else None)
+            if created:
+                labels = dict(zip(self.labelnames, key, strict=True))
+                family.samples.append(Sample(self.name + "_created", labels, child.created))
+        return family
+
+
+class Registry:
+    """The metric families of one owner, exported in order of registration."""
+
+    def __init__(self) -> None:
+        self._families: list[_Family] = []
+        self._names: set[str] = set()
+
+    def register(self, family: _Family) -> None:
+        """Add ``family``; a name already taken (by a family or a series suffix) is refused."""
+        names = {family.name, *(family.name + s for s in family.suffixes)}
+        taken = names & self._names
+        if taken:
+            raise ValueError(f"Duplicated timeseries in CollectorRegistry: {taken}")
+        self._names |= names
+        self._families.append(family)
+
+    def collect(self) -> Iterator[Any]:
+        """Yield every family as prometheus-client metric families (what ``generate_latest`` reads)."""
+        for family in list(self._families):
+            yield family.collect()
+
+    def render(self) -> bytes:
+        """Return every family in the Prometheus text exposition format (prometheus-client's own)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self)  # type: ignore[arg-type]  # any object with collect() will do
+
+
 class _PoolSeries:
     """The children of one pool's per-message metrics, bound once so the send path skips label lookups."""
 
@@ -62,7 +328,7 @@ class Metrics:
     """Every densedev metric in one private registry, updated through plain methods."""
 
     def __init__(self, implementation: str | None = None, version: str = __version__) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = Registry()
         r = self.registry
         self.build_info = Gauge(
             "densedev_build_info",
@@ -377,18 +643,12 @@ class Metrics:
 
     def render(self) -> bytes:
         """Return the registry in the Prometheus text exposition format."""
-        return generate_latest(self.registry)
+        return self.registry.render()
 
 
 def _remove_resource(metric: Counter | Gauge | Histogram, resource: str) -> None:
     """Remove every series of ``metric`` whose ``resource`` label is ``resource``."""
-    remove_by_labels = getattr(metric, "remove_by_labels", None)
-    if remove_by_labels is not None:  # prometheus-client >= 0.22
-        remove_by_labels({"resource": resource})
-        return
-    index = metric._labelnames.index("resource")
-    for values in [v for v in list(metric._metrics) if v[index] == resource]:
-        metric.remove(*values)
+    metric.remove_by_labels({"resource": resource})
 
 
 # ------------------------------------------------------------------------------------- HTTP

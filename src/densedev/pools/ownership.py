@@ -23,8 +23,6 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from .._proto import api_pb2
 from ..kubelet.podresources import (
     Held,
@@ -37,6 +35,7 @@ from ..kubelet.server import PoolService
 from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi, RequestError
 from ..ops.logs import log_event, summarise
+from ..ops.metrics import Counter, Gauge, Registry
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ class Ownership:
         checkpoint: Path | None,
         client: PodResourcesClient | None = None,
         *,
-        registry: CollectorRegistry | None = None,
+        registry: Registry | None = None,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_S,
         fast_poll_s: float = FAST_POLL_S,

@@ -1,0 +1,170 @@
+"""What ``densedev run`` imports on a node that serves the device plugin API only.
+
+Start-up is mostly imports (issue 14: ~95 ms of a 0.21 s start at 4,096 VFs), so what a device-plugin-only
+node does not use is imported only when asked for: prometheus-client with ``--metrics-addr``, the DRA
+driver and its API-server clients (kubernetes_asyncio, aiohttp) with a DRA pool, pyroute2 and
+``densedev.testing`` never.  The daemon runs as its own process under ``python -X importtime``, which
+names every module the process imported — at start, and lazily later — so an import that creeps back
+in fails here instead of slowing every node silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from densedev import accel, cli
+from densedev.testing import simnode
+from densedev.testing.kubelet import KubeletEmulator
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+GUARD = 60.0  # hang guard only
+RESOURCE = "intel.com/vfs"
+
+# Each name stands for the module and everything under it.
+NOT_FOR_DEVICE_PLUGIN_ONLY = (
+    "prometheus_client",  # only with --metrics-addr
+    "kubernetes_asyncio",  # DRA's API-server client
+    "aiohttp",  # under kubernetes_asyncio
+    "yaml",  # kubeconfig files, under kubernetes_asyncio
+    "pyroute2",  # the tests' reference decoder
+    "densedev.testing",  # simulated nodes and emulators
+    "densedev.dra.driver",  # the DRA side: driver, kubelet plugin, publisher
+    "densedev.dra.plugin",
+    "densedev.dra.publisher",
+    "densedev._proto.dra_v1_pb2",
+    "densedev._proto.dra_v1beta1_pb2",
+    "densedev._proto.dra_health_v1alpha1_pb2",
+)
+_IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", re.MULTILINE)
+
+
+@pytest.fixture
+def kdir() -> Iterator[Path]:
+    """A short kubelet directory for unix sockets (sun_path holds 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> tuple[Path, Path]:
+    """A node of 2 PFs x 8 VFs and a config of one device-plugin pool holding all 16; (sysfs, config)."""
+    layout = simnode.build_node(tmp_path / "sys", pfs=2, vfs_per_pf=8)
+    config = tmp_path / "config.json"
+    pfs = [pf.netdev for pf in layout.pfs]
+    config.write_text(json.dumps({"resourceList": [{"resourceName": "vfs", "selectors": {"pfNames": pfs}}]}))
+    return tmp_path / "sys", config
+
+
+def imported_by_run(
+    run: Run, node: tuple[Path, Path], kdir: Path, env: dict[str, str], *extra: str, scrape: int = 0
+) -> set[str]:
+    """Every module ``densedev run`` imported from its start until it stopped, its full list sent (and
+    ``/metrics`` scraped on port ``scrape`` when given)."""
+    sysfs, config = node
+    argv = [sys.executable, "-X", "importtime", "-m", "densedev.cli", "run", "--config", str(config)]
+    argv += ["--sysfs-root", str(sysfs), "--kubelet-dir", str(kdir), "--no-netlink", "--devinfo-dir", ""]
+    argv += ["--log-level", "error", *extra]
+
+    async def main() -> str:
+        emulator = KubeletEmulator(kdir)
+        await emulator.start()
+        try:
+            with tempfile.TemporaryFile() as err:
+                child = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+                try:
+                    await emulator.wait_for(lambda: len(emulator.devices(RESOURCE)) == 16, GUARD)
+                    if scrape:
+                        body = await asyncio.to_thread(_get, f"http://127.0.0.1:{scrape}/metrics")
+                        assert f'densedev_pool_devices{{health="Healthy",resource="{RESOURCE}"}}' in body
+                finally:
+                    child.send_signal(signal.SIGTERM)
+                    code = child.wait(GUARD)
+                err.seek(0)
+                text = err.read().decode()
+            assert code == 0, text[-3000:]
+            return text
+        finally:
+            await emulator.stop()
+
+    stderr = run(main())
+    modules = set(_IMPORTED.findall(stderr))
+    assert "densedev.daemon" in modules, stderr[-3000:]  # the parse saw the run's own imports
+    return modules
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=GUARD) as response:
+        return str(response.read().decode())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def unwanted(modules: set[str]) -> list[str]:
+    """The modules of ``modules`` a device-plugin-only run must not import."""
+    return sorted(
+        m for m in modules if any(m == n or m.startswith(n + ".") for n in NOT_FOR_DEVICE_PLUGIN_ONLY)
+    )
+
+
+def test_a_device_plugin_only_run_imports_neither_metrics_nor_dra_nor_test_helpers(
+    run: Run, node: tuple[Path, Path], kdir: Path, child_env: dict[str, str]
+) -> None:
+    modules = imported_by_run(run, node, kdir, child_env)
+    assert unwanted(modules) == []
+    if accel.IMPLEMENTATION == "cython":  # the child runs what this process runs (same environment)
+        assert "densedev._fast_py" not in modules  # the twin is the fallback, not a dependency
+
+
+def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need(
+    run: Run, node: tuple[Path, Path], kdir: Path, child_env: dict[str, str]
+) -> None:
+    # The other side of the test above: the same run serving /metrics imports prometheus-client once
+    # scraped (so the parse of -X importtime sees lazy imports), and still none of the rest.
+    port = _free_port()
+    modules = imported_by_run(run, node, kdir, child_env, "--metrics-addr", f"127.0.0.1:{port}", scrape=port)
+    assert "prometheus_client" in modules
+    assert [m for m in unwanted(modules) if not m.startswith("prometheus_client")] == []
+
+
+def test_run_keeps_the_cyclic_gc_off_while_it_starts_and_on_afterwards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Start-up's objects live as long as the daemon: collections over them before gc.freeze() were a
+    # tenth of the start's CPU at 4,096 VFs.  Whatever the command did, the process must leave with
+    # the GC on again, or the daemon would never collect a cycle.
+    seen: list[bool] = []
+
+    def fake_run(coro: Any) -> int:
+        coro.close()
+        seen.append(gc.isenabled())
+        return 0
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr("uvloop.run", fake_run)
+    try:
+        assert gc.isenabled()
+        assert cli.main(["run", "--config", "/nonexistent.json"]) == 0
+        assert seen == [False] and gc.isenabled()
+    finally:
+        sys.setswitchinterval(before)
+        gc.enable()
