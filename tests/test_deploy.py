@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -540,6 +541,36 @@ def test_ci_builds_and_runs_the_image() -> None:
     # Always from scratch (podman 4.3 reuses stale layers) with the CA bundle mounted, never copied.
     assert "--no-cache" in script and "ca-certificates.crt:ro" in script
     assert "BUILD_IMAGE=" in script and "RUNTIME_IMAGE=" in script
+
+
+def test_api_server_stand_in_runs_as_the_image_check_runs_it(tmp_path: Path) -> None:
+    # The DRA run starts the stand-in as a process holding a Node, a claim and a token.
+    import urllib.error
+    import urllib.request
+
+    from densedev.testing.dra_kubelet import allocated_claim
+
+    result = {"request": "nic", "driver": "net.densedev.io", "pool": "n1", "device": "pci-0000-19-00-2"}
+    claim = allocated_claim("default", "c1", "0f0f0f0f-0000-4000-8000-000000000001", [result])
+    (tmp_path / "claim.json").write_text(json.dumps(claim))
+    command = [sys.executable, "-m", "densedev.testing.apiserver", "--node", "n1", "--token", "s3cret"]
+    command += ["--claim", str(tmp_path / "claim.json"), "--no-validate"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c1"
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(url + path, timeout=10)
+            request = urllib.request.Request(url + path, headers={"Authorization": "Bearer s3cret"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert json.load(response) == claim
+            request = urllib.request.Request(url + "/api/v1/nodes/n1", headers=request.headers)
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert json.load(response)["metadata"]["name"] == "n1"
+        finally:
+            proc.send_signal(signal.SIGINT)  # its way out
+            assert proc.wait(timeout=30) == 0
 
 
 # ------------------------------------------------------------------------------------- privilege
