@@ -541,6 +541,95 @@ def test_ci_builds_and_runs_the_image() -> None:
     # Always from scratch (podman 4.3 reuses stale layers) with the CA bundle mounted, never copied.
     assert "--no-cache" in script and "ca-certificates.crt:ro" in script
     assert "BUILD_IMAGE=" in script and "RUNTIME_IMAGE=" in script
+    # The DRA mode runs the overlay's DaemonSet as kustomize renders it.
+    assert 'kubectl kustomize deploy/overlays/dra > "$WORK/dra.yaml"' in script
+    assert '--dra-manifest "$WORK/dra.yaml"' in script
+
+
+def dra_image_run_args(pod: dict[str, Any], **kw: Any) -> list[str]:
+    """Return the podman options and command the image check derives for the DRA overlay's pod."""
+    ic = load_image_check()
+    names = ("device-plugins", "pod-resources", "sys", "config", "cdi", "plugins-registry", "dra-plugin")
+    volumes = {name: ic.Volume(Path(f"/node/{name}")) for name in names}
+    options: dict[str, Any] = {
+        "network": "ns:/run/netns/node",
+        "mount_paths": {"/sys": "/host/sys", DRA_PLUGIN_DIR: "/node/plugins/net.densedev.io"},
+        "extra_args": ["--sysfs-root=/host/sys", "--kubelet-plugins-dir=/node/plugins"],
+        "field_refs": {"spec.nodeName": "node-a"},
+        "kubeconfig": Path("/node/kube/kubeconfig"),
+    }
+    args: list[str] = ic.container_args(pod, volumes, **(options | kw))
+    return args
+
+
+def test_ci_runs_the_dra_container_as_the_overlay_asks() -> None:
+    objs = build("overlays/dra")
+    args = dra_image_run_args(pod_spec(objs))
+    split = args.index("--entrypoint=densedev") + 1
+    options, command = args[:split], args[split:]
+    base = set(image_run_args(base_pod())[: image_run_args(base_pod()).index("--entrypoint=densedev") + 1])
+    # The base container's options, plus what the overlay adds; the DRA plugin directory at its host
+    # path, as on a node (the kubelet dials the socket at the path the plugin names).
+    assert set(options) - base == {
+        "--env=NODE_NAME=node-a",  # the downward API's spec.nodeName
+        f"--volume=/node/cdi:{CDI_DIR}:rw",
+        f"--volume=/node/plugins-registry:{PLUGINS_REGISTRY_DIR}:rw",
+        "--volume=/node/dra-plugin:/node/plugins/net.densedev.io:rw",
+        # In-cluster credentials cannot reach the stand-in: a kubeconfig naming it, read-only.
+        "--volume=/node/kube:/etc/densedev-kubeconfig:ro",
+    }
+    assert command[: len(container(objs)["args"])] == container(objs)["args"]
+    assert command[len(container(objs)["args"]) :] == [
+        "--sysfs-root=/host/sys",
+        "--kubelet-plugins-dir=/node/plugins",
+        "--kubeconfig=/etc/densedev-kubeconfig/kubeconfig",
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kubeconfig": None},  # the pod mounts a token the check cannot give
+        {"field_refs": {}},  # NODE_NAME from a field the check was not told
+        {"field_refs": {"status.podIP": "10.0.0.1"}},
+    ],
+    ids=["no-kubeconfig", "no-node-name", "other-field"],
+)
+def test_ci_refuses_a_dra_run_it_cannot_reproduce(change: dict[str, Any]) -> None:
+    with pytest.raises(load_image_check().CheckFailed):
+        dra_image_run_args(pod_spec(build("overlays/dra")), **change)
+
+
+def test_ci_gives_api_credentials_only_to_a_pod_that_has_them() -> None:
+    with pytest.raises(load_image_check().CheckFailed, match="no API-server credentials"):
+        image_run_args(base_pod(), kubeconfig=Path("/node/kube/kubeconfig"))
+
+
+def test_ci_dra_run_expects_what_the_daemon_publishes(tmp_path: Path) -> None:
+    # The DRA run's expectations (which pools move, the device names in the slices) are written from
+    # the layout and docs/dra.md; here they must match what the daemon builds and publishes.
+    from densedev.dra import slices
+    from densedev.node import scanner as discovery
+    from densedev.pools import select as selectors
+    from densedev.testing import simnode
+
+    ic = load_image_check()
+    layout = simnode.build_node(tmp_path / "sys", pfs=6, vfs_per_pf=3)
+    (tmp_path / "config").mkdir()
+    simnode.write_config(tmp_path / "config" / "config.json", layout, prefix=ic.PREFIX)
+    kubelet_dir = tmp_path / "kubelet-dra" / "device-plugins"
+    kubelet_dir.mkdir(parents=True)
+    node = ic.Node(tmp_path / "sys", tmp_path / "config", kubelet_dir, "ns", layout)
+    dp_pools, dra_pools = ic.split_apis(layout)
+    node = ic.write_dra_config(node, dra_pools)
+    cfg = config.load(node.config_dir / "config.json")
+    assert cfg.dra_driver_name == ic.DRA_DRIVER
+    assert {p.full_name for p in cfg.pools if p.api is PoolApi.DEVICE_PLUGIN} == set(dp_pools)
+    pools = selectors.build_pools(cfg, discovery.scan(tmp_path / "sys").devices)
+    published = slices.build_slices(ic.DRA_NODE, cfg.dra_driver_name, slices.dra_pools(pools))
+    names = {d["name"] for s in published for d in s["spec"]["devices"]}
+    assert names == {ic.dra_device_name(a) for ids in dra_pools.values() for a in ids}
+    assert len(names) == 15  # 5 of the 6 PFs' VFs: the first PF's pool stays on the device plugin API
 
 
 def test_api_server_stand_in_runs_as_the_image_check_runs_it(tmp_path: Path) -> None:
