@@ -381,11 +381,20 @@ async def container(engine: Engine, image: str, args: Sequence[str], mode: str) 
 
 
 async def check_probes(
-    engine: Engine, name: str, pod: Mapping[str, Any], node: Node, port: int, mode: str
+    engine: Engine,
+    name: str,
+    pod: Mapping[str, Any],
+    node: Node,
+    port: int,
+    mode: str,
+    read_only: Sequence[str] = (),
 ) -> list[str]:
-    """Check the process's confinement from the host and the health endpoints; return what they showed."""
+    """Check the process's confinement from the host and the health endpoints; return what they showed.
+
+    ``read_only`` names container paths mounted read-only beyond the root, sysfs and config.
+    """
     pid = int((await engine.acall("inspect", "--format={{.State.Pid}}", name)).strip())
-    summary = confined(pid, memory_limit(pod))
+    summary = confined(pid, memory_limit(pod), read_only)
     await wait_http_ok(node.netns, port, "/healthz")
     body = await wait_http_ok(node.netns, port, "/readyz")
     return [
@@ -723,7 +732,8 @@ async def run_dra_container(
             )
             log.append(f"{mode}: health stream: {len(expected)} devices HEALTHY at the kubelet")
             log += await prepare_claim(dra_kubelet, side, claim, resource, address, mode)
-            log += await check_probes(engine, name, pod, node, port, mode)
+            kubeconfig_dir = str(KUBECONFIG_IN_CONTAINER.parent)
+            log += await check_probes(engine, name, pod, node, port, mode, [kubeconfig_dir])
             log.append(
                 await terminate(
                     engine, name, pod, mode, [node.kubelet_dir, side.registry_dir, side.plugins_dir]
@@ -790,11 +800,12 @@ def _cgroup_memory_limit(pid: int) -> int | None:
     raise CheckFailed(f"no memory cgroup for pid {pid}")
 
 
-def confined(pid: int, limit: int | None) -> str:
+def confined(pid: int, limit: int | None, read_only: Sequence[str] = ()) -> str:
     """Check from the host what the kernel holds for the container's process; return a summary line.
 
     UID 0 with every capability set empty (``drop: [ALL]``), no_new_privs, a seccomp filter
-    (RuntimeDefault), a read-only root and read-only sysfs and config mounts, and the memory limit.
+    (RuntimeDefault), a read-only root, read-only sysfs and config mounts (and ``read_only``), and the
+    memory limit.
     """
     status = dict(
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
@@ -809,15 +820,16 @@ def confined(pid: int, limit: int | None) -> str:
         f[4]: set(f[5].split(","))
         for f in map(str.split, Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
     }
-    for target, mode in (("/", "ro"), (SYSFS_IN_CONTAINER, "ro"), ("/etc/densedev", "ro")):
-        if mode not in options.get(target, set()):
-            raise CheckFailed(f"{target} is not mounted {mode} in the container: {options.get(target)}")
+    for target in ("/", SYSFS_IN_CONTAINER, "/etc/densedev", *read_only):
+        if "ro" not in options.get(target, set()):
+            raise CheckFailed(f"{target} is not mounted read-only in the container: {options.get(target)}")
     cgroup_limit = _cgroup_memory_limit(pid)
     if cgroup_limit != limit:
         raise CheckFailed(f"memory limit of the container's cgroup is {cgroup_limit}, the manifest's {limit}")
     rss = int(status["VmRSS"].split()[0]) / 1024
     return (
-        f"pid {pid}: uid 0, no capabilities, no_new_privs, seccomp filter, read-only root/sysfs/config, "
+        f"pid {pid}: uid 0, no capabilities, no_new_privs, seccomp filter, read-only root/sysfs/config"
+        f"{''.join(f', {path}' for path in read_only)}, "
         f"memory limit {limit} bytes; resident {rss:.0f} MiB"
     )
 
@@ -876,6 +888,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, required=True, help="an empty directory for the nodes")
     args = parser.parse_args(argv)
     for ns in stale_namespaces():
+        # A killed run's API-server stand-in still serves in its namespace (its containers are removed
+        # by label in image.sh): end what runs there before the name goes.
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", ns], check=False)
     try:
         for line in uvloop.run(check(args)):
