@@ -7,7 +7,9 @@
 # No registry is reachable from CI, so no base image can be pulled: both bases are made here from
 # Debian packages with mmdebstrap (the mirror list is the machine's own apt sources), imported into
 # podman, and the project's Dockerfile is built on them with --no-cache.  Then .ci/image_check.py runs
-# the image with the DaemonSet's security context against a simulated node and the kubelet emulator.
+# the image with the DaemonSet's security context against a simulated node and the kubelet emulator,
+# and in DRA mode as deploy/overlays/dra runs it, with the DRA kubelet emulator and the API-server
+# stand-in (the same image: no second build).
 # Needs root (as CI runs).  Every container and image made here carries the label below and is removed
 # on exit, and at start too, in case an earlier run was killed before it could clean up
 # (DENSEDEV_IMAGE_KEEP=1 keeps the images of a run for inspection; the next run still removes them).
@@ -210,8 +212,20 @@ inspect_s=$(elapsed "$t")
 step "run: the DaemonSet's container against a simulated node and the kubelet emulator"
 t=$SECONDS
 mkdir -p "$WORK/check"
+# The DRA mode runs deploy/overlays/dra's DaemonSet as a cluster would receive it, rendered by kubectl's
+# kustomize (as tests/test_deploy.py renders every overlay), beside the API-server stand-in and the DRA
+# kubelet emulator.  Without kubectl that run is skipped with a line saying so, except under CI.
+dra=()
+if command -v kubectl > /dev/null; then
+    kubectl kustomize deploy/overlays/dra > "$WORK/dra.yaml"
+    dra=(--dra-manifest "$WORK/dra.yaml")
+elif [ "${CI:-}" = true ]; then
+    fail "kubectl is needed to render deploy/overlays/dra for the DRA-mode run"
+else
+    echo "image: DRA-mode run skipped: no kubectl to render deploy/overlays/dra" >&2
+fi
 "$PY" .ci/image_check.py --engine podman --image "$IMAGE" --label "$LABEL" \
-    --manifest deploy/base/daemonset.yaml --work "$WORK/check"
+    --manifest deploy/base/daemonset.yaml "${dra[@]}" --work "$WORK/check"
 run_s=$(elapsed "$t")
 
 printf 'image: install %s s; base images %s s (build %s MB, runtime %s MB); image build %s s (%s MB); ' \

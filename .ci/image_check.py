@@ -17,20 +17,39 @@ with exit code 0 and removes its sockets, and its log holds no traceback.  The f
 ``--no-netlink``; the second runs the manifest's own arguments (netlink on) and also takes a PF link
 down and up, which the emulator must see as that PF's VFs turning Unhealthy and Healthy again.
 
+With ``--dra-manifest`` (deploy/overlays/dra rendered by kustomize) a third run serves the same node
+in DRA mode: the first pool stays on the device plugin API, every other moves to ``"api": "dra"``.
+Beside the kubelet emulator run the DRA kubelet emulator (``densedev.testing.dra_kubelet``, watching
+the registry directory) and the API-server stand-in (``python -m densedev.testing.apiserver``, in the
+node's network namespace, where the pod's host network reaches it).  It checks: the device-plugin pool
+registered with its list, the DRA plugin registered, the node's ResourceSlices hold exactly the DRA
+pools' devices (named from docs/dra.md, not by densedev's function), the health stream holds them
+Healthy, a claim allocated one device is prepared through the emulator into a CDI spec on the host that
+gives the device's ``PCIDEVICE_*`` variable and is gone after NodeUnprepareResources, and the same
+probes, confinement and SIGTERM checks.  Two more deviations, named where they are made: the
+ServiceAccount token becomes a kubeconfig naming the stand-in (mounted read-only), and the driver's
+directory is mounted at its host path here too, under a simulated kubelet directory, with
+``--kubelet-plugins-dir`` naming it (the kubelet dials the DRA socket at the path the plugin names).
+
     python .ci/image_check.py --image REF [--engine podman] [--manifest deploy/base/daemonset.yaml]
+        [--dra-manifest RENDERED-OVERLAY] --work DIR
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
+import secrets
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -42,12 +61,17 @@ from densedev import cli
 from densedev.model import HEALTHY, UNHEALTHY
 from densedev.ops.metrics import parse_addr
 from densedev.testing import netns, simnode
+from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
 from densedev.testing.kubelet import KubeletEmulator
 
 PREFIX = "intel.com"  # simnode.write_config's resourcePrefix
 GUARD_S = 60.0  # turns a hang into a failure; nothing here asserts speed
 NS_PREFIX = "densedev-ci"
 SYSFS_IN_CONTAINER = "/host/sys"
+KUBECONFIG_IN_CONTAINER = Path("/etc/densedev-kubeconfig/kubeconfig")
+DRA_DRIVER = "net.densedev.io"  # the DRA overlay's draDriverName (its config and the driver's mount)
+DRA_NODE = "densedev-ci-node"
+DRA_PLUGINS_DIR = "/var/lib/kubelet/plugins"
 
 
 class CheckFailed(Exception):
@@ -113,13 +137,17 @@ def container_args(
     network: str,
     mount_paths: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    field_refs: Mapping[str, str] | None = None,
+    kubeconfig: Path | None = None,
 ) -> list[str]:
     """Return the ``podman run`` options and command that run the pod's only container as a node would.
 
     ``volumes`` gives each pod volume's host directory here; ``mount_paths`` moves a mount to another
     container path; ``extra_args`` are appended to the container's arguments, where argparse lets the
-    last occurrence of a flag win (as the kustomize components do).  Raises ``CheckFailed`` on any
-    field of the manifest it cannot reproduce.
+    last occurrence of a flag win (as the kustomize components do); ``field_refs`` gives the value of
+    each downward-API field an env var takes (``spec.nodeName``); ``kubeconfig`` stands in for the
+    ServiceAccount token of a pod that mounts one.  Raises ``CheckFailed`` on any field of the manifest
+    it cannot reproduce.
     """
     [c] = pod["containers"]
     unknown = set(c) - _CONTAINER_KNOWN - _CONTAINER_IGNORED
@@ -156,7 +184,17 @@ def container_args(
     out += [f"--cap-drop={cap}" for cap in caps.get("drop", [])]
     out += [f"--cap-add={cap}" for cap in caps.get("add", [])]
 
-    out += [f"--env={e['name']}={e['value']}" for e in c.get("env", [])]
+    out += [f"--env={e['name']}={_env_value(e, field_refs or {})}" for e in c.get("env", [])]
+    # In-cluster credentials (the token the kubelet mounts, KUBERNETES_SERVICE_HOST) cannot point at a
+    # stand-in on this host: a kubeconfig naming it is mounted read-only and given with --kubeconfig.
+    automount = pod.get("automountServiceAccountToken", True)
+    if automount and kubeconfig is None:
+        raise CheckFailed("the pod mounts a ServiceAccount token: give the check a kubeconfig instead")
+    if not automount and kubeconfig is not None:
+        raise CheckFailed("the pod has no API-server credentials, yet the check was given a kubeconfig")
+    if kubeconfig is not None:
+        out.append(f"--volume={kubeconfig.parent}:{KUBECONFIG_IN_CONTAINER.parent}:ro")
+        extra_args = [*extra_args, f"--kubeconfig={KUBECONFIG_IN_CONTAINER}"]
     limits = c.get("resources", {}).get("limits", {})
     if "memory" in limits:
         out.append(f"--memory={_quantity_bytes(limits['memory'])}")
@@ -180,6 +218,16 @@ def container_args(
         raise CheckFailed("the container must set command (the image's ENTRYPOINT is not assumed)")
     out += [f"--entrypoint={command[0]}"]
     return [*out, *command[1:], *c.get("args", []), *extra_args]
+
+
+def _env_value(env: Mapping[str, Any], field_refs: Mapping[str, str]) -> str:
+    """Return an env var's value: a literal, or a downward-API field the check was given."""
+    if set(env) == {"name", "value"}:
+        return str(env["value"])
+    ref = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    if set(env) != {"name", "valueFrom"} or ref not in field_refs:
+        raise CheckFailed(f"env {env.get('name')!r}: not reproduced (a literal or a given fieldRef only)")
+    return field_refs[ref]
 
 
 def expected_pools(layout: simnode.NodeLayout) -> dict[str, set[str]]:
@@ -223,12 +271,17 @@ class Engine:
         return await asyncio.to_thread(self.call, *args, check=check, timeout=timeout)
 
 
-def http_status(ns: str, port: int, path: str) -> tuple[int, str]:
-    """GET ``http://127.0.0.1:port/path`` from inside network namespace ``ns``: (status, body)."""
+def http_status(ns: str, port: int, path: str, token: str | None = None) -> tuple[int, str]:
+    """GET ``http://127.0.0.1:port/path`` from inside network namespace ``ns``: (status, body).
+
+    ``token`` is sent as a bearer token (the API-server stand-in asks for one).
+    """
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     probe = (
         "import sys, urllib.request, urllib.error\n"
         "try:\n"
-        f"    r = urllib.request.urlopen('http://127.0.0.1:{port}{path}', timeout=5)\n"
+        f"    q = urllib.request.Request('http://127.0.0.1:{port}{path}', headers={headers!r})\n"
+        "    r = urllib.request.urlopen(q, timeout=5)\n"
         "    print(r.status); print(r.read().decode())\n"
         "except urllib.error.HTTPError as e:\n"
         "    print(e.code); print(e.read().decode())\n"
@@ -282,7 +335,7 @@ def fresh_kubelet_dir(node: Node, run: str) -> Node:
     return dataclasses.replace(node, kubelet_dir=kubelet_dir)
 
 
-async def wait_for(kubelet: KubeletEmulator, what: str, predicate: Any) -> None:
+async def wait_for(kubelet: KubeletEmulator | DraKubelet, what: str, predicate: Any) -> None:
     """Wait for the emulator's state to satisfy ``predicate``; CheckFailed names ``what`` on expiry."""
     try:
         await kubelet.wait_for(predicate, GUARD_S)
@@ -290,90 +343,33 @@ async def wait_for(kubelet: KubeletEmulator, what: str, predicate: Any) -> None:
         raise CheckFailed(f"{what}: not seen within {GUARD_S:.0f} s") from None
 
 
-async def run_container(
-    engine: Engine, image: str, pod: Mapping[str, Any], node: Node, *, netlink: bool, log: list[str]
-) -> None:
-    """Run the DaemonSet's container once against ``node`` and check what the kubelet emulator sees."""
-    mode = "netlink" if netlink else "no-netlink"
-    name = f"{NS_PREFIX}-{mode}-{os.getpid()}"
-    args = container_args(
-        pod,
-        {
-            "device-plugins": Volume(node.kubelet_dir),
-            "pod-resources": Volume(node.kubelet_dir.parent / "pod-resources"),
-            "sys": Volume(node.sysfs),
-            "config": Volume(node.config_dir),
-        },
-        network=f"ns:/run/netns/{node.netns}",
-        mount_paths={"/sys": SYSFS_IN_CONTAINER},
-        extra_args=[f"--sysfs-root={SYSFS_IN_CONTAINER}", *(() if netlink else ("--no-netlink",))],
-    )
-    # Where the probes go: the daemon's own parser reads the command line (the last flag wins).
-    # (The parser checks that --sysfs-root exists: the container's mount point does not on the host.)
+def probe_port(args: Sequence[str]) -> int:
+    """Return the port of the daemon's health endpoints, read from its command line by its own parser."""
+    # The last flag wins, as for the daemon; the parser checks that --sysfs-root exists, and the
+    # container's mount point does not on the host.
     command = [a for a in args[_entrypoint(args) + 1 :] if not a.startswith("--sysfs-root=")]
     host, port = parse_addr(cli.build_parser().parse_args(command).metrics_addr)
     if host not in ("", "127.0.0.1"):
         raise CheckFailed(f"metrics address {host}:{port}: the probes reach 127.0.0.1 only")
-    expected = expected_pools(node.layout)
-    kubelet = KubeletEmulator(
-        node.kubelet_dir, pod_resources_socket=node.kubelet_dir.parent / "pod-resources" / "kubelet.sock"
-    )
-    await kubelet.start()
+    return port
+
+
+@contextlib.asynccontextmanager
+async def container(engine: Engine, image: str, args: Sequence[str], mode: str) -> AsyncIterator[str]:
+    """Run the container detached for the block's checks; yield its name; remove it afterwards.
+
+    Whatever goes wrong inside (a refused call, an engine call that hung), the container's own account
+    is printed first, then one CheckFailed line says which check failed.
+    """
+    name = f"{NS_PREFIX}-{mode}-{os.getpid()}"
     started = False
     try:
         await engine.acall(
             "run", "--detach", f"--name={name}", f"--label={engine.label}", *_split(args, image)
         )
         started = True
-        await wait_for(
-            kubelet,
-            f"{mode}: every pool registered with its full device list, all Healthy",
-            lambda: all(
-                kubelet.devices(r).keys() == ids and set(kubelet.devices(r).values()) == {HEALTHY}
-                for r, ids in expected.items()
-            ),
-        )
-        registered = set(kubelet.resources())
-        if registered != set(expected) or kubelet.refusals:
-            raise CheckFailed(f"{mode}: registered {sorted(registered)}, refusals {kubelet.refusals}")
-        total = sum(len(ids) for ids in expected.values())
-        log.append(f"{mode}: {len(expected)} pools registered, {total} devices listed, all Healthy")
-
-        pid = int((await engine.acall("inspect", "--format={{.State.Pid}}", name)).strip())
-        log.append(f"{mode}: {confined(pid, memory_limit(pod))}")
-
-        await wait_http_ok(node.netns, port, "/healthz")
-        body = await wait_http_ok(node.netns, port, "/readyz")
-        log.append(f"{mode}: /healthz 200, /readyz 200 on 127.0.0.1:{port} ({body.splitlines()[0][:60]})")
-
-        resource = next(iter(expected))
-        ids = sorted(expected[resource])[:2]
-        response = await kubelet.allocate(resource, ids)
-        got = response.envs.get(env_name(resource), "")
-        if sorted(got.split(",")) != ids:
-            raise CheckFailed(f"{mode}: Allocate {resource} {ids}: {env_name(resource)}={got!r}")
-        log.append(f"{mode}: Allocate {resource} {ids} -> {env_name(resource)}={got}")
-
-        if netlink:
-            await flip_pf(kubelet, node, mode, log)
-
-        await engine.acall("kill", "--signal=TERM", name)
-        grace = float(pod.get("terminationGracePeriodSeconds", 30))
-        code = (await engine.acall("wait", name, timeout=grace + 10)).strip()
-        if code != "0":
-            raise CheckFailed(f"{mode}: exit code {code} after SIGTERM (want 0)")
-        left = sorted(
-            p.name for p in node.kubelet_dir.iterdir() if p.is_socket() and p.name != "kubelet.sock"
-        )
-        if left:
-            raise CheckFailed(f"{mode}: sockets left in the kubelet dir after SIGTERM: {left}")
-        logs = await asyncio.to_thread(engine.logs, name)
-        if "Traceback" in logs:
-            raise CheckFailed(f"{mode}: the daemon's log holds a traceback:\n{logs[-3000:]}")
-        log.append(f"{mode}: SIGTERM -> exit 0, sockets removed, no traceback in the log")
+        yield name
     except Exception as exc:
-        # Whatever went wrong (a refused Allocate, an engine call that hung), the container's own
-        # account comes first, then one line saying which check failed.
         if started:
             tail = "\n".join((await asyncio.to_thread(engine.logs, name)).splitlines()[-30:])
             print(f"--- last log lines of {name}:\n{tail}", file=sys.stderr)
@@ -381,8 +377,371 @@ async def run_container(
             raise
         raise CheckFailed(f"{mode}: {type(exc).__name__}: {exc}") from exc
     finally:
-        await kubelet.stop()
         await engine.acall("rm", "--force", "--time=0", name, check=False)
+
+
+async def check_probes(
+    engine: Engine,
+    name: str,
+    pod: Mapping[str, Any],
+    node: Node,
+    port: int,
+    mode: str,
+    read_only: Sequence[str] = (),
+) -> list[str]:
+    """Check the process's confinement from the host and the health endpoints; return what they showed.
+
+    ``read_only`` names container paths mounted read-only beyond the root, sysfs and config.
+    """
+    pid = int((await engine.acall("inspect", "--format={{.State.Pid}}", name)).strip())
+    summary = confined(pid, memory_limit(pod), read_only)
+    await wait_http_ok(node.netns, port, "/healthz")
+    body = await wait_http_ok(node.netns, port, "/readyz")
+    return [
+        f"{mode}: {summary}",
+        f"{mode}: /healthz 200, /readyz 200 on 127.0.0.1:{port} ({body.splitlines()[0][:60]})",
+    ]
+
+
+async def terminate(
+    engine: Engine, name: str, pod: Mapping[str, Any], mode: str, socket_dirs: Sequence[Path]
+) -> str:
+    """SIGTERM the container as the kubelet does; check exit 0, its sockets removed, no traceback."""
+    await engine.acall("kill", "--signal=TERM", name)
+    grace = float(pod.get("terminationGracePeriodSeconds", 30))
+    code = (await engine.acall("wait", name, timeout=grace + 10)).strip()
+    if code != "0":
+        raise CheckFailed(f"{mode}: exit code {code} after SIGTERM (want 0)")
+    left = sorted(
+        str(p)
+        for d in socket_dirs
+        for p in d.rglob("*")
+        if p.is_socket() and p.name != "kubelet.sock"  # the kubelet's own, not the daemon's
+    )
+    if left:
+        raise CheckFailed(f"{mode}: sockets left after SIGTERM: {left}")
+    logs = await asyncio.to_thread(engine.logs, name)
+    if "Traceback" in logs:
+        raise CheckFailed(f"{mode}: the daemon's log holds a traceback:\n{logs[-3000:]}")
+    return f"{mode}: SIGTERM -> exit 0, sockets removed, no traceback in the log"
+
+
+def node_volumes(node: Node) -> dict[str, Volume]:
+    """Return the base DaemonSet's volumes as the simulated node's directories."""
+    return {
+        "device-plugins": Volume(node.kubelet_dir),
+        "pod-resources": Volume(node.kubelet_dir.parent / "pod-resources"),
+        "sys": Volume(node.sysfs),
+        "config": Volume(node.config_dir),
+    }
+
+
+async def wait_registered(kubelet: KubeletEmulator, expected: Mapping[str, set[str]], mode: str) -> str:
+    """Wait until every expected pool is registered with its full list, all Healthy; return a summary."""
+    await wait_for(
+        kubelet,
+        f"{mode}: every pool registered with its full device list, all Healthy",
+        lambda: all(
+            kubelet.devices(r).keys() == ids and set(kubelet.devices(r).values()) == {HEALTHY}
+            for r, ids in expected.items()
+        ),
+    )
+    registered = set(kubelet.resources())
+    if registered != set(expected) or kubelet.refusals:
+        raise CheckFailed(f"{mode}: registered {sorted(registered)}, refusals {kubelet.refusals}")
+    total = sum(len(ids) for ids in expected.values())
+    return f"{mode}: {len(expected)} pools registered, {total} devices listed, all Healthy"
+
+
+async def check_allocate(kubelet: KubeletEmulator, expected: Mapping[str, set[str]], mode: str) -> str:
+    """Allocate two devices of the first pool; the answer must name them in its PCIDEVICE_ variable."""
+    resource = next(iter(expected))
+    ids = sorted(expected[resource])[:2]
+    response = await kubelet.allocate(resource, ids)
+    got = response.envs.get(env_name(resource), "")
+    if sorted(got.split(",")) != ids:
+        raise CheckFailed(f"{mode}: Allocate {resource} {ids}: {env_name(resource)}={got!r}")
+    return f"{mode}: Allocate {resource} {ids} -> {env_name(resource)}={got}"
+
+
+def _kubelet(node: Node) -> KubeletEmulator:
+    return KubeletEmulator(
+        node.kubelet_dir, pod_resources_socket=node.kubelet_dir.parent / "pod-resources" / "kubelet.sock"
+    )
+
+
+async def run_container(
+    engine: Engine, image: str, pod: Mapping[str, Any], node: Node, *, netlink: bool, log: list[str]
+) -> None:
+    """Run the DaemonSet's container once against ``node`` and check what the kubelet emulator sees."""
+    mode = "netlink" if netlink else "no-netlink"
+    args = container_args(
+        pod,
+        node_volumes(node),
+        network=f"ns:/run/netns/{node.netns}",
+        mount_paths={"/sys": SYSFS_IN_CONTAINER},
+        extra_args=[f"--sysfs-root={SYSFS_IN_CONTAINER}", *(() if netlink else ("--no-netlink",))],
+    )
+    port = probe_port(args)
+    expected = expected_pools(node.layout)
+    kubelet = _kubelet(node)
+    await kubelet.start()
+    try:
+        async with container(engine, image, args, mode) as name:
+            log.append(await wait_registered(kubelet, expected, mode))
+            log += await check_probes(engine, name, pod, node, port, mode)
+            log.append(await check_allocate(kubelet, expected, mode))
+            if netlink:
+                await flip_pf(kubelet, node, mode, log)
+            log.append(await terminate(engine, name, pod, mode, [node.kubelet_dir]))
+    finally:
+        await kubelet.stop()
+
+
+@dataclass(frozen=True)
+class DraSide:
+    """The DRA run's host side: the kubelet's plugin directories, the CDI dir and the API-server access."""
+
+    registry_dir: Path  # the kubelet's plugins_registry: the plugin watcher walks it
+    plugins_dir: Path  # the kubelet's plugins dir; the driver's own directory is mounted from it
+    cdi_dir: Path
+    kubeconfig: Path  # names the API-server stand-in, with a bearer token
+    token: str
+
+
+def split_apis(layout: simnode.NodeLayout) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Return the DRA run's pools: (device-plugin API, DRA). The first pool stays, every other moves."""
+    pools = expected_pools(layout)
+    first = next(iter(pools))
+    return {first: pools.pop(first)}, pools
+
+
+def dra_device_name(address: str) -> str:
+    """Return the ResourceSlice device name of a PCI address (``0000:19:00.2`` -> ``pci-0000-19-00-2``).
+
+    Written from docs/dra.md, not with the daemon's function, so that a wrong name in the image shows.
+    """
+    return "pci-" + address.replace(":", "-").replace(".", "-")
+
+
+def write_dra_config(node: Node, dra_pools: Mapping[str, set[str]]) -> Node:
+    """Return ``node`` with a config of its own: the same pools, those of ``dra_pools`` with api dra."""
+    doc = json.loads((node.config_dir / "config.json").read_text())
+    for pool in doc["resourceList"]:
+        if f"{pool['resourcePrefix']}/{pool['resourceName']}" in dra_pools:
+            pool["api"] = "dra"
+    doc["draDriverName"] = DRA_DRIVER
+    config_dir = node.kubelet_dir.parent / "config"
+    config_dir.mkdir(mode=0o755)
+    (config_dir / "config.json").write_text(json.dumps(doc, indent=1))
+    return dataclasses.replace(node, config_dir=config_dir)
+
+
+def dra_side(node: Node) -> DraSide:
+    """Make the kubelet's DRA directories and the CDI dir beside the run's kubelet directory."""
+    root = node.kubelet_dir.parent
+    registry = root / "plugins_registry"
+    registry.mkdir(mode=0o750)  # as the kubelet's plugin manager creates it
+    plugins = root / "plugins"
+    (plugins / DRA_DRIVER).mkdir(mode=0o755, parents=True)  # hostPath DirectoryOrCreate: 0755
+    cdi_dir = root / "cdi"
+    cdi_dir.mkdir(mode=0o755)
+    kube = root / "kube"
+    kube.mkdir(mode=0o700)
+    return DraSide(registry, plugins, cdi_dir, kube / "kubeconfig", secrets.token_hex(16))
+
+
+@contextlib.asynccontextmanager
+async def api_server(ns: str, side: DraSide, claim: Mapping[str, Any], stderr: Path) -> AsyncIterator[int]:
+    """Run ``python -m densedev.testing.apiserver`` in the node's network namespace; yield its port.
+
+    It holds the Node and an allocated claim (as the scheduler leaves it) and asks for the token; the
+    kubeconfig naming it is written once it listens.  Every write it takes is schema-checked.
+    """
+    claim_file = side.kubeconfig.parent / "claim.json"
+    claim_file.write_text(json.dumps(claim))
+    # subprocess (vfork + exec), not the loop's spawn: a fork() while gRPC's threads run makes gRPC log
+    # "skipping fork() handlers" into the check's output.
+    command = [
+        *("ip", "netns", "exec", ns, sys.executable, "-m", "densedev.testing.apiserver"),
+        *("--node", DRA_NODE, "--token", side.token, "--claim", str(claim_file)),
+    ]
+    with stderr.open("wb") as err, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err) as proc:
+        try:
+            assert proc.stdout is not None
+            # Its first line is its URL; the read returns empty if it exits first.
+            line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), GUARD_S)
+            url = line.decode().strip()
+            if not url.startswith("http://127.0.0.1:"):
+                raise CheckFailed(f"the API-server stand-in did not start: {stderr.read_text()[-2000:]}")
+            kubeconfig = {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "ci", "cluster": {"server": url}}],
+                "users": [{"name": "densedev", "user": {"token": side.token}}],
+                "contexts": [{"name": "ci", "context": {"cluster": "ci", "user": "densedev"}}],
+                "current-context": "ci",
+            }
+            side.kubeconfig.write_text(json.dumps(kubeconfig))
+            os.chmod(side.kubeconfig, 0o600)
+            yield int(url.rsplit(":", 1)[1])
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # its own way out (KeyboardInterrupt)
+                try:
+                    await asyncio.to_thread(proc.wait, 10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+async def wait_slices(ns: str, port: int, side: DraSide, expected: set[str], mode: str) -> str:
+    """Poll the stand-in until the node's ResourceSlices hold exactly the expected devices, once each."""
+    path = f"/apis/resource.k8s.io/v1/resourceslices?fieldSelector=spec.nodeName%3D{DRA_NODE}"
+    deadline = time.monotonic() + GUARD_S
+    seen = f"nothing listed ({path})"
+    while time.monotonic() < deadline:
+        status, body = await asyncio.to_thread(http_status, ns, port, path, side.token)
+        if status == 200:
+            items = json.loads(body)["items"]
+            names = [d["name"] for s in items for d in s["spec"].get("devices") or ()]
+            if len(names) == len(set(names)) and set(names) == expected:
+                pools = {(s["spec"]["driver"], s["spec"]["pool"]["name"]) for s in items}
+                counts = {s["spec"]["pool"]["resourceSliceCount"] for s in items}
+                generations = {s["spec"]["pool"]["generation"] for s in items}
+                if pools != {(DRA_DRIVER, DRA_NODE)} or counts != {len(items)} or len(generations) != 1:
+                    raise CheckFailed(
+                        f"{mode}: slices of pools {pools}, slice counts {counts}, generations {generations}"
+                    )
+                return f"{mode}: {len(names)} devices published in {len(items)} ResourceSlices of one pool"
+            seen = f"{len(items)} slices, {len(names)} devices ({len(set(names) & expected)} expected)"
+        else:
+            seen = f"{status} {body[:200]}"
+        await asyncio.sleep(0.5)
+    raise CheckFailed(f"{mode}: the node's ResourceSlices never held the {len(expected)} devices: {seen}")
+
+
+def cdi_entries(cdi_dir: Path) -> dict[str, dict[str, Any]]:
+    """Return every device entry of the CDI specs in a directory by qualified name (``kind=name``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec_file in cdi_dir.glob("*.json"):
+        spec = json.loads(spec_file.read_text())
+        for device in spec.get("devices", ()):
+            out[f"{spec['kind']}={device['name']}"] = {**device, "file": spec_file.name}
+    return out
+
+
+async def prepare_claim(
+    kubelet: DraKubelet, side: DraSide, claim: Mapping[str, Any], resource: str, address: str, mode: str
+) -> list[str]:
+    """Prepare the claim through the DRA kubelet emulator, check its CDI spec on the host, unprepare it."""
+    meta = claim["metadata"]
+    ref = (meta["namespace"], meta["name"], meta["uid"])
+    answer = (await kubelet.prepare(DRA_DRIVER, [ref]))[meta["uid"]]
+    if answer.error or [(d["pool"], d["device"]) for d in answer.devices] != [
+        (DRA_NODE, dra_device_name(address))
+    ]:
+        raise CheckFailed(f"{mode}: NodePrepareResources answered {answer}")
+    ids = [cdi_id for d in answer.devices for cdi_id in d["cdi"]]
+    entries = cdi_entries(side.cdi_dir)
+    if not ids or not set(ids) <= set(entries):
+        raise CheckFailed(f"{mode}: CDI IDs {ids} not all in the specs on the host ({sorted(entries)[:5]})")
+    # What the runtime gives the container: the env of every CDI device the kubelet was told about.
+    env = {e for cdi_id in ids for e in entries[cdi_id]["containerEdits"].get("env", ())}
+    want = f"{env_name(resource)}={address}"
+    if want not in env:
+        raise CheckFailed(f"{mode}: the claim's CDI devices give {sorted(env)}, not {want}")
+    spec_files = sorted({entries[cdi_id]["file"] for cdi_id in ids})
+    errors = await kubelet.unprepare(DRA_DRIVER, [ref])
+    left = set(ids) & set(cdi_entries(side.cdi_dir))
+    if errors != {meta["uid"]: ""} or left:
+        raise CheckFailed(f"{mode}: NodeUnprepareResources answered {errors}; CDI devices left: {left}")
+    return [
+        f"{mode}: NodePrepareResources {meta['namespace']}/{meta['name']} -> {ids} in "
+        f"{side.cdi_dir.name}/{', '.join(spec_files)} on the host, giving {want}",
+        f"{mode}: NodeUnprepareResources -> its CDI devices removed",
+    ]
+
+
+async def run_dra_container(
+    engine: Engine, image: str, pod: Mapping[str, Any], node: Node, *, log: list[str]
+) -> None:
+    """Run the DRA overlay's container against ``node``, with the stand-in and both kubelet emulators.
+
+    The first pool stays on the device plugin API and every other moves to DRA, as a migration does.
+    """
+    mode = "dra"
+    dp_pools, dra_pools = split_apis(node.layout)
+    node = write_dra_config(node, dra_pools)
+    side = dra_side(node)
+    [container_spec] = pod["containers"]
+    by_volume = {m["name"]: m["mountPath"] for m in container_spec["volumeMounts"]}
+    plugin_mount = by_volume.get("dra-plugin")
+    if plugin_mount != f"{DRA_PLUGINS_DIR}/{DRA_DRIVER}":
+        raise CheckFailed(f"{mode}: the manifest mounts the driver's directory at {plugin_mount}")
+    # The kubelet dials the DRA socket at the path GetInfo names, the container's: a node mounts the
+    # driver's directory at its own host path (tests/test_deploy.py holds the overlay to it), so the
+    # simulated node's is mounted at its host path too, and --kubelet-plugins-dir names its parent.
+    args = container_args(
+        pod,
+        {
+            **node_volumes(node),
+            "cdi": Volume(side.cdi_dir),
+            "plugins-registry": Volume(side.registry_dir),
+            "dra-plugin": Volume(side.plugins_dir / DRA_DRIVER),
+        },
+        network=f"ns:/run/netns/{node.netns}",
+        mount_paths={"/sys": SYSFS_IN_CONTAINER, plugin_mount: str(side.plugins_dir / DRA_DRIVER)},
+        extra_args=[
+            f"--sysfs-root={SYSFS_IN_CONTAINER}",
+            f"--kubelet-plugins-dir={side.plugins_dir}",
+        ],
+        field_refs={"spec.nodeName": DRA_NODE},
+        kubeconfig=side.kubeconfig,
+    )
+    port = probe_port(args)
+    resource = next(iter(dra_pools))
+    address = sorted(dra_pools[resource])[0]
+    uid = str(uuid.uuid4())
+    result = {"request": "nic", "driver": DRA_DRIVER, "pool": DRA_NODE, "device": dra_device_name(address)}
+    claim = allocated_claim("default", "ci-claim", uid, [result])
+    expected = {dra_device_name(a) for ids in dra_pools.values() for a in ids}
+    kubelet = _kubelet(node)
+    dra_kubelet = DraKubelet(side.registry_dir)
+    try:
+        await kubelet.start()
+        await dra_kubelet.start()
+        stand_in = api_server(node.netns, side, claim, node.kubelet_dir.parent / "apiserver.log")
+        async with stand_in as api, container(engine, image, args, mode) as name:
+            log.append(await wait_registered(kubelet, dp_pools, mode))
+            await wait_for(
+                dra_kubelet, f"{mode}: the DRA plugin registered", lambda: DRA_DRIVER in dra_kubelet.plugins
+            )
+            record = dra_kubelet.plugins[DRA_DRIVER]
+            # A refused GetInfo is retried with backoff, as the kubelet's plugin manager does; the
+            # check only says how many there were (the socket may appear before it listens).
+            retried = f" after {len(dra_kubelet.errors)} refused GetInfo" if dra_kubelet.errors else ""
+            log.append(
+                f"{mode}: DRA plugin {DRA_DRIVER} registered through {side.registry_dir.name}/{retried}, "
+                f"{record.version} at {record.endpoint}"
+            )
+            log.append(await wait_slices(node.netns, api, side, expected, mode))
+            await wait_for(
+                dra_kubelet,
+                f"{mode}: the health stream holds every DRA device Healthy",
+                lambda: dra_kubelet.health(DRA_DRIVER) == {(DRA_NODE, d): "HEALTHY" for d in expected},
+            )
+            log.append(f"{mode}: health stream: {len(expected)} devices HEALTHY at the kubelet")
+            log += await prepare_claim(dra_kubelet, side, claim, resource, address, mode)
+            kubeconfig_dir = str(KUBECONFIG_IN_CONTAINER.parent)
+            log += await check_probes(engine, name, pod, node, port, mode, [kubeconfig_dir])
+            log.append(
+                await terminate(
+                    engine, name, pod, mode, [node.kubelet_dir, side.registry_dir, side.plugins_dir]
+                )
+            )
+    finally:
+        await dra_kubelet.stop()
+        await kubelet.stop()
 
 
 def _entrypoint(args: Sequence[str]) -> int:
@@ -441,11 +800,12 @@ def _cgroup_memory_limit(pid: int) -> int | None:
     raise CheckFailed(f"no memory cgroup for pid {pid}")
 
 
-def confined(pid: int, limit: int | None) -> str:
+def confined(pid: int, limit: int | None, read_only: Sequence[str] = ()) -> str:
     """Check from the host what the kernel holds for the container's process; return a summary line.
 
     UID 0 with every capability set empty (``drop: [ALL]``), no_new_privs, a seccomp filter
-    (RuntimeDefault), a read-only root and read-only sysfs and config mounts, and the memory limit.
+    (RuntimeDefault), a read-only root, read-only sysfs and config mounts (and ``read_only``), and the
+    memory limit.
     """
     status = dict(
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
@@ -460,15 +820,16 @@ def confined(pid: int, limit: int | None) -> str:
         f[4]: set(f[5].split(","))
         for f in map(str.split, Path(f"/proc/{pid}/mountinfo").read_text().splitlines())
     }
-    for target, mode in (("/", "ro"), (SYSFS_IN_CONTAINER, "ro"), ("/etc/densedev", "ro")):
-        if mode not in options.get(target, set()):
-            raise CheckFailed(f"{target} is not mounted {mode} in the container: {options.get(target)}")
+    for target in ("/", SYSFS_IN_CONTAINER, "/etc/densedev", *read_only):
+        if "ro" not in options.get(target, set()):
+            raise CheckFailed(f"{target} is not mounted read-only in the container: {options.get(target)}")
     cgroup_limit = _cgroup_memory_limit(pid)
     if cgroup_limit != limit:
         raise CheckFailed(f"memory limit of the container's cgroup is {cgroup_limit}, the manifest's {limit}")
     rss = int(status["VmRSS"].split()[0]) / 1024
     return (
-        f"pid {pid}: uid 0, no capabilities, no_new_privs, seccomp filter, read-only root/sysfs/config, "
+        f"pid {pid}: uid 0, no capabilities, no_new_privs, seccomp filter, read-only root/sysfs/config"
+        f"{''.join(f', {path}' for path in read_only)}, "
         f"memory limit {limit} bytes; resident {rss:.0f} MiB"
     )
 
@@ -482,23 +843,30 @@ def stale_namespaces() -> Iterator[str]:
 
 
 async def check(args: argparse.Namespace) -> list[str]:
-    """Run both container runs; return one line per proven fact."""
+    """Run the container runs; return one line per proven fact."""
     engine = Engine(args.engine, args.label)
     pod = daemonset_pod(args.manifest)
+    dra_pod = daemonset_pod(args.dra_manifest) if args.dra_manifest else None
     log: list[str] = []
     # As the test suite's `run` fixture: an exception the loop saw but nobody awaited (the kubelet
     # emulator's stream tasks) fails the check instead of passing unnoticed.
     loop_errors: list[str] = []
     asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: loop_errors.append(str(ctx)))
-    # One simulated node for both runs: the container only reads its sysfs and config, and each run
-    # gets its own kubelet directory.
+    # One simulated node for every run: the container only reads its sysfs, and each run gets its own
+    # kubelet directory (the DRA run its own config too).
     with netns.namespace(NS_PREFIX) as ns:
         node = await asyncio.to_thread(build_node, args.work, ns)
         for netlink in (False, True):
             run = "netlink" if netlink else "no-netlink"
+            t = time.monotonic()
             await run_container(
                 engine, args.image, pod, fresh_kubelet_dir(node, run), netlink=netlink, log=log
             )
+            log.append(f"{run}: the run took {time.monotonic() - t:.1f} s")
+        if dra_pod is not None:
+            t = time.monotonic()
+            await run_dra_container(engine, args.image, dra_pod, fresh_kubelet_dir(node, "dra"), log=log)
+            log.append(f"dra: the run took {time.monotonic() - t:.1f} s")
     if loop_errors:
         raise CheckFailed(f"unhandled exceptions in the host's event loop: {loop_errors[:3]}")
     return log
@@ -511,9 +879,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", default="podman")
     parser.add_argument("--label", default="io.densedev.ci=image", help="label put on every container")
     parser.add_argument("--manifest", type=Path, default=Path("deploy/base/daemonset.yaml"))
+    parser.add_argument(
+        "--dra-manifest",
+        type=Path,
+        default=None,
+        help="deploy/overlays/dra rendered by `kubectl kustomize`: also run its container (DRA mode)",
+    )
     parser.add_argument("--work", type=Path, required=True, help="an empty directory for the nodes")
     args = parser.parse_args(argv)
     for ns in stale_namespaces():
+        # A killed run's API-server stand-in still serves in its namespace (its containers are removed
+        # by label in image.sh): end what runs there before the name goes.
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=False)
+        for pid in pids.stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", ns], check=False)
     try:
         for line in uvloop.run(check(args)):

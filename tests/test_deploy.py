@@ -8,6 +8,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import pytest
 import yaml
 
 from densedev import cli
+from densedev.model import Config, PoolApi
 from densedev.ops.metrics import parse_addr
 from densedev.pools import config
 
@@ -33,11 +35,15 @@ OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kusto
 TARGETS = ["base", *(f"overlays/{name}" for name in OVERLAYS)]
 # recursiveReadOnly (on the /sys mount) needs Kubernetes 1.30; validate there and on the newest schema.
 K8S_VERSIONS = ("1.30", kubernetes_validate.utils.latest_version())
+# The DRA overlay's DeviceClass is resource.k8s.io/v1, served from Kubernetes 1.34.
+OLDEST = {"overlays/dra": "1.34"}
 
 KUBELET_DIR = "/var/lib/kubelet/device-plugins"
 CDI_DIR = "/var/run/cdi"
 DEVINFO_DIR = "/var/run/k8s.cni.cncf.io/devinfo/dp"
 POD_RESOURCES_DIR = "/var/lib/kubelet/pod-resources"
+PLUGINS_REGISTRY_DIR = "/var/lib/kubelet/plugins_registry"
+DRA_PLUGIN_DIR = "/var/lib/kubelet/plugins/net.densedev.io"  # the kubelet's plugins dir / draDriverName
 
 # What each target must mount: container path → (host path, read-only).  Nothing else may appear.
 BASE_MOUNTS = {
@@ -52,7 +58,14 @@ EXTRA_MOUNTS: dict[str, dict[str, tuple[str, bool]]] = {
     "rdma": {"/dev/infiniband": ("/dev/infiniband", True), DEVINFO_DIR: (DEVINFO_DIR, False)},
     "vfio": {"/dev/vfio": ("/dev/vfio", True)},
     "full": {CDI_DIR: (CDI_DIR, False), DEVINFO_DIR: (DEVINFO_DIR, False), "/host/dev": ("/dev", True)},
+    "dra": {
+        CDI_DIR: (CDI_DIR, False),
+        PLUGINS_REGISTRY_DIR: (PLUGINS_REGISTRY_DIR, False),  # <driver>-reg.sock is created here
+        DRA_PLUGIN_DIR: (DRA_PLUGIN_DIR, False),  # dra.sock and the claims checkpoint
+    },
 }
+# Directories densedev may create on the host (its own); the kubelet's must exist, or the node is wrong.
+CREATED_DIRS = (CDI_DIR, DEVINFO_DIR, DRA_PLUGIN_DIR)
 
 
 @cache
@@ -117,6 +130,8 @@ def test_every_overlay_is_tested() -> None:
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_objects_validate_against_the_kubernetes_schema(target: str, version: str) -> None:
     objs = build(target)
+    if version == K8S_VERSIONS[0]:
+        version = OLDEST.get(target, version)
     assert {o["kind"] for o in objs} >= {"DaemonSet", "ServiceAccount", "ConfigMap"}
     for obj in objs:
         # strict: unknown fields are errors, as `kubectl apply --validate=strict` makes them.
@@ -151,10 +166,10 @@ def test_mounts_are_exactly_what_is_needed(target: str) -> None:
     assert cfg["readOnly"] is True
     assert "subPath" not in cfg, "a subPath mount never sees ConfigMap updates: config reload would break"
     types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in spec["volumes"] if "hostPath" in v}
-    # The kubelet's dir and /sys must already exist (a missing one means a wrong node, not ours to make);
-    # the CDI and device-info dirs are ours to create.
+    # The kubelet's dirs and /sys must already exist (a missing one means a wrong node, not ours to
+    # make); the CDI and device-info dirs and the DRA driver's own dir are ours to create.
     for path, kind in types.items():
-        assert kind == ("DirectoryOrCreate" if path in (CDI_DIR, DEVINFO_DIR) else "Directory"), path
+        assert kind == ("DirectoryOrCreate" if path in CREATED_DIRS else "Directory"), path
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -169,7 +184,7 @@ def test_flags_agree_with_mounts(target: str) -> None:
     assert args.pod_resources_socket == Path(POD_RESOURCES_DIR) / "kubelet.sock"
     assert mounts[POD_RESOURCES_DIR] == (POD_RESOURCES_DIR, True)
     # CDI and device-info are off unless their component is applied; when on, the dir is the host's.
-    wants_cdi = name in ("cdi", "full")
+    wants_cdi = name in ("cdi", "full", "dra")  # DRA hands claims to the runtime as CDI devices
     assert args.cdi_dir == (Path(CDI_DIR) if wants_cdi else None)
     wants_devinfo = name in ("devinfo", "rdma", "full")
     assert str(args.devinfo_dir) == (DEVINFO_DIR if wants_devinfo else ".")
@@ -219,10 +234,13 @@ def test_security_context_is_least_privilege(target: str) -> None:
     assert spec["hostNetwork"] is True
     assert not spec.get("hostPID") and not spec.get("hostIPC")
     assert spec["priorityClassName"] == "system-node-critical"
-    assert spec["automountServiceAccountToken"] is False
+    # API-server credentials only where DRA publishes ResourceSlices, and then with the RBAC for it.
+    api = overlay_name(target) == "dra"
+    assert spec["automountServiceAccountToken"] is api
     sa = one(objs, "ServiceAccount")
     assert spec["serviceAccountName"] == sa["metadata"]["name"]
-    assert sa["automountServiceAccountToken"] is False
+    assert sa["automountServiceAccountToken"] is api
+    assert bool([o for o in objs if o["kind"] == "ClusterRoleBinding"]) is api
     res = c["resources"]
     assert set(res["requests"]) == set(res["limits"]) == {"cpu", "memory"}
 
@@ -250,12 +268,22 @@ def test_config_map_holds_a_valid_config_where_the_daemon_reads_it(target: str) 
         assert "/dev/infiniband" in mounts or "/host/dev" in mounts, target
     if vfio:
         assert "/dev/vfio" in mounts or "/host/dev" in mounts, target
+    # DRA pools only where the pod can reach the kubelet's plugin watcher and the API server.
+    if any(p.api is PoolApi.DRA for p in parsed.pools):
+        assert PLUGINS_REGISTRY_DIR in mounts and spec["automountServiceAccountToken"] is True, target
+
+
+CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "DeviceClass"}
 
 
 def test_namespace_is_left_to_the_user() -> None:
     for target in TARGETS:
-        namespaces = {o["metadata"].get("namespace") for o in build(target)}
-        assert namespaces == ({"kube-system"} if target == "overlays/full" else {None}), target
+        objs = build(target)
+        namespaces = {o["metadata"].get("namespace") for o in objs if o["kind"] not in CLUSTER_SCOPED}
+        wanted = "kube-system" if overlay_name(target) in ("full", "dra") else None
+        assert namespaces == {wanted}, target
+        # kustomize stamps `namespace:` even on kinds it does not know are cluster-scoped (DeviceClass).
+        assert all("namespace" not in o["metadata"] for o in objs if o["kind"] in CLUSTER_SCOPED), target
 
 
 @pytest.mark.parametrize("target", ["overlays/metrics", "overlays/full"])
@@ -274,6 +302,65 @@ def test_base_does_not_expose_metrics_beyond_loopback() -> None:
     objs = build("base")
     assert "ports" not in container(objs)
     assert not [o for o in objs if o["kind"] == "Service"]
+
+
+# ------------------------------------------------------------------------------------- DRA
+
+
+def dra_config(objs: tuple[dict[str, Any], ...]) -> Config:
+    """Return the config the DRA overlay's ConfigMap holds, parsed by densedev's loader."""
+    text = one(objs, "ConfigMap")["data"][run_args(objs).config.name]
+    return config.parse(text, source="overlays/dra/config.json")
+
+
+def test_dra_overlay_serves_the_kubelet_where_it_looks() -> None:
+    objs = build("overlays/dra")
+    cfg = dra_config(objs)
+    assert [p.full_name for p in cfg.pools if p.api is PoolApi.DRA] == ["intel.com/intel_sriov_netdevice"]
+    assert any(p.api is PoolApi.DEVICE_PLUGIN for p in cfg.pools), "the overlay shows both APIs side by side"
+    args = run_args(objs)
+    mounts = host_mounts(objs)
+    # The kubelet dials the DRA socket at the path the plugin names in GetInfo, a path of the
+    # container: the driver's directory must be mounted at its host path, under the flag's dir.
+    plugin_dir = args.kubelet_plugins_dir / cfg.dra_driver_name
+    assert mounts[str(plugin_dir)] == (str(plugin_dir), False)
+    assert str(plugin_dir) == DRA_PLUGIN_DIR
+    # Only the driver's own directory: the rest of the plugins dir holds other drivers' sockets.
+    assert str(args.kubelet_plugins_dir) not in mounts
+    # The plugin watcher finds <driver>-reg.sock by inotify in its registry, which must be the host's.
+    registry = str(args.kubelet_registry_dir)
+    assert registry == PLUGINS_REGISTRY_DIR and mounts[registry] == (registry, False)
+    assert mounts[str(args.cdi_dir)] == (str(args.cdi_dir), False)
+    # --node-name defaults to $NODE_NAME: the node the pod runs on, from the downward API.
+    env = {e["name"]: e for e in container(objs)["env"]}
+    assert env["NODE_NAME"] == {
+        "name": "NODE_NAME",
+        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+    }
+    assert "--node-name" not in " ".join(container(objs)["args"])
+    assert args.kubeconfig is None, "in-cluster credentials: the ServiceAccount token the kubelet mounts"
+
+
+def kind_and_name(obj: dict[str, Any]) -> tuple[str, str]:
+    return obj["kind"], obj["metadata"]["name"]
+
+
+def test_dra_overlay_agrees_with_dra_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The DeviceClasses and the RBAC in the overlay are what `densedev dra-manifests` prints for the
+    # overlay's own config, bound to the DaemonSet's ServiceAccount in the DaemonSet's namespace.
+    objs = build("overlays/dra")
+    ds = one(objs, "DaemonSet")
+    cfg_file = tmp_path / "config.json"
+    cfg_file.write_text(one(objs, "ConfigMap")["data"]["config.json"])
+    argv = ["dra-manifests", "--config", str(cfg_file), "--namespace", ds["metadata"]["namespace"]]
+    argv += ["--service-account", pod_spec(objs)["serviceAccountName"]]
+    capsys.readouterr()
+    assert cli.main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)["items"]
+    kinds = {"DeviceClass", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    in_overlay = [o for o in objs if o["kind"] in kinds]
+    assert sorted(in_overlay, key=kind_and_name) == sorted(printed, key=kind_and_name)
+    assert {o["kind"] for o in printed} == {"DeviceClass", "ClusterRole", "ClusterRoleBinding"}
 
 
 # ------------------------------------------------------------------------------------- image
@@ -453,6 +540,125 @@ def test_ci_builds_and_runs_the_image() -> None:
     # Always from scratch (podman 4.3 reuses stale layers) with the CA bundle mounted, never copied.
     assert "--no-cache" in script and "ca-certificates.crt:ro" in script
     assert "BUILD_IMAGE=" in script and "RUNTIME_IMAGE=" in script
+    # The DRA mode runs the overlay's DaemonSet as kustomize renders it.
+    assert 'kubectl kustomize deploy/overlays/dra > "$WORK/dra.yaml"' in script
+    assert '--dra-manifest "$WORK/dra.yaml"' in script
+
+
+def dra_image_run_args(pod: dict[str, Any], **kw: Any) -> list[str]:
+    """Return the podman options and command the image check derives for the DRA overlay's pod."""
+    ic = load_image_check()
+    names = ("device-plugins", "pod-resources", "sys", "config", "cdi", "plugins-registry", "dra-plugin")
+    volumes = {name: ic.Volume(Path(f"/node/{name}")) for name in names}
+    options: dict[str, Any] = {
+        "network": "ns:/run/netns/node",
+        "mount_paths": {"/sys": "/host/sys", DRA_PLUGIN_DIR: "/node/plugins/net.densedev.io"},
+        "extra_args": ["--sysfs-root=/host/sys", "--kubelet-plugins-dir=/node/plugins"],
+        "field_refs": {"spec.nodeName": "node-a"},
+        "kubeconfig": Path("/node/kube/kubeconfig"),
+    }
+    args: list[str] = ic.container_args(pod, volumes, **(options | kw))
+    return args
+
+
+def test_ci_runs_the_dra_container_as_the_overlay_asks() -> None:
+    objs = build("overlays/dra")
+    args = dra_image_run_args(pod_spec(objs))
+    split = args.index("--entrypoint=densedev") + 1
+    options, command = args[:split], args[split:]
+    base = set(image_run_args(base_pod())[: image_run_args(base_pod()).index("--entrypoint=densedev") + 1])
+    # The base container's options, plus what the overlay adds; the DRA plugin directory at its host
+    # path, as on a node (the kubelet dials the socket at the path the plugin names).
+    assert set(options) - base == {
+        "--env=NODE_NAME=node-a",  # the downward API's spec.nodeName
+        f"--volume=/node/cdi:{CDI_DIR}:rw",
+        f"--volume=/node/plugins-registry:{PLUGINS_REGISTRY_DIR}:rw",
+        "--volume=/node/dra-plugin:/node/plugins/net.densedev.io:rw",
+        # In-cluster credentials cannot reach the stand-in: a kubeconfig naming it, read-only.
+        "--volume=/node/kube:/etc/densedev-kubeconfig:ro",
+    }
+    assert command[: len(container(objs)["args"])] == container(objs)["args"]
+    assert command[len(container(objs)["args"]) :] == [
+        "--sysfs-root=/host/sys",
+        "--kubelet-plugins-dir=/node/plugins",
+        "--kubeconfig=/etc/densedev-kubeconfig/kubeconfig",
+    ]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"kubeconfig": None},  # the pod mounts a token the check cannot give
+        {"field_refs": {}},  # NODE_NAME from a field the check was not told
+        {"field_refs": {"status.podIP": "10.0.0.1"}},
+    ],
+    ids=["no-kubeconfig", "no-node-name", "other-field"],
+)
+def test_ci_refuses_a_dra_run_it_cannot_reproduce(change: dict[str, Any]) -> None:
+    with pytest.raises(load_image_check().CheckFailed):
+        dra_image_run_args(pod_spec(build("overlays/dra")), **change)
+
+
+def test_ci_gives_api_credentials_only_to_a_pod_that_has_them() -> None:
+    with pytest.raises(load_image_check().CheckFailed, match="no API-server credentials"):
+        image_run_args(base_pod(), kubeconfig=Path("/node/kube/kubeconfig"))
+
+
+def test_ci_dra_run_expects_what_the_daemon_publishes(tmp_path: Path) -> None:
+    # The DRA run's expectations (which pools move, the device names in the slices) are written from
+    # the layout and docs/dra.md; here they must match what the daemon builds and publishes.
+    from densedev.dra import slices
+    from densedev.node import scanner as discovery
+    from densedev.pools import select as selectors
+    from densedev.testing import simnode
+
+    ic = load_image_check()
+    layout = simnode.build_node(tmp_path / "sys", pfs=6, vfs_per_pf=3)
+    (tmp_path / "config").mkdir()
+    simnode.write_config(tmp_path / "config" / "config.json", layout, prefix=ic.PREFIX)
+    kubelet_dir = tmp_path / "kubelet-dra" / "device-plugins"
+    kubelet_dir.mkdir(parents=True)
+    node = ic.Node(tmp_path / "sys", tmp_path / "config", kubelet_dir, "ns", layout)
+    dp_pools, dra_pools = ic.split_apis(layout)
+    node = ic.write_dra_config(node, dra_pools)
+    cfg = config.load(node.config_dir / "config.json")
+    assert cfg.dra_driver_name == ic.DRA_DRIVER
+    assert {p.full_name for p in cfg.pools if p.api is PoolApi.DEVICE_PLUGIN} == set(dp_pools)
+    pools = selectors.build_pools(cfg, discovery.scan(tmp_path / "sys").devices)
+    published = slices.build_slices(ic.DRA_NODE, cfg.dra_driver_name, slices.dra_pools(pools))
+    names = {d["name"] for s in published for d in s["spec"]["devices"]}
+    assert names == {ic.dra_device_name(a) for ids in dra_pools.values() for a in ids}
+    assert len(names) == 15  # 5 of the 6 PFs' VFs: the first PF's pool stays on the device plugin API
+
+
+def test_api_server_stand_in_runs_as_the_image_check_runs_it(tmp_path: Path) -> None:
+    # The DRA run starts the stand-in as a process holding a Node, a claim and a token.
+    import urllib.error
+    import urllib.request
+
+    from densedev.testing.dra_kubelet import allocated_claim
+
+    result = {"request": "nic", "driver": "net.densedev.io", "pool": "n1", "device": "pci-0000-19-00-2"}
+    claim = allocated_claim("default", "c1", "0f0f0f0f-0000-4000-8000-000000000001", [result])
+    (tmp_path / "claim.json").write_text(json.dumps(claim))
+    command = [sys.executable, "-m", "densedev.testing.apiserver", "--node", "n1", "--token", "s3cret"]
+    command += ["--claim", str(tmp_path / "claim.json"), "--no-validate"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            url = proc.stdout.readline().strip()
+            path = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/c1"
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(url + path, timeout=10)
+            request = urllib.request.Request(url + path, headers={"Authorization": "Bearer s3cret"})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert json.load(response) == claim
+            request = urllib.request.Request(url + "/api/v1/nodes/n1", headers=request.headers)
+            with urllib.request.urlopen(request, timeout=10) as response:
+                assert json.load(response)["metadata"]["name"] == "n1"
+        finally:
+            proc.send_signal(signal.SIGINT)  # its way out
+            assert proc.wait(timeout=30) == 0
 
 
 # ------------------------------------------------------------------------------------- privilege

@@ -564,6 +564,7 @@ class ApiServerStandIn:
 
 if __name__ == "__main__":
     import argparse
+    from pathlib import Path
 
     import uvloop
 
@@ -571,12 +572,25 @@ if __name__ == "__main__":
     p.add_argument("--versions", default="v1,v1beta1")
     p.add_argument("--no-validate", action="store_true", help="skip schema checks (measure the driver alone)")
     p.add_argument("--node", action="append", default=[], help="create this Node (repeatable)")
+    p.add_argument("--token", default=None, help="require this bearer token (401 without it)")
+    p.add_argument(
+        "--claim",
+        action="append",
+        default=[],
+        type=Path,
+        help="store the ResourceClaim in this JSON file, as the scheduler left it (repeatable)",
+    )
     a = p.parse_args()
 
     async def _main() -> None:
-        async with ApiServerStandIn(a.versions.split(","), validate=not a.no_validate) as srv:
+        async with ApiServerStandIn(a.versions.split(","), validate=not a.no_validate, token=a.token) as srv:
             for n in a.node:
                 srv.add_node(n)
+            for f in a.claim:
+                try:
+                    srv.put_claim(json.loads(f.read_text()))
+                except (OSError, ValueError, KeyError, TypeError, _Invalid) as exc:
+                    raise SystemExit(f"--claim {f}: {exc}") from None
             print(srv.url, flush=True)
             await asyncio.Event().wait()
 
