@@ -6,8 +6,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import stat
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
@@ -19,19 +17,12 @@ from .._proto import api_pb2
 from ..model import RequestError
 from ..printable import clip
 from .feed import PoolFeed
-from .wire import KUBELET_MAX_MESSAGE
+from .lifecycle import SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
+from .sockets import MAX_UNIX_PATH
 
 log = logging.getLogger(__name__)
 
 SERVICE = "v1beta1.DevicePlugin"
-
-# The kubelet receives at most 4 MiB per message; sending more would only end the stream there, so
-# the sender refuses it first.  Requests from the kubelet are small (device ID lists).
-SERVER_OPTIONS = (
-    ("grpc.max_send_message_length", KUBELET_MAX_MESSAGE),
-    ("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE),
-    ("grpc.so_reuseport", 0),
-)
 
 # A status message travels in HTTP/2 trailers, which gRPC caps (grpc.max_metadata_size, 8 KiB by default;
 # a peer seeing more ends the call with RESOURCE_EXHAUSTED instead of our code): stay far below.
@@ -71,29 +62,6 @@ class PoolService(Protocol):
 def _identity(message: bytes) -> bytes:
     """Serialize an already encoded message: the feed holds wire bytes, re-encoding would waste them."""
     return message
-
-
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
-MAX_UNIX_PATH = 107
-
-_LIFECYCLE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _lifecycle_lock() -> asyncio.Lock:
-    """One lock per event loop that every server start and stop takes, one at a time.
-
-    After a kubelet restart every pool replaces its server at the same moment.  grpc.aio servers
-    started while others on the same loop are shutting down were seen to have their start cancelled
-    (CancelledError out of ``AioServer.start``, then InvalidStateError from its shutdown) and never
-    come up; taking turns costs a millisecond per pool.
-    """
-    loop = asyncio.get_running_loop()
-    lock = _LIFECYCLE_LOCKS.get(loop)
-    if lock is None:
-        lock = _LIFECYCLE_LOCKS[loop] = asyncio.Lock()
-    return lock
 
 
 class PluginServer:
@@ -322,22 +290,3 @@ class PluginServer:
         await context.abort(
             grpc.StatusCode.INTERNAL, f"{self.resource}: {call} failed: {clip(repr(exc), MAX_STATUS_CHARS)}"
         )
-
-
-def _restrict_socket(path: Path) -> None:
-    """Give the socket we just bound mode 0600; refuse if the path is not a socket (planted meanwhile)."""
-    st = os.lstat(path)
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"{path} is not the socket we bound; refusing to serve on it")
-    os.chmod(path, files.SOCKET_MODE)
-
-
-def _remove_socket(path: Path) -> None:
-    """Remove a unix socket left at ``path``; refuse to remove anything that is not a socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(f"{path} exists and is not a socket; not removing it")
-    path.unlink(missing_ok=True)
