@@ -25,7 +25,7 @@ import grpc
 
 from .. import files
 from .._proto import pluginregistration_pb2 as reg_pb
-from ..kubelet.lifecycle import UnixServer
+from ..kubelet.lifecycle import SocketServer
 from ..kubelet.watch import DirectoryWatch
 from ..printable import clip
 
@@ -40,6 +40,16 @@ HEALTH_VERSION = "v1alpha1.DRAResourceHealth"
 DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 MAX_NOTIFICATIONS = 100  # the registration statuses kept for inspection; older ones are dropped
+
+
+async def _serve(server: SocketServer) -> None:
+    await server.start()
+    log.info("%s: serving on %s", server.label, server.path)
+
+
+async def _unserve(server: SocketServer, grace: float | None = 0.5) -> None:
+    if await server.stop(grace):
+        log.info("%s: stopped serving on %s", server.label, server.path)
 
 
 @dataclass(frozen=True)
@@ -73,8 +83,10 @@ class DraPlugin:
         self.versions: tuple[str, ...] = (
             (*SUPPORTED_VERSIONS, HEALTH_VERSION) if health else SUPPORTED_VERSIONS
         )
-        self._dra = UnixServer(f"DRA {driver}", self.endpoint, handlers)
-        self._reg = UnixServer(f"DRA registration {driver}", self.registration_socket, (self._reg_handler(),))
+        self._dra = SocketServer(f"DRA {driver}", self.endpoint, handlers)
+        self._reg = SocketServer(
+            f"DRA registration {driver}", self.registration_socket, (self._reg_handler(),)
+        )
         self._watch = watch
         self._poll = poll
         self._wake = asyncio.Event()
@@ -92,11 +104,11 @@ class DraPlugin:
             raise RuntimeError(f"DRA {self.driver}: already started")
         files.ensure_dir(self.registry_dir)
         files.ensure_dir(self.plugin_dir)
-        await self._dra.start()
+        await _serve(self._dra)
         try:
-            await self._reg.start()
+            await _serve(self._reg)
         except BaseException:
-            await self._dra.stop(None)
+            await _unserve(self._dra, None)
             raise
         if self._watch is not None:
             self._unsubscribe = self._watch.subscribe(self._wake.set)
@@ -113,8 +125,8 @@ class DraPlugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.registered = False
-        await self._reg.stop()
-        await self._dra.stop()
+        await _unserve(self._reg)
+        await _unserve(self._dra)
 
     async def _keep(self) -> None:
         while True:
@@ -134,8 +146,8 @@ class DraPlugin:
         redo = False
         if not self._dra.intact:
             log.warning("DRA %s: %s was removed or replaced; serving it again", self.driver, self.endpoint)
-            await self._dra.stop(None)
-            await self._dra.start()
+            await _unserve(self._dra, None)
+            await _serve(self._dra)
             redo = True  # the kubelet's connection broke: make it register (and dial) again
         if redo or not self._reg.intact:
             if not redo:
@@ -145,8 +157,8 @@ class DraPlugin:
                     self.registration_socket,
                 )
             self.registered = False
-            await self._reg.stop(None)
-            await self._reg.start()
+            await _unserve(self._reg, None)
+            await _serve(self._reg)
             redo = True
         if redo:
             self.recreated += 1

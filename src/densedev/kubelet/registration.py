@@ -131,8 +131,7 @@ class PluginRunner:
 
     def _own_socket_intact(self) -> bool:
         server = self._server
-        identity = identify(self.socket_path)
-        return server is not None and identity is not None and identity == server.socket_identity
+        return server is not None and server.intact
 
     async def _run(self) -> None:
         delay = self._backoff[0]

@@ -5,20 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from .. import files
 from .._proto import api_pb2
 from ..model import RequestError
 from ..printable import clip
 from .feed import PoolFeed
-from .lifecycle import SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
-from .sockets import MAX_UNIX_PATH
+from .lifecycle import SocketServer
+from .sockets import MAX_UNIX_PATH as MAX_UNIX_PATH  # where daemon.py has long looked for it
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +70,7 @@ class PluginServer:
         self.socket_path = Path(socket_path)
         self._feed = feed
         self._service = service
-        self._server: grpc.aio.Server | None = None
-        self._inode: tuple[int, int, int] | None = None
+        self._socket = SocketServer(resource, self.socket_path, (self._handler(),))
         self._stopping = asyncio.Event()
         self.streams = 0  # ListAndWatch streams open now
         self.streams_opened = 0  # ListAndWatch streams opened since start
@@ -83,81 +80,32 @@ class PluginServer:
 
     @property
     def running(self) -> bool:
-        """Whether the gRPC server is serving."""
-        return self._server is not None
+        """Whether the gRPC server is serving (and not stopping)."""
+        return self._socket.running and not self._stopping.is_set()
 
     @property
-    def socket_identity(self) -> tuple[int, int, int] | None:
-        """The (device, inode, ctime ns) of the socket this server bound, to tell it from a new file."""
-        return self._inode
+    def intact(self) -> bool:
+        """Whether we serve and our socket is still in place (a kubelet restart deletes it)."""
+        return self._socket.intact
 
     async def start(self) -> None:
         """Bind the socket and serve; the server is fully ready when this returns."""
-        async with _lifecycle_lock():
-            await self._start()
-
-    async def _start(self) -> None:
-        if self._server is not None:
-            raise RuntimeError(f"{self.resource}: server already running on {self.socket_path}")
-        files.ensure_dir(self.socket_path.parent)
-        _remove_socket(self.socket_path)  # a stale socket from a previous run would make bind fail
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((self._handler(),))
-        address = f"unix:{self.socket_path}"
-        if len(os.fsencode(self.socket_path)) > MAX_UNIX_PATH:
-            raise OSError(
-                f"{self.resource}: socket path {self.socket_path} exceeds {MAX_UNIX_PATH} bytes (sun_path)"
-            )
-        try:
-            # gRPC binds the socket inside add_insecure_port, with the process umask: narrow it for that
-            # call so the socket is never callable by other users (an umask of 000 made it 0777, and any
-            # local user could Allocate), then set the mode explicitly as well.
-            old_umask = os.umask(0o777 & ~files.SOCKET_MODE)
-            try:
-                port = server.add_insecure_port(address)
-            finally:
-                os.umask(old_umask)
-            if port == 0:
-                raise OSError(f"{self.resource}: cannot listen on {address}")
-            _restrict_socket(self.socket_path)
-            # The identity of the socket we bound, read before start: a kubelet restart may delete the
-            # socket at any moment (its device manager removes every socket in the directory), and
-            # the registration loop must then see ours gone rather than this start fail half-done.
-            # ctime too: on ext4 a deleted socket's inode number is soon reused by the next one.
-            st = os.lstat(self.socket_path)
-            await server.start()
-        except BaseException:
-            # Without an explicit stop, the half-made server's finaliser runs after the loop is gone.
-            await server.stop(None)
-            raise
-        self._stopping = asyncio.Event()
-        self._server = server
-        self._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        if not self._socket.running:
+            # Renewed before the socket exists: a stream opened at once must not see the last stop.
+            self._stopping = asyncio.Event()
+        await self._socket.start()
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
         """Stop serving (open streams are cancelled after ``grace`` seconds) and remove our socket."""
-        server, self._server = self._server, None
-        if server is None:
-            return
         self._stopping.set()  # end open streams now rather than after the grace period
         if self.streams:
             # Let each ListAndWatch handler return before the server goes: its OK status is then on
             # its way and the kubelet sees the stream end cleanly, not a connection torn down under it.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._no_streams.wait(), min(grace, 0.5))
-        async with _lifecycle_lock():
-            await server.stop(grace)
-        # Remove the socket only if it is still the one we bound: after a kubelet restart the path may
-        # already belong to a newer server.
-        try:
-            st = os.lstat(self.socket_path)
-            if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode:
-                self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
-        self._inode = None
-        log.info("%s: stopped serving on %s", self.resource, self.socket_path)
+        if await self._socket.stop(grace):
+            log.info("%s: stopped serving on %s", self.resource, self.socket_path)
 
     def _handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable[..., Any], request: Any, response: Any) -> grpc.RpcMethodHandler:
