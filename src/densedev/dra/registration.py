@@ -131,8 +131,11 @@ class DraPlugin:
     async def _keep(self) -> None:
         while True:
             try:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+                # that arrives as the wake-up does (cpython gh-86296), and stop() would wait for ever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._poll)
+                    async with asyncio.timeout(self._poll):
+                        await self._wake.wait()
                 self._wake.clear()
                 await self.check()
             except asyncio.CancelledError:

@@ -96,28 +96,44 @@ class PluginRunner:
         self.last_error = ""  # why the last Register failed, "" after a success
 
     async def start(self) -> None:
-        """Serve the pool now, then keep it registered in the background."""
+        """Serve the pool now, then keep it registered in the background; raise if it cannot be served.
+
+        The runner's whole life, its first serve included, is one task, so a stop during the start
+        ends it like any other (the daemon's start retries run beside reloads that stop the pool).
+        """
         if self._task is not None:
             raise RuntimeError(f"{self.resource}: runner already started")
-        await self._serve()
-        if self._dirwatch is not None:
-            self._unsubscribe = self._dirwatch.subscribe(self._wakeup.set)
-        self._task = asyncio.create_task(self._run(), name=f"registration {self.resource}")
+        served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._task = task = asyncio.create_task(self._life(served), name=f"registration {self.resource}")
+        await asyncio.wait((served, task), return_when=asyncio.FIRST_COMPLETED)
+        if task.done() and not served.done():
+            if self._task is task:
+                self._task = None  # may be started again, as the daemon's retries do
+            if not task.cancelled():
+                raise task.exception() or RuntimeError(f"{self.resource}: runner ended while starting")
 
     async def stop(self) -> None:
         """Stop registering and serving, and remove the pool's socket."""
         task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # Its first serve's failure, if that is how it ended, was start's to report.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         unsubscribe, self._unsubscribe = self._unsubscribe, None
         if unsubscribe is not None:
             unsubscribe()
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         self.registered = False
         server, self._server = self._server, None
         if server is not None:
             await server.stop()
+
+    async def _life(self, served: asyncio.Future[None]) -> None:
+        await self._serve()
+        served.set_result(None)
+        if self._dirwatch is not None:
+            self._unsubscribe = self._dirwatch.subscribe(self._wakeup.set)
+        await self._run()
 
     async def _serve(self) -> None:
         """Stop the old server before starting the new one: the kubelet may drop a second instance."""

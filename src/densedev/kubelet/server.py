@@ -102,8 +102,12 @@ class PluginServer:
         if self.streams:
             # Let each ListAndWatch handler return before the server goes: its OK status is then on
             # its way and the kubelet sees the stream end cleanly, not a connection torn down under it.
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+            # arrives as the inner wait completes (cpython gh-86296), and the runner cancelled in here
+            # would live on after its stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._no_streams.wait(), min(grace, 0.5))
+                async with asyncio.timeout(min(grace, 0.5)):
+                    await self._no_streams.wait()
         if await self._socket.stop(grace):
             log.info("%s: stopped serving on %s", self.resource, self.socket_path)
 
