@@ -61,7 +61,6 @@ class PluginRunner:
         poll: float = 0.1,
         watch: DirectoryWatch | None = None,
         watched_poll: float = 2.0,
-        settle: float = 0.05,
         backoff: tuple[float, float] = (0.05, 2.0),
         refused_retry: float = 30.0,
         register_timeout: float = 15.0,
@@ -82,7 +81,6 @@ class PluginRunner:
         self._poll = poll
         self._dirwatch = watch
         self._watched_poll = watched_poll
-        self._settle = settle
         self._wakeup = asyncio.Event()
         self._unsubscribe: Callable[[], None] | None = None
         self._backoff = backoff
@@ -175,9 +173,14 @@ class PluginRunner:
         """Register until the kubelet accepts; return the identity of the kubelet.sock that did."""
         delay = self._backoff[0]
         while True:
+            # kubelet.sock first, our socket second: a starting kubelet deletes every socket in its
+            # directory before it listens on kubelet.sock (the device manager's Start: removeContents,
+            # then Listen), so our socket found intact after that kubelet.sock was read is past the
+            # sweep, and the kubelet that answers can dial it.
+            kubelet = identify(self.kubelet_socket)
             if not self._own_socket_intact():
                 await self._serve()  # the kubelet deleted our socket while we waited
-            kubelet = identify(self.kubelet_socket)
+                continue  # and look again: it may have restarted meanwhile
             if kubelet is None:
                 await self._sleep_watching(delay, kubelet)
                 delay = min(delay * 2, self._backoff[1])
@@ -228,12 +231,13 @@ class PluginRunner:
         return None, False
 
     async def _sleep_watching(self, seconds: float, kubelet: FileIdentity | None) -> None:
-        """Sleep up to ``seconds``, waking early when kubelet.sock is recreated (a kubelet restart)."""
+        """Sleep up to ``seconds``, waking early when kubelet.sock is recreated (a kubelet restart) or our
+        socket is gone (a refusal may be the kubelet failing to dial it: registering again needs it back)."""
         deadline = time.monotonic() + seconds
         while (remaining := deadline - time.monotonic()) > 0:
             await self._pause(remaining)
             now = identify(self.kubelet_socket)
-            if now is not None and now != kubelet:
+            if (now is not None and now != kubelet) or not self._own_socket_intact():
                 return
 
     async def _watch(self, kubelet: FileIdentity | None) -> None:
@@ -277,9 +281,8 @@ class PluginRunner:
                 await self._wakeup.wait()
             finally:
                 timer.cancel()
-        # A kubelet restart is a burst of directory events (every plugin socket deleted, kubelet.sock
-        # removed and created again): let it settle, so one look sees where it ended.
-        if self._settle > 0:
-            await asyncio.sleep(self._settle)
+        # No settling pause after a wake-up: a kubelet restart is a burst of directory events, and a look
+        # in its middle only costs another turn, since every look compares identities (kubelet.sock
+        # read before our socket, see _register) rather than trusting the event that woke it.
         # Cleared after waking: whatever set it happened before, and the caller looks at it now.
         self._wakeup.clear()
