@@ -241,7 +241,11 @@ def _restrict_socket(path: Path) -> None:
     st = os.lstat(path)
     if not stat.S_ISSOCK(st.st_mode):
         raise OSError(f"{path} is not the socket we bound; refusing to serve on it")
-    os.chmod(path, files.SOCKET_MODE)
+    # Only when the narrowed umask did not already give it: a chmod moves the ctime, and a watcher
+    # that tells files apart by (inode, ctime), as the DRA kubelet emulator does, would take the
+    # socket it saw a moment before for a different one and register the plugin twice.
+    if stat.S_IMODE(st.st_mode) != files.SOCKET_MODE:
+        os.chmod(path, files.SOCKET_MODE)
 
 
 def _remove_socket(path: Path) -> None:
