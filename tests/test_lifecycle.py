@@ -2,8 +2,10 @@
 
 The two grpc.aio behaviours it exists for (docs/grpc-lifecycle.md; bench/repro_grpc_lifecycle.py):
 ``AioServer.start`` is not cancellation-safe, and gRPC core unlinks a unix socket by path when a
-listener goes.  Each test below fails without the owner: the first with InvalidStateError out of a
-cancelled start, the second with a live server's socket file gone, the hammering with either.
+listener goes.  Run against the old lock-based code, the cancelled start fails with InvalidStateError,
+the stop asked after a start leaves a server running, and the hammering fails; the overlap test keeps
+a stop and a start on one path from ever overlapping again (with no guard at all, about one start in
+six lost its socket).
 """
 
 from __future__ import annotations
