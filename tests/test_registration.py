@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import grpc
 import pytest
 from test_server import RESOURCE, FakePool, Run, pci_ids
 
+from densedev._proto import api_pb2
 from densedev.kubelet.feed import PoolFeed
-from densedev.kubelet.registration import PluginRunner
+from densedev.kubelet.registration import KUBELET_SOCKET, PluginRunner
 from densedev.testing.kubelet import KubeletEmulator
 
 GUARD = 10.0  # hang guards only: nothing here asserts on speed
@@ -236,5 +238,104 @@ def test_the_demo_counts_a_device_refused_before_the_kubelet_heard_it_went_unhea
             assert await _allocate_one(kubelet, random.Random(0)) == (1, 0)
             pool.health[pool.ids[0]] = False  # the plugin knows; its update has not gone out yet
             assert await _allocate_one(kubelet, random.Random(0)) == (0, 1)
+
+    run(main())
+
+
+HAMMERED_POOLS = 12
+HAMMER_ROUNDS = 60
+
+
+async def _options(path: Path) -> tuple[bool, bool]:
+    """Ask the device plugin serving on ``path`` for its options."""
+    async with grpc.aio.insecure_channel(f"unix:{path}") as channel:
+        call = channel.unary_unary(
+            "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+            request_serializer=api_pb2.Empty.SerializeToString,
+            response_deserializer=api_pb2.DevicePluginOptions.FromString,
+        )
+        got = await call(api_pb2.Empty(), timeout=GUARD)
+        return got.pre_start_required, got.get_preferred_allocation_available
+
+
+def test_pools_hammered_by_kubelet_restarts_reloads_and_stops_during_start_all_end_registered(
+    run: Run, sock_dir: Path
+) -> None:
+    # Every way a pool's server is replaced, at once and over and over, on one loop as in the daemon:
+    # kubelet restarts (every socket deleted, every pool serving and registering afresh), reloads that
+    # re-register a pool (its runner stopped, a new one started), and a reload's stop arriving while
+    # the new runner is still starting (the daemon's start retries run beside reloads).
+    import random
+
+    rng = random.Random(14)
+    resources = [f"example.com/pool{i}" for i in range(HAMMERED_POOLS)]
+    pools = [FakePool(pci_ids(32, bus=0x10 + i)) for i in range(HAMMERED_POOLS)]
+    feeds = [PoolFeed(p.message()) for p in pools]
+
+    async def main() -> None:
+        from densedev.kubelet.watch import DirectoryWatch
+
+        watch = DirectoryWatch(sock_dir)
+        assert watch.start()
+        # Back-to-back restarts here are milliseconds apart, unlike a real kubelet's: a Register sent
+        # after one kubelet.sock was looked at may reach the next kubelet, whose sweep deleted the
+        # socket it dials.  The kubelet then fails the call after its dial timeout and the runner
+        # registers again at once (kubelet.sock changed); a short timeout keeps that wait short.
+        kubelet = KubeletEmulator(sock_dir, dial_timeout=1.0)
+
+        def runner_for(i: int) -> PluginRunner:
+            return PluginRunner(resources[i], sock_dir, f"pool{i}.sock", feeds[i], pools[i], watch=watch)
+
+        async def reload(i: int) -> None:
+            await runners[i].stop()
+            runners[i] = runner_for(i)
+            await runners[i].start()
+
+        async def stop_during_start(i: int) -> None:
+            await runners[i].stop()
+            doomed = runner_for(i)
+            starting = asyncio.ensure_future(doomed.start())
+            for _ in range(1 + rng.randrange(6)):  # the start has begun: the stop comes after it
+                await asyncio.sleep(0)
+            await doomed.stop()
+            await starting
+            runners[i] = runner_for(i)  # the next reload brings the pool back
+            await runners[i].start()
+
+        def settled() -> bool:
+            return all(
+                r.registered and kubelet.allocatable(res) == 32 and not kubelet.stream_ended(res)
+                for r, res in zip(runners, resources, strict=True)
+            )
+
+        await kubelet.start()
+        runners = [runner_for(i) for i in range(HAMMERED_POOLS)]
+        await asyncio.gather(*(r.start() for r in runners))
+        try:
+            for n in range(HAMMER_ROUNDS):
+                chosen = rng.sample(range(HAMMERED_POOLS), rng.randrange(1, 5))
+                work = [reload(i) if rng.random() < 0.5 else stop_during_start(i) for i in chosen]
+                if rng.random() < 0.5:
+                    work.append(kubelet.restart())
+                await asyncio.wait_for(asyncio.gather(*work), GUARD)
+                if n % 10 == 9:  # now and then the whole node settles, mid-storm
+                    await kubelet.wait_for(settled, GUARD)
+            await kubelet.wait_for(settled, GUARD)
+            # One registration task per pool: no runner stopped while starting lives on.
+            names = sorted(
+                t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("registration ")
+            )
+            assert names == sorted(f"registration {res}" for res in resources)
+            # The sockets are exactly the kubelet's and the pools', and a live server answers on each:
+            # none belongs to a dead server (connecting to a dead one is refused).
+            found = sorted(p.name for p in sock_dir.iterdir() if p.is_socket())
+            assert found == sorted([KUBELET_SOCKET, *(r.socket_name for r in runners)])
+            for r, pool in zip(runners, pools, strict=True):
+                assert await _options(r.socket_path) == pool.options()
+        finally:
+            await asyncio.gather(*(r.stop() for r in runners))
+            await kubelet.stop()
+            watch.close()
+        assert sorted(p.name for p in sock_dir.iterdir() if p.is_socket()) == []
 
     run(main())

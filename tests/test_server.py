@@ -274,7 +274,7 @@ def test_a_socket_deleted_as_the_server_starts_leaves_nothing_running(
             assert not server.running  # a start that failed leaves nothing serving
         else:
             # Started: the identity is the socket we bound, so the registration loop sees it gone.
-            assert server.running and server.socket_identity is not None
+            assert server.running and not server.intact
         finally:
             monkeypatch.undo()
             await server.stop()

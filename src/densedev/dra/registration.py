@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +25,7 @@ import grpc
 
 from .. import files
 from .._proto import pluginregistration_pb2 as reg_pb
-
-# The device-plugin server's socket helpers: bind under a narrowed umask, refuse non-sockets, and take
-# turns starting and stopping grpc.aio servers on one loop (see server.py for why each is needed).
-from ..kubelet.server import MAX_UNIX_PATH, SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
+from ..kubelet.lifecycle import SocketServer
 from ..kubelet.watch import DirectoryWatch
 from ..printable import clip
 from . import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
@@ -44,73 +40,15 @@ SUPPORTED_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 HEALTH_VERSION = "v1alpha1.DRAResourceHealth"
 MAX_NOTIFICATIONS = 100  # the registration statuses kept for inspection; older ones are dropped
 
-Identity = tuple[int, int, int]
+
+async def _serve(server: SocketServer) -> None:
+    await server.start()
+    log.info("%s: serving on %s", server.label, server.path)
 
 
-def _identify(path: Path) -> Identity | None:
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns
-
-
-class UnixServer:
-    """One grpc.aio server on one unix socket (mode 0600 whatever the umask), removed on stop."""
-
-    def __init__(self, label: str, path: Path, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self.label = label
-        self.path = Path(path)
-        self._handlers = tuple(handlers)
-        self._server: grpc.aio.Server | None = None
-        self.identity: Identity | None = None
-
-    @property
-    def intact(self) -> bool:
-        """Whether we serve and the path is still the socket we bound (not deleted, not replaced)."""
-        return (
-            self._server is not None and self.identity is not None and _identify(self.path) == self.identity
-        )
-
-    async def start(self) -> None:
-        """Remove a stale socket, bind, restrict the mode and serve."""
-        if len(os.fsencode(self.path)) > MAX_UNIX_PATH:
-            raise OSError(f"{self.label}: socket path {self.path} exceeds {MAX_UNIX_PATH} bytes (sun_path)")
-        async with _lifecycle_lock():
-            files.ensure_dir(self.path.parent)
-            _remove_socket(self.path)
-            server = grpc.aio.server(options=SERVER_OPTIONS)
-            server.add_generic_rpc_handlers(self._handlers)
-            try:
-                # gRPC binds inside add_insecure_port with the process umask: narrow it for that call.
-                old_umask = os.umask(0o777 & ~files.SOCKET_MODE)
-                try:
-                    port = server.add_insecure_port(f"unix:{self.path}")
-                finally:
-                    os.umask(old_umask)
-                if port == 0:
-                    raise OSError(f"{self.label}: cannot listen on {self.path}")
-                _restrict_socket(self.path)
-                await server.start()
-            except BaseException:
-                await server.stop(None)
-                raise
-            self._server = server
-            self.identity = _identify(self.path)
-        log.info("%s: serving on %s", self.label, self.path)
-
-    async def stop(self, grace: float | None = 0.5) -> None:
-        """Stop serving and remove the socket if it is still the one we bound."""
-        server, self._server = self._server, None
-        if server is None:
-            return
-        async with _lifecycle_lock():
-            await server.stop(grace)
-        if self.identity is not None and _identify(self.path) == self.identity:
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
-        self.identity = None
-        log.info("%s: stopped serving on %s", self.label, self.path)
+async def _unserve(server: SocketServer, grace: float | None = 0.5) -> None:
+    if await server.stop(grace):
+        log.info("%s: stopped serving on %s", server.label, server.path)
 
 
 @dataclass(frozen=True)
@@ -144,8 +82,10 @@ class DraPlugin:
         self.versions: tuple[str, ...] = (
             (*SUPPORTED_VERSIONS, HEALTH_VERSION) if health else SUPPORTED_VERSIONS
         )
-        self._dra = UnixServer(f"DRA {driver}", self.endpoint, handlers)
-        self._reg = UnixServer(f"DRA registration {driver}", self.registration_socket, (self._reg_handler(),))
+        self._dra = SocketServer(f"DRA {driver}", self.endpoint, handlers)
+        self._reg = SocketServer(
+            f"DRA registration {driver}", self.registration_socket, (self._reg_handler(),)
+        )
         self._watch = watch
         self._poll = poll
         self._wake = asyncio.Event()
@@ -163,11 +103,11 @@ class DraPlugin:
             raise RuntimeError(f"DRA {self.driver}: already started")
         files.ensure_dir(self.registry_dir)
         files.ensure_dir(self.plugin_dir)
-        await self._dra.start()
+        await _serve(self._dra)
         try:
-            await self._reg.start()
+            await _serve(self._reg)
         except BaseException:
-            await self._dra.stop(None)
+            await _unserve(self._dra, None)
             raise
         if self._watch is not None:
             self._unsubscribe = self._watch.subscribe(self._wake.set)
@@ -184,14 +124,17 @@ class DraPlugin:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self.registered = False
-        await self._reg.stop()
-        await self._dra.stop()
+        await _unserve(self._reg)
+        await _unserve(self._dra)
 
     async def _keep(self) -> None:
         while True:
             try:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation
+                # that arrives as the wake-up does (cpython gh-86296), and stop() would wait for ever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._poll)
+                    async with asyncio.timeout(self._poll):
+                        await self._wake.wait()
                 self._wake.clear()
                 await self.check()
             except asyncio.CancelledError:
@@ -205,8 +148,8 @@ class DraPlugin:
         redo = False
         if not self._dra.intact:
             log.warning("DRA %s: %s was removed or replaced; serving it again", self.driver, self.endpoint)
-            await self._dra.stop(None)
-            await self._dra.start()
+            await _unserve(self._dra, None)
+            await _serve(self._dra)
             redo = True  # the kubelet's connection broke: make it register (and dial) again
         if redo or not self._reg.intact:
             if not redo:
@@ -216,8 +159,8 @@ class DraPlugin:
                     self.registration_socket,
                 )
             self.registered = False
-            await self._reg.stop(None)
-            await self._reg.start()
+            await _unserve(self._reg, None)
+            await _serve(self._reg)
             redo = True
         if redo:
             self.recreated += 1

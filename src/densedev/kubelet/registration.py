@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ import grpc
 from .._proto import api_pb2
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
+from .sockets import FileIdentity, identify
 from .watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
@@ -25,17 +25,6 @@ KUBELET_SOCKET = "kubelet.sock"
 # Codes that mean "no kubelet to talk to (yet)": retry soon.  Any other error is the kubelet refusing
 # the request (a bad resource name comes back as UNKNOWN with its text): retry slowly.
 _ABSENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-
-FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns)
-
-
-def identify(path: Path) -> FileIdentity | None:
-    """Return what tells this file from a recreated one at the same path, or None when it is absent."""
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 async def announce_kubelet(kubelet_dir: Path, poll: float = 0.5) -> None:
@@ -72,7 +61,6 @@ class PluginRunner:
         poll: float = 0.1,
         watch: DirectoryWatch | None = None,
         watched_poll: float = 2.0,
-        settle: float = 0.05,
         backoff: tuple[float, float] = (0.05, 2.0),
         refused_retry: float = 30.0,
         register_timeout: float = 15.0,
@@ -93,7 +81,6 @@ class PluginRunner:
         self._poll = poll
         self._dirwatch = watch
         self._watched_poll = watched_poll
-        self._settle = settle
         self._wakeup = asyncio.Event()
         self._unsubscribe: Callable[[], None] | None = None
         self._backoff = backoff
@@ -107,28 +94,44 @@ class PluginRunner:
         self.last_error = ""  # why the last Register failed, "" after a success
 
     async def start(self) -> None:
-        """Serve the pool now, then keep it registered in the background."""
+        """Serve the pool now, then keep it registered in the background; raise if it cannot be served.
+
+        The runner's whole life, its first serve included, is one task, so a stop during the start
+        ends it like any other (the daemon's start retries run beside reloads that stop the pool).
+        """
         if self._task is not None:
             raise RuntimeError(f"{self.resource}: runner already started")
-        await self._serve()
-        if self._dirwatch is not None:
-            self._unsubscribe = self._dirwatch.subscribe(self._wakeup.set)
-        self._task = asyncio.create_task(self._run(), name=f"registration {self.resource}")
+        served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._task = task = asyncio.create_task(self._life(served), name=f"registration {self.resource}")
+        await asyncio.wait((served, task), return_when=asyncio.FIRST_COMPLETED)
+        if task.done() and not served.done():
+            if self._task is task:
+                self._task = None  # may be started again, as the daemon's retries do
+            if not task.cancelled():
+                raise task.exception() or RuntimeError(f"{self.resource}: runner ended while starting")
 
     async def stop(self) -> None:
         """Stop registering and serving, and remove the pool's socket."""
         task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            # Its first serve's failure, if that is how it ended, was start's to report.
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         unsubscribe, self._unsubscribe = self._unsubscribe, None
         if unsubscribe is not None:
             unsubscribe()
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
         self.registered = False
         server, self._server = self._server, None
         if server is not None:
             await server.stop()
+
+    async def _life(self, served: asyncio.Future[None]) -> None:
+        await self._serve()
+        served.set_result(None)
+        if self._dirwatch is not None:
+            self._unsubscribe = self._dirwatch.subscribe(self._wakeup.set)
+        await self._run()
 
     async def _serve(self) -> None:
         """Stop the old server before starting the new one: the kubelet may drop a second instance."""
@@ -142,8 +145,7 @@ class PluginRunner:
 
     def _own_socket_intact(self) -> bool:
         server = self._server
-        identity = identify(self.socket_path)
-        return server is not None and identity is not None and identity == server.socket_identity
+        return server is not None and server.intact
 
     async def _run(self) -> None:
         delay = self._backoff[0]
@@ -171,9 +173,14 @@ class PluginRunner:
         """Register until the kubelet accepts; return the identity of the kubelet.sock that did."""
         delay = self._backoff[0]
         while True:
+            # kubelet.sock first, our socket second: a starting kubelet deletes every socket in its
+            # directory before it listens on kubelet.sock (the device manager's Start: removeContents,
+            # then Listen), so our socket found intact after that kubelet.sock was read is past the
+            # sweep, and the kubelet that answers can dial it.
+            kubelet = identify(self.kubelet_socket)
             if not self._own_socket_intact():
                 await self._serve()  # the kubelet deleted our socket while we waited
-            kubelet = identify(self.kubelet_socket)
+                continue  # and look again: it may have restarted meanwhile
             if kubelet is None:
                 await self._sleep_watching(delay, kubelet)
                 delay = min(delay * 2, self._backoff[1])
@@ -224,12 +231,13 @@ class PluginRunner:
         return None, False
 
     async def _sleep_watching(self, seconds: float, kubelet: FileIdentity | None) -> None:
-        """Sleep up to ``seconds``, waking early when kubelet.sock is recreated (a kubelet restart)."""
+        """Sleep up to ``seconds``, waking early when kubelet.sock is recreated (a kubelet restart) or our
+        socket is gone (a refusal may be the kubelet failing to dial it: registering again needs it back)."""
         deadline = time.monotonic() + seconds
         while (remaining := deadline - time.monotonic()) > 0:
             await self._pause(remaining)
             now = identify(self.kubelet_socket)
-            if now is not None and now != kubelet:
+            if (now is not None and now != kubelet) or not self._own_socket_intact():
                 return
 
     async def _watch(self, kubelet: FileIdentity | None) -> None:
@@ -273,9 +281,8 @@ class PluginRunner:
                 await self._wakeup.wait()
             finally:
                 timer.cancel()
-        # A kubelet restart is a burst of directory events (every plugin socket deleted, kubelet.sock
-        # removed and created again): let it settle, so one look sees where it ended.
-        if self._settle > 0:
-            await asyncio.sleep(self._settle)
+        # No settling pause after a wake-up: a kubelet restart is a burst of directory events, and a look
+        # in its middle only costs another turn, since every look compares identities (kubelet.sock
+        # read before our socket, see _register) rather than trusting the event that woke it.
         # Cleared after waking: whatever set it happened before, and the caller looks at it now.
         self._wakeup.clear()

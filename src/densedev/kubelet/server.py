@@ -5,33 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import stat
-import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from .. import files
 from .._proto import api_pb2
 from ..model import RequestError
 from ..printable import clip
 from .feed import PoolFeed
-from .wire import KUBELET_MAX_MESSAGE
+from .lifecycle import SocketServer
+from .sockets import MAX_UNIX_PATH as MAX_UNIX_PATH  # where daemon.py has long looked for it
 
 log = logging.getLogger(__name__)
 
 SERVICE = "v1beta1.DevicePlugin"
-
-# The kubelet receives at most 4 MiB per message; sending more would only end the stream there, so
-# the sender refuses it first.  Requests from the kubelet are small (device ID lists).
-SERVER_OPTIONS = (
-    ("grpc.max_send_message_length", KUBELET_MAX_MESSAGE),
-    ("grpc.max_receive_message_length", KUBELET_MAX_MESSAGE),
-    ("grpc.so_reuseport", 0),
-)
 
 # A status message travels in HTTP/2 trailers, which gRPC caps (grpc.max_metadata_size, 8 KiB by default;
 # a peer seeing more ends the call with RESOURCE_EXHAUSTED instead of our code): stay far below.
@@ -73,29 +62,6 @@ def _identity(message: bytes) -> bytes:
     return message
 
 
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
-MAX_UNIX_PATH = 107
-
-_LIFECYCLE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _lifecycle_lock() -> asyncio.Lock:
-    """One lock per event loop that every server start and stop takes, one at a time.
-
-    After a kubelet restart every pool replaces its server at the same moment.  grpc.aio servers
-    started while others on the same loop are shutting down were seen to have their start cancelled
-    (CancelledError out of ``AioServer.start``, then InvalidStateError from its shutdown) and never
-    come up; taking turns costs a millisecond per pool.
-    """
-    loop = asyncio.get_running_loop()
-    lock = _LIFECYCLE_LOCKS.get(loop)
-    if lock is None:
-        lock = _LIFECYCLE_LOCKS[loop] = asyncio.Lock()
-    return lock
-
-
 class PluginServer:
     """Serves ``/v1beta1.DevicePlugin/*`` for one pool on ``socket_path``."""
 
@@ -104,8 +70,7 @@ class PluginServer:
         self.socket_path = Path(socket_path)
         self._feed = feed
         self._service = service
-        self._server: grpc.aio.Server | None = None
-        self._inode: tuple[int, int, int] | None = None
+        self._socket = SocketServer(resource, self.socket_path, (self._handler(),))
         self._stopping = asyncio.Event()
         self.streams = 0  # ListAndWatch streams open now
         self.streams_opened = 0  # ListAndWatch streams opened since start
@@ -115,81 +80,36 @@ class PluginServer:
 
     @property
     def running(self) -> bool:
-        """Whether the gRPC server is serving."""
-        return self._server is not None
+        """Whether the gRPC server is serving (and not stopping)."""
+        return self._socket.running and not self._stopping.is_set()
 
     @property
-    def socket_identity(self) -> tuple[int, int, int] | None:
-        """The (device, inode, ctime ns) of the socket this server bound, to tell it from a new file."""
-        return self._inode
+    def intact(self) -> bool:
+        """Whether we serve and our socket is still in place (a kubelet restart deletes it)."""
+        return self._socket.intact
 
     async def start(self) -> None:
         """Bind the socket and serve; the server is fully ready when this returns."""
-        async with _lifecycle_lock():
-            await self._start()
-
-    async def _start(self) -> None:
-        if self._server is not None:
-            raise RuntimeError(f"{self.resource}: server already running on {self.socket_path}")
-        files.ensure_dir(self.socket_path.parent)
-        _remove_socket(self.socket_path)  # a stale socket from a previous run would make bind fail
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        server.add_generic_rpc_handlers((self._handler(),))
-        address = f"unix:{self.socket_path}"
-        if len(os.fsencode(self.socket_path)) > MAX_UNIX_PATH:
-            raise OSError(
-                f"{self.resource}: socket path {self.socket_path} exceeds {MAX_UNIX_PATH} bytes (sun_path)"
-            )
-        try:
-            # gRPC binds the socket inside add_insecure_port, with the process umask: narrow it for that
-            # call so the socket is never callable by other users (an umask of 000 made it 0777, and any
-            # local user could Allocate), then set the mode explicitly as well.
-            old_umask = os.umask(0o777 & ~files.SOCKET_MODE)
-            try:
-                port = server.add_insecure_port(address)
-            finally:
-                os.umask(old_umask)
-            if port == 0:
-                raise OSError(f"{self.resource}: cannot listen on {address}")
-            _restrict_socket(self.socket_path)
-            # The identity of the socket we bound, read before start: a kubelet restart may delete the
-            # socket at any moment (its device manager removes every socket in the directory), and
-            # the registration loop must then see ours gone rather than this start fail half-done.
-            # ctime too: on ext4 a deleted socket's inode number is soon reused by the next one.
-            st = os.lstat(self.socket_path)
-            await server.start()
-        except BaseException:
-            # Without an explicit stop, the half-made server's finaliser runs after the loop is gone.
-            await server.stop(None)
-            raise
-        self._stopping = asyncio.Event()
-        self._server = server
-        self._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        if not self._socket.running:
+            # Renewed before the socket exists: a stream opened at once must not see the last stop.
+            self._stopping = asyncio.Event()
+        await self._socket.start()
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
         """Stop serving (open streams are cancelled after ``grace`` seconds) and remove our socket."""
-        server, self._server = self._server, None
-        if server is None:
-            return
         self._stopping.set()  # end open streams now rather than after the grace period
         if self.streams:
             # Let each ListAndWatch handler return before the server goes: its OK status is then on
             # its way and the kubelet sees the stream end cleanly, not a connection torn down under it.
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
+            # arrives as the inner wait completes (cpython gh-86296), and the runner cancelled in here
+            # would live on after its stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._no_streams.wait(), min(grace, 0.5))
-        async with _lifecycle_lock():
-            await server.stop(grace)
-        # Remove the socket only if it is still the one we bound: after a kubelet restart the path may
-        # already belong to a newer server.
-        try:
-            st = os.lstat(self.socket_path)
-            if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode:
-                self.socket_path.unlink()
-        except FileNotFoundError:
-            pass
-        self._inode = None
-        log.info("%s: stopped serving on %s", self.resource, self.socket_path)
+                async with asyncio.timeout(min(grace, 0.5)):
+                    await self._no_streams.wait()
+        if await self._socket.stop(grace):
+            log.info("%s: stopped serving on %s", self.resource, self.socket_path)
 
     def _handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Callable[..., Any], request: Any, response: Any) -> grpc.RpcMethodHandler:
@@ -322,22 +242,3 @@ class PluginServer:
         await context.abort(
             grpc.StatusCode.INTERNAL, f"{self.resource}: {call} failed: {clip(repr(exc), MAX_STATUS_CHARS)}"
         )
-
-
-def _restrict_socket(path: Path) -> None:
-    """Give the socket we just bound mode 0600; refuse if the path is not a socket (planted meanwhile)."""
-    st = os.lstat(path)
-    if not stat.S_ISSOCK(st.st_mode):
-        raise OSError(f"{path} is not the socket we bound; refusing to serve on it")
-    os.chmod(path, files.SOCKET_MODE)
-
-
-def _remove_socket(path: Path) -> None:
-    """Remove a unix socket left at ``path``; refuse to remove anything that is not a socket."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise FileExistsError(f"{path} exists and is not a socket; not removing it")
-    path.unlink(missing_ok=True)

@@ -60,3 +60,22 @@ def remove_stale_sockets(kubelet_dir: Path, keep: Iterable[str]) -> list[str]:
             continue
         removed.append(name)
     return sorted(removed)
+
+
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
+MAX_UNIX_PATH = 107
+
+FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns)
+
+
+def identify(path: Path, *, follow_symlinks: bool = True) -> FileIdentity | None:
+    """Return what tells this file from a recreated one at the same path, or None when it is absent.
+
+    The ctime too, as on ext4 a deleted socket's inode number is soon given to the next one.  Our own
+    sockets are named with ``follow_symlinks=False``: a symlink planted at their path is not ours.
+    """
+    try:
+        st = os.stat(path, follow_symlinks=follow_symlinks)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns

@@ -190,7 +190,8 @@ class KubeletEmulator:
             await pr_server.stop(0)
             if self.pod_resources_socket is not None:
                 self.pod_resources_socket.unlink(missing_ok=True)
-        for endpoint in self._endpoints.values():
+        # A copy: a Register the stopping server was still answering may add an endpoint meanwhile.
+        for endpoint in list(self._endpoints.values()):
             await self._disconnect(endpoint)
         self.socket_path.unlink(missing_ok=True)
         self._notify()
@@ -212,8 +213,11 @@ class KubeletEmulator:
             # The kubelet returns a plain Go error, which reaches the plugin as UNKNOWN with the text.
             await context.abort(grpc.StatusCode.UNKNOWN, error)
         socket_path = self.plugin_dir / request.endpoint
+        # A subchannel of its own, as the kubelet's grpc-go Dial has: from gRPC's shared pool it could
+        # be one an earlier dial left in reconnect backoff, and this dial would wait that out.
         channel = grpc.aio.insecure_channel(
-            f"unix:{socket_path}", options=(("grpc.max_receive_message_length", MAX_RECEIVE),)
+            f"unix:{socket_path}",
+            options=(("grpc.max_receive_message_length", MAX_RECEIVE), ("grpc.use_local_subchannel_pool", 1)),
         )
         try:
             # Like the kubelet: dial (blocking, with its timeout) and read the options inside Register.
