@@ -1,5 +1,10 @@
-"""Shared fixtures: both accelerator implementations, and an asyncio runner on uvloop that fails a test
-on any exception the loop saw but nobody awaited (as asyncpg's test base does)."""
+"""Shared fixtures: both accelerator implementations, and async tests on uvloop that fail on any exception
+the loop saw but nobody awaited (as asyncpg's test base does).
+
+Async tests and fixtures are plain ``async def`` (pytest-asyncio in auto mode, one loop per test); the loop
+comes from ``new_loop`` below, through pytest-asyncio's loop-factory hook, so the suite runs on the loop the
+daemon runs on.  The ``run`` fixture serves tests not yet written as async tests, on the same loop.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from typing import Any
 
 import pytest
 import uvloop
+
+pytest_plugins = ("pytester",)  # test_conftest.py runs small suites under these hooks
 
 NO_EXT = os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0")
 
@@ -38,20 +45,64 @@ def both() -> tuple[ModuleType, ModuleType]:
     return _cython(), importlib.import_module("densedev._fast_py")
 
 
+# Exceptions reported by the loops made for the current test, one list per loop: a task of an earlier
+# test's loop that is garbage-collected later reports to that loop's list, not to this test.
+_loop_errors: list[list[dict[str, Any]]] = []
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    """Return a new uvloop loop whose reported exceptions fail the test that made it."""
+    errors: list[dict[str, Any]] = []
+    _loop_errors.append(errors)
+    loop = uvloop.new_event_loop()
+    # The loop calls its exception handler for what no one can raise to: a callback that raised, a task
+    # whose exception was never retrieved (reported when the task is collected), a transport error.
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    return loop
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    """Run every async test and fixture on uvloop, as ``densedev run`` does."""
+    # One factory: pytest-asyncio then keeps the test names unchanged.
+    return {"uvloop": new_loop}
+
+
+def _fail_on_loop_errors() -> None:
+    reported = [ctx for errors in _loop_errors for ctx in errors]
+    for errors in _loop_errors:
+        errors.clear()  # reported once: a failure in the call is not reported again at teardown
+    assert not reported, f"unhandled exceptions in the event loop: {reported}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Forget the loops of earlier tests."""
+    _loop_errors.clear()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Fail the test if a loop it ran reported an exception during its set-up or its body."""
+    result = yield
+    _fail_on_loop_errors()
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Report an error if a loop reported an exception while the fixtures stopped or the loop closed."""
+    result = yield
+    _fail_on_loop_errors()
+    return result
+
+
 @pytest.fixture
 def run() -> Callable[[Coroutine[Any, Any, Any]], Any]:
-    """Run a coroutine on uvloop; fail if the loop reported an unhandled exception."""
+    """Run a coroutine on a loop of ``new_loop`` (the hooks above fail the test on what it reported)."""
 
     def _run(coro: Coroutine[Any, Any, Any]) -> Any:
-        errors: list[dict[str, Any]] = []
-
-        async def main() -> Any:
-            asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
-            return await coro
-
-        result = uvloop.run(main())
-        assert not errors, f"unhandled exceptions in the event loop: {errors}"
-        return result
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            return runner.run(coro)
 
     return _run
 
