@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import importlib
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -105,6 +107,14 @@ def run() -> Callable[[Coroutine[Any, Any, Any]], Any]:
             return runner.run(coro)
 
     return _run
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
+    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

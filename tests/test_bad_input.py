@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from test_allocation import dev, pool_of
+from helpers.devices import dev, pool_of
 from test_reload import GUARD_S, Node, res
 
 from densedev import cli
@@ -236,13 +236,6 @@ def test_warnings_are_bounded_in_length_and_number(tmp_path: Path) -> None:
 
 
 # --- Allocate and GetPreferredAllocation -------------------------------------------------------------
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(__import__("tempfile").mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def vf_pool(count: int = 8) -> Any:

@@ -6,98 +6,23 @@ Waits are bounded by generous guards that only turn a hang into a failure; nothi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import shutil
-import tempfile
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from helpers.node import GUARD_S, PREFIX, Node, pools_config, res, running, started, stopped
 
-from densedev.daemon import Daemon, DaemonSettings
+from densedev.daemon import Daemon
 from densedev.model import HEALTHY, UNHEALTHY
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 20.0
-PREFIX = "example.com"
-
-
-def pools_config(layout: simnode.NodeLayout, **top: object) -> dict[str, object]:
-    """Pools of a typical SR-IOV node: one per PF for two PFs, one for every other VF, shared RDMA."""
-    pfs = layout.pfs
-    resources: list[dict[str, object]] = [
-        {
-            "resourceName": f"sriov_{pf.netdev}",
-            "resourcePrefix": PREFIX,
-            "selectors": {"pfNames": [pf.netdev]},
-            "healthPolicy": {"holdDownSeconds": 0.2},
-        }
-        for pf in pfs[:2]
-    ]
-    resources.append(
-        {
-            "resourceName": "other_vfs",
-            "resourcePrefix": PREFIX,
-            "selectors": {"pfNames": [pf.netdev for pf in pfs[2:]]},
-            "healthPolicy": {"holdDownSeconds": 0.2},
-        }
-    )
-    resources.append(
-        {
-            "resourceName": "rdma_shared",
-            "resourcePrefix": PREFIX,
-            "deviceType": "accelerator",
-            "rdmaShared": 4,
-            "selectors": {"pciAddresses": [pf.address for pf in pfs], "isRdma": True},
-            "healthPolicy": {"holdDownSeconds": 0.2},
-        }
-    )
-    return {"resourceList": resources, "rdmaPollSeconds": 0.05, "coalesceMs": 2, **top}
-
-
-class Node:
-    """A simulated node, its config file and the paths a daemon on it uses."""
-
-    def __init__(self, tmp: Path, pfs: int = 4, vfs_per_pf: int = 8) -> None:
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=True)
-        self.config_path = tmp / "config.json"
-        self.write_config(pools_config(self.layout))
-        # A short dir like the kubelet's own: unix socket paths are limited to 107 bytes.
-        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        self.tmp = tmp
-
-    def write_config(self, doc: dict[str, object]) -> None:
-        """Replace the config file atomically, as a ConfigMap update does."""
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self.config_path)
-
-    def settings(self, **kw: Any) -> DaemonSettings:
-        """Daemon settings pointing every path into the temp dir."""
-        base: dict[str, Any] = dict(
-            sysfs_root=self.sysfs,
-            kubelet_dir=self.kubelet_dir,
-            dev_root=self.tmp / "dev",
-            cdi_dir=self.tmp / "cdi",
-            devinfo_dir=self.tmp / "devinfo",
-            resource_prefix=PREFIX,
-            config_path=self.config_path,
-            netlink=False,
-            config_poll_s=0.05,
-        )
-        base.update(kw)
-        return DaemonSettings(**base)
-
-    def daemon(self, **kw: Any) -> Daemon:
-        """A daemon on this node with its current config."""
-        return Daemon(self.settings(**kw), config_mod.load(self.config_path, default_prefix=PREFIX))
 
 
 @pytest.fixture
@@ -105,36 +30,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
     n = Node(tmp_path)
     yield n
     shutil.rmtree(n.kubelet_dir, ignore_errors=True)
-
-
-def res(name: str) -> str:
-    return f"{PREFIX}/{name}"
-
-
-async def started(node: Node, **kw: Any) -> tuple[KubeletEmulator, Daemon]:
-    """Start the kubelet emulator and a daemon, and wait until every pool has sent its list."""
-    emu = KubeletEmulator(node.kubelet_dir)
-    await emu.start()
-    daemon = node.daemon(**kw)
-    await daemon.start()
-    names = {p.full_name for p in daemon.config.pools}
-    await emu.wait_for(lambda: names <= set(emu.resources()) and all(emu.updates(n) for n in names), GUARD_S)
-    return emu, daemon
-
-
-async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
-    await daemon.stop()
-    await emu.stop()
-
-
-@contextlib.asynccontextmanager
-async def running(node: Node, **kw: Any) -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
-    """A kubelet emulator and a started daemon on the node, both stopped afterwards."""
-    emu, daemon = await started(node, **kw)
-    try:
-        yield emu, daemon
-    finally:
-        await stopped(emu, daemon)
 
 
 def test_every_pool_registers_and_lists_every_device(run: Run, node: Node) -> None:

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import stat
-import tempfile
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from test_allocation import NET, dev, pool_of
+from helpers.devices import NET, dev, pool_of
 
 from densedev import files
 from densedev._proto import api_pb2
@@ -41,14 +39,6 @@ def umask_000() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short directory for unix sockets (sun_path holds 107 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def mode(path: Path) -> int:

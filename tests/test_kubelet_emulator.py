@@ -8,13 +8,14 @@ import json
 import shutil
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from test_server import RESOURCE, FakePool, Run, pci_ids
+from helpers import Run
+from helpers.plugin import RESOURCE, FakePool, pci_ids
 
 from densedev._proto import api_pb2, podresources_pb2
 from densedev.kubelet.feed import PoolFeed
@@ -28,14 +29,6 @@ from densedev.testing.kubelet import (
 )
 
 GUARD = 10.0  # hang guard only
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short plugin dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def _register(plugin_dir: Path, resource: str, endpoint: str, version: str = "v1beta1") -> None:

@@ -4,28 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from test_server import RESOURCE, FakePool, Run, pci_ids
+from helpers import Run
+from helpers.plugin import RESOURCE, FakePool, pci_ids
 
 from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.registration import PluginRunner
 from densedev.testing.kubelet import KubeletEmulator
 
 GUARD = 10.0  # hang guards only: nothing here asserts on speed
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short plugin dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _runner(sock_dir: Path, pool: FakePool, feed: PoolFeed, resource: str = RESOURCE) -> PluginRunner:

@@ -6,12 +6,10 @@ import asyncio
 import os
 import shutil
 import struct
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from test_server import RESOURCE, FakePool, Run, pci_ids
+from helpers import Run
+from helpers.plugin import RESOURCE, FakePool, pci_ids
 
 from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.registration import PluginRunner
@@ -20,13 +18,6 @@ from densedev.testing.kubelet import KubeletEmulator
 
 GUARD = 10.0  # hang guards only
 NEVER = 3600.0  # a poll interval no test waits for: only the watch can wake the runner
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _event(wd: int, mask: int, name: bytes, pad: int = 0) -> bytes:

@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_daemon import GUARD_S, Node, Run, res, started, stopped
+from helpers import Run
+from helpers.node import GUARD_S, Node, res, started, stopped
 
 from densedev.model import HEALTHY
 from densedev.testing.kubelet import KubeletEmulator

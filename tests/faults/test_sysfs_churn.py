@@ -19,7 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_daemon import GUARD_S, Node, Run, res, started, stopped
+from helpers import Run
+from helpers.node import GUARD_S, Node, res, started, stopped
 
 from densedev.model import HEALTHY, Device
 from densedev.testing.simnode import build_node, set_num_vfs
