@@ -13,13 +13,19 @@ import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import uvloop
+
+if TYPE_CHECKING:  # imported where used: test_conftest.py runs this file where tests/helpers is not
+    from helpers.node import Node
+
+    from densedev.daemon import Daemon
+    from densedev.testing.kubelet import KubeletEmulator
 
 pytest_plugins = ("pytester",)  # test_conftest.py runs small suites under these hooks
 
@@ -115,6 +121,54 @@ def sock_dir() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Node]:
+    """A simulated node with its config file (helpers.node.Node; parametrize indirectly for its arguments)."""
+    from helpers.node import Node
+
+    n = Node(tmp_path, **getattr(request, "param", {}))
+    yield n
+    n.cleanup()
+
+
+@pytest.fixture
+def kubelet_options() -> dict[str, Any]:
+    """Keyword arguments of the ``kubelet`` fixture's emulator (parametrize this name to change them)."""
+    return {}
+
+
+@pytest.fixture
+async def kubelet(node: Node, kubelet_options: dict[str, Any]) -> AsyncIterator[KubeletEmulator]:
+    """The kubelet emulator serving the node's kubelet dir, stopped after the test."""
+    emu = node.emulator(**kubelet_options)
+    await emu.start()
+    try:
+        yield emu
+    finally:
+        await emu.stop()
+
+
+@pytest.fixture
+def daemon_settings() -> dict[str, Any]:
+    """DaemonSettings fields the ``daemon`` fixture overrides (parametrize this name to change them)."""
+    return {}
+
+
+@pytest.fixture
+async def daemon(
+    node: Node, kubelet: KubeletEmulator, daemon_settings: dict[str, Any]
+) -> AsyncIterator[Daemon]:
+    """A daemon on the node, started once every pool has listed its devices at the kubelet; stopped after."""
+    d = node.daemon(**daemon_settings)
+    await d.start()
+    try:
+        await node.wait_listed(kubelet, d)
+        yield d
+    finally:
+        if d.started:  # a test may stop it itself, to look at what stopping leaves
+            await d.stop()
 
 
 @pytest.fixture

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +55,32 @@ def pools_config(layout: simnode.NodeLayout, **top: object) -> dict[str, object]
 class Node:
     """A simulated node, its config file and the paths a daemon on it uses."""
 
-    def __init__(self, tmp: Path, pfs: int = 4, vfs_per_pf: int = 8) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        pfs: int = 4,
+        vfs_per_pf: int = 8,
+        *,
+        rdma: bool = True,
+        extras: bool = False,
+        config: Callable[[simnode.NodeLayout], dict[str, Any]] | None = None,
+    ) -> None:
         self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=True)
+        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=rdma, extras=extras)
         self.config_path = tmp / "config.json"
-        self.write_config(pools_config(self.layout))
+        self.write_config((config or pools_config)(self.layout))
         # A short dir like the kubelet's own: unix socket paths are limited to 107 bytes.
         self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
         self.tmp = tmp
 
-    def write_config(self, doc: dict[str, object]) -> None:
+    def cleanup(self) -> None:
+        """Remove what lives outside the test's temp dir."""
+        shutil.rmtree(self.kubelet_dir, ignore_errors=True)
+
+    def write_config(self, doc: dict[str, Any] | str) -> None:
         """Replace the config file atomically, as a ConfigMap update does."""
         tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc))
+        tmp.write_text(doc if isinstance(doc, str) else json.dumps(doc))
         tmp.replace(self.config_path)
 
     def settings(self, **kw: Any) -> DaemonSettings:
@@ -89,23 +103,35 @@ class Node:
         """A daemon on this node with its current config."""
         return Daemon(self.settings(**kw), config_mod.load(self.config_path, default_prefix=PREFIX))
 
+    def emulator(self, **kw: Any) -> KubeletEmulator:
+        """A kubelet emulator serving this node's kubelet dir."""
+        return KubeletEmulator(self.kubelet_dir, **kw)
+
+    async def wait_listed(self, emu: KubeletEmulator, daemon: Daemon) -> None:
+        """Wait until every pool of the daemon has registered and sent its list."""
+        names = {p.full_name for p in daemon.config.pools}
+        await emu.wait_for(
+            lambda: names <= set(emu.resources()) and all(emu.updates(n) for n in names), GUARD_S
+        )
+
 
 def res(name: str) -> str:
+    """The full resource name of a pool of this node's prefix."""
     return f"{PREFIX}/{name}"
 
 
 async def started(node: Node, **kw: Any) -> tuple[KubeletEmulator, Daemon]:
     """Start the kubelet emulator and a daemon, and wait until every pool has sent its list."""
-    emu = KubeletEmulator(node.kubelet_dir)
+    emu = node.emulator()
     await emu.start()
     daemon = node.daemon(**kw)
     await daemon.start()
-    names = {p.full_name for p in daemon.config.pools}
-    await emu.wait_for(lambda: names <= set(emu.resources()) and all(emu.updates(n) for n in names), GUARD_S)
+    await node.wait_listed(emu, daemon)
     return emu, daemon
 
 
 async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
+    """Stop the daemon, then the kubelet emulator."""
     await daemon.stop()
     await emu.stop()
 
