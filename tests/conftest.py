@@ -124,11 +124,11 @@ def sock_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def node(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Node]:
+def node(request: pytest.FixtureRequest, tmp_path: Path, sock_dir: Path) -> Iterator[Node]:
     """A simulated node with its config file (helpers.node.Node; parametrize indirectly for its arguments)."""
     from helpers.node import Node
 
-    n = Node(tmp_path, **getattr(request, "param", {}))
+    n = Node(tmp_path, kubelet_dir=sock_dir, **getattr(request, "param", {}))
     yield n
     n.cleanup()
 
@@ -140,9 +140,11 @@ def kubelet_options() -> dict[str, Any]:
 
 
 @pytest.fixture
-async def kubelet(node: Node, kubelet_options: dict[str, Any]) -> AsyncIterator[KubeletEmulator]:
-    """The kubelet emulator serving the node's kubelet dir, stopped after the test."""
-    emu = node.emulator(**kubelet_options)
+async def kubelet(sock_dir: Path, kubelet_options: dict[str, Any]) -> AsyncIterator[KubeletEmulator]:
+    """The kubelet emulator serving ``sock_dir`` (the node's kubelet dir), stopped after the test."""
+    from densedev.testing.kubelet import KubeletEmulator
+
+    emu = KubeletEmulator(sock_dir, **kubelet_options)
     await emu.start()
     try:
         yield emu

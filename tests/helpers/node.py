@@ -64,18 +64,21 @@ class Node:
         rdma: bool = True,
         extras: bool = False,
         config: Callable[[simnode.NodeLayout], dict[str, Any]] | None = None,
+        kubelet_dir: Path | None = None,
     ) -> None:
         self.sysfs = tmp / "sys"
         self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=rdma, extras=extras)
         self.config_path = tmp / "config.json"
         self.write_config((config or pools_config)(self.layout))
         # A short dir like the kubelet's own: unix socket paths are limited to 107 bytes.
-        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+        self._own_kubelet_dir = kubelet_dir is None
+        self.kubelet_dir = kubelet_dir or Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
         self.tmp = tmp
 
     def cleanup(self) -> None:
-        """Remove what lives outside the test's temp dir."""
-        shutil.rmtree(self.kubelet_dir, ignore_errors=True)
+        """Remove what this node made outside the test's temp dir."""
+        if self._own_kubelet_dir:
+            shutil.rmtree(self.kubelet_dir, ignore_errors=True)
 
     def write_config(self, doc: dict[str, Any] | str) -> None:
         """Replace the config file atomically, as a ConfigMap update does."""

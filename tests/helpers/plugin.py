@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 from densedev._proto import api_pb2
+from densedev.kubelet.feed import PoolFeed
+from densedev.kubelet.server import PluginServer
 from densedev.kubelet.wire import ListEncoder
 from densedev.model import RequestError
 
@@ -55,3 +59,14 @@ class FakePool:
     def prestart(self, ids: Sequence[str]) -> None:
         self._check(ids)
         self.prestarted.append(list(ids))
+
+
+@contextlib.asynccontextmanager
+async def serving(resource: str, path: Path, pool: FakePool) -> AsyncIterator[PluginServer]:
+    """A PluginServer for ``pool`` on ``path``, started, and stopped afterwards."""
+    server = PluginServer(resource, path, PoolFeed(pool.message()), pool)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
