@@ -154,7 +154,10 @@ def test_refused_name_is_logged_and_other_pools_register(
             await kubelet.wait_for(lambda: bool(kubelet.refusals) and good_runner.registered, GUARD)
             await kubelet.wait_for(lambda: bad_runner.last_error != "", GUARD)
             assert not bad_runner.registered and bad_runner.registrations == 0
-            assert "-bad-name" in bad_runner.last_error and "starting and ending" in bad_runner.last_error
+            assert (
+                "-bad-name" in bad_runner.last_error
+                and "start and end with an alphanumeric" in bad_runner.last_error
+            )
             assert kubelet.resources() == [RESOURCE]
             assert kubelet.capacity(RESOURCE) == 4 or await _wait_capacity(kubelet, 4)
         finally:
