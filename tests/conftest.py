@@ -124,11 +124,17 @@ def sock_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def node(request: pytest.FixtureRequest, tmp_path: Path, sock_dir: Path) -> Iterator[Node]:
-    """A simulated node with its config file (helpers.node.Node; parametrize indirectly for its arguments)."""
+def node_options() -> dict[str, Any]:
+    """Keyword arguments of the ``node`` fixture's Node (parametrize or override this name to change them)."""
+    return {}
+
+
+@pytest.fixture
+def node(tmp_path: Path, sock_dir: Path, node_options: dict[str, Any]) -> Iterator[Node]:
+    """A simulated node with its config file, its kubelet dir ``sock_dir`` (helpers.node.Node)."""
     from helpers.node import Node
 
-    n = Node(tmp_path, kubelet_dir=sock_dir, **getattr(request, "param", {}))
+    n = Node(tmp_path, kubelet_dir=sock_dir, **node_options)
     yield n
     n.cleanup()
 

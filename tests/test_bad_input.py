@@ -12,18 +12,17 @@ import copy
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from helpers.devices import dev, pool_of
-from test_reload import GUARD_S, Node, res
+from helpers.node import GUARD_S, NO_FILES, Node, res, three_pools
 
 from densedev import cli
 from densedev._proto import api_pb2
@@ -400,31 +399,27 @@ def test_check_config_of_a_missing_file_is_one_line(
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    yield n
-    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
+def node_options() -> dict[str, Any]:
+    """A 4-PF node with pools for PFs 0-2."""
+    return {"config": three_pools}
 
 
-def test_reload_survives_a_deep_config_and_applies_the_next_good_one(run: Run, node: Node) -> None:
-    async def main() -> None:
-        daemon = node.daemon()
-        await daemon.start()
-        try:
-            node.write(DEEP)
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reload_failures"] == 1)
-            assert len(daemon.config.pools) == 3
-            doc = copy.deepcopy(node.doc)
-            doc["resourceList"].pop(0)
-            node.write(doc)
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reloads"] == 1)
-            assert set(daemon.pools) == {res("pf1"), res("pf2")}
-        finally:
-            await daemon.stop()
-
-    run(main())
+async def test_reload_survives_a_deep_config_and_applies_the_next_good_one(node: Node) -> None:
+    daemon = node.daemon(**NO_FILES)
+    await daemon.start()
+    try:
+        node.write_config(DEEP)
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reload_failures"] == 1)
+        assert len(daemon.config.pools) == 3
+        doc = copy.deepcopy(node.doc)
+        doc["resourceList"].pop(0)
+        node.write_config(doc)
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reloads"] == 1)
+        assert set(daemon.pools) == {res("pf1"), res("pf2")}
+    finally:
+        await daemon.stop()
 
 
 class FailingDaemon(Daemon):
@@ -439,55 +434,48 @@ class FailingDaemon(Daemon):
         await super().apply_config(new)
 
 
-def test_reload_survives_any_exception_and_keeps_the_last_good_config(run: Run, node: Node) -> None:
-    async def main() -> None:
-        base = node.daemon()
-        daemon = FailingDaemon(base.settings, base.config)
-        await daemon.start()
-        try:
-            before = daemon.config
-            doc = copy.deepcopy(node.doc)
-            doc["resourceList"].pop(0)
-            node.write(doc)
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reload_failures"] == 1)
-            assert daemon.config == before and set(daemon.pools) == {res(n) for n in ("pf0", "pf1", "pf2")}
-            assert 'densedev_config_reloads_total{result="failure"} 1.0' in daemon.metrics.render().decode()
-            # The reload task lives on: the same file, asked again, applies.
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reloads"] == 1)
-            assert set(daemon.pools) == {res("pf1"), res("pf2")}
-        finally:
-            await daemon.stop()
-
-    run(main())
+async def test_reload_survives_any_exception_and_keeps_the_last_good_config(node: Node) -> None:
+    base = node.daemon(**NO_FILES)
+    daemon = FailingDaemon(base.settings, base.config)
+    await daemon.start()
+    try:
+        before = daemon.config
+        doc = copy.deepcopy(node.doc)
+        doc["resourceList"].pop(0)
+        node.write_config(doc)
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reload_failures"] == 1)
+        assert daemon.config == before and set(daemon.pools) == {res(n) for n in ("pf0", "pf1", "pf2")}
+        assert 'densedev_config_reloads_total{result="failure"} 1.0' in daemon.metrics.render().decode()
+        # The reload task lives on: the same file, asked again, applies.
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reloads"] == 1)
+        assert set(daemon.pools) == {res("pf1"), res("pf2")}
+    finally:
+        await daemon.stop()
 
 
-def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(run: Run, node: Node) -> None:
+async def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(node: Node) -> None:
     node.doc["coalesceMs"] = 60_000  # nothing flushes by itself while the test runs
-    node.write(node.doc)
-
-    async def main() -> None:
-        daemon = node.daemon()
-        await daemon.start()
-        try:
-            old = daemon._coalescer
-            daemon.set_links([(node.layout.pfs[0].netdev, False)])
-            assert old.pending
-            doc = copy.deepcopy(node.doc)
-            doc["coalesceMs"] = 30_000
-            node.write(doc)
-            assert await daemon.reload()
-            assert daemon.config.coalesce_ms == 30_000
-            # The old timer must not fire later (after a stop, or as a second flush); the burst it
-            # held is the new coalescer's now.
-            assert not old.pending
-            assert daemon._coalescer is not old and daemon._coalescer.pending
-        finally:
-            await daemon.stop()
-        assert not daemon._coalescer.pending
-
-    run(main())
+    node.write_config(node.doc)
+    daemon = node.daemon(**NO_FILES)
+    await daemon.start()
+    try:
+        old = daemon._coalescer
+        daemon.set_links([(node.layout.pfs[0].netdev, False)])
+        assert old.pending
+        doc = copy.deepcopy(node.doc)
+        doc["coalesceMs"] = 30_000
+        node.write_config(doc)
+        assert await daemon.reload()
+        assert daemon.config.coalesce_ms == 30_000
+        # The old timer must not fire later (after a stop, or as a second flush); the burst it
+        # held is the new coalescer's now.
+        assert not old.pending
+        assert daemon._coalescer is not old and daemon._coalescer.pending
+    finally:
+        await daemon.stop()
+    assert not daemon._coalescer.pending
 
 
 async def wait(predicate: Callable[[], bool], timeout: float = GUARD_S) -> None:

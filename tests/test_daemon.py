@@ -287,7 +287,7 @@ async def test_cdi_annotations_when_asked(node: Node, kubelet: KubeletEmulator, 
 
 
 @pytest.mark.parametrize(
-    "node", [{"config": lambda layout: pools_config(layout, reconcileSeconds=0.3)}], indirect=True
+    "node_options", [{"config": lambda layout: pools_config(layout, reconcileSeconds=0.3)}]
 )
 async def test_the_periodic_reconcile_finds_what_no_event_announced(
     node: Node, kubelet: KubeletEmulator, daemon: Daemon

@@ -19,7 +19,21 @@ GUARD_S = 20.0
 PREFIX = "example.com"
 
 
-def pools_config(layout: simnode.NodeLayout, **top: object) -> dict[str, object]:
+NO_FILES: dict[str, Any] = {"cdi_dir": None, "devinfo_dir": None}  # a daemon writing no CDI, no device-info
+
+
+def pool(name: str, pf_names: list[str], **extra: Any) -> dict[str, Any]:
+    """A resourceList entry of this node's prefix taking the VFs of the named PFs."""
+    return {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": pf_names}, **extra}
+
+
+def three_pools(layout: simnode.NodeLayout) -> dict[str, Any]:
+    """One pool per PF for PFs 0-2, leaving PF 3 out so that a reload can add a pool for it."""
+    pfs = layout.pfs
+    return {"resourceList": [pool(f"pf{i}", [pfs[i].netdev]) for i in range(3)], "rdmaPollSeconds": 0.05}
+
+
+def pools_config(layout: simnode.NodeLayout, **top: object) -> dict[str, Any]:
     """Pools of a typical SR-IOV node: one per PF for two PFs, one for every other VF, shared RDMA."""
     pfs = layout.pfs
     resources: list[dict[str, object]] = [
@@ -69,6 +83,7 @@ class Node:
         self.sysfs = tmp / "sys"
         self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=rdma, extras=extras)
         self.config_path = tmp / "config.json"
+        self.doc: dict[str, Any] = {}
         self.write_config((config or pools_config)(self.layout))
         # A short dir like the kubelet's own: unix socket paths are limited to 107 bytes.
         self._own_kubelet_dir = kubelet_dir is None
@@ -85,6 +100,8 @@ class Node:
         tmp = self.config_path.with_suffix(".tmp")
         tmp.write_text(doc if isinstance(doc, str) else json.dumps(doc))
         tmp.replace(self.config_path)
+        if not isinstance(doc, str):
+            self.doc = doc  # the config last written as a document, for a test to edit and write again
 
     def settings(self, **kw: Any) -> DaemonSettings:
         """Daemon settings pointing every path into the temp dir."""
