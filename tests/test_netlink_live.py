@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.devices import dev
 
 from densedev.health.tracker import Coalescer, HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
@@ -276,11 +277,17 @@ def test_pf_down_makes_its_vfs_unhealthy_end_to_end(run: Run, netns: str) -> Non
         ip(netns, "link", "set", f"ens{p}f0", "up")
 
     def vf(p: int, k: int) -> Device:
-        return Device(
-            f"0000:{p + 0x3b:02x}:02.{k}", ROLE_VF, "8086", "1889", "020000", "8086", "0000", "iavf", 0, -1,
-            False, -1, 0, 0, f"0000:{p + 0x3b:02x}:00.0", k, f"ens{p}f0", (), "", "", (), "", "", "",
-            "pci0000:3a", "",
-        )  # fmt: skip
+        return dev(
+            f"0000:{p + 0x3B:02x}:02.{k}",
+            vendor="8086",
+            device="1889",
+            subsystem_vendor="8086",
+            driver="iavf",
+            pf=f"0000:{p + 0x3B:02x}:00.0",
+            vf_index=k,
+            pf_netdev=f"ens{p}f0",
+            link_type="",
+        )
 
     devices = [vf(p, k) for p in range(2) for k in range(4)]
     assert all(d.role == ROLE_VF and d.role != ROLE_PF for d in devices)

@@ -6,14 +6,18 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from densedev.model import ROLE_VF, Device, Pool, PoolConfig, PoolMember, Selector
+from densedev.model import ROLE_SF, ROLE_VF, Device, Pool, PoolConfig, PoolMember, Selector
 
 
-def dev(address: str, **kw: Any) -> Device:
-    """Return a Device with realistic defaults for an mlx5 VF on NUMA 0 (override any field)."""
+def dev(address: str, role: str = ROLE_VF, **fields: Any) -> Device:
+    """Return a Device: an mlx5 VF of PF 0000:3b:00.0 on NUMA 0, with any field overridden by ``fields``.
+
+    The one place tests build a Device by hand; the presets of test modules (an Intel E810 function, a
+    function linked to no PF) call it with their defaults.
+    """
     base: dict[str, Any] = dict(
         id=address,
-        role=ROLE_VF,
+        role=role,
         vendor="15b3",
         device="101e",
         pci_class="020000",
@@ -27,7 +31,6 @@ def dev(address: str, **kw: Any) -> Device:
         total_vfs=0,
         num_vfs=0,
         pf="0000:3b:00.0",
-        vf_index=int(address.rsplit(".", 1)[1]),
         pf_netdev="ens1f0np0",
         netdevs=(),
         link_type="ether",
@@ -39,8 +42,42 @@ def dev(address: str, **kw: Any) -> Device:
         pcie_root="pci0000:3a",
         aux_type="",
     )
-    base.update(kw)
+    if "vf_index" not in fields:
+        base["vf_index"] = int(address.rsplit(".", 1)[-1])  # a VF's function number stands in for its index
+    base.update(fields)
     return Device(**base)
+
+
+def unlinked(
+    address: str,
+    role: str = ROLE_VF,
+    *,
+    vendor: str = "15b3",
+    numa: int = 0,
+    rdma: str = "",
+    netdevs: tuple[str, ...] = (),
+    link_type: str = "",
+    **fields: Any,
+) -> Device:
+    """Return a Device linked to no PF (no PF address, VF index, PF netdev) unless ``fields`` say so.
+
+    Its subsystem IDs are the vendor's, its link type follows its netdevs and its PCIe root its bus:
+    the shape selector tests build nodes from.
+    """
+    base: dict[str, Any] = dict(
+        vendor=vendor,
+        subsystem_vendor=vendor,
+        subsystem_device="0001",
+        numa_node=numa,
+        rdma_device=rdma,
+        pf="",
+        vf_index=-1,
+        pf_netdev="",
+        netdevs=netdevs,
+        link_type=link_type or ("ether" if netdevs else ""),
+        pcie_root="pci0000:" + address[5:7] if role != ROLE_SF else "",
+    )
+    return dev(address, role, **{**base, **fields})
 
 
 def pool_of(config: PoolConfig, devices: Iterable[Device]) -> Pool:
