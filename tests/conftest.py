@@ -168,15 +168,19 @@ def daemon_settings() -> dict[str, Any]:
 async def daemon(
     node: Node, kubelet: KubeletEmulator, daemon_settings: dict[str, Any]
 ) -> AsyncIterator[Daemon]:
-    """A daemon on the node, started once every pool has listed its devices at the kubelet; stopped after."""
-    d = node.daemon(**daemon_settings)
-    await d.start()
-    try:
-        await node.wait_listed(kubelet, d)
+    """A daemon on the node, yielded once every pool has listed at the kubelet, stopped after."""
+    from helpers.node import daemon_on
+
+    async with daemon_on(node, kubelet, **daemon_settings) as d:
         yield d
-    finally:
-        if d.started:  # a test may stop it itself, to look at what stopping leaves
-            await d.stop()
+
+
+@pytest.fixture
+def pr_dir() -> Iterator[Path]:
+    """A short directory for the kubelet's PodResources socket (sun_path, as ``sock_dir``)."""
+    path = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

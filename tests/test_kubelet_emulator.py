@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import shutil
 import socket
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -344,14 +342,6 @@ async def test_restart_writes_a_checkpoint_and_recreates_the_socket(
         assert fresh.resources() == [RESOURCE] and fresh.capacity(RESOURCE) == 0
     finally:
         await fresh.stop()
-
-
-@pytest.fixture
-def pr_dir() -> Iterator[Path]:
-    """A short dir for the PodResources socket."""
-    path = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("strict", [False, True])

@@ -22,9 +22,12 @@ PREFIX = "example.com"
 NO_FILES: dict[str, Any] = {"cdi_dir": None, "devinfo_dir": None}  # a daemon writing no CDI, no device-info
 
 
-def pool(name: str, pf_names: list[str], **extra: Any) -> dict[str, Any]:
-    """A resourceList entry of this node's prefix taking the VFs of the named PFs."""
-    return {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": pf_names}, **extra}
+def pool(
+    name: str, pf_names: list[str], selectors: dict[str, Any] | None = None, **extra: Any
+) -> dict[str, Any]:
+    """A resourceList entry of this node's prefix taking the VFs of the named PFs (and ``selectors``)."""
+    chosen = {"pfNames": pf_names, **(selectors or {})}
+    return {"resourceName": name, "resourcePrefix": PREFIX, "selectors": chosen, **extra}
 
 
 def three_pools(layout: simnode.NodeLayout) -> dict[str, Any]:
@@ -164,3 +167,16 @@ async def running(node: Node, **kw: Any) -> AsyncIterator[tuple[KubeletEmulator,
         yield emu, daemon
     finally:
         await stopped(emu, daemon)
+
+
+@contextlib.asynccontextmanager
+async def daemon_on(node: Node, emu: KubeletEmulator, **kw: Any) -> AsyncIterator[Daemon]:
+    """A daemon on the node, yielded once every pool has listed at ``emu``; stopped after unless it was."""
+    daemon = node.daemon(**kw)
+    await daemon.start()
+    try:
+        await node.wait_listed(emu, daemon)
+        yield daemon
+    finally:
+        if daemon.started:  # a test may stop it itself, to look at what stopping leaves
+            await daemon.stop()
