@@ -8,7 +8,6 @@ official schema, the ResourceClaims), and the device-plugin kubelet emulator (po
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import subprocess
 import sys
@@ -19,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import node as node_helpers
+from helpers.node import PREFIX
 
 from densedev.alloc import devinfo
-from densedev.daemon import Daemon, DaemonSettings
+from densedev.daemon import Daemon
 from densedev.dra import names
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.driver import ClientFactory, DraSettings
@@ -36,38 +37,47 @@ from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
 from densedev.testing.kubelet import KubeletEmulator
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 30.0
-PREFIX = "example.com"
+GUARD_S = 30.0  # the DRA path crosses three emulated parties: a wider hang guard than helpers.node's
 NODE = "node-a"
 DP = f"{PREFIX}/dp"
 DRA = f"{PREFIX}/dra"
 
 
+def config(pools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The node's config document with these pools."""
+    return {"resourceList": pools, "rdmaPollSeconds": 0.05}
+
+
 def pool(name: str, pf_names: list[str], api: str | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": pf_names}}
-    if api is not None:
-        doc["api"] = api
-    return doc
+    """A pool of the VFs of these PFs, served through ``api`` (the device-plugin API when None)."""
+    return node_helpers.pool(name, pf_names, **({} if api is None else {"api": api}))
 
 
-class Node:
+class Node(node_helpers.Node):
     """A simulated node: PF 0's VFs in pool ``dp`` (device plugin), PF 1's in pool ``dra`` (DRA)."""
 
     def __init__(self, tmp: Path, pfs: int = 2, vfs_per_pf: int = 8) -> None:
-        self.tmp = tmp
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=False)
-        self.config_path = tmp / "config.json"
         # unix socket paths are limited to 107 bytes: short dirs, as the kubelet's own.
         self.short = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        self.kubelet_dir = self.short / "dp"
+        (self.short / "dp").mkdir()
+        super().__init__(
+            tmp,
+            pfs,
+            vfs_per_pf,
+            rdma=False,
+            config=lambda layout: config([pool("dp", [layout.pfs[0].netdev])]),
+            kubelet_dir=self.short / "dp",
+        )
         self.plugins_dir = self.short / "plugins"
         self.registry_dir = self.short / "registry"
         self.pr_socket = self.short / "pr.sock"
-        self.kubelet_dir.mkdir()
         self.cdi_dir = tmp / "cdi"
         self.devinfo_dir = tmp / "devinfo"
         self.api: ApiServerStandIn | None = None
+
+    def cleanup(self) -> None:
+        """Remove the short dirs outside the test's temp dir."""
+        shutil.rmtree(self.short, ignore_errors=True)
 
     @property
     def pf0(self) -> simnode.SimPF:
@@ -78,35 +88,24 @@ class Node:
         return self.layout.pfs[1]
 
     def write(self, pools: list[dict[str, Any]]) -> None:
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
-        tmp.replace(self.config_path)
+        """Replace the config with these pools."""
+        self.write_config(config(pools))
 
-    def daemon(self, client: ClientFactory | None = None) -> Daemon:
+    def daemon(self, client: ClientFactory | None = None, **kw: Any) -> Daemon:
+        """A daemon with its DRA driver talking to the stand-in (or to ``client``)."""
         assert self.api is not None
         url = self.api.url
 
         async def standin() -> ResourceClient:
             return ResourceClient.for_url(url)
 
-        settings = DaemonSettings(
-            sysfs_root=self.sysfs,
-            kubelet_dir=self.kubelet_dir,
-            dev_root=self.tmp / "dev",
-            cdi_dir=self.cdi_dir,
-            devinfo_dir=self.devinfo_dir,
-            resource_prefix=PREFIX,
-            config_path=self.config_path,
-            netlink=False,
-            config_poll_s=0.05,
-            pod_resources_socket=self.pr_socket,
-            dra=DraSettings(
-                node_name=NODE,
-                plugins_dir=self.plugins_dir,
-                registry_dir=self.registry_dir,
-                min_write_interval_s=0.05,
-            ),
+        dra = DraSettings(
+            node_name=NODE,
+            plugins_dir=self.plugins_dir,
+            registry_dir=self.registry_dir,
+            min_write_interval_s=0.05,
         )
+        settings = self.settings(pod_resources_socket=self.pr_socket, dra=dra, **kw)
         cfg = config_mod.load(self.config_path, default_prefix=PREFIX)
         return Daemon(settings, cfg, dra_client=client or standin)
 
@@ -138,7 +137,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
     n = Node(tmp_path)
     n.write([pool("dp", [n.pf0.netdev]), pool("dra", [n.pf1.netdev], api="dra")])
     yield n
-    shutil.rmtree(n.short, ignore_errors=True)
+    n.cleanup()
 
 
 class Cluster:
@@ -318,7 +317,7 @@ def test_a_4096_device_node_is_published_whole(run: Run, tmp_path: Path) -> None
 
         run(main())
     finally:
-        shutil.rmtree(node.short, ignore_errors=True)
+        node.cleanup()
 
 
 def test_one_ownership_map_holds_devices_across_both_apis(node: Node) -> None:
