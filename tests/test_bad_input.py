@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ from densedev.model import Config, PoolConfig, RequestError
 from densedev.pools.config import ConfigError, load, parse, validate_resource_name
 from densedev.testing import simnode
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 RESOURCE = "example.com/vf"
 # Every control character a string can carry: C0, DEL and C1.
 CONTROL = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0))]
@@ -258,12 +257,12 @@ async def serve(tmp_path: Path, sock_dir: Path) -> tuple[PluginServer, grpc.aio.
     return server, channel
 
 
-def test_allocate_with_100k_unknown_ids_is_invalid_argument_with_a_bounded_message(
-    run: Run, tmp_path: Path, sock_dir: Path, caplog: pytest.LogCaptureFixture
+async def test_allocate_with_100k_unknown_ids_is_invalid_argument_with_a_bounded_message(
+    tmp_path: Path, sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ids = [f"0000:ff:{i >> 8 & 0x1F:02x}.{i & 7}-{i}" for i in range(100_000)] + ["evil\n\x1b[31mid"]
 
-    async def main() -> None:
+    with caplog.at_level(logging.INFO):
         server, channel = await serve(tmp_path, sock_dir)
         try:
             call = channel.unary_unary(
@@ -285,9 +284,6 @@ def test_allocate_with_100k_unknown_ids_is_invalid_argument_with_a_bounded_messa
         finally:
             await channel.close()
             await server.stop()
-
-    with caplog.at_level(logging.INFO):
-        run(main())
     assert caplog.records
     assert all(len(r.getMessage()) < 2048 for r in caplog.records)
     assert not any(has_control(r.getMessage()) for r in caplog.records)
@@ -334,31 +330,28 @@ def test_preferred_answers_within_the_contract(tmp_path: Path) -> None:
             assert set(got) <= set(ids) and got[: len(must)] == must
 
 
-def test_preferred_refusal_reaches_the_kubelet_as_invalid_argument(
-    run: Run, tmp_path: Path, sock_dir: Path
+async def test_preferred_refusal_reaches_the_kubelet_as_invalid_argument(
+    tmp_path: Path, sock_dir: Path
 ) -> None:
-    async def main() -> None:
-        server, channel = await serve(tmp_path, sock_dir)
-        try:
-            call = channel.unary_unary(
-                "/v1beta1.DevicePlugin/GetPreferredAllocation",
-                request_serializer=api_pb2.PreferredAllocationRequest.SerializeToString,
-                response_deserializer=api_pb2.PreferredAllocationResponse.FromString,
-            )
-            req = api_pb2.ContainerPreferredAllocationRequest(
-                available_deviceIDs=["0000:3b:02.0"],
-                must_include_deviceIDs=["0000:3b:02.1"],
-                allocation_size=1,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call(api_pb2.PreferredAllocationRequest(container_requests=[req]))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "not in available" in (info.value.details() or "")
-        finally:
-            await channel.close()
-            await server.stop()
-
-    run(main())
+    server, channel = await serve(tmp_path, sock_dir)
+    try:
+        call = channel.unary_unary(
+            "/v1beta1.DevicePlugin/GetPreferredAllocation",
+            request_serializer=api_pb2.PreferredAllocationRequest.SerializeToString,
+            response_deserializer=api_pb2.PreferredAllocationResponse.FromString,
+        )
+        req = api_pb2.ContainerPreferredAllocationRequest(
+            available_deviceIDs=["0000:3b:02.0"],
+            must_include_deviceIDs=["0000:3b:02.1"],
+            allocation_size=1,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(api_pb2.PreferredAllocationRequest(container_requests=[req]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not in available" in (info.value.details() or "")
+    finally:
+        await channel.close()
+        await server.stop()
 
 
 # --- the command line ---------------------------------------------------------------------------------
