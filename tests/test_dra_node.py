@@ -468,7 +468,7 @@ def test_checkpoint_round_trip(node: Node, run: Run) -> None:
     assert Checkpoint(node.settings.plugin_dir, "other.example.com").load() == {}
 
 
-def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(run: Run, node: Node) -> None:
+async def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(node: Node) -> None:
     # gRPC cancels a handler when the kubelet's deadline passes; the file writes run in a thread that
     # cancellation cannot stop, so the next call must not start its own writes (and state update)
     # before that thread has finished.
@@ -495,19 +495,16 @@ def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(run: Run, 
     node.service._store = slow_store  # type: ignore[method-assign]
     a, b = node.claim(("vf", VF)), node.claim(("vf", VF2))
 
-    async def main() -> None:
-        first = asyncio.ensure_future(node.service.prepare([a]))
-        while not inside.is_set():
-            await asyncio.sleep(0.001)
-        first.cancel()
-        second = asyncio.ensure_future(node.service.prepare([b]))
-        await asyncio.sleep(0.05)  # lets a second call reach its writes if the lock were free
-        release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        assert (await second)[b.uid].error == ""
-
-    run(main())
+    first = asyncio.ensure_future(node.service.prepare([a]))
+    while not inside.is_set():
+        await asyncio.sleep(0.001)
+    first.cancel()
+    second = asyncio.ensure_future(node.service.prepare([b]))
+    await asyncio.sleep(0.05)  # lets a second call reach its writes if the lock were free
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert (await second)[b.uid].error == ""
     assert overlaps == []
     assert set(node.service.prepared) == {a.uid, b.uid}  # the cancelled call's writes still counted
 
