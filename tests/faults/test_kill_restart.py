@@ -18,12 +18,12 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
+from helpers.node import GUARD_S, PREFIX
 
 from densedev.alloc import cdi, devinfo
 from densedev.daemon import socket_name_for
@@ -32,9 +32,6 @@ from densedev.testing.kubelet import CHECKPOINT, KubeletEmulator, KubeletError
 
 pytestmark = pytest.mark.faults
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 20.0
-PREFIX = "example.com"
 NAMES = ("p0", "p1", "p2")
 
 
@@ -150,82 +147,75 @@ def check_files(node: Node, emu: KubeletEmulator, names: tuple[str, ...]) -> Non
             assert doc["pci"]["pci-address"] == device
 
 
-def test_sigkill_during_an_allocation_storm_then_restart(
-    run: Run, node: Node, child_env: dict[str, str]
-) -> None:
-    async def main() -> None:
-        emu = KubeletEmulator(
-            node.kubelet_dir, pod_resources_socket=node.pr_dir / "kubelet.sock", strict=True
-        )
-        await emu.start()
+async def test_sigkill_during_an_allocation_storm_then_restart(node: Node, child_env: dict[str, str]) -> None:
+    emu = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_dir / "kubelet.sock", strict=True)
+    await emu.start()
+    proc = node.start(child_env)
+    try:
+        await emu.wait_for(lambda: all(emu.allocatable(res(n)) for n in NAMES), GUARD_S)
+        before = {n: dict(emu.devices(res(n))) for n in NAMES}
+        assert [len(before[n]) for n in NAMES] == [16, 16, 32]
+
+        # 1. SIGKILL in the middle of a storm of admissions.
+        running = asyncio.create_task(storm(emu, NAMES, 60, seed=1, tag="a"))
+        await emu.wait_for(lambda: len(emu.pods()) >= 12, GUARD_S)
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, GUARD_S)
+        admitted = await running
+        assert 12 <= len(admitted) < 60
+
+        # 2. Restart, same config: same IDs, all healthy, counts equal, one socket per pool.
+        regs = {n: emu.registrations(res(n)) for n in NAMES}
         proc = node.start(child_env)
-        try:
-            await emu.wait_for(lambda: all(emu.allocatable(res(n)) for n in NAMES), GUARD_S)
-            before = {n: dict(emu.devices(res(n))) for n in NAMES}
-            assert [len(before[n]) for n in NAMES] == [16, 16, 32]
+        await emu.wait_for(
+            lambda: all(
+                emu.registrations(res(n)) > regs[n] and emu.devices(res(n)) == before[n] for n in NAMES
+            ),
+            GUARD_S,
+        )
+        assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
+            socket_name_for(res(n), node.kubelet_dir) for n in NAMES
+        }
+        check_files(node, emu, NAMES)
+        # A second storm takes devices while the first's pods still hold theirs.
+        await storm(emu, NAMES, 40, seed=2, tag="b")
 
-            # 1. SIGKILL in the middle of a storm of admissions.
-            running = asyncio.create_task(storm(emu, NAMES, 60, seed=1, tag="a"))
-            await emu.wait_for(lambda: len(emu.pods()) >= 12, GUARD_S)
-            proc.send_signal(signal.SIGKILL)
-            await asyncio.to_thread(proc.wait, GUARD_S)
-            admitted = await running
-            assert 12 <= len(admitted) < 60
-
-            # 2. Restart, same config: same IDs, all healthy, counts equal, one socket per pool.
-            regs = {n: emu.registrations(res(n)) for n in NAMES}
-            proc = node.start(child_env)
-            await emu.wait_for(
-                lambda: all(
-                    emu.registrations(res(n)) > regs[n] and emu.devices(res(n)) == before[n] for n in NAMES
-                ),
-                GUARD_S,
-            )
-            assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
-                socket_name_for(res(n), node.kubelet_dir) for n in NAMES
-            }
-            check_files(node, emu, NAMES)
-            # A second storm takes devices while the first's pods still hold theirs.
-            await storm(emu, NAMES, 40, seed=2, tag="b")
-
-            # 3. SIGKILL again; restart with p1 removed: its socket goes, its held VFs are withheld from
-            # p2 (which now selects PF 1 too) until released.
-            proc.send_signal(signal.SIGKILL)
-            await asyncio.to_thread(proc.wait, GUARD_S)
-            held_p1 = {i for per in emu.pods().values() for i in per.get(res("p1"), [])}
-            assert held_p1
-            node.pools["p2"] = node.pools["p1"] + node.pools["p2"]
-            node.write(("p0", "p2"))
-            proc = node.start(child_env)
-            pf1 = set(node.layout.pfs[1].vf_addresses)
-            await emu.wait_for(
-                lambda: (
-                    emu.registrations(res("p2")) > regs["p2"] + 1
-                    and (pf1 - held_p1) <= set(emu.devices(res("p2")))
-                ),
-                GUARD_S,
-            )
-            assert not held_p1 & set(emu.devices(res("p2")))
-            assert len(emu.devices(res("p2"))) == 48 - len(held_p1)
-            assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
-                socket_name_for(res(n), node.kubelet_dir) for n in ("p0", "p2")
-            }
-            check_files(node, emu, ("p0", "p2"))
-            # Every free device of every pool, taken: none of them is held by anyone else.
-            for n in ("p0", "p2"):
-                if emu.free(res(n)):
-                    await emu.create_pod(f"all-{n}", {res(n): len(emu.free(res(n)))})
-            # Released: p1's pods end, and their VFs join p2.
-            for uid, per in emu.pods().items():
-                if res("p1") in per:
-                    emu.delete_pod(uid)
-            await emu.wait_for(lambda: held_p1 <= set(emu.devices(res("p2"))), GUARD_S)
-            assert emu.double_holdings == []
-            assert json.loads((node.kubelet_dir / CHECKPOINT).read_text())["Data"]["PodDeviceEntries"]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                await asyncio.to_thread(proc.wait)
-            await emu.stop()
-
-    run(main())
+        # 3. SIGKILL again; restart with p1 removed: its socket goes, its held VFs are withheld from
+        # p2 (which now selects PF 1 too) until released.
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, GUARD_S)
+        held_p1 = {i for per in emu.pods().values() for i in per.get(res("p1"), [])}
+        assert held_p1
+        node.pools["p2"] = node.pools["p1"] + node.pools["p2"]
+        node.write(("p0", "p2"))
+        proc = node.start(child_env)
+        pf1 = set(node.layout.pfs[1].vf_addresses)
+        await emu.wait_for(
+            lambda: (
+                emu.registrations(res("p2")) > regs["p2"] + 1
+                and (pf1 - held_p1) <= set(emu.devices(res("p2")))
+            ),
+            GUARD_S,
+        )
+        assert not held_p1 & set(emu.devices(res("p2")))
+        assert len(emu.devices(res("p2"))) == 48 - len(held_p1)
+        assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
+            socket_name_for(res(n), node.kubelet_dir) for n in ("p0", "p2")
+        }
+        check_files(node, emu, ("p0", "p2"))
+        # Every free device of every pool, taken: none of them is held by anyone else.
+        for n in ("p0", "p2"):
+            if emu.free(res(n)):
+                await emu.create_pod(f"all-{n}", {res(n): len(emu.free(res(n)))})
+        # Released: p1's pods end, and their VFs join p2.
+        for uid, per in emu.pods().items():
+            if res("p1") in per:
+                emu.delete_pod(uid)
+        await emu.wait_for(lambda: held_p1 <= set(emu.devices(res("p2"))), GUARD_S)
+        assert emu.double_holdings == []
+        assert json.loads((node.kubelet_dir / CHECKPOINT).read_text())["Data"]["PodDeviceEntries"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+        await emu.stop()
