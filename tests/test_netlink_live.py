@@ -12,9 +12,8 @@ import os
 import shutil
 import socket
 import subprocess
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.devices import dev
@@ -35,7 +34,6 @@ from densedev.node.events import (
 )
 from densedev.testing.netns import aip, ip
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 20.0  # only turns a hang into a failure
 
 pytestmark = [
