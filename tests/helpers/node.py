@@ -143,32 +143,6 @@ def res(name: str) -> str:
     return f"{PREFIX}/{name}"
 
 
-async def started(node: Node, **kw: Any) -> tuple[KubeletEmulator, Daemon]:
-    """Start the kubelet emulator and a daemon, and wait until every pool has sent its list."""
-    emu = node.emulator()
-    await emu.start()
-    daemon = node.daemon(**kw)
-    await daemon.start()
-    await node.wait_listed(emu, daemon)
-    return emu, daemon
-
-
-async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
-    """Stop the daemon, then the kubelet emulator."""
-    await daemon.stop()
-    await emu.stop()
-
-
-@contextlib.asynccontextmanager
-async def running(node: Node, **kw: Any) -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
-    """A kubelet emulator and a started daemon on the node, both stopped afterwards."""
-    emu, daemon = await started(node, **kw)
-    try:
-        yield emu, daemon
-    finally:
-        await stopped(emu, daemon)
-
-
 @contextlib.asynccontextmanager
 async def daemon_on(node: Node, emu: KubeletEmulator, **kw: Any) -> AsyncIterator[Daemon]:
     """A daemon on the node, yielded once every pool has listed at ``emu``; stopped after unless it was."""
