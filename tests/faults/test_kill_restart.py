@@ -12,18 +12,17 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
-from helpers.node import GUARD_S, PREFIX
+from helpers import node as node_helpers
+from helpers.node import GUARD_S, PREFIX, pool, res
 
 from densedev.alloc import cdi, devinfo
 from densedev.daemon import socket_name_for
@@ -35,34 +34,28 @@ pytestmark = pytest.mark.faults
 NAMES = ("p0", "p1", "p2")
 
 
-def res(name: str) -> str:
-    return f"{PREFIX}/{name}"
-
-
-class Node:
+class Node(node_helpers.Node):
     """Four PFs of 16 VFs; pools p0, p1 take a PF each, p2 the other two."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=4, vfs_per_pf=16, rdma=False)
-        pfs = [pf.netdev for pf in self.layout.pfs]
-        self.pools = {"p0": [pfs[0]], "p1": [pfs[1]], "p2": pfs[2:]}
-        self.config_path = tmp / "config.json"
+    def __init__(self, tmp: Path, kubelet_dir: Path, pr_dir: Path) -> None:
+        self.pools: dict[str, list[str]] = {}  # pool name -> its PFs' netdevs, once the tree is built
+        super().__init__(tmp, pfs=4, vfs_per_pf=16, rdma=False, config=self._first, kubelet_dir=kubelet_dir)
         self.cdi_dir = tmp / "cdi"
         self.devinfo_dir = tmp / "devinfo"
-        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        self.pr_dir = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
-        self.write(NAMES)
+        self.pr_dir = pr_dir
+
+    def _first(self, layout: simnode.NodeLayout) -> dict[str, Any]:
+        pfs = [pf.netdev for pf in layout.pfs]
+        self.pools = {"p0": [pfs[0]], "p1": [pfs[1]], "p2": pfs[2:]}
+        return self.config(NAMES)
+
+    def config(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The config document with the named pools."""
+        return {"resourceList": [pool(n, self.pools[n]) for n in names], "rdmaPollSeconds": 0.05}
 
     def write(self, names: tuple[str, ...]) -> None:
-        pools = [
-            {"resourceName": n, "resourcePrefix": PREFIX, "selectors": {"pfNames": self.pools[n]}}
-            for n in names
-        ]
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
-        tmp.replace(self.config_path)
+        """Replace the config with the named pools."""
+        self.write_config(self.config(names))
 
     def start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
@@ -99,11 +92,9 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    yield n
-    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
-    shutil.rmtree(n.pr_dir, ignore_errors=True)
+def node(tmp_path: Path, sock_dir: Path, pr_dir: Path) -> Node:
+    """This module's node (in place of conftest's): its daemon runs as a process."""
+    return Node(tmp_path, sock_dir, pr_dir)
 
 
 async def storm(emu: KubeletEmulator, names: tuple[str, ...], pods: int, seed: int, tag: str) -> list[str]:
