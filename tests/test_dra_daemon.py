@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,6 @@ from densedev.testing.apiserver import ApiServerStandIn
 from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
 from densedev.testing.kubelet import KubeletEmulator
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 30.0  # the DRA path crosses three emulated parties: a wider hang guard than helpers.node's
 NODE = "node-a"
 DP = f"{PREFIX}/dp"
@@ -301,21 +300,17 @@ async def test_reload_moving_pools_between_apis_never_gives_a_device_twice(node:
         assert c.kubelet.double_holdings == []
 
 
-def test_a_4096_device_node_is_published_whole(run: Run, tmp_path: Path) -> None:
+async def test_a_4096_device_node_is_published_whole(tmp_path: Path) -> None:
     node = Node(tmp_path, pfs=16, vfs_per_pf=256)
     try:
         node.write([pool("all", [pf.netdev for pf in node.layout.pfs], api="dra")])
         every = [a for pf in node.layout.pfs for a in pf.vf_addresses]
         assert len(every) == 4096
-
-        async def main() -> None:
-            async with cluster(node) as c:
-                await c.until(lambda: len(node.published()) == 4096, "4,096 devices published")
-                assert node.published() == by_name(every)
-                assert len(c.api.node_slices(NODE)) == 4096 // 128
-                await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == 4096, "health of all streamed")
-
-        run(main())
+        async with cluster(node) as c:
+            await c.until(lambda: len(node.published()) == 4096, "4,096 devices published")
+            assert node.published() == by_name(every)
+            assert len(c.api.node_slices(NODE)) == 4096 // 128
+            await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == 4096, "health of all streamed")
     finally:
         node.cleanup()
 

@@ -22,9 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.node import PREFIX
@@ -47,7 +46,6 @@ from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import aip
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 15.0  # only turns a hang into a failure
 SMALL_RCVBUF = 32 * 1024  # the kernel doubles it: ample for a few changes, overrun by a flood
 FLOOD_LINKS = 16
@@ -134,54 +132,50 @@ def all_health(emu: KubeletEmulator, resource: str, health: str) -> Callable[[],
     return lambda: len(emu.devices(resource)) == 8 and set(emu.devices(resource).values()) == {health}
 
 
-def test_link_flood_while_the_loop_is_blocked_then_pf_changes_still_arrive(
-    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path
+async def test_link_flood_while_the_loop_is_blocked_then_pf_changes_still_arrive(
+    tmp_path: Path, netns: str, kubelet_dir: Path
 ) -> None:
     layout, sysfs = start_node(tmp_path, netns)
     pf0, pf2 = layout.pfs[0].netdev, layout.pfs[2].netdev
 
-    async def main() -> float:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
-        await daemon.start()
-        try:
-            for pf in layout.pfs:
-                await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), GUARD_S)
-            # The flood, with the daemon's loop blocked: flips of the spare veths, and last of all the
-            # truth the daemon must end with, PF 2 down.  Only a resync can bring that back: the kernel
-            # dropped it with everything else that did not fit.
-            flips = [
-                f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
-                for j in range(FLOOD_ROUNDS)
-                for k in range(FLOOD_LINKS)
-            ]
-            batch(netns, [*flips, f"link set {pf2} down\n"])
-            resumed = time.monotonic()
-            await emu.wait_for(all_health(emu, pool(pf2), UNHEALTHY), GUARD_S)
-            recovery = time.monotonic() - resumed
-            assert daemon.stats["overruns"] >= 1
-            # The reader must still be alive: later PF changes reach the kubelet, in both directions,
-            # read as events (no further overrun resynced them).
-            overruns = daemon.stats["overruns"]
-            await aip(netns, "link", "set", pf2, "up")
-            await emu.wait_for(all_health(emu, pool(pf2), HEALTHY), GUARD_S)
-            await aip(netns, "link", "set", pf0, "down")
-            await emu.wait_for(all_health(emu, pool(pf0), UNHEALTHY), GUARD_S)
-            await aip(netns, "link", "set", pf0, "up")
-            await emu.wait_for(all_health(emu, pool(pf0), HEALTHY), GUARD_S)
-            for pf in layout.pfs[1:4:2]:
-                assert set(emu.devices(pool(pf.netdev)).values()) == {HEALTHY}
-            assert daemon.stats["overruns"] == overruns
-            assert metric(daemon, "densedev_netlink_overruns_total", source="link") >= 1
-            assert metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun") >= 1
-            assert resyncs(daemon, "link") >= 1
-            return recovery
-        finally:
-            await daemon.stop()
-            await emu.stop()
-
-    recovery = run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
+    await daemon.start()
+    try:
+        for pf in layout.pfs:
+            await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), GUARD_S)
+        # The flood, with the daemon's loop blocked: flips of the spare veths, and last of all the
+        # truth the daemon must end with, PF 2 down.  Only a resync can bring that back: the kernel
+        # dropped it with everything else that did not fit.
+        flips = [
+            f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
+            for j in range(FLOOD_ROUNDS)
+            for k in range(FLOOD_LINKS)
+        ]
+        batch(netns, [*flips, f"link set {pf2} down\n"])
+        resumed = time.monotonic()
+        await emu.wait_for(all_health(emu, pool(pf2), UNHEALTHY), GUARD_S)
+        recovery = time.monotonic() - resumed
+        assert daemon.stats["overruns"] >= 1
+        # The reader must still be alive: later PF changes reach the kubelet, in both directions,
+        # read as events (no further overrun resynced them).
+        overruns = daemon.stats["overruns"]
+        await aip(netns, "link", "set", pf2, "up")
+        await emu.wait_for(all_health(emu, pool(pf2), HEALTHY), GUARD_S)
+        await aip(netns, "link", "set", pf0, "down")
+        await emu.wait_for(all_health(emu, pool(pf0), UNHEALTHY), GUARD_S)
+        await aip(netns, "link", "set", pf0, "up")
+        await emu.wait_for(all_health(emu, pool(pf0), HEALTHY), GUARD_S)
+        for pf in layout.pfs[1:4:2]:
+            assert set(emu.devices(pool(pf.netdev)).values()) == {HEALTHY}
+        assert daemon.stats["overruns"] == overruns
+        assert metric(daemon, "densedev_netlink_overruns_total", source="link") >= 1
+        assert metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun") >= 1
+        assert resyncs(daemon, "link") >= 1
+    finally:
+        await daemon.stop()
+        await emu.stop()
     print(f"\nlink overrun: loop resumed -> the kubelet holds the resynced state: {recovery * 1e3:.1f} ms")
 
 
@@ -327,58 +321,54 @@ async def test_a_blocked_loop_is_not_taken_for_a_dead_reader(netns: str) -> None
         monitor.stop()
 
 
-def test_stopped_daemon_process_and_link_flood(
-    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path, child_env: dict[str, str]
+async def test_stopped_daemon_process_and_link_flood(
+    tmp_path: Path, netns: str, kubelet_dir: Path, child_env: dict[str, str]
 ) -> None:
     # The daemon as deployed: its own process (`densedev run`), SIGSTOPped while the namespace floods.
     layout, sysfs = start_node(tmp_path, netns)
     pf1, pf3 = layout.pfs[1].netdev, layout.pfs[3].netdev
     log_path = tmp_path / "daemon.log"
 
-    async def main() -> float:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        with log_path.open("w") as log_file:
-            daemon = subprocess.Popen(
-                [
-                    sys.executable, "-m", "densedev.cli", "run",
-                    "--config", str(tmp_path / "config.json"),
-                    "--sysfs-root", str(sysfs),
-                    "--kubelet-dir", str(kubelet_dir),
-                    "--dev-root", str(tmp_path / "dev"),
-                    "--devinfo-dir", "",
-                    "--resource-prefix", PREFIX,
-                    "--netns", netns,
-                    "--netlink-rcvbuf", str(SMALL_RCVBUF),
-                ],
-                env=child_env,
-                stderr=log_file,
-            )  # fmt: skip
-        try:
-            for pf in layout.pfs:
-                await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), 60)
-            daemon.send_signal(signal.SIGSTOP)
-            flips = [
-                f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
-                for j in range(FLOOD_ROUNDS)
-                for k in range(FLOOD_LINKS)
-            ]
-            batch(netns, [*flips, f"link set {pf3} down\n"])
-            resumed = time.monotonic()
-            daemon.send_signal(signal.SIGCONT)
-            await emu.wait_for(all_health(emu, pool(pf3), UNHEALTHY), GUARD_S)
-            recovery = time.monotonic() - resumed
-            await aip(netns, "link", "set", pf3, "up")
-            await emu.wait_for(all_health(emu, pool(pf3), HEALTHY), GUARD_S)
-            await aip(netns, "link", "set", pf1, "down")
-            await emu.wait_for(all_health(emu, pool(pf1), UNHEALTHY), GUARD_S)
-            return recovery
-        finally:
-            daemon.terminate()
-            await asyncio.to_thread(daemon.wait, 30)
-            await emu.stop()
-
-    recovery = run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    with log_path.open("w") as log_file:
+        daemon = subprocess.Popen(
+            [
+                sys.executable, "-m", "densedev.cli", "run",
+                "--config", str(tmp_path / "config.json"),
+                "--sysfs-root", str(sysfs),
+                "--kubelet-dir", str(kubelet_dir),
+                "--dev-root", str(tmp_path / "dev"),
+                "--devinfo-dir", "",
+                "--resource-prefix", PREFIX,
+                "--netns", netns,
+                "--netlink-rcvbuf", str(SMALL_RCVBUF),
+            ],
+            env=child_env,
+            stderr=log_file,
+        )  # fmt: skip
+    try:
+        for pf in layout.pfs:
+            await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), 60)
+        daemon.send_signal(signal.SIGSTOP)
+        flips = [
+            f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
+            for j in range(FLOOD_ROUNDS)
+            for k in range(FLOOD_LINKS)
+        ]
+        batch(netns, [*flips, f"link set {pf3} down\n"])
+        resumed = time.monotonic()
+        daemon.send_signal(signal.SIGCONT)
+        await emu.wait_for(all_health(emu, pool(pf3), UNHEALTHY), GUARD_S)
+        recovery = time.monotonic() - resumed
+        await aip(netns, "link", "set", pf3, "up")
+        await emu.wait_for(all_health(emu, pool(pf3), HEALTHY), GUARD_S)
+        await aip(netns, "link", "set", pf1, "down")
+        await emu.wait_for(all_health(emu, pool(pf1), UNHEALTHY), GUARD_S)
+    finally:
+        daemon.terminate()
+        await asyncio.to_thread(daemon.wait, 30)
+        await emu.stop()
     text = log_path.read_text()
     assert "link overrun (ENOBUFS)" in text, text[-2000:]  # the fault really happened
     assert "Traceback" not in text, text[-2000:]
