@@ -118,6 +118,10 @@ async def test_a_watching_runner_follows_kubelet_restarts_without_polling(sock_d
         await kubelet.start()
         await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 16, GUARD)
         for n in (2, 3):
+            # The runner's Register call must have returned before the kubelet goes again: a restart
+            # while it is in flight fails that call (UNAVAILABLE) after the emulator counted it, and the
+            # runner's retry is one registration for it, two for the emulator (seen under load).
+            await kubelet.wait_for(lambda n=n: runner.registrations == n - 1, GUARD)
             await kubelet.restart()  # our socket deleted, kubelet.sock recreated
             await kubelet.wait_for(lambda n=n: kubelet.registrations(RESOURCE) == n, GUARD)
             await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 16, GUARD)
