@@ -14,26 +14,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from helpers import node as node_helpers
+from helpers.node import GUARD_S, PREFIX
 
 from densedev._proto import api_pb2
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
-from densedev.pools import config as config_mod
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator, KubeletError
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 20.0
-PREFIX = "example.com"
 RW = "rw"
 RDMA_CM = "/dev/infiniband/rdma_cm"
 VFIO = "/dev/vfio/vfio"
@@ -76,24 +72,29 @@ class Kind:
         return out
 
 
-class Node:
+class Node(node_helpers.Node):
     """A simulated node with every special kind, its /dev stand-ins, config and daemon paths."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=4, vfs_per_pf=4, rdma=True, extras=True)
-        ex = self.layout.extras
-        assert ex is not None
-        self.ex = ex
+    def __init__(self, tmp: Path, kubelet_dir: Path | None = None) -> None:
+        # The config names the extras' devices, so it is made from the tree once it is built.
+        super().__init__(
+            tmp,
+            pfs=4,
+            vfs_per_pf=4,
+            extras=True,
+            config=lambda _layout: self.config_doc(),
+            kubelet_dir=kubelet_dir,
+        )
         self.dev_root = tmp / "dev"
         self.cdi_dir = tmp / "cdi"
         self.devinfo_dir = tmp / "devinfo"
-        self.config_path = tmp / "config.json"
-        self.config_path.write_text(json.dumps(self.config_doc()))
-        # A short dir like the kubelet's own: unix socket paths are limited to 107 bytes.
-        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
         self.make_dev_nodes()
+
+    @property
+    def ex(self) -> simnode.SimExtras:
+        """The extras of ``build_node(extras=True)``: the special kinds' addresses."""
+        assert self.layout.extras is not None
+        return self.layout.extras
 
     # -- the tree, read the way udev and the kernel name things ------------------------------------
     def function_path(self, address: str) -> str:
@@ -198,21 +199,9 @@ class Node:
         """Return the netdev of the extras' ConnectX PF (its VF 0 joins the spread pool)."""
         return os.listdir(self.function_path(self.ex.sf_pf) + "/net")[0]
 
-    def settings(self, cdi: bool = True) -> DaemonSettings:
-        """Daemon settings pointing every path into the temp dir; CDI off when ``cdi`` is false."""
-        return DaemonSettings(
-            sysfs_root=self.sysfs,
-            kubelet_dir=self.kubelet_dir,
-            dev_root=self.dev_root,
-            cdi_dir=self.cdi_dir if cdi else None,
-            devinfo_dir=self.devinfo_dir,
-            resource_prefix=PREFIX,
-            netlink=False,
-        )
-
-    def daemon(self, cdi: bool = True) -> Daemon:
-        """A daemon on this node."""
-        return Daemon(self.settings(cdi), config_mod.load(self.config_path, default_prefix=PREFIX))
+    def settings(self, cdi: bool = True, **kw: Any) -> DaemonSettings:
+        """Daemon settings into the temp dir; CDI off when ``cdi`` is false; no config file to reload."""
+        return super().settings(**{"config_path": None, "cdi_dir": self.cdi_dir if cdi else None, **kw})
 
     # -- what each kind must get -------------------------------------------------------------------
     def rdma_parts(self, address: str, ibdev: str) -> tuple[dict[str, str], list[Node3]]:
@@ -375,27 +364,29 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
+def node(tmp_path: Path, sock_dir: Path) -> Iterator[Node]:
+    """This module's node: every special kind (in place of conftest's plain one)."""
+    n = Node(tmp_path, kubelet_dir=sock_dir)
     yield n
-    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
+    n.cleanup()
 
 
-async def started(node: Node, cdi: bool = True) -> tuple[KubeletEmulator, Daemon]:
-    """Start the kubelet emulator and a daemon, and wait until every pool has listed its devices."""
-    emu = KubeletEmulator(node.kubelet_dir, checkpoint=False)
-    await emu.start()
-    daemon = node.daemon(cdi)
-    await daemon.start()
-    names = {p.full_name for p in daemon.config.pools}
-    await emu.wait_for(lambda: names <= set(emu.resources()) and all(emu.updates(n) for n in names), GUARD_S)
-    return emu, daemon
+@pytest.fixture
+def kubelet_options() -> dict[str, Any]:
+    """No checkpoint file: these tests look at the daemon's files only."""
+    return {"checkpoint": False}
 
 
-async def stopped(emu: KubeletEmulator, daemon: Daemon) -> None:
-    """Stop the daemon (it removes its device-info files), then the kubelet emulator."""
-    await daemon.stop()
-    await emu.stop()
+@pytest.fixture
+def cdi() -> bool:
+    """Whether the daemon writes CDI specs (parametrized where a test runs both ways)."""
+    return True
+
+
+@pytest.fixture
+def daemon_settings(cdi: bool) -> dict[str, Any]:
+    """The daemon's CDI switch."""
+    return {"cdi": cdi}
 
 
 def spec_path(node: Node, pool: str) -> Path:
@@ -465,102 +456,92 @@ def check_response(kind: Kind, resp: api_pb2.ContainerAllocateResponse, cdi: boo
 
 
 @pytest.mark.parametrize("cdi", [False, True], ids=["devices", "cdi"])
-def test_every_kind_gets_its_exact_response_spec_and_device_info(run: Run, node: Node, cdi: bool) -> None:
+async def test_every_kind_gets_its_exact_response_spec_and_device_info(
+    node: Node, cdi: bool, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
     kinds = node.kinds()
 
-    async def main() -> None:
-        emu, daemon = await started(node, cdi)
-        try:
-            specs_before = files(node.cdi_dir)
-            for kind in kinds.values():
-                # The default check=True: the emulated kubelet itself sees the IDs listed Healthy.
-                resp = await emu.allocate(res(kind.pool), list(kind.ids))
-                check_response(kind, resp, cdi)
-                for device, doc in (kind.devinfo or {}).items():
-                    assert json.loads(devinfo_path(node, kind.pool, device).read_text()) == doc, device
-            # Only the allocated devices of netDevice pools have files, nothing for accelerator pools.
-            want = {devinfo_path(node, k.pool, d).name for k in kinds.values() for d in k.devinfo or {}}
-            assert set(files(node.devinfo_dir)) == want
-            if cdi:
-                all_pools = {spec_path(node, p.resource_name).name for p in daemon.config.pools}
-                assert set(specs_before) == all_pools
-                for kind in kinds.values():
-                    spec = json.loads(spec_path(node, kind.pool).read_text())
-                    assert unordered_nodes(spec) == unordered_nodes(expected_spec(kind)), kind.pool
-                # Allocate rewrote no spec: nothing in a pool changed (same bytes, same inode).
-                assert files(node.cdi_dir) == specs_before
-            else:
-                assert not node.cdi_dir.exists()
-            # The kubelet offers PreStartContainer / GetPreferredAllocation only where the pool asks.
-            for kind in kinds.values():
-                options = emu.options(res(kind.pool))
-                assert options is not None
-                assert options.pre_start_required == (kind.pool == "kernel_vf")
-                assert options.get_preferred_allocation_available == (kind.pool != "uio_vf")
-        finally:
-            await stopped(emu, daemon)
-        # Shutdown removes every device-info file; CDI specs stay for the kubelet's restarts.
-        assert files(node.devinfo_dir) == {}
-        if cdi:
-            assert set(files(node.cdi_dir)) == {
-                spec_path(node, p.resource_name).name for p in daemon.config.pools
-            }
-
-    run(main())
+    emu = kubelet
+    specs_before = files(node.cdi_dir)
+    for kind in kinds.values():
+        # The default check=True: the emulated kubelet itself sees the IDs listed Healthy.
+        resp = await emu.allocate(res(kind.pool), list(kind.ids))
+        check_response(kind, resp, cdi)
+        for device, doc in (kind.devinfo or {}).items():
+            assert json.loads(devinfo_path(node, kind.pool, device).read_text()) == doc, device
+    # Only the allocated devices of netDevice pools have files, nothing for accelerator pools.
+    want = {devinfo_path(node, k.pool, d).name for k in kinds.values() for d in k.devinfo or {}}
+    assert set(files(node.devinfo_dir)) == want
+    if cdi:
+        all_pools = {spec_path(node, p.resource_name).name for p in daemon.config.pools}
+        assert set(specs_before) == all_pools
+        for kind in kinds.values():
+            spec = json.loads(spec_path(node, kind.pool).read_text())
+            assert unordered_nodes(spec) == unordered_nodes(expected_spec(kind)), kind.pool
+        # Allocate rewrote no spec: nothing in a pool changed (same bytes, same inode).
+        assert files(node.cdi_dir) == specs_before
+    else:
+        assert not node.cdi_dir.exists()
+    # The kubelet offers PreStartContainer / GetPreferredAllocation only where the pool asks.
+    for kind in kinds.values():
+        options = emu.options(res(kind.pool))
+        assert options is not None
+        assert options.pre_start_required == (kind.pool == "kernel_vf")
+        assert options.get_preferred_allocation_available == (kind.pool != "uio_vf")
+    await daemon.stop()  # to look at what stopping leaves (the fixture then leaves it stopped)
+    # Shutdown removes every device-info file; CDI specs stay for the kubelet's restarts.
+    assert files(node.devinfo_dir) == {}
+    if cdi:
+        assert set(files(node.cdi_dir)) == {
+            spec_path(node, p.resource_name).name for p in daemon.config.pools
+        }
 
 
-def test_device_info_and_cdi_follow_the_pool_across_rescans(run: Run, node: Node) -> None:
+async def test_device_info_and_cdi_follow_the_pool_across_rescans(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
     pf0 = node.layout.pfs[0]
     kinds = node.kinds()
 
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            for name in ("kernel_vf", "rdma_vf", "vfio_vf", "vdpa_vf"):
-                await emu.allocate(res(name), list(kinds[name].ids))
-            gone = [devinfo_path(node, "kernel_vf", a) for a in pf0.vf_addresses[:2]]
-            gone += [devinfo_path(node, "rdma_vf", a) for a in pf0.vf_addresses[2:]]
-            kept = [devinfo_path(node, k, d) for k in ("vfio_vf", "vdpa_vf") for d in kinds[k].ids]
-            assert all(p.exists() for p in gone + kept)
-            untouched = {
-                k: v for k, v in files(node.cdi_dir).items() if "kernel_vf" not in k and "rdma_vf" not in k
-            }
-            # The PF's VFs go away (sriov_numvfs = 0): both pools empty, their files and specs go.
-            simnode.set_num_vfs(node.sysfs, pf0.address, 0)
-            daemon.request_rescan(pf0.address)
-            await emu.wait_for(
-                lambda: emu.devices(res("kernel_vf")) == {} and emu.devices(res("rdma_vf")) == {}, GUARD_S
-            )
-            assert [p for p in gone if p.exists()] == []
-            assert all(p.exists() for p in kept)
-            # A pool with no device has no spec (CDI requires at least one device); others keep theirs.
-            assert not spec_path(node, "kernel_vf").exists() and not spec_path(node, "rdma_vf").exists()
-            # The specs of pools the rescan did not change are not rewritten (same bytes, same inode).
-            assert files(node.cdi_dir) == untouched
-            # The VFs come back (same routing IDs, so the same addresses): the pool, its spec and its
-            # files with them; the device-info file names the VF's new ibdev (the RDMA core renumbers).
-            simnode.set_num_vfs(node.sysfs, pf0.address, 4)
-            daemon.request_rescan(pf0.address)
-            r = res("kernel_vf")
-            await emu.wait_for(
-                lambda: emu.devices(r) == dict.fromkeys(pf0.vf_addresses[:2], HEALTHY), GUARD_S
-            )
-            spec = json.loads(spec_path(node, "kernel_vf").read_text())
-            assert unordered_nodes(spec) == unordered_nodes(expected_spec(kinds["kernel_vf"]))
-            vf = pf0.vf_addresses[0]
-            await emu.allocate(r, [vf])
-            (ibdev,) = os.listdir(node.function_path(vf) + "/infiniband")
-            assert ibdev != pf0.vf_ibdevs[0]
-            assert json.loads(devinfo_path(node, "kernel_vf", vf).read_text()) == {
-                "type": "pci",
-                "version": DEVINFO_VERSION,
-                "pci": {"pci-address": vf, "pf-pci-address": pf0.address, "rdma-device": ibdev},
-            }
-        finally:
-            await stopped(emu, daemon)
-        assert files(node.devinfo_dir) == {}
-
-    run(main())
+    emu = kubelet
+    for name in ("kernel_vf", "rdma_vf", "vfio_vf", "vdpa_vf"):
+        await emu.allocate(res(name), list(kinds[name].ids))
+    gone = [devinfo_path(node, "kernel_vf", a) for a in pf0.vf_addresses[:2]]
+    gone += [devinfo_path(node, "rdma_vf", a) for a in pf0.vf_addresses[2:]]
+    kept = [devinfo_path(node, k, d) for k in ("vfio_vf", "vdpa_vf") for d in kinds[k].ids]
+    assert all(p.exists() for p in gone + kept)
+    untouched = {k: v for k, v in files(node.cdi_dir).items() if "kernel_vf" not in k and "rdma_vf" not in k}
+    # The PF's VFs go away (sriov_numvfs = 0): both pools empty, their files and specs go.
+    simnode.set_num_vfs(node.sysfs, pf0.address, 0)
+    daemon.request_rescan(pf0.address)
+    await emu.wait_for(
+        lambda: emu.devices(res("kernel_vf")) == {} and emu.devices(res("rdma_vf")) == {}, GUARD_S
+    )
+    assert [p for p in gone if p.exists()] == []
+    assert all(p.exists() for p in kept)
+    # A pool with no device has no spec (CDI requires at least one device); others keep theirs.
+    assert not spec_path(node, "kernel_vf").exists() and not spec_path(node, "rdma_vf").exists()
+    # The specs of pools the rescan did not change are not rewritten (same bytes, same inode).
+    assert files(node.cdi_dir) == untouched
+    # The VFs come back (same routing IDs, so the same addresses): the pool, its spec and its
+    # files with them; the device-info file names the VF's new ibdev (the RDMA core renumbers).
+    simnode.set_num_vfs(node.sysfs, pf0.address, 4)
+    daemon.request_rescan(pf0.address)
+    r = res("kernel_vf")
+    await emu.wait_for(lambda: emu.devices(r) == dict.fromkeys(pf0.vf_addresses[:2], HEALTHY), GUARD_S)
+    spec = json.loads(spec_path(node, "kernel_vf").read_text())
+    assert unordered_nodes(spec) == unordered_nodes(expected_spec(kinds["kernel_vf"]))
+    vf = pf0.vf_addresses[0]
+    await emu.allocate(r, [vf])
+    (ibdev,) = os.listdir(node.function_path(vf) + "/infiniband")
+    assert ibdev != pf0.vf_ibdevs[0]
+    assert json.loads(devinfo_path(node, "kernel_vf", vf).read_text()) == {
+        "type": "pci",
+        "version": DEVINFO_VERSION,
+        "pci": {"pci-address": vf, "pf-pci-address": pf0.address, "rdma-device": ibdev},
+    }
+    await daemon.stop()  # to look at what stopping leaves (the fixture then leaves it stopped)
+    assert files(node.devinfo_dir) == {}
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -573,94 +554,91 @@ async def refused(emu: KubeletEmulator, pool: str, ids: list[str]) -> tuple[grpc
     return err.value.code(), err.value.details() or ""
 
 
-def test_refused_requests_name_the_ids_and_leave_nothing_behind(run: Run, node: Node) -> None:
+async def test_refused_requests_name_the_ids_and_leave_nothing_behind(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
     pfs, ex = node.layout.pfs, node.ex
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     precondition = grpc.StatusCode.FAILED_PRECONDITION
 
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            cdi_before = files(node.cdi_dir)
-            assert cdi_before  # every pool has its spec
-            kernel = pfs[0].vf_addresses[0]
-            for ids, why in (
-                (["0000:ff:1f.7"], "0000:ff:1f.7"),  # unknown
-                ([pfs[0].vf_addresses[2]], pfs[0].vf_addresses[2]),  # rdma_vf's
-                ([kernel, "0000:ff:1f.7"], "0000:ff:1f.7"),  # one good, one unknown
-                ([kernel, kernel], kernel),  # twice
-            ):
-                code, text = await refused(emu, "kernel_vf", ids)
-                assert code == invalid and why in text and res("kernel_vf") in text, (ids, code, text)
+    emu = kubelet
+    cdi_before = files(node.cdi_dir)
+    assert cdi_before  # every pool has its spec
+    kernel = pfs[0].vf_addresses[0]
+    for ids, why in (
+        (["0000:ff:1f.7"], "0000:ff:1f.7"),  # unknown
+        ([pfs[0].vf_addresses[2]], pfs[0].vf_addresses[2]),  # rdma_vf's
+        ([kernel, "0000:ff:1f.7"], "0000:ff:1f.7"),  # one good, one unknown
+        ([kernel, kernel], kernel),  # twice
+    ):
+        code, text = await refused(emu, "kernel_vf", ids)
+        assert code == invalid and why in text and res("kernel_vf") in text, (ids, code, text)
 
-            # PF link down: every VF of that PF is unhealthy; a request mixing in a healthy VF of the
-            # other PF fails whole, naming only the unhealthy one, and writes no file for the healthy.
-            pack = res("pack_vf")
-            down, up = pfs[1].vf_addresses[0], pfs[2].vf_addresses[0]
-            daemon.set_links([(pfs[1].netdev, False)])
-            await emu.wait_for(lambda: emu.devices(pack)[down] == UNHEALTHY, GUARD_S)
-            assert emu.devices(pack)[up] == HEALTHY
-            code, text = await refused(emu, "pack_vf", [up, down])
-            assert code == precondition and down in text and up not in text, text
+    # PF link down: every VF of that PF is unhealthy; a request mixing in a healthy VF of the
+    # other PF fails whole, naming only the unhealthy one, and writes no file for the healthy.
+    pack = res("pack_vf")
+    down, up = pfs[1].vf_addresses[0], pfs[2].vf_addresses[0]
+    daemon.set_links([(pfs[1].netdev, False)])
+    await emu.wait_for(lambda: emu.devices(pack)[down] == UNHEALTHY, GUARD_S)
+    assert emu.devices(pack)[up] == HEALTHY
+    code, text = await refused(emu, "pack_vf", [up, down])
+    assert code == precondition and down in text and up not in text, text
 
-            # An RDMA port that is not ACTIVE: the RoCE VF and the shared IDs of that HCA.
-            simnode.set_rdma_port(node.sysfs, pfs[0].vf_ibdevs[2], 1, 1)
-            simnode.set_rdma_port(node.sysfs, pfs[0].ibdev, 1, 1)
-            shared = res("rdma_shared")
-            await emu.wait_for(
-                lambda: (
-                    emu.devices(res("rdma_vf"))[pfs[0].vf_addresses[2]] == UNHEALTHY
-                    and emu.devices(shared)[f"{pfs[0].address}/0"] == UNHEALTHY
-                ),
-                GUARD_S,
-            )
-            assert emu.devices(res("rdma_vf"))[pfs[0].vf_addresses[3]] == HEALTHY
-            assert emu.devices(shared)[f"{pfs[2].address}/0"] == HEALTHY
-            code, text = await refused(emu, "rdma_vf", [pfs[0].vf_addresses[3], pfs[0].vf_addresses[2]])
-            assert code == precondition and pfs[0].vf_addresses[2] in text, text
-            code, text = await refused(emu, "rdma_shared", [f"{pfs[2].address}/0", f"{pfs[0].address}/1"])
-            assert code == precondition and f"{pfs[0].address}/1" in text, text
+    # An RDMA port that is not ACTIVE: the RoCE VF and the shared IDs of that HCA.
+    simnode.set_rdma_port(node.sysfs, pfs[0].vf_ibdevs[2], 1, 1)
+    simnode.set_rdma_port(node.sysfs, pfs[0].ibdev, 1, 1)
+    shared = res("rdma_shared")
+    await emu.wait_for(
+        lambda: (
+            emu.devices(res("rdma_vf"))[pfs[0].vf_addresses[2]] == UNHEALTHY
+            and emu.devices(shared)[f"{pfs[0].address}/0"] == UNHEALTHY
+        ),
+        GUARD_S,
+    )
+    assert emu.devices(res("rdma_vf"))[pfs[0].vf_addresses[3]] == HEALTHY
+    assert emu.devices(shared)[f"{pfs[2].address}/0"] == HEALTHY
+    code, text = await refused(emu, "rdma_vf", [pfs[0].vf_addresses[3], pfs[0].vf_addresses[2]])
+    assert code == precondition and pfs[0].vf_addresses[2] in text, text
+    code, text = await refused(emu, "rdma_shared", [f"{pfs[2].address}/0", f"{pfs[0].address}/1"])
+    assert code == precondition and f"{pfs[0].address}/1" in text, text
 
-            # A required node gone from /dev (the group node of a vfio-pci VF): named, nothing written.
-            group = node.dev_root / "vfio" / str(node.group(ex.vfio_vf))
-            group.unlink()
-            code, text = await refused(emu, "vfio_vf", [ex.vfio_vf])
-            assert code == precondition and ex.vfio_vf in text and f"/dev/vfio/{group.name}" in text, text
+    # A required node gone from /dev (the group node of a vfio-pci VF): named, nothing written.
+    group = node.dev_root / "vfio" / str(node.group(ex.vfio_vf))
+    group.unlink()
+    code, text = await refused(emu, "vfio_vf", [ex.vfio_vf])
+    assert code == precondition and ex.vfio_vf in text and f"/dev/vfio/{group.name}" in text, text
 
-            # A device-info file that cannot be written (its path is a directory): the files this
-            # request already wrote are taken back.
-            a, b = pfs[2].vf_addresses[1], pfs[2].vf_addresses[2]
-            blocker = devinfo_path(node, "pack_vf", b)
-            blocker.mkdir(parents=True)
-            code, text = await refused(emu, "pack_vf", [a, b])
-            assert code == precondition and str(node.devinfo_dir) in text, text
-            assert [p.name for p in node.devinfo_dir.iterdir()] == [blocker.name]
+    # A device-info file that cannot be written (its path is a directory): the files this
+    # request already wrote are taken back.
+    a, b = pfs[2].vf_addresses[1], pfs[2].vf_addresses[2]
+    blocker = devinfo_path(node, "pack_vf", b)
+    blocker.mkdir(parents=True)
+    code, text = await refused(emu, "pack_vf", [a, b])
+    assert code == precondition and str(node.devinfo_dir) in text, text
+    assert [p.name for p in node.devinfo_dir.iterdir()] == [blocker.name]
 
-            # Nothing half written anywhere: no device-info file, every CDI spec untouched.
-            assert files(node.cdi_dir) == cdi_before
-            blocker.rmdir()
-            assert files(node.devinfo_dir) == {}
+    # Nothing half written anywhere: no device-info file, every CDI spec untouched.
+    assert files(node.cdi_dir) == cdi_before
+    blocker.rmdir()
+    assert files(node.devinfo_dir) == {}
 
-            # And the same requests go through once the node is whole again.
-            group.touch()
-            resp = await emu.allocate(res("vfio_vf"), [ex.vfio_vf])
-            assert resp.envs[env_of("vfio_vf")] == ex.vfio_vf
-            resp = await emu.allocate(pack, [a, b])
-            assert resp.envs[env_of("pack_vf")] == f"{a},{b}"
-            assert set(files(node.devinfo_dir)) == {
-                devinfo_path(node, p, d).name
-                for p, d in (("vfio_vf", ex.vfio_vf), ("pack_vf", a), ("pack_vf", b))
-            }
-        finally:
-            await stopped(emu, daemon)
-
-    run(main())
+    # And the same requests go through once the node is whole again.
+    group.touch()
+    resp = await emu.allocate(res("vfio_vf"), [ex.vfio_vf])
+    assert resp.envs[env_of("vfio_vf")] == ex.vfio_vf
+    resp = await emu.allocate(pack, [a, b])
+    assert resp.envs[env_of("pack_vf")] == f"{a},{b}"
+    assert set(files(node.devinfo_dir)) == {
+        devinfo_path(node, p, d).name for p, d in (("vfio_vf", ex.vfio_vf), ("pack_vf", a), ("pack_vf", b))
+    }
 
 
 # ------------------------------------------------------------------------------ preferred and pre-start
 
 
-def test_preferred_allocation_pack_and_spread(run: Run, node: Node) -> None:
+async def test_preferred_allocation_pack_and_spread(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
     pfs = node.layout.pfs
     numa0, numa1 = pfs[1], pfs[2]  # the pack pool's two PFs
     assert (numa0.numa_node, numa1.numa_node) == (0, 1)
@@ -669,102 +647,94 @@ def test_preferred_allocation_pack_and_spread(run: Run, node: Node) -> None:
     sf_vf0 = os.path.basename(os.readlink(node.function_path(node.ex.sf_pf) + "/virtfn0"))
     spread_pfs[sf_vf0] = node.ex.sf_pf
 
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            pack = res("pack_vf")
-            # The kubelet sees each VF on its PF's NUMA node.
-            numa = emu.updates(pack)[-1].numa
-            assert {numa[a] for a in numa0.vf_addresses} == {(0,)}
-            assert {numa[a] for a in numa1.vf_addresses} == {(1,)}
-            # A must-include on NUMA node 1: the rest comes from its PF (and so its node).
-            must = numa1.vf_addresses[2]
-            got = await emu.preferred(pack, packed, [must], 3)
-            assert got[0] == must and len(set(got)) == 3 and set(got) <= set(numa1.vf_addresses), got
-            must = numa0.vf_addresses[3]
-            got = await emu.preferred(pack, packed, [must], 4)
-            assert got[0] == must and sorted(got) == sorted(numa0.vf_addresses), got
-            # No must-include: the node with most free devices (node 0: 4 free against 2).
-            available = list(numa1.vf_addresses[:2]) + list(numa0.vf_addresses)
-            got = await emu.preferred(pack, available, [], 2)
-            assert len(set(got)) == 2 and set(got) <= set(numa0.vf_addresses), got
-            # More than one PF holds: the must-include's PF whole, then one more, never a duplicate.
-            got = await emu.preferred(pack, packed, [numa1.vf_addresses[0]], 5)
-            assert len(set(got)) == 5 and set(got) <= set(packed)
-            assert set(numa1.vf_addresses) <= set(got), got
+    emu = kubelet
+    pack = res("pack_vf")
+    # The kubelet sees each VF on its PF's NUMA node.
+    numa = emu.updates(pack)[-1].numa
+    assert {numa[a] for a in numa0.vf_addresses} == {(0,)}
+    assert {numa[a] for a in numa1.vf_addresses} == {(1,)}
+    # A must-include on NUMA node 1: the rest comes from its PF (and so its node).
+    must = numa1.vf_addresses[2]
+    got = await emu.preferred(pack, packed, [must], 3)
+    assert got[0] == must and len(set(got)) == 3 and set(got) <= set(numa1.vf_addresses), got
+    must = numa0.vf_addresses[3]
+    got = await emu.preferred(pack, packed, [must], 4)
+    assert got[0] == must and sorted(got) == sorted(numa0.vf_addresses), got
+    # No must-include: the node with most free devices (node 0: 4 free against 2).
+    available = list(numa1.vf_addresses[:2]) + list(numa0.vf_addresses)
+    got = await emu.preferred(pack, available, [], 2)
+    assert len(set(got)) == 2 and set(got) <= set(numa0.vf_addresses), got
+    # More than one PF holds: the must-include's PF whole, then one more, never a duplicate.
+    got = await emu.preferred(pack, packed, [numa1.vf_addresses[0]], 5)
+    assert len(set(got)) == 5 and set(got) <= set(packed)
+    assert set(numa1.vf_addresses) <= set(got), got
 
-            spread = res("spread_vf")
-            ids = list(spread_pfs)
-            assert set(emu.devices(spread)) == set(ids)
-            got = await emu.preferred(spread, ids, [], 2)
-            assert len(got) == 2 and {spread_pfs[a] for a in got} == {pfs[3].address, node.ex.sf_pf}, got
-            got = await emu.preferred(spread, ids, [ids[0]], 2)
-            assert got == [ids[0], sf_vf0], got
-            got = await emu.preferred(spread, ids, [], 3)
-            assert sorted(got) == sorted(ids), got
-            # Shared RDMA under pack: a pod's IDs stay on the must-include's HCA.
-            shared = [f"{pf.address}/{k}" for pf in (pfs[0], pfs[2]) for k in (0, 1)]
-            got = await emu.preferred(res("rdma_shared"), shared, [f"{pfs[2].address}/1"], 2)
-            assert got == [f"{pfs[2].address}/1", f"{pfs[2].address}/0"], got
-            # A pool with preferredAllocation none does not offer the call at all.
-            with pytest.raises(KubeletError):
-                await emu.preferred(res("uio_vf"), [node.ex.uio_vf], [], 1)
-        finally:
-            await stopped(emu, daemon)
-
-    run(main())
+    spread = res("spread_vf")
+    ids = list(spread_pfs)
+    assert set(emu.devices(spread)) == set(ids)
+    got = await emu.preferred(spread, ids, [], 2)
+    assert len(got) == 2 and {spread_pfs[a] for a in got} == {pfs[3].address, node.ex.sf_pf}, got
+    got = await emu.preferred(spread, ids, [ids[0]], 2)
+    assert got == [ids[0], sf_vf0], got
+    got = await emu.preferred(spread, ids, [], 3)
+    assert sorted(got) == sorted(ids), got
+    # Shared RDMA under pack: a pod's IDs stay on the must-include's HCA.
+    shared = [f"{pf.address}/{k}" for pf in (pfs[0], pfs[2]) for k in (0, 1)]
+    got = await emu.preferred(res("rdma_shared"), shared, [f"{pfs[2].address}/1"], 2)
+    assert got == [f"{pfs[2].address}/1", f"{pfs[2].address}/0"], got
+    # A pool with preferredAllocation none does not offer the call at all.
+    with pytest.raises(KubeletError):
+        await emu.preferred(res("uio_vf"), [node.ex.uio_vf], [], 1)
 
 
-def test_prestart_passes_while_healthy_and_fails_once_not(run: Run, node: Node) -> None:
+async def test_prestart_passes_while_healthy_and_fails_once_not(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
     pf0 = node.layout.pfs[0]
     vfs = list(pf0.vf_addresses[:2])
     r = res("kernel_vf")
 
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            await emu.allocate(r, vfs)
-            await emu.prestart(r, vfs)
-            with pytest.raises(KubeletError):  # not offered by a pool without preStart
-                await emu.prestart(res("vfio_vf"), [node.ex.vfio_vf])
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await emu.prestart(r, ["0000:ff:1f.7"])
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "0000:ff:1f.7" in (err.value.details() or "")
-            daemon.set_links([(pf0.netdev, False)])
-            await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await emu.prestart(r, vfs)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert all(v in (err.value.details() or "") for v in vfs), err.value.details()
-        finally:
-            await stopped(emu, daemon)
-
-    run(main())
+    emu = kubelet
+    await emu.allocate(r, vfs)
+    await emu.prestart(r, vfs)
+    with pytest.raises(KubeletError):  # not offered by a pool without preStart
+        await emu.prestart(res("vfio_vf"), [node.ex.vfio_vf])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await emu.prestart(r, ["0000:ff:1f.7"])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "0000:ff:1f.7" in (err.value.details() or "")
+    daemon.set_links([(pf0.netdev, False)])
+    await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await emu.prestart(r, vfs)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert all(v in (err.value.details() or "") for v in vfs), err.value.details()
 
 
-def test_a_node_that_appears_later_gets_its_cdi_entry_at_allocate(run: Run, node: Node) -> None:
-    # udev has not created /dev/uio0 yet when the daemon starts (the driver was bound just before).
+@pytest.fixture
+def uio_node_missing(node: Node) -> Path:
+    """udev has not created /dev/uio0 yet when the daemon starts (the driver was bound just before)."""
     uio = node.dev_root / node.ex.uio
     uio.unlink()
+    return uio
+
+
+async def test_a_node_that_appears_later_gets_its_cdi_entry_at_allocate(
+    node: Node, uio_node_missing: Path, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    uio = uio_node_missing
     kind = node.kinds()["uio_vf"]
     spec = spec_path(node, "uio_vf")
 
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            # A device missing a required node gets no CDI entry; a pool with no entry has no spec.
-            assert not spec.exists() and spec_path(node, "vfio_vf").exists()
-            code, text = await refused(emu, "uio_vf", list(kind.ids))
-            assert code == grpc.StatusCode.FAILED_PRECONDITION and f"/dev/{node.ex.uio}" in text, text
-            assert not spec.exists() and files(node.devinfo_dir) == {}
-            uio.touch()
-            resp = await emu.allocate(res("uio_vf"), list(kind.ids))
-            check_response(kind, resp, cdi=True)
-            # The runtime resolves the name the response carries: the spec holds it by now.
-            assert unordered_nodes(json.loads(spec.read_text())) == unordered_nodes(expected_spec(kind))
-            assert set(files(node.devinfo_dir)) == {devinfo_path(node, "uio_vf", d).name for d in kind.ids}
-        finally:
-            await stopped(emu, daemon)
-
-    run(main())
+    emu = kubelet
+    # A device missing a required node gets no CDI entry; a pool with no entry has no spec.
+    assert not spec.exists() and spec_path(node, "vfio_vf").exists()
+    code, text = await refused(emu, "uio_vf", list(kind.ids))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and f"/dev/{node.ex.uio}" in text, text
+    assert not spec.exists() and files(node.devinfo_dir) == {}
+    uio.touch()
+    resp = await emu.allocate(res("uio_vf"), list(kind.ids))
+    check_response(kind, resp, cdi=True)
+    # The runtime resolves the name the response carries: the spec holds it by now.
+    assert unordered_nodes(json.loads(spec.read_text())) == unordered_nodes(expected_spec(kind))
+    assert set(files(node.devinfo_dir)) == {devinfo_path(node, "uio_vf", d).name for d in kind.ids}

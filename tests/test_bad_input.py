@@ -12,18 +12,17 @@ import copy
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tracemalloc
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from test_allocation import dev, pool_of
-from test_reload import GUARD_S, Node, res
+from helpers.devices import dev, pool_of
+from helpers.node import GUARD_S, NO_FILES, Node, res, three_pools
 
 from densedev import cli
 from densedev._proto import api_pb2
@@ -37,7 +36,6 @@ from densedev.model import Config, PoolConfig, RequestError
 from densedev.pools.config import ConfigError, load, parse, validate_resource_name
 from densedev.testing import simnode
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 RESOURCE = "example.com/vf"
 # Every control character a string can carry: C0, DEL and C1.
 CONTROL = [chr(c) for c in (*range(0x20), *range(0x7F, 0xA0))]
@@ -238,13 +236,6 @@ def test_warnings_are_bounded_in_length_and_number(tmp_path: Path) -> None:
 # --- Allocate and GetPreferredAllocation -------------------------------------------------------------
 
 
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(__import__("tempfile").mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def vf_pool(count: int = 8) -> Any:
     devices = [dev(f"0000:3b:{2 + i // 8:02x}.{i % 8}", pf="0000:3b:00.0", vf_index=i) for i in range(count)]
     return pool_of(PoolConfig("vf", "example.com", preferred="pack"), devices)
@@ -266,12 +257,12 @@ async def serve(tmp_path: Path, sock_dir: Path) -> tuple[PluginServer, grpc.aio.
     return server, channel
 
 
-def test_allocate_with_100k_unknown_ids_is_invalid_argument_with_a_bounded_message(
-    run: Run, tmp_path: Path, sock_dir: Path, caplog: pytest.LogCaptureFixture
+async def test_allocate_with_100k_unknown_ids_is_invalid_argument_with_a_bounded_message(
+    tmp_path: Path, sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     ids = [f"0000:ff:{i >> 8 & 0x1F:02x}.{i & 7}-{i}" for i in range(100_000)] + ["evil\n\x1b[31mid"]
 
-    async def main() -> None:
+    with caplog.at_level(logging.INFO):
         server, channel = await serve(tmp_path, sock_dir)
         try:
             call = channel.unary_unary(
@@ -293,9 +284,6 @@ def test_allocate_with_100k_unknown_ids_is_invalid_argument_with_a_bounded_messa
         finally:
             await channel.close()
             await server.stop()
-
-    with caplog.at_level(logging.INFO):
-        run(main())
     assert caplog.records
     assert all(len(r.getMessage()) < 2048 for r in caplog.records)
     assert not any(has_control(r.getMessage()) for r in caplog.records)
@@ -342,31 +330,28 @@ def test_preferred_answers_within_the_contract(tmp_path: Path) -> None:
             assert set(got) <= set(ids) and got[: len(must)] == must
 
 
-def test_preferred_refusal_reaches_the_kubelet_as_invalid_argument(
-    run: Run, tmp_path: Path, sock_dir: Path
+async def test_preferred_refusal_reaches_the_kubelet_as_invalid_argument(
+    tmp_path: Path, sock_dir: Path
 ) -> None:
-    async def main() -> None:
-        server, channel = await serve(tmp_path, sock_dir)
-        try:
-            call = channel.unary_unary(
-                "/v1beta1.DevicePlugin/GetPreferredAllocation",
-                request_serializer=api_pb2.PreferredAllocationRequest.SerializeToString,
-                response_deserializer=api_pb2.PreferredAllocationResponse.FromString,
-            )
-            req = api_pb2.ContainerPreferredAllocationRequest(
-                available_deviceIDs=["0000:3b:02.0"],
-                must_include_deviceIDs=["0000:3b:02.1"],
-                allocation_size=1,
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await call(api_pb2.PreferredAllocationRequest(container_requests=[req]))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "not in available" in (info.value.details() or "")
-        finally:
-            await channel.close()
-            await server.stop()
-
-    run(main())
+    server, channel = await serve(tmp_path, sock_dir)
+    try:
+        call = channel.unary_unary(
+            "/v1beta1.DevicePlugin/GetPreferredAllocation",
+            request_serializer=api_pb2.PreferredAllocationRequest.SerializeToString,
+            response_deserializer=api_pb2.PreferredAllocationResponse.FromString,
+        )
+        req = api_pb2.ContainerPreferredAllocationRequest(
+            available_deviceIDs=["0000:3b:02.0"],
+            must_include_deviceIDs=["0000:3b:02.1"],
+            allocation_size=1,
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call(api_pb2.PreferredAllocationRequest(container_requests=[req]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not in available" in (info.value.details() or "")
+    finally:
+        await channel.close()
+        await server.stop()
 
 
 # --- the command line ---------------------------------------------------------------------------------
@@ -407,31 +392,27 @@ def test_check_config_of_a_missing_file_is_one_line(
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    yield n
-    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
+def node_options() -> dict[str, Any]:
+    """A 4-PF node with pools for PFs 0-2."""
+    return {"config": three_pools}
 
 
-def test_reload_survives_a_deep_config_and_applies_the_next_good_one(run: Run, node: Node) -> None:
-    async def main() -> None:
-        daemon = node.daemon()
-        await daemon.start()
-        try:
-            node.write(DEEP)
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reload_failures"] == 1)
-            assert len(daemon.config.pools) == 3
-            doc = copy.deepcopy(node.doc)
-            doc["resourceList"].pop(0)
-            node.write(doc)
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reloads"] == 1)
-            assert set(daemon.pools) == {res("pf1"), res("pf2")}
-        finally:
-            await daemon.stop()
-
-    run(main())
+async def test_reload_survives_a_deep_config_and_applies_the_next_good_one(node: Node) -> None:
+    daemon = node.daemon(**NO_FILES)
+    await daemon.start()
+    try:
+        node.write_config(DEEP)
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reload_failures"] == 1)
+        assert len(daemon.config.pools) == 3
+        doc = copy.deepcopy(node.doc)
+        doc["resourceList"].pop(0)
+        node.write_config(doc)
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reloads"] == 1)
+        assert set(daemon.pools) == {res("pf1"), res("pf2")}
+    finally:
+        await daemon.stop()
 
 
 class FailingDaemon(Daemon):
@@ -446,55 +427,48 @@ class FailingDaemon(Daemon):
         await super().apply_config(new)
 
 
-def test_reload_survives_any_exception_and_keeps_the_last_good_config(run: Run, node: Node) -> None:
-    async def main() -> None:
-        base = node.daemon()
-        daemon = FailingDaemon(base.settings, base.config)
-        await daemon.start()
-        try:
-            before = daemon.config
-            doc = copy.deepcopy(node.doc)
-            doc["resourceList"].pop(0)
-            node.write(doc)
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reload_failures"] == 1)
-            assert daemon.config == before and set(daemon.pools) == {res(n) for n in ("pf0", "pf1", "pf2")}
-            assert 'densedev_config_reloads_total{result="failure"} 1.0' in daemon.metrics.render().decode()
-            # The reload task lives on: the same file, asked again, applies.
-            daemon.request_reload()
-            await wait(lambda: daemon.stats["reloads"] == 1)
-            assert set(daemon.pools) == {res("pf1"), res("pf2")}
-        finally:
-            await daemon.stop()
-
-    run(main())
+async def test_reload_survives_any_exception_and_keeps_the_last_good_config(node: Node) -> None:
+    base = node.daemon(**NO_FILES)
+    daemon = FailingDaemon(base.settings, base.config)
+    await daemon.start()
+    try:
+        before = daemon.config
+        doc = copy.deepcopy(node.doc)
+        doc["resourceList"].pop(0)
+        node.write_config(doc)
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reload_failures"] == 1)
+        assert daemon.config == before and set(daemon.pools) == {res(n) for n in ("pf0", "pf1", "pf2")}
+        assert 'densedev_config_reloads_total{result="failure"} 1.0' in daemon.metrics.render().decode()
+        # The reload task lives on: the same file, asked again, applies.
+        daemon.request_reload()
+        await wait(lambda: daemon.stats["reloads"] == 1)
+        assert set(daemon.pools) == {res("pf1"), res("pf2")}
+    finally:
+        await daemon.stop()
 
 
-def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(run: Run, node: Node) -> None:
+async def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(node: Node) -> None:
     node.doc["coalesceMs"] = 60_000  # nothing flushes by itself while the test runs
-    node.write(node.doc)
-
-    async def main() -> None:
-        daemon = node.daemon()
-        await daemon.start()
-        try:
-            old = daemon._coalescer
-            daemon.set_links([(node.layout.pfs[0].netdev, False)])
-            assert old.pending
-            doc = copy.deepcopy(node.doc)
-            doc["coalesceMs"] = 30_000
-            node.write(doc)
-            assert await daemon.reload()
-            assert daemon.config.coalesce_ms == 30_000
-            # The old timer must not fire later (after a stop, or as a second flush); the burst it
-            # held is the new coalescer's now.
-            assert not old.pending
-            assert daemon._coalescer is not old and daemon._coalescer.pending
-        finally:
-            await daemon.stop()
-        assert not daemon._coalescer.pending
-
-    run(main())
+    node.write_config(node.doc)
+    daemon = node.daemon(**NO_FILES)
+    await daemon.start()
+    try:
+        old = daemon._coalescer
+        daemon.set_links([(node.layout.pfs[0].netdev, False)])
+        assert old.pending
+        doc = copy.deepcopy(node.doc)
+        doc["coalesceMs"] = 30_000
+        node.write_config(doc)
+        assert await daemon.reload()
+        assert daemon.config.coalesce_ms == 30_000
+        # The old timer must not fire later (after a stop, or as a second flush); the burst it
+        # held is the new coalescer's now.
+        assert not old.pending
+        assert daemon._coalescer is not old and daemon._coalescer.pending
+    finally:
+        await daemon.stop()
+    assert not daemon._coalescer.pending
 
 
 async def wait(predicate: Callable[[], bool], timeout: float = GUARD_S) -> None:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.devices import unlinked
+from helpers.pools import VF_C, select
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -645,8 +647,6 @@ def test_files_the_go_plugin_loads_or_refuses_load_with_a_warning(doc: dict[str,
 
 
 def test_vendor_and_device_ids_select_as_exact_strings() -> None:
-    from test_selectors import VF_C, select
-
     assert select({"vendors": ["15b3"], "devices": ["101e"]}, [VF_C]) == [VF_C.id]
     # The Go plugin picks nothing with these (exact string compare), so densedev neither.
     for sel in ({"vendors": ["0x15b3"]}, {"vendors": ["15B3"]}, {"devices": ["101E"]}):
@@ -654,10 +654,8 @@ def test_vendor_and_device_ids_select_as_exact_strings() -> None:
 
 
 def test_pf_names_select_case_insensitively() -> None:
-    from test_selectors import dev, select
-
     pf = "0000:3b:00.0"
-    vfs = [dev(f"0000:3b:02.{i}", pf=pf, vf_index=i, pf_netdev="ens1f0") for i in range(3)]
+    vfs = [unlinked(f"0000:3b:02.{i}", pf=pf, vf_index=i, pf_netdev="ens1f0") for i in range(3)]
     # The Go plugin picks two VFs with "ENS1F0#0-1" (strings.EqualFold); densedev picked none.
     assert select({"pfNames": ["ENS1F0#0-1"]}, vfs) == [vfs[0].id, vfs[1].id]
     assert select({"pfNames": ["Ens1F0"]}, vfs) == [v.id for v in vfs]

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from test_server import Run
+from helpers import Run
 
 from densedev.daemon import Daemon, DaemonSettings, socket_name_for
 from densedev.ops.preflight import LOCK_NAME

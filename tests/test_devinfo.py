@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_allocation import NET, RDMA, dev, pool_of, touch
+from helpers.devices import NET, RDMA, dev, pool_of, touch
 
 from densedev.alloc.respond import AllocationSettings, PoolAllocator
 from densedev.model import PoolConfig, RequestError, Selector

@@ -8,20 +8,21 @@ official schema, the ResourceClaims), and the device-plugin kubelet emulator (po
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import node as node_helpers
+from helpers.node import PREFIX
 
 from densedev.alloc import devinfo
-from densedev.daemon import Daemon, DaemonSettings
+from densedev.daemon import Daemon
 from densedev.dra import DraSettings, names
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.driver import ClientFactory
@@ -35,39 +36,47 @@ from densedev.testing.apiserver import ApiServerStandIn
 from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
 from densedev.testing.kubelet import KubeletEmulator
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 30.0
-PREFIX = "example.com"
+GUARD_S = 30.0  # the DRA path crosses three emulated parties: a wider hang guard than helpers.node's
 NODE = "node-a"
 DP = f"{PREFIX}/dp"
 DRA = f"{PREFIX}/dra"
 
 
+def config(pools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The node's config document with these pools."""
+    return {"resourceList": pools, "rdmaPollSeconds": 0.05}
+
+
 def pool(name: str, pf_names: list[str], api: str | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": pf_names}}
-    if api is not None:
-        doc["api"] = api
-    return doc
+    """A pool of the VFs of these PFs, served through ``api`` (the device-plugin API when None)."""
+    return node_helpers.pool(name, pf_names, **({} if api is None else {"api": api}))
 
 
-class Node:
+class Node(node_helpers.Node):
     """A simulated node: PF 0's VFs in pool ``dp`` (device plugin), PF 1's in pool ``dra`` (DRA)."""
 
     def __init__(self, tmp: Path, pfs: int = 2, vfs_per_pf: int = 8) -> None:
-        self.tmp = tmp
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=pfs, vfs_per_pf=vfs_per_pf, rdma=False)
-        self.config_path = tmp / "config.json"
         # unix socket paths are limited to 107 bytes: short dirs, as the kubelet's own.
         self.short = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        self.kubelet_dir = self.short / "dp"
+        (self.short / "dp").mkdir()
+        super().__init__(
+            tmp,
+            pfs,
+            vfs_per_pf,
+            rdma=False,
+            config=lambda layout: config([pool("dp", [layout.pfs[0].netdev])]),
+            kubelet_dir=self.short / "dp",
+        )
         self.plugins_dir = self.short / "plugins"
         self.registry_dir = self.short / "registry"
         self.pr_socket = self.short / "pr.sock"
-        self.kubelet_dir.mkdir()
         self.cdi_dir = tmp / "cdi"
         self.devinfo_dir = tmp / "devinfo"
         self.api: ApiServerStandIn | None = None
+
+    def cleanup(self) -> None:
+        """Remove the short dirs outside the test's temp dir."""
+        shutil.rmtree(self.short, ignore_errors=True)
 
     @property
     def pf0(self) -> simnode.SimPF:
@@ -78,35 +87,24 @@ class Node:
         return self.layout.pfs[1]
 
     def write(self, pools: list[dict[str, Any]]) -> None:
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
-        tmp.replace(self.config_path)
+        """Replace the config with these pools."""
+        self.write_config(config(pools))
 
-    def daemon(self, client: ClientFactory | None = None) -> Daemon:
+    def daemon(self, client: ClientFactory | None = None, **kw: Any) -> Daemon:
+        """A daemon with its DRA driver talking to the stand-in (or to ``client``)."""
         assert self.api is not None
         url = self.api.url
 
         async def standin() -> ResourceClient:
             return ResourceClient.for_url(url)
 
-        settings = DaemonSettings(
-            sysfs_root=self.sysfs,
-            kubelet_dir=self.kubelet_dir,
-            dev_root=self.tmp / "dev",
-            cdi_dir=self.cdi_dir,
-            devinfo_dir=self.devinfo_dir,
-            resource_prefix=PREFIX,
-            config_path=self.config_path,
-            netlink=False,
-            config_poll_s=0.05,
-            pod_resources_socket=self.pr_socket,
-            dra=DraSettings(
-                node_name=NODE,
-                plugins_dir=self.plugins_dir,
-                registry_dir=self.registry_dir,
-                min_write_interval_s=0.05,
-            ),
+        dra = DraSettings(
+            node_name=NODE,
+            plugins_dir=self.plugins_dir,
+            registry_dir=self.registry_dir,
+            min_write_interval_s=0.05,
         )
+        settings = self.settings(pod_resources_socket=self.pr_socket, dra=dra, **kw)
         cfg = config_mod.load(self.config_path, default_prefix=PREFIX)
         return Daemon(settings, cfg, dra_client=client or standin)
 
@@ -138,7 +136,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
     n = Node(tmp_path)
     n.write([pool("dp", [n.pf0.netdev]), pool("dra", [n.pf1.netdev], api="dra")])
     yield n
-    shutil.rmtree(n.short, ignore_errors=True)
+    n.cleanup()
 
 
 class Cluster:
@@ -197,134 +195,124 @@ def by_name(addresses: list[str]) -> dict[str, str]:
     return {names.device_name(a): a for a in addresses}
 
 
-def test_dra_and_device_plugin_pools_end_to_end(run: Run, node: Node) -> None:
+async def test_dra_and_device_plugin_pools_end_to_end(node: Node) -> None:
     pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
 
-    async def main() -> None:
-        async with cluster(node) as c:
-            daemon = c.daemon
-            assert daemon is not None
-            # The DRA pool is published (validated by the stand-in), the other is listed to the kubelet.
-            await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
-            await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
-            assert c.kubelet.resources() == [DP]  # the DRA pool is not served as a device plugin
-            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
-            await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == len(pf1), "health streamed")
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        # The DRA pool is published (validated by the stand-in), the other is listed to the kubelet.
+        await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
+        assert c.kubelet.resources() == [DP]  # the DRA pool is not served as a device plugin
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+        await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == len(pf1), "health streamed")
 
-            # A claim prepared end to end: the claim is read from the stand-in, the CDI spec written,
-            # the device held in the one ownership map.
-            ref = node.claim(pf1[2])
-            answer = (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]]
-            assert answer.error == ""
-            assert [d["device"] for d in answer.devices] == [names.device_name(pf1[2])]
-            assert node.spec(ref[2]).exists()
-            assert daemon.ownership.held.get(pf1[2]) == frozenset({DRA_CLAIMS})
-            # Idempotent: the same answer again.
-            assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]] == answer
-            # A device of the device-plugin pool is not the DRA driver's to give.
-            stray = node.claim(pf0[0])
-            refused = (await c.dra_kubelet.prepare(DRIVER, [stray]))[stray[2]]
-            assert refused.error and not node.spec(stray[2]).exists()
+        # A claim prepared end to end: the claim is read from the stand-in, the CDI spec written,
+        # the device held in the one ownership map.
+        ref = node.claim(pf1[2])
+        answer = (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]]
+        assert answer.error == ""
+        assert [d["device"] for d in answer.devices] == [names.device_name(pf1[2])]
+        assert node.spec(ref[2]).exists()
+        assert daemon.ownership.held.get(pf1[2]) == frozenset({DRA_CLAIMS})
+        # Idempotent: the same answer again.
+        assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]] == answer
+        # A device of the device-plugin pool is not the DRA driver's to give.
+        stray = node.claim(pf0[0])
+        refused = (await c.dra_kubelet.prepare(DRIVER, [stray]))[stray[2]]
+        assert refused.error and not node.spec(stray[2]).exists()
 
-            assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
-            assert not node.spec(ref[2]).exists()
-            assert pf1[2] not in daemon.ownership.held
+        assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
+        assert not node.spec(ref[2]).exists()
+        assert pf1[2] not in daemon.ownership.held
 
-            # PF 1 down: its VFs leave the slices and the health stream says so.
-            daemon.set_links([(node.pf1.netdev, False)])
-            await c.until(lambda: node.published() == {}, "unhealthy devices withdrawn")
-            await c.until(
-                lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"UNHEALTHY"}, "health stream updated"
-            )
-            daemon.set_links([(node.pf1.netdev, True)])
-            await c.until(lambda: node.published() == by_name(pf1), "recovered devices published again")
-            await c.until(
-                lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"HEALTHY"}, "health stream recovered"
-            )
+        # PF 1 down: its VFs leave the slices and the health stream says so.
+        daemon.set_links([(node.pf1.netdev, False)])
+        await c.until(lambda: node.published() == {}, "unhealthy devices withdrawn")
+        await c.until(
+            lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"UNHEALTHY"}, "health stream updated"
+        )
+        daemon.set_links([(node.pf1.netdev, True)])
+        await c.until(lambda: node.published() == by_name(pf1), "recovered devices published again")
+        await c.until(
+            lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"HEALTHY"}, "health stream recovered"
+        )
 
-            # A kubelet restart wipes the node's slices; the driver registers again and republishes.
-            await c.dra_kubelet.restart()
-            assert c.dra_kubelet.starts == 2
-            await c.until(lambda: node.published() == by_name(pf1), "slices republished after the wipe")
-
-    run(main())
+        # A kubelet restart wipes the node's slices; the driver registers again and republishes.
+        await c.dra_kubelet.restart()
+        assert c.dra_kubelet.starts == 2
+        await c.until(lambda: node.published() == by_name(pf1), "slices republished after the wipe")
 
 
-def test_reload_moving_pools_between_apis_never_gives_a_device_twice(run: Run, node: Node) -> None:
+async def test_reload_moving_pools_between_apis_never_gives_a_device_twice(node: Node) -> None:
     pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
 
-    async def main() -> None:
-        async with cluster(node) as c:
-            daemon = c.daemon
-            assert daemon is not None
-            await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
-            await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
-            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
-            # A pod holds PF 0's VF 0 under the device plugin; a claim holds PF 1's VF 0 under DRA.
-            await c.kubelet.create_pod("p1", {DP: [pf0[0]]})
-            ref = node.claim(pf1[0])
-            assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]].error == ""
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+        # A pod holds PF 0's VF 0 under the device plugin; a claim holds PF 1's VF 0 under DRA.
+        await c.kubelet.create_pod("p1", {DP: [pf0[0]]})
+        ref = node.claim(pf1[0])
+        assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]].error == ""
 
-            # Swap the APIs of the two pools.
-            node.write([pool("dp", [node.pf0.netdev], api="dra"), pool("dra", [node.pf1.netdev])])
-            # PF 0's VFs are published, but the one the pod holds is withheld; PF 1's VFs are listed
-            # to the kubelet, but the one the claim holds is withheld.
-            await c.until(lambda: node.published() == by_name(pf0[1:]), "dp published without the held VF")
-            await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DRA)) == set(pf1[1:]), GUARD_S)
-            # NodePrepare refuses the device the pod holds, naming the holder.
-            other = node.claim(pf0[0])
-            refused = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]].error
-            assert "held" in refused and DP in refused, refused
-            # Every device the kubelet lists under the new device-plugin pool goes to a pod: never
-            # the one the claim holds (the strict emulator raises on a double holding too).
-            got = await c.kubelet.create_pod("p2", {DRA: c.kubelet.allocatable(DRA)})
-            assert pf1[0] not in got[DRA] and c.kubelet.double_holdings == []
+        # Swap the APIs of the two pools.
+        node.write([pool("dp", [node.pf0.netdev], api="dra"), pool("dra", [node.pf1.netdev])])
+        # PF 0's VFs are published, but the one the pod holds is withheld; PF 1's VFs are listed
+        # to the kubelet, but the one the claim holds is withheld.
+        await c.until(lambda: node.published() == by_name(pf0[1:]), "dp published without the held VF")
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DRA)) == set(pf1[1:]), GUARD_S)
+        # NodePrepare refuses the device the pod holds, naming the holder.
+        other = node.claim(pf0[0])
+        refused = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]].error
+        assert "held" in refused and DP in refused, refused
+        # Every device the kubelet lists under the new device-plugin pool goes to a pod: never
+        # the one the claim holds (the strict emulator raises on a double holding too).
+        got = await c.kubelet.create_pod("p2", {DRA: c.kubelet.allocatable(DRA)})
+        assert pf1[0] not in got[DRA] and c.kubelet.double_holdings == []
 
-            # A daemon restart recovers the claim before serving anything: still withheld.
-            await c.stop_daemon()
-            await c.start_daemon()
-            daemon = c.daemon
-            assert daemon is not None
-            assert daemon.ownership.held.get(pf1[0]) == frozenset({DRA_CLAIMS})
-            # The leftover reconcile at start kept what the claim's container uses: its CDI spec and
-            # its device-info file (named as the device-plugin pool "dra" now names its own).
-            assert node.spec(ref[2]).exists()
-            assert (node.devinfo_dir / devinfo.file_name(PREFIX, "dra", pf1[0])).exists()
-            await c.kubelet.wait_for(
-                lambda: pf1[0] not in c.kubelet.devices(DRA) and bool(c.kubelet.devices(DRA)), GUARD_S
-            )
-            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered again")
+        # A daemon restart recovers the claim before serving anything: still withheld.
+        await c.stop_daemon()
+        await c.start_daemon()
+        daemon = c.daemon
+        assert daemon is not None
+        assert daemon.ownership.held.get(pf1[0]) == frozenset({DRA_CLAIMS})
+        # The leftover reconcile at start kept what the claim's container uses: its CDI spec and
+        # its device-info file (named as the device-plugin pool "dra" now names its own).
+        assert node.spec(ref[2]).exists()
+        assert (node.devinfo_dir / devinfo.file_name(PREFIX, "dra", pf1[0])).exists()
+        await c.kubelet.wait_for(
+            lambda: pf1[0] not in c.kubelet.devices(DRA) and bool(c.kubelet.devices(DRA)), GUARD_S
+        )
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered again")
 
-            # Releases: the pod goes, its VF joins the DRA slices; the claim is unprepared (served
-            # although its pool left DRA), its VF joins the device-plugin list.
-            c.kubelet.delete_pod("uid-p1")
-            await c.until(lambda: node.published() == by_name(pf0), "released VF published")
-            again = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]]
-            assert again.error == ""
-            assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
-            await c.kubelet.wait_for(lambda: pf1[0] in c.kubelet.devices(DRA), GUARD_S)
-            assert c.kubelet.double_holdings == []
-
-    run(main())
+        # Releases: the pod goes, its VF joins the DRA slices; the claim is unprepared (served
+        # although its pool left DRA), its VF joins the device-plugin list.
+        c.kubelet.delete_pod("uid-p1")
+        await c.until(lambda: node.published() == by_name(pf0), "released VF published")
+        again = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]]
+        assert again.error == ""
+        assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
+        await c.kubelet.wait_for(lambda: pf1[0] in c.kubelet.devices(DRA), GUARD_S)
+        assert c.kubelet.double_holdings == []
 
 
-def test_a_4096_device_node_is_published_whole(run: Run, tmp_path: Path) -> None:
+async def test_a_4096_device_node_is_published_whole(tmp_path: Path) -> None:
     node = Node(tmp_path, pfs=16, vfs_per_pf=256)
     try:
         node.write([pool("all", [pf.netdev for pf in node.layout.pfs], api="dra")])
         every = [a for pf in node.layout.pfs for a in pf.vf_addresses]
         assert len(every) == 4096
-
-        async def main() -> None:
-            async with cluster(node) as c:
-                await c.until(lambda: len(node.published()) == 4096, "4,096 devices published")
-                assert node.published() == by_name(every)
-                assert len(c.api.node_slices(NODE)) == 4096 // 128
-                await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == 4096, "health of all streamed")
-
-        run(main())
+        async with cluster(node) as c:
+            await c.until(lambda: len(node.published()) == 4096, "4,096 devices published")
+            assert node.published() == by_name(every)
+            assert len(c.api.node_slices(NODE)) == 4096 // 128
+            await c.until(lambda: len(c.dra_kubelet.health(DRIVER)) == 4096, "health of all streamed")
     finally:
-        shutil.rmtree(node.short, ignore_errors=True)
+        node.cleanup()
 
 
 def test_one_ownership_map_holds_devices_across_both_apis(node: Node) -> None:
@@ -347,21 +335,18 @@ def test_one_ownership_map_holds_devices_across_both_apis(node: Node) -> None:
     assert own.split(raw)[1] == {DRA: (pf1[3],)}
 
 
-def test_a_reload_adding_the_first_dra_pool_starts_the_driver(run: Run, node: Node) -> None:
+async def test_a_reload_adding_the_first_dra_pool_starts_the_driver(node: Node) -> None:
     node.write([pool("dp", [node.pf0.netdev])])
 
-    async def main() -> None:
-        async with cluster(node) as c:
-            daemon = c.daemon
-            assert daemon is not None
-            await c.kubelet.wait_for(lambda: bool(c.kubelet.devices(DP)), GUARD_S)
-            # A node that never served DRA touches nothing of it: no driver, no socket, no slice.
-            assert daemon.dra is None and not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
-            node.write([pool("dp", [node.pf0.netdev]), pool("dra", [node.pf1.netdev], api="dra")])
-            await c.until(lambda: node.published() == by_name(node.pf1.vf_addresses), "published")
-            await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
-
-    run(main())
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.kubelet.wait_for(lambda: bool(c.kubelet.devices(DP)), GUARD_S)
+        # A node that never served DRA touches nothing of it: no driver, no socket, no slice.
+        assert daemon.dra is None and not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
+        node.write([pool("dp", [node.pf0.netdev]), pool("dra", [node.pf1.netdev], api="dra")])
+        await c.until(lambda: node.published() == by_name(node.pf1.vf_addresses), "published")
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
 
 
 def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str]) -> None:
@@ -396,27 +381,24 @@ def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str
     assert prepared >= 1, summary
 
 
-def test_no_api_server_leaves_dra_unserved_and_the_rest_served(run: Run, node: Node) -> None:
-    async def main() -> None:
-        async def refused() -> ResourceClient:
-            return ResourceClient.for_url("http://127.0.0.1:9")  # nothing listens on the discard port
+async def test_no_api_server_leaves_dra_unserved_and_the_rest_served(node: Node) -> None:
+    async def refused() -> ResourceClient:
+        return ResourceClient.for_url("http://127.0.0.1:9")  # nothing listens on the discard port
 
-        kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket)
-        await kubelet.start()
-        api = ApiServerStandIn()
-        await api.start()
-        node.api = api
-        daemon = node.daemon(refused)  # the API server cannot be reached
-        try:
-            await daemon.start()  # does not raise: DRA is retried in the background
-            await kubelet.wait_for(lambda: set(kubelet.devices(DP)) == set(node.pf0.vf_addresses), GUARD_S)
-            ready, why = daemon.registered()
-            assert not ready and "DRA driver" in why
-            assert daemon.dra is not None and not daemon.dra.started
-            assert not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
-        finally:
-            await daemon.stop()
-            await kubelet.stop()
-            await api.stop()
-
-    run(main())
+    kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket)
+    await kubelet.start()
+    api = ApiServerStandIn()
+    await api.start()
+    node.api = api
+    daemon = node.daemon(refused)  # the API server cannot be reached
+    try:
+        await daemon.start()  # does not raise: DRA is retried in the background
+        await kubelet.wait_for(lambda: set(kubelet.devices(DP)) == set(node.pf0.vf_addresses), GUARD_S)
+        ready, why = daemon.registered()
+        assert not ready and "DRA driver" in why
+        assert daemon.dra is not None and not daemon.dra.started
+        assert not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
+    finally:
+        await daemon.stop()
+        await kubelet.stop()
+        await api.stop()

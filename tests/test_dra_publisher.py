@@ -26,7 +26,6 @@ from densedev.pools import select as selectors
 from densedev.testing import simnode
 from densedev.testing.apiserver import ApiServerStandIn
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 NODE = "worker-1"
 DRIVER = names.DEFAULT_DRIVER_NAME
 SELECTOR = f"spec.nodeName={NODE}"
@@ -115,156 +114,136 @@ def _devices(srv: ApiServerStandIn) -> dict[str, str]:
     return {d["name"]: s["metadata"]["name"] for s in srv.node_slices(NODE) for d in s["spec"]["devices"]}
 
 
-def test_start_publishes_4096_devices_with_one_write_per_slice(run: Run, pools4k: tuple[Pool, ...]) -> None:
-    async def main() -> None:
-        async with published(pools4k) as (srv, pub, _):
-            assert pub.version is slices.ApiVersion.V1
-            got = srv.node_slices(NODE)
-            assert len(got) == 32 and len(_devices(srv)) == 4096
-            assert sum(srv.writes.values()) == 32 == pub.writes
-            assert {
-                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
-            } == {(1, 32)}
-            uid = srv.nodes[NODE]["metadata"]["uid"]
-            assert all(s["metadata"]["ownerReferences"][0]["uid"] == uid for s in got)
-            assert srv.requests["PUT resourceslices"] == 0  # nothing rewritten after the creates
-
-    run(main())
+async def test_start_publishes_4096_devices_with_one_write_per_slice(pools4k: tuple[Pool, ...]) -> None:
+    async with published(pools4k) as (srv, pub, _):
+        assert pub.version is slices.ApiVersion.V1
+        got = srv.node_slices(NODE)
+        assert len(got) == 32 and len(_devices(srv)) == 4096
+        assert sum(srv.writes.values()) == 32 == pub.writes
+        assert {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got} == {
+            (1, 32)
+        }
+        uid = srv.nodes[NODE]["metadata"]["uid"]
+        assert all(s["metadata"]["ownerReferences"][0]["uid"] == uid for s in got)
+        assert srv.requests["PUT resourceslices"] == 0  # nothing rewritten after the creates
 
 
-def test_pf_down_rewrites_only_its_two_slices_in_place(
-    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+async def test_pf_down_rewrites_only_its_two_slices_in_place(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock) as (srv, pub, _):
-            before = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in srv.node_slices(NODE)}
-            clock.now += 10
-            down = set(node.pfs[2].vf_addresses)
-            pub.update(unhealthy=down)
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            after = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in srv.node_slices(NODE)}
-            changed = [n for n in before if before[n] != after[n]]
-            assert len(changed) == 2 and pub.writes == S + 2
-            assert len(_devices(srv)) == N - 256
-            assert not {names.device_name(a) for a in down} & set(_devices(srv))
-            # Same generation: no device moved, so consumers never see one twice.
-            assert {s["spec"]["pool"]["generation"] for s in srv.node_slices(NODE)} == {1}
-            clock.now += 10
-            pub.update(unhealthy=())
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            assert len(_devices(srv)) == N and pub.writes == S + 4
-
-    run(main())
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        before = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in srv.node_slices(NODE)}
+        clock.now += 10
+        down = set(node.pfs[2].vf_addresses)
+        pub.update(unhealthy=down)
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        after = {s["metadata"]["name"]: s["metadata"]["resourceVersion"] for s in srv.node_slices(NODE)}
+        changed = [n for n in before if before[n] != after[n]]
+        assert len(changed) == 2 and pub.writes == S + 2
+        assert len(_devices(srv)) == N - 256
+        assert not {names.device_name(a) for a in down} & set(_devices(srv))
+        # Same generation: no device moved, so consumers never see one twice.
+        assert {s["spec"]["pool"]["generation"] for s in srv.node_slices(NODE)} == {1}
+        clock.now += 10
+        pub.update(unhealthy=())
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert len(_devices(srv)) == N and pub.writes == S + 4
 
 
-def test_conflict_is_retried_after_a_fresh_read(
-    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+async def test_conflict_is_retried_after_a_fresh_read(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock) as (srv, pub, _):
-            target = srv.node_slices(NODE)[0]["metadata"]["name"]
-            sneaked: list[str] = []
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        target = srv.node_slices(NODE)[0]["metadata"]["name"]
+        sneaked: list[str] = []
 
-            def another_writer(method: str, name: str) -> None:
-                # Another writer changes the slice just before our PUT lands: its resourceVersion is stale.
-                if method == "PUT" and name == target and not sneaked:
-                    sneaked.append(name)
-                    srv.external_update(name, lambda o: o["metadata"].setdefault("labels", {}).update(x="y"))
+        def another_writer(method: str, name: str) -> None:
+            # Another writer changes the slice just before our PUT lands: its resourceVersion is stale.
+            if method == "PUT" and name == target and not sneaked:
+                sneaked.append(name)
+                srv.external_update(name, lambda o: o["metadata"].setdefault("labels", {}).update(x="y"))
 
-            srv.on_write = another_writer
-            clock.now += 10
-            pub.update(unhealthy={node.pfs[0].vf_addresses[0]})
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            assert sneaked == [target]
-            assert pub.conflicts == 1
-            final = srv.slices[target]
-            assert "x" not in final["metadata"]["labels"]  # ours again, from a fresh read
-            assert names.device_name(node.pfs[0].vf_addresses[0]) not in {
-                d["name"] for d in final["spec"]["devices"]
-            }
-            assert srv.writes[target] == 2  # our create and our retried update (the other writer aside)
-
-    run(main())
+        srv.on_write = another_writer
+        clock.now += 10
+        pub.update(unhealthy={node.pfs[0].vf_addresses[0]})
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert sneaked == [target]
+        assert pub.conflicts == 1
+        final = srv.slices[target]
+        assert "x" not in final["metadata"]["labels"]  # ours again, from a fresh read
+        assert names.device_name(node.pfs[0].vf_addresses[0]) not in {
+            d["name"] for d in final["spec"]["devices"]
+        }
+        assert srv.writes[target] == 2  # our create and our retried update (the other writer aside)
 
 
-def test_kubelet_deletecollection_and_single_deletes_are_republished(
-    run: Run, pools: tuple[Pool, ...]
+async def test_kubelet_deletecollection_and_single_deletes_are_republished(pools: tuple[Pool, ...]) -> None:
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, kubelet):
+        clock.now += 10
+        # What the kubelet does at its start (DeleteCollection, fieldSelector spec.nodeName).
+        await kubelet.delete_slices(SELECTOR)
+        await eventually(lambda: len(_devices(srv)) == N, "every device republished")
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        got = srv.node_slices(NODE)
+        assert len(got) == S and pub.writes == 2 * S
+        assert {s["spec"]["pool"]["resourceSliceCount"] for s in got} == {S}
+        assert set(srv.writes.values()) == {3}  # created, wiped by the kubelet, created again
+        # One slice deleted by someone: that one comes back, at the same generation, alone.
+        clock.now += 10
+        gone = got[3]
+        await kubelet.delete_slice(gone["metadata"]["name"])
+        await eventually(lambda: gone["metadata"]["name"] in srv.slices, "the deleted slice is back")
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert pub.writes == 2 * S + 1
+        assert (
+            srv.slices[gone["metadata"]["name"]]["spec"]["pool"]["generation"]
+            == gone["spec"]["pool"]["generation"]
+        )
+
+
+async def test_writes_per_slice_are_rate_limited_and_coalesced(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock) as (srv, pub, kubelet):
-            clock.now += 10
-            # What the kubelet does at its start (DeleteCollection, fieldSelector spec.nodeName).
-            await kubelet.delete_slices(SELECTOR)
-            await eventually(lambda: len(_devices(srv)) == N, "every device republished")
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            got = srv.node_slices(NODE)
-            assert len(got) == S and pub.writes == 2 * S
-            assert {s["spec"]["pool"]["resourceSliceCount"] for s in got} == {S}
-            assert set(srv.writes.values()) == {3}  # created, wiped by the kubelet, created again
-            # One slice deleted by someone: that one comes back, at the same generation, alone.
-            clock.now += 10
-            gone = got[3]
-            await kubelet.delete_slice(gone["metadata"]["name"])
-            await eventually(lambda: gone["metadata"]["name"] in srv.slices, "the deleted slice is back")
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            assert pub.writes == 2 * S + 1
-            assert (
-                srv.slices[gone["metadata"]["name"]]["spec"]["pool"]["generation"]
-                == gone["spec"]["pool"]["generation"]
-            )
-
-    run(main())
+    clock = Clock()
+    async with published(pools, clock=clock, min_write_interval_s=5.0) as (srv, pub, _):
+        pf = set(node.pfs[3].vf_addresses)
+        clock.now += 10
+        pub.update(unhealthy=pf)
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert pub.writes == S + 2
+        affected = {n for n, c in srv.writes.items() if c == 2}
+        assert len(affected) == 2
+        # A flapping PF within the interval: nothing is written, the two slices wait.
+        for k in range(7):
+            pub.update(unhealthy=pf if k % 2 else ())
+            await asyncio.sleep(0)
+        await eventually(lambda: pub.deferred == affected, "both slices deferred")
+        assert pub.writes == S + 2
+        # Interval over: one write per slice, with the newest state (the PF back up).
+        clock.now += 5
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert pub.writes == S + 4 and {srv.writes[n] for n in affected} == {3}
+        assert len(_devices(srv)) == N
 
 
-def test_writes_per_slice_are_rate_limited_and_coalesced(
-    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
-) -> None:
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock, min_write_interval_s=5.0) as (srv, pub, _):
-            pf = set(node.pfs[3].vf_addresses)
-            clock.now += 10
-            pub.update(unhealthy=pf)
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            assert pub.writes == S + 2
-            affected = {n for n, c in srv.writes.items() if c == 2}
-            assert len(affected) == 2
-            # A flapping PF within the interval: nothing is written, the two slices wait.
-            for k in range(7):
-                pub.update(unhealthy=pf if k % 2 else ())
-                await asyncio.sleep(0)
-            await eventually(lambda: pub.deferred == affected, "both slices deferred")
-            assert pub.writes == S + 2
-            # Interval over: one write per slice, with the newest state (the PF back up).
-            clock.now += 5
-            pub.poke()
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            assert pub.writes == S + 4 and {srv.writes[n] for n in affected} == {3}
-            assert len(_devices(srv)) == N
-
-    run(main())
+async def test_v1beta1_is_used_when_v1_is_not_served(pools: tuple[Pool, ...]) -> None:
+    async with published(pools, versions=("v1beta1",)) as (srv, pub, _):
+        assert pub.version is slices.ApiVersion.V1BETA1
+        got = srv.node_slices(NODE)
+        assert len(got) == S and all(s["apiVersion"] == "resource.k8s.io/v1beta1" for s in got)
+        assert all("basic" in d for d in got[0]["spec"]["devices"])
+    async with ApiServerStandIn(versions=("v1alpha3",)) as old:
+        client = ResourceClient.for_url(old.url)
+        with pytest.raises(ApiError, match="neither v1 nor v1beta1"):
+            await client.discover()
+        await client.close()
 
 
-def test_v1beta1_is_used_when_v1_is_not_served(run: Run, pools: tuple[Pool, ...]) -> None:
-    async def main() -> None:
-        async with published(pools, versions=("v1beta1",)) as (srv, pub, _):
-            assert pub.version is slices.ApiVersion.V1BETA1
-            got = srv.node_slices(NODE)
-            assert len(got) == S and all(s["apiVersion"] == "resource.k8s.io/v1beta1" for s in got)
-            assert all("basic" in d for d in got[0]["spec"]["devices"])
-        async with ApiServerStandIn(versions=("v1alpha3",)) as old:
-            client = ResourceClient.for_url(old.url)
-            with pytest.raises(ApiError, match="neither v1 nor v1beta1"):
-                await client.discover()
-            await client.close()
-
-    run(main())
-
-
-def test_stale_slices_of_ours_go_and_others_stay(run: Run, pools: tuple[Pool, ...]) -> None:
+async def test_stale_slices_of_ours_go_and_others_stay(pools: tuple[Pool, ...]) -> None:
     def slice_of(name: str, driver: str, generation: int) -> dict[str, Any]:
         return {
             "apiVersion": "resource.k8s.io/v1",
@@ -283,62 +262,53 @@ def test_stale_slices_of_ours_go_and_others_stay(run: Run, pools: tuple[Pool, ..
         await client.create_slice(slice_of("worker-1-old-layout", DRIVER, 5))
         await client.create_slice(slice_of("worker-1-gpu", "gpu.example.com", 1))
 
-    async def main() -> None:
-        async with published(pools, before=plant) as (srv, _pub, _):
-            assert "worker-1-old-layout" not in srv.slices
-            assert "worker-1-gpu" in srv.slices
-            ours = [s for s in srv.node_slices(NODE) if s["spec"]["driver"] == DRIVER]
-            assert len(ours) == S
-            assert {s["spec"]["pool"]["generation"] for s in ours} == {6}  # above what was there
-
-    run(main())
+    async with published(pools, before=plant) as (srv, _pub, _):
+        assert "worker-1-old-layout" not in srv.slices
+        assert "worker-1-gpu" in srv.slices
+        ours = [s for s in srv.node_slices(NODE) if s["spec"]["driver"] == DRIVER]
+        assert len(ours) == S
+        assert {s["spec"]["pool"]["generation"] for s in ours} == {6}  # above what was there
 
 
-def test_devices_moving_between_slices_move_the_pool_to_a_new_generation(
-    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+async def test_devices_moving_between_slices_move_the_pool_to_a_new_generation(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock) as (srv, pub, _):
-            pf0 = node.pfs[0]
-            # A reload hands PF0's first 64 VFs to a device-plugin pool: PF0's other VFs shift slices.
-            moved = _pools(
-                node.root,
-                [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
-            )
-            clock.now += 10
-            pub.update(pools=moved)
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            got = srv.node_slices(NODE)
-            assert len(got) == S and len(_devices(srv)) == N - 64
-            assert {
-                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
-            } == {(2, S)}
-            assert pub.writes == 2 * S
-
-    run(main())
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        pf0 = node.pfs[0]
+        # A reload hands PF0's first 64 VFs to a device-plugin pool: PF0's other VFs shift slices.
+        moved = _pools(
+            node.root,
+            [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
+        )
+        clock.now += 10
+        pub.update(pools=moved)
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        got = srv.node_slices(NODE)
+        assert len(got) == S and len(_devices(srv)) == N - 64
+        assert {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got} == {
+            (2, S)
+        }
+        assert pub.writes == 2 * S
 
 
-def test_server_errors_back_off_and_nothing_dies(run: Run, pools: tuple[Pool, ...]) -> None:
-    async def main() -> None:
-        async with ApiServerStandIn() as srv:
-            srv.fail_discovery = 2
-            srv.fail_writes = 3
-            client = ResourceClient.for_url(srv.url)
-            pub = Publisher(client, PublisherSettings(NODE, DRIVER, backoff_min_s=0.01), pools)
-            await pub.start()  # returns at once: discovery is retried in the background
-            await asyncio.wait_for(pub.wait_idle(), 60)
-            assert srv.fail_discovery == 0 and srv.fail_writes == 0
-            assert pub.errors >= 3 and len(srv.node_slices(NODE)) == S
-            # No Node object: slices go without ownerReferences rather than not at all.
-            assert "ownerReferences" not in srv.node_slices(NODE)[0]["metadata"]
-            await pub.stop()
-            await client.close()
-
-    run(main())
+async def test_server_errors_back_off_and_nothing_dies(pools: tuple[Pool, ...]) -> None:
+    async with ApiServerStandIn() as srv:
+        srv.fail_discovery = 2
+        srv.fail_writes = 3
+        client = ResourceClient.for_url(srv.url)
+        pub = Publisher(client, PublisherSettings(NODE, DRIVER, backoff_min_s=0.01), pools)
+        await pub.start()  # returns at once: discovery is retried in the background
+        await asyncio.wait_for(pub.wait_idle(), 60)
+        assert srv.fail_discovery == 0 and srv.fail_writes == 0
+        assert pub.errors >= 3 and len(srv.node_slices(NODE)) == S
+        # No Node object: slices go without ownerReferences rather than not at all.
+        assert "ownerReferences" not in srv.node_slices(NODE)[0]["metadata"]
+        await pub.stop()
+        await client.close()
 
 
-def test_the_stand_in_refuses_what_the_api_server_refuses(run: Run, pools: tuple[Pool, ...]) -> None:
+async def test_the_stand_in_refuses_what_the_api_server_refuses(pools: tuple[Pool, ...]) -> None:
     good = slices.build_slices(NODE, DRIVER, pools)[0]
 
     def spoiled(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -357,30 +327,27 @@ def test_the_stand_in_refuses_what_the_api_server_refuses(run: Run, pools: tuple
         spoiled(lambda o: o["spec"]["pool"].update(generation="1")),  # schema: integer
     ]
 
-    async def main() -> None:
-        async with ApiServerStandIn() as srv:
-            client = ResourceClient.for_url(srv.url)
-            await client.discover()
-            for obj in bad:
-                with pytest.raises(ApiError) as exc:
-                    await client.create_slice(obj)
-                assert exc.value.status == 422 and len(exc.value.message) <= 300
-            assert len(srv.rejected) == len(bad) and not srv.slices
-            stored = await client.create_slice(good)
-            # Immutable fields and stale resourceVersions, as the real server enforces them.
-            moved = {**stored, "spec": {**stored["spec"], "nodeName": "elsewhere"}}
-            with pytest.raises(ApiError, match="immutable"):
-                await client.replace_slice(moved)
+    async with ApiServerStandIn() as srv:
+        client = ResourceClient.for_url(srv.url)
+        await client.discover()
+        for obj in bad:
+            with pytest.raises(ApiError) as exc:
+                await client.create_slice(obj)
+            assert exc.value.status == 422 and len(exc.value.message) <= 300
+        assert len(srv.rejected) == len(bad) and not srv.slices
+        stored = await client.create_slice(good)
+        # Immutable fields and stale resourceVersions, as the real server enforces them.
+        moved = {**stored, "spec": {**stored["spec"], "nodeName": "elsewhere"}}
+        with pytest.raises(ApiError, match="immutable"):
+            await client.replace_slice(moved)
+        await client.replace_slice(stored)
+        with pytest.raises(ApiError) as conflict:
             await client.replace_slice(stored)
-            with pytest.raises(ApiError) as conflict:
-                await client.replace_slice(stored)
-            assert conflict.value.status == 409
-            await client.close()
-
-    run(main())
+        assert conflict.value.status == 409
+        await client.close()
 
 
-def test_claim_reader_reads_claims_and_tokens_are_required(run: Run) -> None:
+async def test_claim_reader_reads_claims_and_tokens_are_required() -> None:
     claim = {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -397,114 +364,100 @@ def test_claim_reader_reads_claims_and_tokens_are_required(run: Run) -> None:
         },
     }
 
-    async def main() -> None:
-        async with ApiServerStandIn(token="s3cret") as srv:
-            srv.put_claim(claim)
-            anonymous = ResourceClient.for_url(srv.url)
-            with pytest.raises(ApiError) as exc:
-                await anonymous.discover()
-            assert exc.value.status == 401
-            await anonymous.close()
-            client = ResourceClient.for_url(srv.url, token="s3cret")
-            reader = HttpClaimReader(client)
-            got = await reader.get("team", "net")
-            assert got["metadata"]["uid"] == "0b1c"
-            assert got["status"]["allocation"]["devices"]["results"][0]["device"] == "pci-0000-19-00-2"
-            with pytest.raises(ApiError) as missing:
-                await reader.get("team", "gone")
-            assert missing.value.status == 404
-            await client.close()
-
-    run(main())
+    async with ApiServerStandIn(token="s3cret") as srv:
+        srv.put_claim(claim)
+        anonymous = ResourceClient.for_url(srv.url)
+        with pytest.raises(ApiError) as exc:
+            await anonymous.discover()
+        assert exc.value.status == 401
+        await anonymous.close()
+        client = ResourceClient.for_url(srv.url, token="s3cret")
+        reader = HttpClaimReader(client)
+        got = await reader.get("team", "net")
+        assert got["metadata"]["uid"] == "0b1c"
+        assert got["status"]["allocation"]["devices"]["results"][0]["device"] == "pci-0000-19-00-2"
+        with pytest.raises(ApiError) as missing:
+            await reader.get("team", "gone")
+        assert missing.value.status == 404
+        await client.close()
 
 
-def test_kubeconfig_is_read_for_server_and_token(run: Run, tmp_path: Path) -> None:
+async def test_kubeconfig_is_read_for_server_and_token(tmp_path: Path) -> None:
     kubeconfig = tmp_path / "kubeconfig"
 
-    async def main() -> None:
-        async with ApiServerStandIn(token="t0ken") as srv:
-            srv.add_node(NODE)
-            kubeconfig.write_text(
-                json.dumps(
-                    {
-                        "apiVersion": "v1",
-                        "kind": "Config",
-                        "clusters": [{"name": "c", "cluster": {"server": srv.url}}],
-                        "users": [{"name": "u", "user": {"token": "t0ken"}}],
-                        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
-                        "current-context": "x",
-                    }
-                )
+    async with ApiServerStandIn(token="t0ken") as srv:
+        srv.add_node(NODE)
+        kubeconfig.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [{"name": "c", "cluster": {"server": srv.url}}],
+                    "users": [{"name": "u", "user": {"token": "t0ken"}}],
+                    "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+                    "current-context": "x",
+                }
             )
-            client = await ResourceClient.from_kubeconfig(kubeconfig)
-            assert await client.discover() is slices.ApiVersion.V1
-            assert (await client.get_node(NODE))["metadata"]["name"] == NODE
-            await client.close()
+        )
+        client = await ResourceClient.from_kubeconfig(kubeconfig)
+        assert await client.discover() is slices.ApiVersion.V1
+        assert (await client.get_node(NODE))["metadata"]["name"] == NODE
+        await client.close()
 
-    run(main())
 
-
-def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
-    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+async def test_taints_mark_unhealthy_devices_and_fall_back_when_the_server_drops_them(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
     down = set(node.pfs[1].vf_addresses)
 
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock, taints=True) as (srv, pub, _):
-            assert len(srv.node_slices(NODE)) == 2 * S  # 64 devices a slice with taints
-            clock.now += 10
-            pub.update(unhealthy=down)
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            tainted = [d for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
-            assert len(tainted) == 256 and len(_devices(srv)) == N and pub.writes == 2 * S + 4
-        # A server with the DRADeviceTaints gate off drops them silently: withdraw instead, or the
-        # unhealthy devices would look healthy.
-        clock = Clock()
-        async with published(pools, clock=clock, taints=True, drop_taints=True) as (srv, pub, _):
-            clock.now += 10
-            pub.update(unhealthy=down)
-            await eventually(lambda: pub.taints_dropped, "the dropped taints noticed")
-            # The re-layout waits for the rate limit of the PF's four slices written a moment ago
-            # (two to rewrite, two to delete), the others it rewrites at once.
-            pf_slices = {
-                n for n in srv.slices if node.pfs[1].address.replace(":", "-").replace(".", "-") in n
-            }
-            await eventually(lambda: pub.deferred == pf_slices, "the PF's slices wait for their rate limit")
-            clock.now += 10
-            pub.poke()
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            got = srv.node_slices(NODE)
-            assert len(got) == S and len(_devices(srv)) == N - 256
-            assert {s["spec"]["pool"]["generation"] for s in got} == {2}
-
-    run(main())
+    clock = Clock()
+    async with published(pools, clock=clock, taints=True) as (srv, pub, _):
+        assert len(srv.node_slices(NODE)) == 2 * S  # 64 devices a slice with taints
+        clock.now += 10
+        pub.update(unhealthy=down)
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        tainted = [d for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
+        assert len(tainted) == 256 and len(_devices(srv)) == N and pub.writes == 2 * S + 4
+    # A server with the DRADeviceTaints gate off drops them silently: withdraw instead, or the
+    # unhealthy devices would look healthy.
+    clock = Clock()
+    async with published(pools, clock=clock, taints=True, drop_taints=True) as (srv, pub, _):
+        clock.now += 10
+        pub.update(unhealthy=down)
+        await eventually(lambda: pub.taints_dropped, "the dropped taints noticed")
+        # The re-layout waits for the rate limit of the PF's four slices written a moment ago
+        # (two to rewrite, two to delete), the others it rewrites at once.
+        pf_slices = {n for n in srv.slices if node.pfs[1].address.replace(":", "-").replace(".", "-") in n}
+        await eventually(lambda: pub.deferred == pf_slices, "the PF's slices wait for their rate limit")
+        clock.now += 10
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        got = srv.node_slices(NODE)
+        assert len(got) == S and len(_devices(srv)) == N - 256
+        assert {s["spec"]["pool"]["generation"] for s in got} == {2}
 
 
-def test_a_generation_move_held_by_the_rate_limit_resumes_without_a_second_move(
-    run: Run, node: simnode.NodeLayout, pools: tuple[Pool, ...]
+async def test_a_generation_move_held_by_the_rate_limit_resumes_without_a_second_move(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
-    async def main() -> None:
-        clock = Clock()
-        async with published(pools, clock=clock) as (srv, pub, _):
-            pf0 = node.pfs[0]
-            clock.now += 10
-            pub.update(unhealthy={pf0.vf_addresses[200]})  # PF0's second slice written just now
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            assert pub.writes == S + 1
-            moved = _pools(
-                node.root,
-                [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
-            )
-            pub.update(pools=moved)  # same instant: that slice must wait, the others move at once
-            await eventually(lambda: len(pub.deferred) == 1, "PF0's rewritten slice waits")
-            clock.now += 10
-            pub.poke()
-            await asyncio.wait_for(pub.wait_idle(), 30)
-            got = srv.node_slices(NODE)
-            assert {
-                (s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got
-            } == {(2, S)}
-            assert pub.writes == 2 * S + 1  # every slice once at generation 2, none twice
-
-    run(main())
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        pf0 = node.pfs[0]
+        clock.now += 10
+        pub.update(unhealthy={pf0.vf_addresses[200]})  # PF0's second slice written just now
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert pub.writes == S + 1
+        moved = _pools(
+            node.root,
+            [{"resourceName": "dp", "selectors": {"pfNames": [f"{pf0.netdev}#0-63"]}}, ALL_VFS],
+        )
+        pub.update(pools=moved)  # same instant: that slice must wait, the others move at once
+        await eventually(lambda: len(pub.deferred) == 1, "PF0's rewritten slice waits")
+        clock.now += 10
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        got = srv.node_slices(NODE)
+        assert {(s["spec"]["pool"]["generation"], s["spec"]["pool"]["resourceSliceCount"]) for s in got} == {
+            (2, S)
+        }
+        assert pub.writes == 2 * S + 1  # every slice once at generation 2, none twice

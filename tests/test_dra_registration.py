@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from test_dra_node import DRIVER, NODE, VF, VF2, Node
+from helpers.dra import DRIVER, NODE, VF, VF2, Node
 
 from densedev.dra import names
 from densedev.dra.health import HealthStream
@@ -423,7 +423,7 @@ _DAEMON = """
 import asyncio, sys
 sys.path[:0] = {paths!r}
 import uvloop
-import test_dra_node as t
+import helpers.dra as t
 from pathlib import Path
 from densedev.dra.plugin import KubeletPlugin
 

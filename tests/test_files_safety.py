@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import stat
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from test_allocation import NET, dev, pool_of
+from helpers.devices import NET, dev, pool_of
 
 from densedev import files
 from densedev._proto import api_pb2
@@ -29,7 +27,6 @@ from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.server import PluginServer
 from densedev.model import PoolConfig, RequestError, Selector
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 VICTIM = b"precious\n"
 
 
@@ -41,14 +38,6 @@ def umask_000() -> Iterator[None]:
         yield
     finally:
         os.umask(old)
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short directory for unix sockets (sun_path holds 107 bytes)."""
-    d = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def mode(path: Path) -> int:
@@ -111,30 +100,27 @@ def test_an_unchanged_file_with_a_loose_mode_is_tightened(tmp_path: Path, umask_
     assert mode(d / "densedev-x.json") == 0o644
 
 
-def test_pool_socket_is_0600_under_umask_000(run: Run, sock_dir: Path, umask_000: None) -> None:
-    async def main() -> None:
-        feed = PoolFeed()
-        feed.publish(b"")
-        server = PluginServer("example.com/vf", sock_dir / "plugins" / "densedev-vf.sock", feed, Pool())
-        await server.start()
-        try:
-            assert stat.S_ISSOCK(os.lstat(server.socket_path).st_mode)
-            assert mode(server.socket_path) == files.SOCKET_MODE == 0o600
-            assert mode(sock_dir / "plugins") == 0o755
-            # Still served (root, the kubelet, may connect).
-            async with grpc.aio.insecure_channel(f"unix:{server.socket_path}") as ch:
-                call = ch.unary_unary(
-                    "/v1beta1.DevicePlugin/GetDevicePluginOptions",
-                    request_serializer=api_pb2.Empty.SerializeToString,
-                    response_deserializer=api_pb2.DevicePluginOptions.FromString,
-                )
-                await asyncio.wait_for(call(api_pb2.Empty()), 10)
-        finally:
-            await server.stop()
-        # The process umask is untouched by the server (it was narrowed only around the bind).
-        assert os.umask(0) == 0
-
-    run(main())
+async def test_pool_socket_is_0600_under_umask_000(sock_dir: Path, umask_000: None) -> None:
+    feed = PoolFeed()
+    feed.publish(b"")
+    server = PluginServer("example.com/vf", sock_dir / "plugins" / "densedev-vf.sock", feed, Pool())
+    await server.start()
+    try:
+        assert stat.S_ISSOCK(os.lstat(server.socket_path).st_mode)
+        assert mode(server.socket_path) == files.SOCKET_MODE == 0o600
+        assert mode(sock_dir / "plugins") == 0o755
+        # Still served (root, the kubelet, may connect).
+        async with grpc.aio.insecure_channel(f"unix:{server.socket_path}") as ch:
+            call = ch.unary_unary(
+                "/v1beta1.DevicePlugin/GetDevicePluginOptions",
+                request_serializer=api_pb2.Empty.SerializeToString,
+                response_deserializer=api_pb2.DevicePluginOptions.FromString,
+            )
+            await asyncio.wait_for(call(api_pb2.Empty()), 10)
+    finally:
+        await server.stop()
+    # The process umask is untouched by the server (it was narrowed only around the bind).
+    assert os.umask(0) == 0
 
 
 # -- planted symlinks -----------------------------------------------------------------------------
@@ -221,8 +207,8 @@ def test_directories_replaced_by_symlinks_are_never_followed(tmp_path: Path) -> 
     assert all(p.read_bytes() == VICTIM for p in (decoy_spec, decoy_info, decoy_old))
 
 
-def test_kubelet_dir_replaced_by_a_symlink_or_a_symlink_at_the_socket_is_refused(
-    run: Run, sock_dir: Path
+async def test_kubelet_dir_replaced_by_a_symlink_or_a_symlink_at_the_socket_is_refused(
+    sock_dir: Path,
 ) -> None:
     victim = sock_dir / "victim"
     victim.write_bytes(VICTIM)
@@ -231,19 +217,16 @@ def test_kubelet_dir_replaced_by_a_symlink_or_a_symlink_at_the_socket_is_refused
     (sock_dir / "plugins").symlink_to(real)
     os.symlink(victim, real / "densedev-vf.sock")
 
-    async def main() -> None:
-        feed = PoolFeed()
-        feed.publish(b"")
-        # The kubelet directory itself is a symlink: nothing is bound or removed through it.
-        server = PluginServer("example.com/vf", sock_dir / "plugins" / "densedev-vf.sock", feed, Pool())
-        with pytest.raises(OSError):
-            await server.start()
-        # The directory is real but a symlink sits at the socket's name: refused, not removed.
-        server = PluginServer("example.com/vf", real / "densedev-vf.sock", feed, Pool())
-        with pytest.raises(OSError):
-            await server.start()
-
-    run(main())
+    feed = PoolFeed()
+    feed.publish(b"")
+    # The kubelet directory itself is a symlink: nothing is bound or removed through it.
+    server = PluginServer("example.com/vf", sock_dir / "plugins" / "densedev-vf.sock", feed, Pool())
+    with pytest.raises(OSError):
+        await server.start()
+    # The directory is real but a symlink sits at the socket's name: refused, not removed.
+    server = PluginServer("example.com/vf", real / "densedev-vf.sock", feed, Pool())
+    with pytest.raises(OSError):
+        await server.start()
     assert victim.read_bytes() == VICTIM
     assert os.path.islink(real / "densedev-vf.sock")
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from helpers import devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -46,12 +47,10 @@ def dev(
     vf_index: int = -1,
 ) -> Device:
     """Build a Device record as discovery would for an Intel E810 function."""
-    return Device(
-        id=addr, role=role, vendor="8086", device="1889" if role == ROLE_VF else "1592", pci_class="020000",
-        subsystem_vendor="8086", subsystem_device="0000", driver=driver, numa_node=0, iommu_group=-1,
-        noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=vf_index, pf_netdev=pf_netdev,
-        netdevs=netdevs, link_type="ether" if netdevs else "", rdma_device=rdma, rdma_nodes=(), uio="",
-        vdpa="", vdpa_driver="", pcie_root="pci0000:00", aux_type="",
+    return devices.dev(
+        addr, role, vendor="8086", device="1889" if role == ROLE_VF else "1592", subsystem_vendor="8086",
+        driver=driver, pf=pf, vf_index=vf_index, pf_netdev=pf_netdev, netdevs=netdevs,
+        link_type="ether" if netdevs else "", rdma_device=rdma, pcie_root="pci0000:00",
     )  # fmt: skip
 
 

@@ -5,37 +5,31 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import shutil
 import socket
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from test_server import RESOURCE, FakePool, Run, pci_ids
+from helpers.node import Node
+from helpers.plugin import RESOURCE, FakePool, pci_ids, serving
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from densedev._proto import api_pb2, podresources_pb2
-from densedev.kubelet.feed import PoolFeed
-from densedev.kubelet.server import PluginServer
+from densedev.pools import config as config_mod
+from densedev.pools.config import validate_resource_name
 from densedev.testing.kubelet import (
     CHECKPOINT,
     MAX_RECEIVE,
     InvariantViolation,
     KubeletEmulator,
     KubeletError,
+    extended_resource_name_error,
 )
 
 GUARD = 10.0  # hang guard only
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short plugin dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 async def _register(plugin_dir: Path, resource: str, endpoint: str, version: str = "v1beta1") -> None:
@@ -57,180 +51,206 @@ async def _refusal(plugin_dir: Path, resource: str, endpoint: str, version: str 
     return err.value.details() or ""
 
 
-def test_start_deletes_sockets_only(run: Run, sock_dir: Path) -> None:
+async def test_start_deletes_sockets_only(sock_dir: Path) -> None:
     old = socket.socket(socket.AF_UNIX)
     old.bind(str(sock_dir / "old-plugin.sock"))
     old.close()
     (sock_dir / "notes.txt").write_text("stays")
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        try:
-            assert not (sock_dir / "old-plugin.sock").exists()
-            assert (sock_dir / "notes.txt").read_text() == "stays"
-            assert (sock_dir / "kubelet.sock").is_socket()
-        finally:
-            await kubelet.stop()
-        assert not (sock_dir / "kubelet.sock").exists()
-
-    run(main())
+    kubelet = KubeletEmulator(sock_dir)
+    await kubelet.start()
+    try:
+        assert not (sock_dir / "old-plugin.sock").exists()
+        assert (sock_dir / "notes.txt").read_text() == "stays"
+        assert (sock_dir / "kubelet.sock").is_socket()
+    finally:
+        await kubelet.stop()
+    assert not (sock_dir / "kubelet.sock").exists()
 
 
 @pytest.mark.parametrize(
     ("resource", "version", "fragment"),
     [
         ("example.com/vf", "v1alpha", "unsupported API version 'v1alpha'"),
-        ("vf", "v1beta1", 'no "/"'),
-        ("kubernetes.io/vf", "v1beta1", "kubernetes.io/ namespace is reserved"),
-        ("requests.example.com/vf", "v1beta1", "requests."),
-        ("Example.com/vf", "v1beta1", "not a lowercase DNS subdomain"),
-        ("example.com/" + "v" * 64, "v1beta1", "longer than 63"),
-        ("example.com/vf_", "v1beta1", "starting and ending alphanumeric"),
-        ("example.com/v f", "v1beta1", "[A-Za-z0-9._-]"),
+        ("vf", "v1beta1", "no '/': an unprefixed name is a native resource"),
+        ("kubernetes.io/vf", "v1beta1", "'kubernetes.io/' in it: a native resource"),
+        ("requests.example.com/vf", "v1beta1", "starts with 'requests.'"),
+        ("Example.com/vf", "v1beta1", "prefix part must be a lowercase RFC 1123 subdomain"),
+        ("example.com/" + "v" * 64, "v1beta1", "name part must be no more than 63 characters"),
+        ("example.com/vf_", "v1beta1", "must start and end with an alphanumeric character"),
+        ("example.com/v f", "v1beta1", "name part must consist of alphanumeric characters"),
+        ("example.com/vf/0", "v1beta1", "a qualified name has at most one '/'"),
+        ("/vf", "v1beta1", "prefix part must be a lowercase RFC 1123 subdomain"),  # "requests." + "/vf"
+        ("example.com/", "v1beta1", "name part must be non-empty"),
+        ("e" * 245 + "/vf", "v1beta1", "prefix part must be no more than 253 characters"),
     ],
 )
-def test_register_validation(run: Run, sock_dir: Path, resource: str, version: str, fragment: str) -> None:
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        try:
-            message = await _refusal(sock_dir, resource, "x.sock", version)
-            assert fragment in message
-            assert kubelet.resources() == [] and kubelet.refusals[0][0] == resource
-        finally:
-            await kubelet.stop()
-
-    run(main())
+async def test_register_validation(
+    kubelet: KubeletEmulator, sock_dir: Path, resource: str, version: str, fragment: str
+) -> None:
+    message = await _refusal(sock_dir, resource, "x.sock", version)
+    assert fragment in message
+    if version == "v1beta1":  # the kubelet's own words come first (errInvalidResourceName)
+        assert message.startswith(f"the ResourceName {resource!r} is invalid: ")
+    assert kubelet.resources() == [] and kubelet.refusals[0][0] == resource
 
 
-def test_register_dials_the_plugin_and_fails_when_it_is_not_there(run: Run, sock_dir: Path) -> None:
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir, dial_timeout=0.3)
-        await kubelet.start()
-        try:
-            message = await _refusal(sock_dir, RESOURCE, "missing.sock")
-            assert "failed to dial device plugin" in message and "missing.sock" in message
-            assert kubelet.resources() == []
-        finally:
-            await kubelet.stop()
+# Names at the edges of the kubelet's rules, each the same in both checks.
+_EDGES = [
+    "example.com/vf",
+    "e" * 244 + "/vf",  # "requests." + 244 = 253: the longest prefix
+    "example.com/" + "v" * 63,
+    "a-b.c/A_b.C-1",
+    "1.2.3/4",
+    "example.com/vf\n",
+    "example.com./vf",
+    "-example.com/vf",
+    "example..com/vf",
+    "x.kubernetes.io/vf",
+    "requests/vf",
+]
 
-    run(main())
+
+@given(
+    st.one_of(
+        st.sampled_from(_EDGES),
+        st.text(alphabet="aZ0-._/.k\n é", max_size=20),
+        st.builds(
+            lambda p, n: f"{p}/{n}",
+            st.text(alphabet="az09-.", min_size=0, max_size=12),
+            st.text(alphabet="aZ09-._ ", min_size=0, max_size=70),
+        ),
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_the_emulator_and_the_daemon_agree_on_resource_names(name: str) -> None:
+    # Two implementations written apart (the daemon's config check, the emulator's from the kubelet's
+    # sources): a disagreement is a bug in one of them.
+    assert (extended_resource_name_error(name) is None) == (validate_resource_name(name) is None), name
 
 
-def test_options_from_the_plugin_and_optional_calls(run: Run, sock_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("prefix", "name"),
+    [
+        ("Example.com", "vf"),
+        ("example.com", "vf_"),
+        ("requests.example.com", "vf"),
+        ("example.com", "v" * 64),
+    ],
+)
+async def test_the_emulator_refuses_what_a_broken_daemon_check_lets_through(
+    node: Node, kubelet: KubeletEmulator, monkeypatch: pytest.MonkeyPatch, prefix: str, name: str
+) -> None:
+    # The daemon's check is broken on purpose: the config loads with the bad name and the daemon
+    # registers it; the emulator, checking by the kubelet's rules on its own, refuses it.
+    monkeypatch.setattr(config_mod, "validate_resource_name", lambda _name: None)
+    pf = node.layout.pfs[0]
+    pool = {"resourceName": name, "resourcePrefix": prefix, "selectors": {"pfNames": [pf.netdev]}}
+    node.write_config({"resourceList": [pool]})
+    daemon = node.daemon()
+    assert [p.full_name for p in daemon.config.pools] == [f"{prefix}/{name}"]
+    await daemon.start()
+    try:
+        await kubelet.wait_for(lambda: bool(kubelet.refusals), GUARD)
+    finally:
+        await daemon.stop()
+    resource, message = kubelet.refusals[0]
+    assert resource == f"{prefix}/{name}" and message.startswith(
+        f"the ResourceName {resource!r} is invalid: "
+    )
+    assert kubelet.resources() == []
+
+
+@pytest.mark.parametrize("kubelet_options", [{"dial_timeout": 0.3}])
+async def test_an_endpoint_longer_than_sun_path_is_refused(kubelet: KubeletEmulator, sock_dir: Path) -> None:
+    # Go's SockaddrUnix refuses a path of 108 bytes or more (sun_path), so the kubelet cannot dial it.
+    endpoint = "x" * (108 - len(str(sock_dir)) - 1)
+    assert len(str(sock_dir / endpoint)) == 108
+    message = await _refusal(sock_dir, RESOURCE, endpoint)
+    assert "invalid argument" in message and "at most 107" in message
+    fits = "y" * (107 - len(str(sock_dir)) - 1)
+    assert len(str(sock_dir / fits)) == 107
+    message = await _refusal(sock_dir, RESOURCE, fits)  # allowed, then the dial fails: nothing serves it
+    assert "failed to dial device plugin" in message and "invalid argument" not in message
+
+
+@pytest.mark.parametrize("kubelet_options", [{"dial_timeout": 0.3}])
+async def test_register_dials_the_plugin_and_fails_when_it_is_not_there(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
+    message = await _refusal(sock_dir, RESOURCE, "missing.sock")
+    assert "failed to dial device plugin" in message and "missing.sock" in message
+    assert kubelet.resources() == []
+
+
+async def test_options_from_the_plugin_and_optional_calls(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     pool = FakePool(pci_ids(8), pre_start=True, preferred=False)
     pool.health[pool.ids[7]] = False
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
-        await server.start()
-        try:
-            await _register(sock_dir, RESOURCE, "vf.sock")
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 8, GUARD)
-            options = kubelet.options(RESOURCE)
-            assert options is not None and options.pre_start_required
-            assert not options.get_preferred_allocation_available
-            with pytest.raises(KubeletError, match="does not offer GetPreferredAllocation"):
-                await kubelet.preferred(RESOURCE, pool.ids, [], 2)
-            await kubelet.prestart(RESOURCE, pool.ids[:2])
-            assert pool.prestarted == [pool.ids[:2]]
-            # The kubelet's own checks refuse unknown and unhealthy devices without asking the plugin.
-            with pytest.raises(KubeletError, match=r"unknown devices \['0000:99:00.0'\]"):
-                await kubelet.allocate(RESOURCE, ["0000:99:00.0"])
-            with pytest.raises(KubeletError, match="unhealthy devices"):
-                await kubelet.allocate(RESOURCE, [pool.ids[7]])
-            # check=False sends them anyway, so the plugin's own refusal can be seen.
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await kubelet.allocate(RESOURCE, [pool.ids[7]], check=False)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert pool.ids[7] in (err.value.details() or "")
-            with pytest.raises(KubeletError, match="no device plugin registered"):
-                await kubelet.allocate("example.com/other", [pool.ids[0]])
-        finally:
-            await server.stop()
-            await kubelet.stop()
-
-    run(main())
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 8, GUARD)
+        options = kubelet.options(RESOURCE)
+        assert options is not None and options.pre_start_required
+        assert not options.get_preferred_allocation_available
+        with pytest.raises(KubeletError, match="does not offer GetPreferredAllocation"):
+            await kubelet.preferred(RESOURCE, pool.ids, [], 2)
+        await kubelet.prestart(RESOURCE, pool.ids[:2])
+        assert pool.prestarted == [pool.ids[:2]]
+        # The kubelet's own checks refuse unknown and unhealthy devices without asking the plugin.
+        with pytest.raises(KubeletError, match=r"unknown devices \['0000:99:00.0'\]"):
+            await kubelet.allocate(RESOURCE, ["0000:99:00.0"])
+        with pytest.raises(KubeletError, match="unhealthy devices"):
+            await kubelet.allocate(RESOURCE, [pool.ids[7]])
+        # check=False sends them anyway, so the plugin's own refusal can be seen.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await kubelet.allocate(RESOURCE, [pool.ids[7]], check=False)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert pool.ids[7] in (err.value.details() or "")
+        with pytest.raises(KubeletError, match="no device plugin registered"):
+            await kubelet.allocate("example.com/other", [pool.ids[0]])
 
 
-def test_preferred_when_offered(run: Run, sock_dir: Path) -> None:
+async def test_preferred_when_offered(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     pool = FakePool(pci_ids(8))
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
-        await server.start()
-        try:
-            await _register(sock_dir, RESOURCE, "vf.sock")
-            answer = await kubelet.preferred(RESOURCE, pool.ids[2:], [pool.ids[5]], 3)
-            assert answer == [pool.ids[5], pool.ids[2], pool.ids[3]]
-            with pytest.raises(KubeletError, match="does not require PreStartContainer"):
-                await kubelet.prestart(RESOURCE, pool.ids[:1])
-        finally:
-            await server.stop()
-            await kubelet.stop()
-
-    run(main())
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        answer = await kubelet.preferred(RESOURCE, pool.ids[2:], [pool.ids[5]], 3)
+        assert answer == [pool.ids[5], pool.ids[2], pool.ids[3]]
+        with pytest.raises(KubeletError, match="does not require PreStartContainer"):
+            await kubelet.prestart(RESOURCE, pool.ids[:1])
 
 
-def test_stream_end_marks_devices_unhealthy_and_never_redials(run: Run, sock_dir: Path) -> None:
+async def test_stream_end_marks_devices_unhealthy_and_never_redials(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
     pool = FakePool(pci_ids(32))
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
-        await server.start()
-        try:
-            await _register(sock_dir, RESOURCE, "vf.sock")
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 32, GUARD)
-            await server.stop()
-            await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
-            assert kubelet.capacity(RESOURCE) == 32 and kubelet.allocatable(RESOURCE) == 0
-            # A new server on the same socket is not dialled: the plugin must register again.
-            server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
-            await server.start()
-            await asyncio.sleep(0.2)
-            assert kubelet.allocatable(RESOURCE) == 0 and kubelet.registrations(RESOURCE) == 1
-            await _register(sock_dir, RESOURCE, "vf.sock")
-            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 32, GUARD)
-            assert kubelet.registrations(RESOURCE) == 2 and not kubelet.stream_ended(RESOURCE)
-        finally:
-            await server.stop()
-            await kubelet.stop()
-
-    run(main())
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 32, GUARD)
+    await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+    assert kubelet.capacity(RESOURCE) == 32 and kubelet.allocatable(RESOURCE) == 0
+    # A new server on the same socket is not dialled: the plugin must register again.
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await asyncio.sleep(0.2)
+        assert kubelet.allocatable(RESOURCE) == 0 and kubelet.registrations(RESOURCE) == 1
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 32, GUARD)
+        assert kubelet.registrations(RESOURCE) == 2 and not kubelet.stream_ended(RESOURCE)
 
 
-def test_a_new_registration_replaces_the_old(run: Run, sock_dir: Path) -> None:
+async def test_a_new_registration_replaces_the_old(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     first = FakePool(pci_ids(4))
     second = FakePool(pci_ids(6, bus=0x5E))
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        one = PluginServer(RESOURCE, sock_dir / "one.sock", PoolFeed(first.message()), first)
-        two = PluginServer(RESOURCE, sock_dir / "two.sock", PoolFeed(second.message()), second)
-        await one.start()
-        await two.start()
-        try:
-            await _register(sock_dir, RESOURCE, "one.sock")
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 4, GUARD)
-            await _register(sock_dir, RESOURCE, "two.sock")
-            await kubelet.wait_for(lambda: set(kubelet.devices(RESOURCE)) == set(second.ids), GUARD)
-            assert kubelet.registrations(RESOURCE) == 2 and kubelet.resources() == [RESOURCE]
-            response = await kubelet.allocate(RESOURCE, [second.ids[0]])
-            assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == second.ids[0]
-        finally:
-            await one.stop()
-            await two.stop()
-            await kubelet.stop()
-
-    run(main())
+    async with (
+        serving(RESOURCE, sock_dir / "one.sock", first),
+        serving(RESOURCE, sock_dir / "two.sock", second),
+    ):
+        await _register(sock_dir, RESOURCE, "one.sock")
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 4, GUARD)
+        await _register(sock_dir, RESOURCE, "two.sock")
+        await kubelet.wait_for(lambda: set(kubelet.devices(RESOURCE)) == set(second.ids), GUARD)
+        assert kubelet.registrations(RESOURCE) == 2 and kubelet.resources() == [RESOURCE]
+        response = await kubelet.allocate(RESOURCE, [second.ids[0]])
+        assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == second.ids[0]
 
 
 async def _oversized_server(path: Path, messages: list[bytes]) -> grpc.aio.Server:
@@ -269,7 +289,7 @@ async def _oversized_server(path: Path, messages: list[bytes]) -> grpc.aio.Serve
     return server
 
 
-def test_receive_limit_ends_the_stream(run: Run, sock_dir: Path) -> None:
+async def test_receive_limit_ends_the_stream(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     small = api_pb2.ListAndWatchResponse(
         devices=[api_pb2.Device(ID="a", health="Healthy")]
     ).SerializeToString()
@@ -278,87 +298,67 @@ def test_receive_limit_ends_the_stream(run: Run, sock_dir: Path) -> None:
         devices=[api_pb2.Device(ID="x" * MAX_RECEIVE, health="Healthy")]
     ).SerializeToString()
     assert len(big) > MAX_RECEIVE
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        server = await _oversized_server(sock_dir / "big.sock", [small, big])
-        try:
-            await _register(sock_dir, RESOURCE, "big.sock")
-            await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
-            assert "RESOURCE_EXHAUSTED" in kubelet.stream_error(RESOURCE)
-            assert kubelet.devices(RESOURCE) == {"a": "Unhealthy"}
-            assert len(kubelet.updates(RESOURCE)) == 1
-        finally:
-            await server.stop(0)
-            await kubelet.stop()
-
-    run(main())
+    server = await _oversized_server(sock_dir / "big.sock", [small, big])
+    try:
+        await _register(sock_dir, RESOURCE, "big.sock")
+        await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+        assert "RESOURCE_EXHAUSTED" in kubelet.stream_error(RESOURCE)
+        assert kubelet.devices(RESOURCE) == {"a": "Unhealthy"}
+        assert len(kubelet.updates(RESOURCE)) == 1
+    finally:
+        await server.stop(0)
 
 
-def test_restart_writes_a_checkpoint_and_recreates_the_socket(run: Run, sock_dir: Path) -> None:
+async def test_restart_writes_a_checkpoint_and_recreates_the_socket(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
     pool = FakePool(pci_ids(4))
     pool.health[pool.ids[3]] = False
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
-        server = PluginServer(RESOURCE, sock_dir / "vf.sock", PoolFeed(pool.message()), pool)
-        await server.start()
-        try:
-            await _register(sock_dir, RESOURCE, "vf.sock")
-            await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 4, GUARD)
-            await kubelet.allocate(RESOURCE, pool.ids[:2])
-            before = (sock_dir / "kubelet.sock").stat()
-            await kubelet.restart()
-            after = (sock_dir / "kubelet.sock").stat()
-            assert (before.st_ino, before.st_ctime_ns) != (after.st_ino, after.st_ctime_ns)
-            assert not (sock_dir / "vf.sock").exists()  # plugin sockets deleted, as the kubelet does
-            assert kubelet.stream_ended(RESOURCE) and kubelet.allocatable(RESOURCE) == 0
-            checkpoint = json.loads((sock_dir / CHECKPOINT).read_text())
-            data = checkpoint["Data"]
-            assert data["RegisteredDevices"] == {RESOURCE: pool.ids[:3]}
-            [entry] = data["PodDeviceEntries"]
-            # DeviceIDs are keyed by each device's NUMA node, as the device manager checkpoints them.
-            assert entry["ResourceName"] == RESOURCE
-            assert entry["DeviceIDs"] == {"0": [pool.ids[0]], "1": [pool.ids[1]]}
-            response = api_pb2.ContainerAllocateResponse.FromString(base64.b64decode(entry["AllocResp"]))
-            assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == ",".join(pool.ids[:2])
-            assert isinstance(checkpoint["Checksum"], int)
-        finally:
-            await server.stop()
-            await kubelet.stop()
-        # A fresh kubelet reads the checkpoint: the resource is back with no devices until it registers.
-        fresh = KubeletEmulator(sock_dir)
-        await fresh.start()
-        try:
-            assert fresh.resources() == [RESOURCE] and fresh.capacity(RESOURCE) == 0
-        finally:
-            await fresh.stop()
-
-    run(main())
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 4, GUARD)
+        await kubelet.allocate(RESOURCE, pool.ids[:2])
+        before = (sock_dir / "kubelet.sock").stat()
+        await kubelet.restart()
+        after = (sock_dir / "kubelet.sock").stat()
+        assert (before.st_ino, before.st_ctime_ns) != (after.st_ino, after.st_ctime_ns)
+        assert not (sock_dir / "vf.sock").exists()  # plugin sockets deleted, as the kubelet does
+        assert kubelet.stream_ended(RESOURCE) and kubelet.allocatable(RESOURCE) == 0
+        checkpoint = json.loads((sock_dir / CHECKPOINT).read_text())
+        data = checkpoint["Data"]
+        assert data["RegisteredDevices"] == {RESOURCE: pool.ids[:3]}
+        [entry] = data["PodDeviceEntries"]
+        # DeviceIDs are keyed by each device's NUMA node, as the device manager checkpoints them.
+        assert entry["ResourceName"] == RESOURCE
+        assert entry["DeviceIDs"] == {"0": [pool.ids[0]], "1": [pool.ids[1]]}
+        response = api_pb2.ContainerAllocateResponse.FromString(base64.b64decode(entry["AllocResp"]))
+        assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == ",".join(pool.ids[:2])
+        assert isinstance(checkpoint["Checksum"], int)
+    await kubelet.stop()
+    # A fresh kubelet reads the checkpoint: the resource is back with no devices until it registers.
+    fresh = KubeletEmulator(sock_dir)
+    await fresh.start()
+    try:
+        assert fresh.resources() == [RESOURCE] and fresh.capacity(RESOURCE) == 0
+    finally:
+        await fresh.stop()
 
 
 @pytest.mark.parametrize("strict", [False, True])
-def test_pods_are_accounted_per_resource_and_double_holdings_recorded(
-    run: Run, sock_dir: Path, strict: bool
+async def test_pods_are_accounted_per_resource_and_double_holdings_recorded(
+    sock_dir: Path, pr_dir: Path, strict: bool
 ) -> None:
     """Like the kubelet, a device listed under two resources is free under the second: it is handed out
     again, and the emulator records (strict: raises on) the device held by two running pods."""
     shared = pci_ids(3)
     a, b = "example.com/a", "example.com/b"
-    pr_dir = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
-
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir, pod_resources_socket=pr_dir / "kubelet.sock", strict=strict)
-        await kubelet.start()
-        pools = {r: FakePool(shared) for r in (a, b)}
-        servers = [
-            PluginServer(r, sock_dir / f"{r[-1]}.sock", PoolFeed(p.message()), p) for r, p in pools.items()
-        ]
-        for server in servers:
-            await server.start()
-        try:
+    kubelet = KubeletEmulator(sock_dir, pod_resources_socket=pr_dir / "kubelet.sock", strict=strict)
+    await kubelet.start()
+    try:
+        async with (
+            serving(a, sock_dir / "a.sock", FakePool(shared)),
+            serving(b, sock_dir / "b.sock", FakePool(shared)),
+        ):
             for r in (a, b):
                 await _register(sock_dir, r, f"{r[-1]}.sock")
             await kubelet.wait_for(lambda: kubelet.capacity(a) == 3 and kubelet.capacity(b) == 3, GUARD)
@@ -392,10 +392,5 @@ def test_pods_are_accounted_per_resource_and_double_holdings_recorded(
             # The checkpoint is rewritten at the admission: only the running pod is left.
             checkpoint = json.loads((sock_dir / CHECKPOINT).read_text())
             assert [e["PodUID"] for e in checkpoint["Data"]["PodDeviceEntries"]] == ["uid-three"]
-        finally:
-            for server in servers:
-                await server.stop()
-            await kubelet.stop()
-            shutil.rmtree(pr_dir, ignore_errors=True)
-
-    run(main())
+    finally:
+        await kubelet.stop()

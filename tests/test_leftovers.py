@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_daemon import GUARD_S, PREFIX, Node, Run, pools_config, res
+from helpers import Run
+from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.alloc import cdi, devinfo, leftovers
 from densedev.testing.kubelet import KubeletEmulator

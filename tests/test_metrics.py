@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from densedev import accel
 from densedev.ops.metrics import ALLOCATE, PREFERRED, Metrics, MetricsServer, parse_addr
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 POOL_A = "intel.com/sriov_a"
 POOL_B = "nvidia.com/rdma_b"
 
@@ -60,18 +60,23 @@ def value(text: bytes, name: str, **labels: str) -> float:
     return samples(text)[(name, tuple(sorted(labels.items())))]
 
 
+@contextlib.asynccontextmanager
 async def serving(
     metrics: Metrics,
     ready: Callable[[], tuple[bool, str]] = lambda: (True, "all pools registered"),
     **kw: Any,
-) -> MetricsServer:
+) -> AsyncIterator[MetricsServer]:
+    """A metrics server on an ephemeral port of 127.0.0.1, stopped afterwards (stop is idempotent)."""
     server = MetricsServer(metrics, ready, "127.0.0.1", 0, **kw)
     await server.start()
-    assert server.port != 0
-    return server
+    try:
+        assert server.port != 0
+        yield server
+    finally:
+        await server.stop()
 
 
-def test_scrape_reports_what_the_daemon_recorded(run: Run) -> None:
+async def test_scrape_reports_what_the_daemon_recorded() -> None:
     m = Metrics()
     m.set_pool_devices(POOL_A, healthy=250, unhealthy=6, reasons={"pf_link_down": 4, "driver": 2})
     m.set_pool_devices(POOL_B, healthy=8, unhealthy=0, reasons={})
@@ -92,18 +97,11 @@ def test_scrape_reports_what_the_daemon_recorded(run: Run) -> None:
     m.record_reload(True)
     m.record_reload(False)
 
-    async def main() -> bytes:
-        server = await serving(m)
-        try:
-            status, headers, body = await fetch(server.port, "/metrics")
-        finally:
-            await server.stop()
-        assert status == 200
-        assert headers["content-type"].startswith("text/plain; version=0.0.4")
-        assert int(headers["content-length"]) == len(body)
-        return body
-
-    body = run(main())
+    async with serving(m) as server:
+        status, headers, body = await fetch(server.port, "/metrics")
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    assert int(headers["content-length"]) == len(body)
     assert value(body, "densedev_build_info", version="0.1.0", implementation=accel.IMPLEMENTATION) == 1
     assert value(body, "densedev_pool_devices", resource=POOL_A, health="Healthy") == 250
     assert value(body, "densedev_pool_devices", resource=POOL_A, health="Unhealthy") == 6
@@ -187,115 +185,78 @@ def test_registries_are_private() -> None:
     assert value(b.render(), "densedev_build_info", version="0.1.0", implementation="python") == 1
 
 
-def test_readyz_follows_the_readiness_callable(run: Run) -> None:
+async def test_readyz_follows_the_readiness_callable() -> None:
     state = {"ready": (False, "not registered: intel.com/sriov_a, nvidia.com/rdma_b")}
 
-    async def main() -> None:
-        server = await serving(Metrics(), lambda: state["ready"])
-        try:
-            status, _, body = await fetch(server.port, "/readyz")
-            assert status == 503
-            assert body == b"not registered: intel.com/sriov_a, nvidia.com/rdma_b\n"
-            state["ready"] = (True, "all pools registered")
-            status, _, body = await fetch(server.port, "/readyz")
-            assert (status, body) == (200, b"all pools registered\n")
-        finally:
-            await server.stop()
-
-    run(main())
+    async with serving(Metrics(), lambda: state["ready"]) as server:
+        status, _, body = await fetch(server.port, "/readyz")
+        assert status == 503
+        assert body == b"not registered: intel.com/sriov_a, nvidia.com/rdma_b\n"
+        state["ready"] = (True, "all pools registered")
+        status, _, body = await fetch(server.port, "/readyz")
+        assert (status, body) == (200, b"all pools registered\n")
 
 
-def test_readyz_broken_callable_is_not_ready(run: Run) -> None:
+async def test_readyz_broken_callable_is_not_ready() -> None:
     def broken() -> tuple[bool, str]:
         raise KeyError("pool vanished")
 
-    async def main() -> None:
-        server = await serving(Metrics(), broken)
-        try:
-            status, _, body = await fetch(server.port, "/readyz")
-            assert status == 503
-            assert b"readiness check failed" in body and b"pool vanished" in body
-            assert (await fetch(server.port, "/healthz"))[0] == 200  # still serving
-        finally:
-            await server.stop()
-
-    run(main())
+    async with serving(Metrics(), broken) as server:
+        status, _, body = await fetch(server.port, "/readyz")
+        assert status == 503
+        assert b"readiness check failed" in body and b"pool vanished" in body
+        assert (await fetch(server.port, "/healthz"))[0] == 200  # still serving
 
 
-def test_healthz_ok_while_loop_turns(run: Run) -> None:
-    async def main() -> None:
-        server = await serving(Metrics(), lag_interval_s=0.01)
-        try:
-            status, _, body = await fetch(server.port, "/healthz")
-            assert status == 200 and body.startswith(b"ok, event loop lag ")
-        finally:
-            await server.stop()
-
-    run(main())
+async def test_healthz_ok_while_loop_turns() -> None:
+    async with serving(Metrics(), lag_interval_s=0.01) as server:
+        status, _, body = await fetch(server.port, "/healthz")
+        assert status == 200 and body.startswith(b"ok, event loop lag ")
 
 
-def test_healthz_fails_after_the_loop_was_blocked(run: Run) -> None:
-    async def main() -> None:
-        m = Metrics()
-        server = await serving(m, lag_interval_s=0.01, max_lag_s=0.1, lag_window_s=3600)
-        try:
-            await asyncio.sleep(0.03)  # let the monitor take its first step and start waiting for a tick
-            time.sleep(0.3)  # block the loop as a runaway callback would: the lag is at least this
-            # The monitor's tick was due during the block, so it runs before this later timer fires.
-            await asyncio.sleep(0.05)
-            assert server.lag.worst >= 0.25
-            status, _, body = await fetch(server.port, "/healthz")
-            assert status == 503
-            assert b"event loop lagged" in body
-            assert value(m.render(), "densedev_event_loop_lag_seconds") >= 0
-        finally:
-            await server.stop()
-
-    run(main())
+async def test_healthz_fails_after_the_loop_was_blocked() -> None:
+    m = Metrics()
+    async with serving(m, lag_interval_s=0.01, max_lag_s=0.1, lag_window_s=3600) as server:
+        await asyncio.sleep(0.03)  # let the monitor take its first step and start waiting for a tick
+        time.sleep(0.3)  # block the loop as a runaway callback would: the lag is at least this
+        # The monitor's tick was due during the block, so it runs before this later timer fires.
+        await asyncio.sleep(0.05)
+        assert server.lag.worst >= 0.25
+        status, _, body = await fetch(server.port, "/healthz")
+        assert status == 503
+        assert b"event loop lagged" in body
+        assert value(m.render(), "densedev_event_loop_lag_seconds") >= 0
 
 
-def test_healthz_fails_when_the_monitor_died(run: Run) -> None:
-    async def main() -> None:
-        server = await serving(Metrics())
-        try:
-            assert server._monitor is not None
-            server._monitor.cancel()
-            await asyncio.sleep(0)
-            status, _, body = await fetch(server.port, "/healthz")
-            assert (status, body) == (503, b"event loop monitor is not running\n")
-        finally:
-            await server.stop()
-
-    run(main())
+async def test_healthz_fails_when_the_monitor_died() -> None:
+    async with serving(Metrics()) as server:
+        assert server._monitor is not None
+        server._monitor.cancel()
+        await asyncio.sleep(0)
+        status, _, body = await fetch(server.port, "/healthz")
+        assert (status, body) == (503, b"event loop monitor is not running\n")
 
 
-def test_http_edges(run: Run) -> None:
-    async def main() -> None:
-        server = await serving(Metrics())
-        try:
-            status, _, body = await fetch(server.port, "/nope")
-            assert status == 404 and b"/metrics" in body
-            status, headers, body = await fetch(server.port, "/metrics", method="HEAD")
-            assert status == 200 and body == b"" and int(headers["content-length"]) > 0
-            assert (await fetch(server.port, "/metrics?name[]=x"))[0] == 200
-            status, headers, _ = await fetch(server.port, "/metrics", method="POST")
-            assert status == 405 and headers["allow"] == "GET, HEAD"
-            answer = await raw(server.port, b"garbage\r\n\r\n")
-            assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
-            answer = await raw(server.port, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
-            assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
-            # A client that connects and leaves without a request must not disturb the server.
-            assert await raw(server.port, b"GET /heal") == b""
-            assert (await fetch(server.port, "/healthz"))[0] == 200
-        finally:
-            await server.stop()
-
-    run(main())
+async def test_http_edges() -> None:
+    async with serving(Metrics()) as server:
+        status, _, body = await fetch(server.port, "/nope")
+        assert status == 404 and b"/metrics" in body
+        status, headers, body = await fetch(server.port, "/metrics", method="HEAD")
+        assert status == 200 and body == b"" and int(headers["content-length"]) > 0
+        assert (await fetch(server.port, "/metrics?name[]=x"))[0] == 200
+        status, headers, _ = await fetch(server.port, "/metrics", method="POST")
+        assert status == 405 and headers["allow"] == "GET, HEAD"
+        answer = await raw(server.port, b"garbage\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        answer = await raw(server.port, b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        # A client that connects and leaves without a request must not disturb the server.
+        assert await raw(server.port, b"GET /heal") == b""
+        assert (await fetch(server.port, "/healthz"))[0] == 200
 
 
-def test_stop_closes_idle_connections(run: Run) -> None:
-    async def main() -> None:
-        server = await serving(Metrics())
+async def test_stop_closes_idle_connections() -> None:
+    async with serving(Metrics()) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         await asyncio.sleep(0.01)
         await server.stop()  # must not wait for the idle client's read timeout
@@ -304,8 +265,6 @@ def test_stop_closes_idle_connections(run: Run) -> None:
         await writer.wait_closed()
         with pytest.raises(OSError):
             await asyncio.open_connection("127.0.0.1", server.port)
-
-    run(main())
 
 
 @pytest.mark.parametrize(
@@ -342,7 +301,7 @@ def test_parse_addr_errors(addr: str, error: str) -> None:
         parse_addr(addr)
 
 
-def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_path: Path) -> None:
+async def test_readyz_follows_the_daemons_registration_with_the_kubelet(tmp_path: Path) -> None:
     # The readiness callable the daemon provides, over real registration against the kubelet emulator:
     # not ready while no kubelet listens, ready once every pool registered, not ready when it goes away.
     from densedev.daemon import Daemon, DaemonSettings
@@ -372,12 +331,11 @@ def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_
             await asyncio.sleep(0.1)
         raise AssertionError(f"/readyz never answered {status}; last {got} {body!r}")
 
-    async def main() -> None:
-        daemon = Daemon(settings, cfg)
-        await daemon.start()
-        server = await serving(Metrics(), daemon.registered)
-        emulator = KubeletEmulator(kubelet_dir)
-        try:
+    daemon = Daemon(settings, cfg)
+    await daemon.start()
+    emulator = KubeletEmulator(kubelet_dir)
+    try:
+        async with serving(Metrics(), daemon.registered) as server:
             body = await readyz_until(server.port, 503)
             assert body.startswith(b"not registered: ")
             assert all(p.encode() in body for p in pools)
@@ -387,12 +345,9 @@ def test_readyz_follows_the_daemons_registration_with_the_kubelet(run: Run, tmp_
             await emulator.stop()  # the kubelet exits: its socket goes, the pools must register again
             body = await readyz_until(server.port, 503, pools)
             assert body.startswith(b"not registered: ")
-        finally:
-            await server.stop()
-            await daemon.stop()
-            await emulator.stop()
-
-    run(main())
+    finally:
+        await daemon.stop()
+        await emulator.stop()
 
 
 def _same_ops(counter: Any, gauge: Any, hist: Any, plain_counter: Any, plain_hist: Any) -> None:

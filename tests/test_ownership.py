@@ -9,103 +9,59 @@ pod take every device that pool lists.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from helpers.node import GUARD_S, NO_FILES, PREFIX, Node, daemon_on, pool
 
 from densedev._proto import api_pb2
 from densedev.alloc import cdi, devinfo
-from densedev.daemon import Daemon, DaemonSettings, socket_name_for
+from densedev.daemon import Daemon, socket_name_for
 from densedev.kubelet.podresources import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
 from densedev.kubelet.sockets import remove_stale_sockets
 from densedev.model import RequestError
-from densedev.pools import config as config_mod
 from densedev.pools.ownership import GuardedService, Ownership, Source
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 20.0
-PREFIX = "example.com"
 P1 = f"{PREFIX}/p1"
 REST = f"{PREFIX}/rest"
 
 
-def pool(name: str, pf_names: list[str], **selectors: Any) -> dict[str, Any]:
-    return {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": pf_names, **selectors}}
-
-
-class Node:
-    """Two PFs of 8 VFs; pool p1 takes PF 0's VFs, pool rest every VF left (first match wins)."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=2, vfs_per_pf=8, rdma=False)
-        self.pf0, self.pf1 = self.layout.pfs
-        self.config_path = tmp / "config.json"
-        # unix socket paths are limited to 107 bytes: short dirs like the kubelet's own.
-        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        self.pr_dir = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
-        self.pr_socket = self.pr_dir / "kubelet.sock"
-        self.write([pool("p1", [self.pf0.netdev]), pool("rest", [self.pf0.netdev, self.pf1.netdev])])
-
-    def write(self, pools: list[dict[str, Any]]) -> None:
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
-        tmp.replace(self.config_path)
-
-    def daemon(self, **kw: Any) -> Daemon:
-        base: dict[str, Any] = dict(
-            sysfs_root=self.sysfs,
-            kubelet_dir=self.kubelet_dir,
-            dev_root=self.tmp / "dev",
-            cdi_dir=None,
-            devinfo_dir=None,
-            resource_prefix=PREFIX,
-            config_path=self.config_path,
-            netlink=False,
-            config_poll_s=0.05,
-            pod_resources_socket=self.pr_socket,
-        )
-        base.update(kw)
-        return Daemon(DaemonSettings(**base), config_mod.load(self.config_path, default_prefix=PREFIX))
-
-    def emulator(self, **kw: Any) -> KubeletEmulator:
-        return KubeletEmulator(self.kubelet_dir, pod_resources_socket=self.pr_socket, strict=True, **kw)
+def config(pools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The node's config document with these pools."""
+    return {"resourceList": pools, "rdmaPollSeconds": 0.05}
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    yield n
-    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
-    shutil.rmtree(n.pr_dir, ignore_errors=True)
+def node_options() -> dict[str, Any]:
+    """Two PFs of 8 VFs; pool p1 takes PF 0's VFs, pool rest every VF left (first match wins)."""
+
+    def pools(layout: simnode.NodeLayout) -> dict[str, Any]:
+        pf0, pf1 = layout.pfs
+        return config([pool("p1", [pf0.netdev]), pool("rest", [pf0.netdev, pf1.netdev])])
+
+    return {"pfs": 2, "vfs_per_pf": 8, "rdma": False, "config": pools}
 
 
-@contextlib.asynccontextmanager
-async def running(node: Node, **kw: Any) -> AsyncIterator[tuple[KubeletEmulator, Daemon]]:
-    emu = node.emulator()
-    await emu.start()
-    daemon = node.daemon(**kw)
-    await daemon.start()
-    try:
-        names = {p.full_name for p in daemon.config.pools}
-        await emu.wait_for(lambda: all(emu.updates(n) for n in names), GUARD_S)
-        yield emu, daemon
-    finally:
-        await daemon.stop()
-        await emu.stop()
+@pytest.fixture
+def kubelet_options(pr_dir: Path) -> dict[str, Any]:
+    """A strict emulator (a double holding raises) serving PodResources."""
+    return {"pod_resources_socket": pr_dir / "kubelet.sock", "strict": True}
+
+
+@pytest.fixture
+def daemon_settings(pr_dir: Path) -> dict[str, Any]:
+    """A daemon asking the emulator's PodResources who holds what."""
+    return {**NO_FILES, "pod_resources_socket": pr_dir / "kubelet.sock"}
 
 
 async def take_everything_listed(emu: KubeletEmulator, resource: str, pod: str) -> list[str]:
@@ -122,8 +78,12 @@ async def released_within(emu: KubeletEmulator, uid: str, resource: str, ids: li
     return time.monotonic() - t0
 
 
-def test_reload_moving_in_use_vfs_withholds_them_until_released(run: Run, node: Node) -> None:
-    vfs = node.pf0.vf_addresses
+async def test_reload_moving_in_use_vfs_withholds_them_until_released(
+    node: Node, kubelet: KubeletEmulator, daemon_settings: dict[str, Any]
+) -> None:
+    emu = kubelet
+    pf0, pf1 = node.layout.pfs
+    vfs = pf0.vf_addresses
     held = [vfs[6], vfs[7]]
     cdi_dir, devinfo_dir = node.tmp / "cdi", node.tmp / "devinfo"
 
@@ -136,73 +96,79 @@ def test_reload_moving_in_use_vfs_withholds_them_until_released(run: Run, node: 
         # Hidden files are densedev's own bookkeeping (the ownership record), not device-info files.
         return {p.name for p in devinfo_dir.iterdir() if not p.name.startswith(".")}
 
-    async def main() -> None:
-        async with running(node, cdi_dir=cdi_dir, devinfo_dir=devinfo_dir) as (emu, daemon):
-            await emu.create_pod("c1", {P1: held})
-            held_infos = {devinfo.file_name(PREFIX, "p1", i) for i in held}
-            assert infos() == held_infos
-            # p1 shrinks to VFs 0-4: VF 5 (free) and VFs 6-7 (held by c1) fall into rest.
-            node.write(
-                [pool("p1", [f"{node.pf0.netdev}#0-4"]), pool("rest", [node.pf0.netdev, node.pf1.netdev])]
-            )
-            await emu.wait_for(lambda: len(emu.devices(P1)) == 5 and vfs[5] in emu.devices(REST), GUARD_S)
-            listed = set(emu.devices(REST))
-            assert listed == {vfs[5], *node.pf1.vf_addresses}
-            assert daemon.ownership.withheld == {REST: tuple(held)}
-            # c1's containers restart from the checkpointed response naming p1's CDI devices: p1 keeps
-            # their entries, and the device-info files stay, while c1 holds them.
-            assert entries(P1) == {*vfs[:5], *held} and held_infos <= infos()
-            await take_everything_listed(emu, REST, "c2")
-            assert emu.double_holdings == []
-            took = await released_within(emu, "uid-c1", REST, held)
-            print(f"withheld-device release latency (PodResources poll): {took * 1e3:.0f} ms")
-            assert daemon.ownership.withheld == {}
-            await emu.wait_for(lambda: entries(P1) == set(vfs[:5]) and not held_infos & infos(), GUARD_S)
-            assert set(held) <= entries(REST)
-            await emu.create_pod("c3", {REST: held})  # free now: the kubelet may give them out
-
-    run(main())
+    files = {"cdi_dir": cdi_dir, "devinfo_dir": devinfo_dir}
+    async with daemon_on(node, emu, **{**daemon_settings, **files}) as daemon:
+        await emu.create_pod("c1", {P1: held})
+        held_infos = {devinfo.file_name(PREFIX, "p1", i) for i in held}
+        assert infos() == held_infos
+        # p1 shrinks to VFs 0-4: VF 5 (free) and VFs 6-7 (held by c1) fall into rest.
+        node.write_config(config([pool("p1", [f"{pf0.netdev}#0-4"]), pool("rest", [pf0.netdev, pf1.netdev])]))
+        await emu.wait_for(lambda: len(emu.devices(P1)) == 5 and vfs[5] in emu.devices(REST), GUARD_S)
+        listed = set(emu.devices(REST))
+        assert listed == {vfs[5], *pf1.vf_addresses}
+        assert daemon.ownership.withheld == {REST: tuple(held)}
+        # c1's containers restart from the checkpointed response naming p1's CDI devices: p1 keeps
+        # their entries, and the device-info files stay, while c1 holds them.
+        assert entries(P1) == {*vfs[:5], *held} and held_infos <= infos()
+        await take_everything_listed(emu, REST, "c2")
+        assert emu.double_holdings == []
+        took = await released_within(emu, "uid-c1", REST, held)
+        print(f"withheld-device release latency (PodResources poll): {took * 1e3:.0f} ms")
+        assert daemon.ownership.withheld == {}
+        await emu.wait_for(lambda: entries(P1) == set(vfs[:5]) and not held_infos & infos(), GUARD_S)
+        assert set(held) <= entries(REST)
+        await emu.create_pod("c3", {REST: held})  # free now: the kubelet may give them out
 
 
-def test_pool_removed_while_in_use(run: Run, node: Node) -> None:
+async def test_pool_removed_while_in_use(
+    node: Node, kubelet: KubeletEmulator, daemon_settings: dict[str, Any]
+) -> None:
+    emu = kubelet
+    pf0, pf1 = node.layout.pfs
     spec = node.tmp / "cdi" / cdi.spec_file_name(P1)
-
-    async def main() -> None:
-        async with running(node, cdi_dir=node.tmp / "cdi") as (emu, daemon):
-            got = (await emu.create_pod("c1", {P1: 3}))[P1]
-            node.write([pool("rest", [node.pf0.netdev, node.pf1.netdev])])
-            free = [a for a in node.pf0.vf_addresses if a not in got]
-            await emu.wait_for(lambda: set(free) <= set(emu.devices(REST)), GUARD_S)
-            assert not set(got) & set(emu.devices(REST))
-            assert len(emu.devices(REST)) == 13
-            metrics = daemon.metrics.render().decode()
-            assert f'densedev_pool_withheld_devices{{resource="{REST}"}} 3.0' in metrics
-            # The kubelet would not ask for an unlisted device; asked anyway, the plugin refuses it.
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await emu.allocate(REST, [got[0]], check=False)
-            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            # c1's containers restart from the kubelet's checkpointed response, which names p1's CDI
-            # devices: the removed pool's spec stays while they are held, and goes once released.
-            assert {d["name"] for d in json.loads(spec.read_text())["devices"]} >= set(got)
-            await take_everything_listed(emu, REST, "c2")
-            await released_within(emu, "uid-c1", REST, got)
-            await emu.wait_for(lambda: not spec.exists(), GUARD_S)
-            assert emu.double_holdings == []
-
-    run(main())
+    async with daemon_on(node, emu, **{**daemon_settings, "cdi_dir": node.tmp / "cdi"}) as daemon:
+        got = (await emu.create_pod("c1", {P1: 3}))[P1]
+        node.write_config(config([pool("rest", [pf0.netdev, pf1.netdev])]))
+        free = [a for a in pf0.vf_addresses if a not in got]
+        await emu.wait_for(lambda: set(free) <= set(emu.devices(REST)), GUARD_S)
+        assert not set(got) & set(emu.devices(REST))
+        assert len(emu.devices(REST)) == 13
+        metrics = daemon.metrics.render().decode()
+        assert f'densedev_pool_withheld_devices{{resource="{REST}"}} 3.0' in metrics
+        # The kubelet would not ask for an unlisted device; asked anyway, the plugin refuses it.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await emu.allocate(REST, [got[0]], check=False)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # c1's containers restart from the kubelet's checkpointed response, which names p1's CDI
+        # devices: the removed pool's spec stays while they are held, and goes once released.
+        assert {d["name"] for d in json.loads(spec.read_text())["devices"]} >= set(got)
+        await take_everything_listed(emu, REST, "c2")
+        await released_within(emu, "uid-c1", REST, got)
+        await emu.wait_for(lambda: not spec.exists(), GUARD_S)
+        assert emu.double_holdings == []
 
 
-def test_driver_rebind_moving_a_vf_between_pools_while_in_use(run: Run, node: Node) -> None:
-    vfs = node.pf0.vf_addresses
-    kern, vfio = f"{PREFIX}/kern", f"{PREFIX}/vfio"
-    node.write(
+def _kern_and_vfio(layout: simnode.NodeLayout) -> dict[str, Any]:
+    pf0 = layout.pfs[0]
+    return config(
         [
-            pool("kern", [node.pf0.netdev], drivers=["mlx5_core"]),
-            pool("vfio", [node.pf0.netdev], drivers=["vfio-pci"]),
+            pool("kern", [pf0.netdev], {"drivers": ["mlx5_core"]}),
+            pool("vfio", [pf0.netdev], {"drivers": ["vfio-pci"]}),
         ]
     )
 
-    def rebind(daemon: Daemon, address: str) -> None:
+
+@pytest.mark.parametrize(
+    "node_options", [{"pfs": 2, "vfs_per_pf": 8, "rdma": False, "config": _kern_and_vfio}]
+)
+async def test_driver_rebind_moving_a_vf_between_pools_while_in_use(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    emu = kubelet
+    vfs = node.layout.pfs[0].vf_addresses
+    kern, vfio = f"{PREFIX}/kern", f"{PREFIX}/vfio"
+
+    def rebind(address: str) -> None:
         simnode.bind_driver(node.sysfs, address, "vfio-pci")
         # The nodes the kernel makes for a vfio-pci device (plain files stand in for them).
         group = os.path.basename(os.readlink(node.sysfs / "bus/pci/devices" / address / "iommu_group"))
@@ -211,62 +177,47 @@ def test_driver_rebind_moving_a_vf_between_pools_while_in_use(run: Run, node: No
             (node.tmp / "dev" / rel).touch()
         daemon.on_uevent(("bind", f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
 
-    async def main() -> None:
-        async with running(node) as (emu, daemon):
-            await emu.create_pod("c1", {kern: [vfs[1]]})
-            rebind(daemon, vfs[1])  # the pod's VF, rebound: it now matches vfio
-            rebind(daemon, vfs[2])  # a free VF, rebound too: it joins vfio at once
-            await emu.wait_for(
-                lambda: vfs[2] in emu.devices(vfio) and vfs[1] not in emu.devices(kern), GUARD_S
-            )
-            assert vfs[1] not in emu.devices(vfio)
-            await take_everything_listed(emu, vfio, "c2")
-            await released_within(emu, "uid-c1", vfio, [vfs[1]])
-            assert emu.double_holdings == []
-
-    run(main())
+    await emu.create_pod("c1", {kern: [vfs[1]]})
+    rebind(vfs[1])  # the pod's VF, rebound: it now matches vfio
+    rebind(vfs[2])  # a free VF, rebound too: it joins vfio at once
+    await emu.wait_for(lambda: vfs[2] in emu.devices(vfio) and vfs[1] not in emu.devices(kern), GUARD_S)
+    assert vfs[1] not in emu.devices(vfio)
+    await take_everything_listed(emu, vfio, "c2")
+    await released_within(emu, "uid-c1", vfio, [vfs[1]])
+    assert emu.double_holdings == []
 
 
 @pytest.mark.parametrize("source", ["podresources", "checkpoint"])
-def test_daemon_restarted_in_between_still_withholds(run: Run, node: Node, source: str) -> None:
+async def test_daemon_restarted_in_between_still_withholds(
+    node: Node, kubelet: KubeletEmulator, daemon_settings: dict[str, Any], source: str
+) -> None:
     """The kubelet keeps the allocations across a daemon restart; the new daemon never lists them."""
-    kw: dict[str, Any] = {} if source == "podresources" else {"pod_resources_socket": None}
-
-    async def main() -> None:
-        emu = node.emulator()
-        await emu.start()
-        daemon = node.daemon(**kw)
-        await daemon.start()
-        try:
-            await emu.wait_for(lambda: bool(emu.updates(P1) and emu.updates(REST)), GUARD_S)
-            got = (await emu.create_pod("c1", {P1: 3}))[P1]
-            await daemon.stop()
-            node.write([pool("rest", [node.pf0.netdev, node.pf1.netdev])])
-            seen = len(emu.updates(REST))
-            daemon = node.daemon(**kw)
-            await daemon.start()
-            assert daemon.ownership.source.value == source
-            await emu.wait_for(
-                lambda: emu.registrations(REST) == 2 and len(emu.updates(REST)) > seen, GUARD_S
-            )
-            # Not even the first list of the new run names a held device.
-            assert all(not set(got) & set(u.devices) for u in emu.updates(REST)[seen:])
-            assert len(emu.devices(REST)) == 13
-            await take_everything_listed(emu, REST, "c2")
-            if source == "podresources":
-                await released_within(emu, "uid-c1", REST, got)
-            else:
-                # The kubelet rewrites its checkpoint after the next admission (not when a pod ends):
-                # only then does the fallback see the release, woken by inotify.
-                emu.delete_pod("uid-c1")
-                await emu.create_pod("c3", {})  # any admission
-                await emu.wait_for(lambda: all(i in emu.devices(REST) for i in got), GUARD_S)
-            assert emu.double_holdings == []
-        finally:
-            await daemon.stop()
-            await emu.stop()
-
-    run(main())
+    kw = dict(daemon_settings)
+    if source == "checkpoint":
+        kw["pod_resources_socket"] = None
+    emu = kubelet
+    pf0, pf1 = node.layout.pfs
+    async with daemon_on(node, emu, **kw) as first:
+        got = (await emu.create_pod("c1", {P1: 3}))[P1]
+        await first.stop()
+    node.write_config(config([pool("rest", [pf0.netdev, pf1.netdev])]))
+    seen = len(emu.updates(REST))
+    async with daemon_on(node, emu, **kw) as daemon:
+        assert daemon.ownership.source.value == source
+        await emu.wait_for(lambda: emu.registrations(REST) == 2 and len(emu.updates(REST)) > seen, GUARD_S)
+        # Not even the first list of the new run names a held device.
+        assert all(not set(got) & set(u.devices) for u in emu.updates(REST)[seen:])
+        assert len(emu.devices(REST)) == 13
+        await take_everything_listed(emu, REST, "c2")
+        if source == "podresources":
+            await released_within(emu, "uid-c1", REST, got)
+        else:
+            # The kubelet rewrites its checkpoint after the next admission (not when a pod ends):
+            # only then does the fallback see the release, woken by inotify.
+            emu.delete_pod("uid-c1")
+            await emu.create_pod("c3", {})  # any admission
+            await emu.wait_for(lambda: all(i in emu.devices(REST) for i in got), GUARD_S)
+        assert emu.double_holdings == []
 
 
 # ---------------------------------------------------------------------------- the parts alone
@@ -306,7 +257,7 @@ def test_allocate_refuses_a_device_held_under_another_resource() -> None:
     GuardedService("a.com/x", inner, own).allocate(["0000:3b:00.2"])
 
 
-def test_own_answers_fill_the_gap_until_a_later_source_read(run: Run, tmp_path: Path) -> None:
+async def test_own_answers_fill_the_gap_until_a_later_source_read(tmp_path: Path) -> None:
     now = [100.0]
     path = tmp_path / CHECKPOINT
     own = Ownership(path, clock=lambda: now[0], grace_s=5.0)
@@ -316,35 +267,32 @@ def test_own_answers_fill_the_gap_until_a_later_source_read(run: Run, tmp_path: 
             json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}}, "Checksum": 1})
         )
 
-    async def main() -> None:
-        assert not await own.refresh() and own.source is Source.OWN  # no checkpoint: nothing known
-        own.note_allocated("a.com/x", ["0000:3b:00.2"])
-        assert await own.refresh() is False and own.held == {"0000:3b:00.2": {"a.com/x"}}
-        write(None)  # the checkpoint does not show it yet (written just before the answer)
-        now[0] += 1
-        assert not await own.refresh() and own.source is Source.CHECKPOINT
-        assert own.held == {"0000:3b:00.2": {"a.com/x"}}  # kept: within the grace
-        now[0] += 10
-        assert await own.refresh() and own.held == {}  # a read well after the answer: released
-        # An answer a later read shows is covered by the source: released as soon as the source says.
-        own.note_allocated("a.com/x", ["0000:3b:00.3"])
-        now[0] += 0.1
-        write(
-            [
-                {
-                    "PodUID": "u",
-                    "ContainerName": "c",
-                    "ResourceName": "a.com/x",
-                    "DeviceIDs": {"0": ["0000:3b:00.3"]},
-                }
-            ]
-        )
-        assert not await own.refresh() and own.held == {"0000:3b:00.3": {"a.com/x"}}
-        now[0] += 0.1
-        write(None)
-        assert await own.refresh() and own.held == {}
-
-    run(main())
+    assert not await own.refresh() and own.source is Source.OWN  # no checkpoint: nothing known
+    own.note_allocated("a.com/x", ["0000:3b:00.2"])
+    assert await own.refresh() is False and own.held == {"0000:3b:00.2": {"a.com/x"}}
+    write(None)  # the checkpoint does not show it yet (written just before the answer)
+    now[0] += 1
+    assert not await own.refresh() and own.source is Source.CHECKPOINT
+    assert own.held == {"0000:3b:00.2": {"a.com/x"}}  # kept: within the grace
+    now[0] += 10
+    assert await own.refresh() and own.held == {}  # a read well after the answer: released
+    # An answer a later read shows is covered by the source: released as soon as the source says.
+    own.note_allocated("a.com/x", ["0000:3b:00.3"])
+    now[0] += 0.1
+    write(
+        [
+            {
+                "PodUID": "u",
+                "ContainerName": "c",
+                "ResourceName": "a.com/x",
+                "DeviceIDs": {"0": ["0000:3b:00.3"]},
+            }
+        ]
+    )
+    assert not await own.refresh() and own.held == {"0000:3b:00.3": {"a.com/x"}}
+    now[0] += 0.1
+    write(None)
+    assert await own.refresh() and own.held == {}
 
 
 def test_read_checkpoint_takes_the_kubelets_shape_and_refuses_planted_files(tmp_path: Path) -> None:
@@ -391,21 +339,25 @@ def test_read_checkpoint_takes_the_kubelets_shape_and_refuses_planted_files(tmp_
         read_checkpoint(path)
 
 
-def test_pod_resources_client_lists_what_running_pods_hold(run: Run, node: Node) -> None:
-    async def main() -> None:
-        client = PodResourcesClient(node.pr_socket, timeout=5)
-        with pytest.raises(SourceUnavailable):
-            await client.list()  # no kubelet yet
-        async with running(node) as (emu, _daemon):
+async def test_pod_resources_client_lists_what_running_pods_hold(
+    node: Node, kubelet_options: dict[str, Any], daemon_settings: dict[str, Any]
+) -> None:
+    client = PodResourcesClient(kubelet_options["pod_resources_socket"], timeout=5)
+    with pytest.raises(SourceUnavailable):
+        await client.list()  # no kubelet yet
+    emu = node.emulator(**kubelet_options)
+    await emu.start()
+    try:
+        async with daemon_on(node, emu, **daemon_settings):
             got = await emu.create_pod("c1", {P1: 2, REST: 1})
             assert await client.list() == {(P1, i) for i in got[P1]} | {(REST, i) for i in got[REST]}
             emu.delete_pod("uid-c1")
             assert await client.list() == frozenset()
-        with pytest.raises(SourceUnavailable):
-            await client.list()  # kubelet gone
-        await client.close()
-
-    run(main())
+    finally:
+        await emu.stop()
+    with pytest.raises(SourceUnavailable):
+        await client.list()  # kubelet gone
+    await client.close()
 
 
 def test_stale_sockets_of_removed_pools_go_and_nothing_else(tmp_path: Path) -> None:
@@ -435,18 +387,17 @@ def test_stale_sockets_of_removed_pools_go_and_nothing_else(tmp_path: Path) -> N
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_start_removes_the_socket_of_a_pool_removed_meanwhile(run: Run, node: Node) -> None:
-    async def main() -> None:
-        stale = node.kubelet_dir / socket_name_for(f"{PREFIX}/gone", node.kubelet_dir)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(str(stale))
-        s.close()
-        daemon = node.daemon()
-        await daemon.start()
-        try:
-            assert not stale.exists()
-            await asyncio.sleep(0)
-        finally:
-            await daemon.stop()
-
-    run(main())
+async def test_start_removes_the_socket_of_a_pool_removed_meanwhile(
+    node: Node, daemon_settings: dict[str, Any]
+) -> None:
+    stale = node.kubelet_dir / socket_name_for(f"{PREFIX}/gone", node.kubelet_dir)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(stale))
+    s.close()
+    daemon = node.daemon(**daemon_settings)
+    await daemon.start()
+    try:
+        assert not stale.exists()
+        await asyncio.sleep(0)
+    finally:
+        await daemon.stop()

@@ -8,9 +8,9 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers.devices import dev, pool_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_allocation import dev, pool_of
 
 from densedev.alloc.respond import POLICIES, AllocationSettings, PoolAllocator, build_lookup, topology_of
 from densedev.model import ROLE_PCI, Device, PoolConfig

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
 import pytest
-from test_server import RESOURCE, FakePool, Run, pci_ids
+from helpers import Run
+from helpers.plugin import RESOURCE, FakePool, pci_ids
 
 from densedev._proto import api_pb2
 from densedev.kubelet.feed import PoolFeed
@@ -20,14 +19,6 @@ from densedev.kubelet.registration import KUBELET_SOCKET, PluginRunner
 from densedev.testing.kubelet import KubeletEmulator
 
 GUARD = 10.0  # hang guards only: nothing here asserts on speed
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short plugin dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _runner(sock_dir: Path, pool: FakePool, feed: PoolFeed, resource: str = RESOURCE) -> PluginRunner:
@@ -165,7 +156,10 @@ def test_refused_name_is_logged_and_other_pools_register(
             await kubelet.wait_for(lambda: bool(kubelet.refusals) and good_runner.registered, GUARD)
             await kubelet.wait_for(lambda: bad_runner.last_error != "", GUARD)
             assert not bad_runner.registered and bad_runner.registrations == 0
-            assert "-bad-name" in bad_runner.last_error and "starting and ending" in bad_runner.last_error
+            assert (
+                "-bad-name" in bad_runner.last_error
+                and "start and end with an alphanumeric" in bad_runner.last_error
+            )
             assert kubelet.resources() == [RESOURCE]
             assert kubelet.capacity(RESOURCE) == 4 or await _wait_capacity(kubelet, 4)
         finally:

@@ -8,67 +8,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from helpers.devices import unlinked as dev  # the selector tests' devices: linked to a PF only when said
+from helpers.pools import THREE, VF_A, VF_B, VF_C, cfg, ids, select
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Config, Device, Pool
+from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Config, Device
 from densedev.pools import config
 from densedev.pools import select as selectors
 
 DATA = Path(__file__).parent / "data" / "configs"
-
-
-def dev(
-    id: str,
-    role: str = ROLE_VF,
-    *,
-    vendor: str = "15b3",
-    device: str = "101e",
-    pci_class: str = "020000",
-    driver: str = "mlx5_core",
-    numa: int = 0,
-    acpi_index: int = -1,
-    total_vfs: int = 0,
-    num_vfs: int = 0,
-    pf: str = "",
-    vf_index: int = -1,
-    pf_netdev: str = "",
-    netdevs: tuple[str, ...] = (),
-    link_type: str = "",
-    rdma: str = "",
-    vdpa: str = "",
-    vdpa_driver: str = "",
-    aux_type: str = "",
-) -> Device:
-    """Build a Device record by hand, with the fields a test does not care about set plausibly."""
-    return Device(
-        id=id,
-        role=role,
-        vendor=vendor,
-        device=device,
-        pci_class=pci_class,
-        subsystem_vendor=vendor,
-        subsystem_device="0001",
-        driver=driver,
-        numa_node=numa,
-        iommu_group=-1,
-        noiommu=False,
-        acpi_index=acpi_index,
-        total_vfs=total_vfs,
-        num_vfs=num_vfs,
-        pf=pf,
-        vf_index=vf_index,
-        pf_netdev=pf_netdev,
-        netdevs=netdevs,
-        link_type=link_type or ("ether" if netdevs else ""),
-        rdma_device=rdma,
-        rdma_nodes=(),
-        uio="",
-        vdpa=vdpa,
-        vdpa_driver=vdpa_driver,
-        pcie_root="pci0000:" + id[5:7] if role != ROLE_SF else "",
-        aux_type=aux_type,
-    )
 
 
 def pf_with_vfs(bus: int, netdev: str, n: int, **kw: Any) -> list[Device]:
@@ -91,29 +40,6 @@ def pf_with_vfs(bus: int, netdev: str, n: int, **kw: Any) -> list[Device]:
             )
         )
     return out
-
-
-def cfg(*pools: dict[str, Any]) -> Config:
-    """Parse a config made of the given resourceList entries."""
-    return config.parse(json.dumps({"resourceList": list(pools)}))
-
-
-def ids(pool: Pool) -> list[str]:
-    return [m.id for m in pool.members]
-
-
-def select(
-    sel: dict[str, Any] | list[dict[str, Any]], devices: Sequence[Device], **pool_kw: Any
-) -> list[str]:
-    """Return the IDs one pool with selector(s) ``sel`` takes from ``devices``."""
-    (pool,) = selectors.build_pools(cfg({"resourceName": "p", "selectors": sel, **pool_kw}), devices)
-    return ids(pool)
-
-
-VF_A = dev("0000:3b:02.0", vendor="8086", device="154c", driver="iavf", pf="0000:3b:00.0", vf_index=0)
-VF_B = dev("0000:3b:02.1", vendor="8086", device="10ed", driver="vfio-pci", pf="0000:3b:00.0", vf_index=1)
-VF_C = dev("0000:5e:02.0", vendor="15b3", device="101e", driver="mlx5_core", pf="0000:5e:00.0", vf_index=0)
-THREE = [VF_A, VF_B, VF_C]
 
 
 # --- each key ------------------------------------------------------------------------------------------

@@ -12,18 +12,17 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from helpers import node as node_helpers
+from helpers.node import GUARD_S, PREFIX, pool, res
 
 from densedev.alloc import cdi, devinfo
 from densedev.daemon import socket_name_for
@@ -32,40 +31,31 @@ from densedev.testing.kubelet import CHECKPOINT, KubeletEmulator, KubeletError
 
 pytestmark = pytest.mark.faults
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
-GUARD_S = 20.0
-PREFIX = "example.com"
 NAMES = ("p0", "p1", "p2")
 
 
-def res(name: str) -> str:
-    return f"{PREFIX}/{name}"
-
-
-class Node:
+class Node(node_helpers.Node):
     """Four PFs of 16 VFs; pools p0, p1 take a PF each, p2 the other two."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.sysfs = tmp / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=4, vfs_per_pf=16, rdma=False)
-        pfs = [pf.netdev for pf in self.layout.pfs]
-        self.pools = {"p0": [pfs[0]], "p1": [pfs[1]], "p2": pfs[2:]}
-        self.config_path = tmp / "config.json"
+    def __init__(self, tmp: Path, kubelet_dir: Path, pr_dir: Path) -> None:
+        self.pools: dict[str, list[str]] = {}  # pool name -> its PFs' netdevs, once the tree is built
+        super().__init__(tmp, pfs=4, vfs_per_pf=16, rdma=False, config=self._first, kubelet_dir=kubelet_dir)
         self.cdi_dir = tmp / "cdi"
         self.devinfo_dir = tmp / "devinfo"
-        self.kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        self.pr_dir = Path(tempfile.mkdtemp(prefix="pr-", dir="/tmp"))
-        self.write(NAMES)
+        self.pr_dir = pr_dir
+
+    def _first(self, layout: simnode.NodeLayout) -> dict[str, Any]:
+        pfs = [pf.netdev for pf in layout.pfs]
+        self.pools = {"p0": [pfs[0]], "p1": [pfs[1]], "p2": pfs[2:]}
+        return self.config(NAMES)
+
+    def config(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The config document with the named pools."""
+        return {"resourceList": [pool(n, self.pools[n]) for n in names], "rdmaPollSeconds": 0.05}
 
     def write(self, names: tuple[str, ...]) -> None:
-        pools = [
-            {"resourceName": n, "resourcePrefix": PREFIX, "selectors": {"pfNames": self.pools[n]}}
-            for n in names
-        ]
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"resourceList": pools, "rdmaPollSeconds": 0.05}))
-        tmp.replace(self.config_path)
+        """Replace the config with the named pools."""
+        self.write_config(self.config(names))
 
     def start(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
@@ -102,11 +92,9 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[Node]:
-    n = Node(tmp_path)
-    yield n
-    shutil.rmtree(n.kubelet_dir, ignore_errors=True)
-    shutil.rmtree(n.pr_dir, ignore_errors=True)
+def node(tmp_path: Path, sock_dir: Path, pr_dir: Path) -> Node:
+    """This module's node (in place of conftest's): its daemon runs as a process."""
+    return Node(tmp_path, sock_dir, pr_dir)
 
 
 async def storm(emu: KubeletEmulator, names: tuple[str, ...], pods: int, seed: int, tag: str) -> list[str]:
@@ -150,82 +138,75 @@ def check_files(node: Node, emu: KubeletEmulator, names: tuple[str, ...]) -> Non
             assert doc["pci"]["pci-address"] == device
 
 
-def test_sigkill_during_an_allocation_storm_then_restart(
-    run: Run, node: Node, child_env: dict[str, str]
-) -> None:
-    async def main() -> None:
-        emu = KubeletEmulator(
-            node.kubelet_dir, pod_resources_socket=node.pr_dir / "kubelet.sock", strict=True
-        )
-        await emu.start()
+async def test_sigkill_during_an_allocation_storm_then_restart(node: Node, child_env: dict[str, str]) -> None:
+    emu = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_dir / "kubelet.sock", strict=True)
+    await emu.start()
+    proc = node.start(child_env)
+    try:
+        await emu.wait_for(lambda: all(emu.allocatable(res(n)) for n in NAMES), GUARD_S)
+        before = {n: dict(emu.devices(res(n))) for n in NAMES}
+        assert [len(before[n]) for n in NAMES] == [16, 16, 32]
+
+        # 1. SIGKILL in the middle of a storm of admissions.
+        running = asyncio.create_task(storm(emu, NAMES, 60, seed=1, tag="a"))
+        await emu.wait_for(lambda: len(emu.pods()) >= 12, GUARD_S)
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, GUARD_S)
+        admitted = await running
+        assert 12 <= len(admitted) < 60
+
+        # 2. Restart, same config: same IDs, all healthy, counts equal, one socket per pool.
+        regs = {n: emu.registrations(res(n)) for n in NAMES}
         proc = node.start(child_env)
-        try:
-            await emu.wait_for(lambda: all(emu.allocatable(res(n)) for n in NAMES), GUARD_S)
-            before = {n: dict(emu.devices(res(n))) for n in NAMES}
-            assert [len(before[n]) for n in NAMES] == [16, 16, 32]
+        await emu.wait_for(
+            lambda: all(
+                emu.registrations(res(n)) > regs[n] and emu.devices(res(n)) == before[n] for n in NAMES
+            ),
+            GUARD_S,
+        )
+        assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
+            socket_name_for(res(n), node.kubelet_dir) for n in NAMES
+        }
+        check_files(node, emu, NAMES)
+        # A second storm takes devices while the first's pods still hold theirs.
+        await storm(emu, NAMES, 40, seed=2, tag="b")
 
-            # 1. SIGKILL in the middle of a storm of admissions.
-            running = asyncio.create_task(storm(emu, NAMES, 60, seed=1, tag="a"))
-            await emu.wait_for(lambda: len(emu.pods()) >= 12, GUARD_S)
-            proc.send_signal(signal.SIGKILL)
-            await asyncio.to_thread(proc.wait, GUARD_S)
-            admitted = await running
-            assert 12 <= len(admitted) < 60
-
-            # 2. Restart, same config: same IDs, all healthy, counts equal, one socket per pool.
-            regs = {n: emu.registrations(res(n)) for n in NAMES}
-            proc = node.start(child_env)
-            await emu.wait_for(
-                lambda: all(
-                    emu.registrations(res(n)) > regs[n] and emu.devices(res(n)) == before[n] for n in NAMES
-                ),
-                GUARD_S,
-            )
-            assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
-                socket_name_for(res(n), node.kubelet_dir) for n in NAMES
-            }
-            check_files(node, emu, NAMES)
-            # A second storm takes devices while the first's pods still hold theirs.
-            await storm(emu, NAMES, 40, seed=2, tag="b")
-
-            # 3. SIGKILL again; restart with p1 removed: its socket goes, its held VFs are withheld from
-            # p2 (which now selects PF 1 too) until released.
-            proc.send_signal(signal.SIGKILL)
-            await asyncio.to_thread(proc.wait, GUARD_S)
-            held_p1 = {i for per in emu.pods().values() for i in per.get(res("p1"), [])}
-            assert held_p1
-            node.pools["p2"] = node.pools["p1"] + node.pools["p2"]
-            node.write(("p0", "p2"))
-            proc = node.start(child_env)
-            pf1 = set(node.layout.pfs[1].vf_addresses)
-            await emu.wait_for(
-                lambda: (
-                    emu.registrations(res("p2")) > regs["p2"] + 1
-                    and (pf1 - held_p1) <= set(emu.devices(res("p2")))
-                ),
-                GUARD_S,
-            )
-            assert not held_p1 & set(emu.devices(res("p2")))
-            assert len(emu.devices(res("p2"))) == 48 - len(held_p1)
-            assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
-                socket_name_for(res(n), node.kubelet_dir) for n in ("p0", "p2")
-            }
-            check_files(node, emu, ("p0", "p2"))
-            # Every free device of every pool, taken: none of them is held by anyone else.
-            for n in ("p0", "p2"):
-                if emu.free(res(n)):
-                    await emu.create_pod(f"all-{n}", {res(n): len(emu.free(res(n)))})
-            # Released: p1's pods end, and their VFs join p2.
-            for uid, per in emu.pods().items():
-                if res("p1") in per:
-                    emu.delete_pod(uid)
-            await emu.wait_for(lambda: held_p1 <= set(emu.devices(res("p2"))), GUARD_S)
-            assert emu.double_holdings == []
-            assert json.loads((node.kubelet_dir / CHECKPOINT).read_text())["Data"]["PodDeviceEntries"]
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                await asyncio.to_thread(proc.wait)
-            await emu.stop()
-
-    run(main())
+        # 3. SIGKILL again; restart with p1 removed: its socket goes, its held VFs are withheld from
+        # p2 (which now selects PF 1 too) until released.
+        proc.send_signal(signal.SIGKILL)
+        await asyncio.to_thread(proc.wait, GUARD_S)
+        held_p1 = {i for per in emu.pods().values() for i in per.get(res("p1"), [])}
+        assert held_p1
+        node.pools["p2"] = node.pools["p1"] + node.pools["p2"]
+        node.write(("p0", "p2"))
+        proc = node.start(child_env)
+        pf1 = set(node.layout.pfs[1].vf_addresses)
+        await emu.wait_for(
+            lambda: (
+                emu.registrations(res("p2")) > regs["p2"] + 1
+                and (pf1 - held_p1) <= set(emu.devices(res("p2")))
+            ),
+            GUARD_S,
+        )
+        assert not held_p1 & set(emu.devices(res("p2")))
+        assert len(emu.devices(res("p2"))) == 48 - len(held_p1)
+        assert sockets_in(node.kubelet_dir) == {"kubelet.sock"} | {
+            socket_name_for(res(n), node.kubelet_dir) for n in ("p0", "p2")
+        }
+        check_files(node, emu, ("p0", "p2"))
+        # Every free device of every pool, taken: none of them is held by anyone else.
+        for n in ("p0", "p2"):
+            if emu.free(res(n)):
+                await emu.create_pod(f"all-{n}", {res(n): len(emu.free(res(n)))})
+        # Released: p1's pods end, and their VFs join p2.
+        for uid, per in emu.pods().items():
+            if res("p1") in per:
+                emu.delete_pod(uid)
+        await emu.wait_for(lambda: held_p1 <= set(emu.devices(res("p2"))), GUARD_S)
+        assert emu.double_holdings == []
+        assert json.loads((node.kubelet_dir / CHECKPOINT).read_text())["Data"]["PodDeviceEntries"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+        await emu.stop()

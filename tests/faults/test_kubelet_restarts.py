@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import threading
-from pathlib import Path
 
 import pytest
-from test_daemon import GUARD_S, Node, Run, res, started, stopped
+from helpers.node import GUARD_S, Node, res
 
+from densedev.daemon import Daemon
 from densedev.model import HEALTHY
 from densedev.testing.kubelet import KubeletEmulator
 
@@ -57,57 +56,46 @@ async def settled(emu: KubeletEmulator, want: dict[str, set[str]], since: dict[s
     await emu.wait_for(done, GUARD_S)
 
 
-def test_fifty_kubelet_restarts_in_a_row(run: Run, tmp_path: Path) -> None:
-    node = Node(tmp_path)
+async def test_fifty_kubelet_restarts_in_a_row(node: Node, kubelet: KubeletEmulator, daemon: Daemon) -> None:
+    emu = kubelet
     want = expected_lists(node)
-
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            for _ in range(WARMUP):
-                since = {r: emu.registrations(r) for r in want}
-                await emu.restart()
-                await settled(emu, want, since)
-            fds, threads = open_fds(), threading.active_count()
-            tasks = len(asyncio.all_tasks())
-            first = {r: emu.registrations(r) for r in want}
-            waited = 0
-            for i in range(RESTARTS - WARMUP):
-                since = {r: emu.registrations(r) for r in want}
-                await emu.restart()
-                # Mostly a whole restart cycle (every server rebuilt, every pool registered: what
-                # would leak, leaks once per cycle); every fourth comes back to back with the next,
-                # while pools are still re-registering from the last.
-                if i % 4 != 3:
-                    await settled(emu, want, since)
-                    waited += 1
+    for _ in range(WARMUP):
+        since = {r: emu.registrations(r) for r in want}
+        await emu.restart()
+        await settled(emu, want, since)
+    fds, threads = open_fds(), threading.active_count()
+    tasks = len(asyncio.all_tasks())
+    first = {r: emu.registrations(r) for r in want}
+    waited = 0
+    for i in range(RESTARTS - WARMUP):
+        since = {r: emu.registrations(r) for r in want}
+        await emu.restart()
+        # Mostly a whole restart cycle (every server rebuilt, every pool registered: what
+        # would leak, leaks once per cycle); every fourth comes back to back with the next,
+        # while pools are still re-registering from the last.
+        if i % 4 != 3:
             await settled(emu, want, since)
-            assert daemon.registered()[0], daemon.registered()
-            # Each pool came back after every waited restart (and the storm's last); none registered more than
-            # once per restart (a runner that forked a second registration loop would).
-            for r in want:
-                assert waited <= emu.registrations(r) - first[r] <= RESTARTS - WARMUP
-            # The lists reaching the kubelet are whole: the last message of each stream names every ID.
-            for r, ids in want.items():
-                assert set(emu.updates(r)[-1].devices) == ids
-            # Exactly one socket per pool, plus the kubelet's own.
-            socks = sorted(p.name for p in node.kubelet_dir.iterdir() if p.is_socket())
-            assert len(socks) == len(want) + 1 and "kubelet.sock" in socks
-            # Let closed channels and finished streams wind down before counting what is held: on a
-            # busy machine that takes longer than any fixed pause, so wait (bounded) for the baseline;
-            # a leak never gets there.
-            with contextlib.suppress(TimeoutError):  # the asserts below say what was left
-                await emu.wait_for(
-                    lambda: len(asyncio.all_tasks()) <= tasks and open_fds() <= fds + FD_SLACK, GUARD_S
-                )
-            assert len(asyncio.all_tasks()) == tasks
-            assert threading.active_count() <= threads
-            assert open_fds() <= fds + FD_SLACK, (open_fds(), fds)
-            assert all(not t.done() for t in daemon._tasks)
-        finally:
-            await stopped(emu, daemon)
-
-    try:
-        run(main())
-    finally:
-        shutil.rmtree(node.kubelet_dir, ignore_errors=True)
+            waited += 1
+    await settled(emu, want, since)
+    assert daemon.registered()[0], daemon.registered()
+    # Each pool came back after every waited restart (and the storm's last); none registered more than
+    # once per restart (a runner that forked a second registration loop would).
+    for r in want:
+        assert waited <= emu.registrations(r) - first[r] <= RESTARTS - WARMUP
+    # The lists reaching the kubelet are whole: the last message of each stream names every ID.
+    for r, ids in want.items():
+        assert set(emu.updates(r)[-1].devices) == ids
+    # Exactly one socket per pool, plus the kubelet's own.
+    socks = sorted(p.name for p in node.kubelet_dir.iterdir() if p.is_socket())
+    assert len(socks) == len(want) + 1 and "kubelet.sock" in socks
+    # Let closed channels and finished streams wind down before counting what is held: on a
+    # busy machine that takes longer than any fixed pause, so wait (bounded) for the baseline;
+    # a leak never gets there.
+    with contextlib.suppress(TimeoutError):  # the asserts below say what was left
+        await emu.wait_for(
+            lambda: len(asyncio.all_tasks()) <= tasks and open_fds() <= fds + FD_SLACK, GUARD_S
+        )
+    assert len(asyncio.all_tasks()) == tasks
+    assert threading.active_count() <= threads
+    assert open_fds() <= fds + FD_SLACK, (open_fds(), fds)
+    assert all(not t.done() for t in daemon._tasks)

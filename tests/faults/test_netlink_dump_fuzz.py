@@ -10,8 +10,7 @@ import asyncio
 import errno
 import socket
 import struct
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,7 +31,6 @@ from densedev.node.events import (
     resolve_netns,
 )
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 15.0
 SEQ = 7
 FIXTURE_SAFE = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -153,37 +151,32 @@ def injected(draw: st.DrawFn) -> list[tuple[bool, bytes]]:
 @pytest.mark.netns
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(injected())
-def test_live_dump_survives_injected_datagrams(
-    run: Run, netns: str, datagrams: list[tuple[bool, bytes]]
-) -> None:
-    async def main() -> None:
-        rows: list[LinkTuple] = []
-        monitor = LinkMonitor(rows.extend, lambda: None, netns=netns, probe_interval_s=0)
-        await monitor.start()
-        sender = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(netns))
-        probe = socket.socket(fileno=socket.dup(monitor.fileno))
-        try:
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
-            port = probe.getsockname()[0]
-            monitor.resync()
-            for ours, data in datagrams:
-                if ours:  # give structured messages the running dump's sequence number
-                    raw = bytearray(data)
-                    struct.pack_into("=I", raw, 8, monitor.dump_seq)
-                    data = bytes(raw)
-                sender.sendto(data, (port, 0))
-            # Whatever the datagrams did to that dump, the reader goes on and completes a new one.
-            before = monitor.dumps
-            await asyncio.sleep(0)
-            monitor.resync()
-            await asyncio.wait_for(_until(lambda: monitor.dumps > before), GUARD_S)
-            assert any(r[2] == "lo" for r in rows)
-        finally:
-            probe.close()
-            sender.close()
-            monitor.stop()
-
-    run(main())
+async def test_live_dump_survives_injected_datagrams(netns: str, datagrams: list[tuple[bool, bytes]]) -> None:
+    rows: list[LinkTuple] = []
+    monitor = LinkMonitor(rows.extend, lambda: None, netns=netns, probe_interval_s=0)
+    await monitor.start()
+    sender = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(netns))
+    probe = socket.socket(fileno=socket.dup(monitor.fileno))
+    try:
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+        port = probe.getsockname()[0]
+        monitor.resync()
+        for ours, data in datagrams:
+            if ours:  # give structured messages the running dump's sequence number
+                raw = bytearray(data)
+                struct.pack_into("=I", raw, 8, monitor.dump_seq)
+                data = bytes(raw)
+            sender.sendto(data, (port, 0))
+        # Whatever the datagrams did to that dump, the reader goes on and completes a new one.
+        before = monitor.dumps
+        await asyncio.sleep(0)
+        monitor.resync()
+        await asyncio.wait_for(_until(lambda: monitor.dumps > before), GUARD_S)
+        assert any(r[2] == "lo" for r in rows)
+    finally:
+        probe.close()
+        sender.close()
+        monitor.stop()
 
 
 async def _until(cond: Callable[[], bool]) -> None:

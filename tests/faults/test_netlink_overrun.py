@@ -22,11 +22,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from helpers.node import PREFIX
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
@@ -46,9 +46,7 @@ from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import aip
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 15.0  # only turns a hang into a failure
-PREFIX = "example.com"
 SMALL_RCVBUF = 32 * 1024  # the kernel doubles it: ample for a few changes, overrun by a flood
 FLOOD_LINKS = 16
 FLOOD_ROUNDS = 64  # 16 veths x 64 flips: ~1,000 requests, several thousand link messages
@@ -134,139 +132,129 @@ def all_health(emu: KubeletEmulator, resource: str, health: str) -> Callable[[],
     return lambda: len(emu.devices(resource)) == 8 and set(emu.devices(resource).values()) == {health}
 
 
-def test_link_flood_while_the_loop_is_blocked_then_pf_changes_still_arrive(
-    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path
+async def test_link_flood_while_the_loop_is_blocked_then_pf_changes_still_arrive(
+    tmp_path: Path, netns: str, kubelet_dir: Path
 ) -> None:
     layout, sysfs = start_node(tmp_path, netns)
     pf0, pf2 = layout.pfs[0].netdev, layout.pfs[2].netdev
 
-    async def main() -> float:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
-        await daemon.start()
-        try:
-            for pf in layout.pfs:
-                await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), GUARD_S)
-            # The flood, with the daemon's loop blocked: flips of the spare veths, and last of all the
-            # truth the daemon must end with, PF 2 down.  Only a resync can bring that back: the kernel
-            # dropped it with everything else that did not fit.
-            flips = [
-                f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
-                for j in range(FLOOD_ROUNDS)
-                for k in range(FLOOD_LINKS)
-            ]
-            batch(netns, [*flips, f"link set {pf2} down\n"])
-            resumed = time.monotonic()
-            await emu.wait_for(all_health(emu, pool(pf2), UNHEALTHY), GUARD_S)
-            recovery = time.monotonic() - resumed
-            assert daemon.stats["overruns"] >= 1
-            # The reader must still be alive: later PF changes reach the kubelet, in both directions,
-            # read as events (no further overrun resynced them).
-            overruns = daemon.stats["overruns"]
-            await aip(netns, "link", "set", pf2, "up")
-            await emu.wait_for(all_health(emu, pool(pf2), HEALTHY), GUARD_S)
-            await aip(netns, "link", "set", pf0, "down")
-            await emu.wait_for(all_health(emu, pool(pf0), UNHEALTHY), GUARD_S)
-            await aip(netns, "link", "set", pf0, "up")
-            await emu.wait_for(all_health(emu, pool(pf0), HEALTHY), GUARD_S)
-            for pf in layout.pfs[1:4:2]:
-                assert set(emu.devices(pool(pf.netdev)).values()) == {HEALTHY}
-            assert daemon.stats["overruns"] == overruns
-            assert metric(daemon, "densedev_netlink_overruns_total", source="link") >= 1
-            assert metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun") >= 1
-            assert resyncs(daemon, "link") >= 1
-            return recovery
-        finally:
-            await daemon.stop()
-            await emu.stop()
-
-    recovery = run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
+    await daemon.start()
+    try:
+        for pf in layout.pfs:
+            await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), GUARD_S)
+        # The flood, with the daemon's loop blocked: flips of the spare veths, and last of all the
+        # truth the daemon must end with, PF 2 down.  Only a resync can bring that back: the kernel
+        # dropped it with everything else that did not fit.
+        flips = [
+            f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
+            for j in range(FLOOD_ROUNDS)
+            for k in range(FLOOD_LINKS)
+        ]
+        batch(netns, [*flips, f"link set {pf2} down\n"])
+        resumed = time.monotonic()
+        await emu.wait_for(all_health(emu, pool(pf2), UNHEALTHY), GUARD_S)
+        recovery = time.monotonic() - resumed
+        assert daemon.stats["overruns"] >= 1
+        # The reader must still be alive: later PF changes reach the kubelet, in both directions,
+        # read as events (no further overrun resynced them).
+        overruns = daemon.stats["overruns"]
+        await aip(netns, "link", "set", pf2, "up")
+        await emu.wait_for(all_health(emu, pool(pf2), HEALTHY), GUARD_S)
+        await aip(netns, "link", "set", pf0, "down")
+        await emu.wait_for(all_health(emu, pool(pf0), UNHEALTHY), GUARD_S)
+        await aip(netns, "link", "set", pf0, "up")
+        await emu.wait_for(all_health(emu, pool(pf0), HEALTHY), GUARD_S)
+        for pf in layout.pfs[1:4:2]:
+            assert set(emu.devices(pool(pf.netdev)).values()) == {HEALTHY}
+        assert daemon.stats["overruns"] == overruns
+        assert metric(daemon, "densedev_netlink_overruns_total", source="link") >= 1
+        assert metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun") >= 1
+        assert resyncs(daemon, "link") >= 1
+    finally:
+        await daemon.stop()
+        await emu.stop()
     print(f"\nlink overrun: loop resumed -> the kubelet holds the resynced state: {recovery * 1e3:.1f} ms")
 
 
-def test_uevent_flood_while_the_loop_is_blocked_then_uevents_still_arrive(
-    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path
+async def test_uevent_flood_while_the_loop_is_blocked_then_uevents_still_arrive(
+    tmp_path: Path, netns: str, kubelet_dir: Path
 ) -> None:
     layout, sysfs = start_node(tmp_path, netns)
     pf = layout.pfs[1]
 
-    async def main() -> None:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
-        await daemon.start()
-        sender = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(netns))
-        try:
-            await emu.wait_for(lambda: len(emu.devices(pool(pf.netdev))) == 8, GUARD_S)
-            scans = daemon.stats["scans"]
-            # Each veth created or deleted sends uevents for both ends and their queues to listeners in
-            # the namespace (net devices' uevents are namespace-tagged): far more than the buffer holds.
-            churn = [
-                line
-                for k in range(64)
-                for line in (f"link add uv{k} type veth peer name uv{k}p\n", f"link del uv{k}\n")
-            ]
-            batch(netns, churn)
-            await emu.wait_for(lambda: daemon.stats["overruns"] >= 1, GUARD_S)
-            # The resync the overrun asked for (a full rescan) completes before the node changes, so
-            # only a uevent read after it can make the pool follow.
-            await emu.wait_for(lambda: resyncs(daemon, "uevent") >= 1, GUARD_S)
-            assert daemon.stats["scans"] > scans
-            assert metric(daemon, "densedev_netlink_overruns_total", source="uevent") >= 1
-            assert metric(daemon, "densedev_netlink_reopens_total", source="uevent", reason="overrun") >= 1
-            simnode.set_num_vfs(sysfs, pf.address, 0)
-            devpath = f"/devices/pci0000:00/{pf.address}"
-            # What drivers/pci/iov.c emits when sriov_numvfs changes (KOBJ_CHANGE).
-            sender.sendto(
-                f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
-                f"PCI_SLOT_NAME={pf.address}\0SEQNUM=9\0".encode(),
-                (0, 1),
-            )
-            await emu.wait_for(lambda: emu.devices(pool(pf.netdev)) == {}, GUARD_S)
-            # The link socket was flooded too (every veth add/del is an RTM_NEWLINK/DELLINK).
-            await aip(netns, "link", "set", layout.pfs[3].netdev, "down")
-            await emu.wait_for(all_health(emu, pool(layout.pfs[3].netdev), UNHEALTHY), GUARD_S)
-        finally:
-            sender.close()
-            await daemon.stop()
-            await emu.stop()
-
-    run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
+    await daemon.start()
+    sender = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(netns))
+    try:
+        await emu.wait_for(lambda: len(emu.devices(pool(pf.netdev))) == 8, GUARD_S)
+        scans = daemon.stats["scans"]
+        # Each veth created or deleted sends uevents for both ends and their queues to listeners in
+        # the namespace (net devices' uevents are namespace-tagged): far more than the buffer holds.
+        churn = [
+            line
+            for k in range(64)
+            for line in (f"link add uv{k} type veth peer name uv{k}p\n", f"link del uv{k}\n")
+        ]
+        batch(netns, churn)
+        await emu.wait_for(lambda: daemon.stats["overruns"] >= 1, GUARD_S)
+        # The resync the overrun asked for (a full rescan) completes before the node changes, so
+        # only a uevent read after it can make the pool follow.
+        await emu.wait_for(lambda: resyncs(daemon, "uevent") >= 1, GUARD_S)
+        assert daemon.stats["scans"] > scans
+        assert metric(daemon, "densedev_netlink_overruns_total", source="uevent") >= 1
+        assert metric(daemon, "densedev_netlink_reopens_total", source="uevent", reason="overrun") >= 1
+        simnode.set_num_vfs(sysfs, pf.address, 0)
+        devpath = f"/devices/pci0000:00/{pf.address}"
+        # What drivers/pci/iov.c emits when sriov_numvfs changes (KOBJ_CHANGE).
+        sender.sendto(
+            f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
+            f"PCI_SLOT_NAME={pf.address}\0SEQNUM=9\0".encode(),
+            (0, 1),
+        )
+        await emu.wait_for(lambda: emu.devices(pool(pf.netdev)) == {}, GUARD_S)
+        # The link socket was flooded too (every veth add/del is an RTM_NEWLINK/DELLINK).
+        await aip(netns, "link", "set", layout.pfs[3].netdev, "down")
+        await emu.wait_for(all_health(emu, pool(layout.pfs[3].netdev), UNHEALTHY), GUARD_S)
+    finally:
+        sender.close()
+        await daemon.stop()
+        await emu.stop()
 
 
-def test_truncated_error_reply_during_a_dump_is_logged_and_resynced(
-    run: Run, netns: str, caplog: pytest.LogCaptureFixture
+async def test_truncated_error_reply_during_a_dump_is_logged_and_resynced(
+    netns: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # An NLMSG_ERROR carrying our dump's sequence number whose header claims more bytes than the
     # datagram holds.  Another socket in the namespace sends it to the monitor's port (user-to-user
     # unicast on NETLINK_ROUTE needs no privilege), right behind the first part of a dump of 40 links.
     batch(netns, [f"link add d{k} type veth peer name d{k}p\n" for k in range(20)])
 
-    async def main() -> None:
-        rows: list[LinkTuple] = []
-        monitor = LinkMonitor(rows.extend, lambda: None, netns=netns)
-        await monitor.start()
-        sender = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(netns))
-        probe = socket.socket(fileno=socket.dup(monitor.fileno))
-        try:
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
-            port = probe.getsockname()[0]
-            monitor.resync()  # the kernel queues the dump's first part now, inside send()
-            truncated = struct.pack("=IHHII", 36, NLMSG_ERROR, 0, monitor.dump_seq, 0) + b"\x00\x00"
-            sender.sendto(truncated, (port, 0))
-            # That dump ended unreadable, so it does not count; the resync asked for another one.
-            await asyncio.wait_for(_until(lambda: monitor.malformed >= 1 and monitor.dumps >= 2), GUARD_S)
-            # The reader lives on: a later change is read.
-            rows.clear()
-            await aip(netns, "link", "set", "d3", "up")
-            await asyncio.wait_for(_until(lambda: any(r[2] == "d3" for r in rows)), GUARD_S)
-        finally:
-            probe.close()
-            sender.close()
-            monitor.stop()
-
-    run(main())
+    rows: list[LinkTuple] = []
+    monitor = LinkMonitor(rows.extend, lambda: None, netns=netns)
+    await monitor.start()
+    sender = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(netns))
+    probe = socket.socket(fileno=socket.dup(monitor.fileno))
+    try:
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+        port = probe.getsockname()[0]
+        monitor.resync()  # the kernel queues the dump's first part now, inside send()
+        truncated = struct.pack("=IHHII", 36, NLMSG_ERROR, 0, monitor.dump_seq, 0) + b"\x00\x00"
+        sender.sendto(truncated, (port, 0))
+        # That dump ended unreadable, so it does not count; the resync asked for another one.
+        await asyncio.wait_for(_until(lambda: monitor.malformed >= 1 and monitor.dumps >= 2), GUARD_S)
+        # The reader lives on: a later change is read.
+        rows.clear()
+        await aip(netns, "link", "set", "d3", "up")
+        await asyncio.wait_for(_until(lambda: any(r[2] == "d3" for r in rows)), GUARD_S)
+    finally:
+        probe.close()
+        sender.close()
+        monitor.stop()
     assert "malformed netlink message" in caplog.text
 
 
@@ -275,180 +263,157 @@ async def _until(cond: Callable[[], bool]) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_watchdog_reopens_a_socket_whose_dump_is_never_read(run: Run, netns: str) -> None:
-    async def main() -> None:
-        rows: list[LinkTuple] = []
-        lost: list[int] = []
-        monitor = LinkMonitor(
-            rows.extend, lambda: lost.append(1), netns=netns, stall_timeout_s=0.3, probe_interval_s=0
-        )
-        await monitor.start()
-        try:
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
-            # What libuv does on EPOLLERR: the poll handle stops and nothing reads the socket again.
-            asyncio.get_running_loop().remove_reader(monitor.fileno)
-            monitor.resync()
-            await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
-            assert monitor.stalls == 1 and lost == [1]
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 2), GUARD_S)
-            rows.clear()
-            await aip(netns, "link", "add", "w0", "type", "veth", "peer", "name", "w0p")
-            await asyncio.wait_for(_until(lambda: any(r[2] == "w0" for r in rows)), GUARD_S)
-        finally:
-            monitor.stop()
-
-    run(main())
+async def test_watchdog_reopens_a_socket_whose_dump_is_never_read(netns: str) -> None:
+    rows: list[LinkTuple] = []
+    lost: list[int] = []
+    monitor = LinkMonitor(
+        rows.extend, lambda: lost.append(1), netns=netns, stall_timeout_s=0.3, probe_interval_s=0
+    )
+    await monitor.start()
+    try:
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+        # What libuv does on EPOLLERR: the poll handle stops and nothing reads the socket again.
+        asyncio.get_running_loop().remove_reader(monitor.fileno)
+        monitor.resync()
+        await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
+        assert monitor.stalls == 1 and lost == [1]
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 2), GUARD_S)
+        rows.clear()
+        await aip(netns, "link", "add", "w0", "type", "veth", "peer", "name", "w0p")
+        await asyncio.wait_for(_until(lambda: any(r[2] == "w0" for r in rows)), GUARD_S)
+    finally:
+        monitor.stop()
 
 
-def test_probe_reopens_a_uevent_socket_nobody_reads(run: Run, netns: str) -> None:
+async def test_probe_reopens_a_uevent_socket_nobody_reads(netns: str) -> None:
     # Uevents cannot be dumped: the monitor sends itself a probe now and then and expects it back.
-    async def main() -> None:
-        events: list[UeventTuple] = []
-        lost: list[int] = []
-        monitor = UeventMonitor(
-            events.append, lambda: lost.append(1), netns=netns, stall_timeout_s=0.3, probe_interval_s=0.1
+    events: list[UeventTuple] = []
+    lost: list[int] = []
+    monitor = UeventMonitor(
+        events.append, lambda: lost.append(1), netns=netns, stall_timeout_s=0.3, probe_interval_s=0.1
+    )
+    await monitor.start()
+    try:
+        asyncio.get_running_loop().remove_reader(monitor.fileno)
+        await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
+        assert monitor.stalls == 1 and lost == [1]
+        await aip(netns, "link", "add", "w1", "type", "veth", "peer", "name", "w1p")
+        await asyncio.wait_for(
+            _until(lambda: any(e[1] == "/devices/virtual/net/w1" for e in events)), GUARD_S
         )
-        await monitor.start()
-        try:
-            asyncio.get_running_loop().remove_reader(monitor.fileno)
-            await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
-            assert monitor.stalls == 1 and lost == [1]
-            await aip(netns, "link", "add", "w1", "type", "veth", "peer", "name", "w1p")
-            await asyncio.wait_for(
-                _until(lambda: any(e[1] == "/devices/virtual/net/w1" for e in events)), GUARD_S
-            )
-            assert monitor.reopens == 1  # probes kept coming back since
-        finally:
-            monitor.stop()
-
-    run(main())
+        assert monitor.reopens == 1  # probes kept coming back since
+    finally:
+        monitor.stop()
 
 
-def test_a_blocked_loop_is_not_taken_for_a_dead_reader(run: Run, netns: str) -> None:
+async def test_a_blocked_loop_is_not_taken_for_a_dead_reader(netns: str) -> None:
     # The outcome, whatever order the loop runs I/O and due timers in after the stall.
-    async def main() -> None:
-        monitor = LinkMonitor(
-            lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0
-        )
-        await monitor.start()
-        try:
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
-            monitor.resync()
-            time.sleep(0.6)  # deliberately blocks the loop past the watchdog's deadline, dump unread
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 2), GUARD_S)
-            await asyncio.sleep(0.4)  # a wrongly armed watchdog would fire here
-            assert (monitor.reopens, monitor.stalls) == (0, 0)
-        finally:
-            monitor.stop()
-
-    run(main())
+    monitor = LinkMonitor(lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0)
+    await monitor.start()
+    try:
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+        monitor.resync()
+        time.sleep(0.6)  # deliberately blocks the loop past the watchdog's deadline, dump unread
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 2), GUARD_S)
+        await asyncio.sleep(0.4)  # a wrongly armed watchdog would fire here
+        assert (monitor.reopens, monitor.stalls) == (0, 0)
+    finally:
+        monitor.stop()
 
 
-def test_stopped_daemon_process_and_link_flood(
-    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path, child_env: dict[str, str]
+async def test_stopped_daemon_process_and_link_flood(
+    tmp_path: Path, netns: str, kubelet_dir: Path, child_env: dict[str, str]
 ) -> None:
     # The daemon as deployed: its own process (`densedev run`), SIGSTOPped while the namespace floods.
     layout, sysfs = start_node(tmp_path, netns)
     pf1, pf3 = layout.pfs[1].netdev, layout.pfs[3].netdev
     log_path = tmp_path / "daemon.log"
 
-    async def main() -> float:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        with log_path.open("w") as log_file:
-            daemon = subprocess.Popen(
-                [
-                    sys.executable, "-m", "densedev.cli", "run",
-                    "--config", str(tmp_path / "config.json"),
-                    "--sysfs-root", str(sysfs),
-                    "--kubelet-dir", str(kubelet_dir),
-                    "--dev-root", str(tmp_path / "dev"),
-                    "--devinfo-dir", "",
-                    "--resource-prefix", PREFIX,
-                    "--netns", netns,
-                    "--netlink-rcvbuf", str(SMALL_RCVBUF),
-                ],
-                env=child_env,
-                stderr=log_file,
-            )  # fmt: skip
-        try:
-            for pf in layout.pfs:
-                await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), 60)
-            daemon.send_signal(signal.SIGSTOP)
-            flips = [
-                f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
-                for j in range(FLOOD_ROUNDS)
-                for k in range(FLOOD_LINKS)
-            ]
-            batch(netns, [*flips, f"link set {pf3} down\n"])
-            resumed = time.monotonic()
-            daemon.send_signal(signal.SIGCONT)
-            await emu.wait_for(all_health(emu, pool(pf3), UNHEALTHY), GUARD_S)
-            recovery = time.monotonic() - resumed
-            await aip(netns, "link", "set", pf3, "up")
-            await emu.wait_for(all_health(emu, pool(pf3), HEALTHY), GUARD_S)
-            await aip(netns, "link", "set", pf1, "down")
-            await emu.wait_for(all_health(emu, pool(pf1), UNHEALTHY), GUARD_S)
-            return recovery
-        finally:
-            daemon.terminate()
-            await asyncio.to_thread(daemon.wait, 30)
-            await emu.stop()
-
-    recovery = run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    with log_path.open("w") as log_file:
+        daemon = subprocess.Popen(
+            [
+                sys.executable, "-m", "densedev.cli", "run",
+                "--config", str(tmp_path / "config.json"),
+                "--sysfs-root", str(sysfs),
+                "--kubelet-dir", str(kubelet_dir),
+                "--dev-root", str(tmp_path / "dev"),
+                "--devinfo-dir", "",
+                "--resource-prefix", PREFIX,
+                "--netns", netns,
+                "--netlink-rcvbuf", str(SMALL_RCVBUF),
+            ],
+            env=child_env,
+            stderr=log_file,
+        )  # fmt: skip
+    try:
+        for pf in layout.pfs:
+            await emu.wait_for(all_health(emu, pool(pf.netdev), HEALTHY), 60)
+        daemon.send_signal(signal.SIGSTOP)
+        flips = [
+            f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
+            for j in range(FLOOD_ROUNDS)
+            for k in range(FLOOD_LINKS)
+        ]
+        batch(netns, [*flips, f"link set {pf3} down\n"])
+        resumed = time.monotonic()
+        daemon.send_signal(signal.SIGCONT)
+        await emu.wait_for(all_health(emu, pool(pf3), UNHEALTHY), GUARD_S)
+        recovery = time.monotonic() - resumed
+        await aip(netns, "link", "set", pf3, "up")
+        await emu.wait_for(all_health(emu, pool(pf3), HEALTHY), GUARD_S)
+        await aip(netns, "link", "set", pf1, "down")
+        await emu.wait_for(all_health(emu, pool(pf1), UNHEALTHY), GUARD_S)
+    finally:
+        daemon.terminate()
+        await asyncio.to_thread(daemon.wait, 30)
+        await emu.stop()
     text = log_path.read_text()
     assert "link overrun (ENOBUFS)" in text, text[-2000:]  # the fault really happened
     assert "Traceback" not in text, text[-2000:]
     print(f"\nstopped process: SIGCONT -> the kubelet holds the resynced state: {recovery * 1e3:.1f} ms")
 
 
-def test_a_reopen_that_fails_is_retried_not_raised(
-    run: Run, netns: str, caplog: pytest.LogCaptureFixture
+async def test_a_reopen_that_fails_is_retried_not_raised(
+    netns: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def main() -> None:
-        monitor = LinkMonitor(
-            lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0
-        )
-        await monitor.start()
-        try:
-            await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
-            # The namespace disappears, and the reader stops: the watchdog's reopen cannot succeed.
-            subprocess.run(["ip", "netns", "del", netns], check=True)
-            asyncio.get_running_loop().remove_reader(monitor.fileno)
-            monitor.resync()
-            await asyncio.wait_for(_until(lambda: caplog.text.count("could not be reopened") >= 2), GUARD_S)
-            assert monitor.stalls == 1 and monitor.reopens == 0
-        finally:
-            monitor.stop()
-
-    run(main())
+    monitor = LinkMonitor(lambda _b: None, lambda: None, netns=netns, stall_timeout_s=0.2, probe_interval_s=0)
+    await monitor.start()
+    try:
+        await asyncio.wait_for(_until(lambda: monitor.dumps >= 1), GUARD_S)
+        # The namespace disappears, and the reader stops: the watchdog's reopen cannot succeed.
+        subprocess.run(["ip", "netns", "del", netns], check=True)
+        asyncio.get_running_loop().remove_reader(monitor.fileno)
+        monitor.resync()
+        await asyncio.wait_for(_until(lambda: caplog.text.count("could not be reopened") >= 2), GUARD_S)
+        assert monitor.stalls == 1 and monitor.reopens == 0
+    finally:
+        monitor.stop()
     assert "does not exist" in caplog.text
 
 
-def test_probe_reopens_when_a_dead_reader_leaves_the_queue_full(run: Run, netns: str) -> None:
+async def test_probe_reopens_when_a_dead_reader_leaves_the_queue_full(netns: str) -> None:
     # As observed before the fix: nobody reads, the kernel keeps the queue full and drops the rest.
     # The probe cannot even be queued then (netlink_attachskb: EAGAIN); twice in a row means reopen.
-    async def main() -> None:
-        events: list[UeventTuple] = []
-        monitor = UeventMonitor(
-            events.append,
-            lambda: None,
-            netns=netns,
-            rcvbuf=SMALL_RCVBUF,
-            stall_timeout_s=5.0,
-            probe_interval_s=0.2,
+    events: list[UeventTuple] = []
+    monitor = UeventMonitor(
+        events.append,
+        lambda: None,
+        netns=netns,
+        rcvbuf=SMALL_RCVBUF,
+        stall_timeout_s=5.0,
+        probe_interval_s=0.2,
+    )
+    await monitor.start()
+    try:
+        asyncio.get_running_loop().remove_reader(monitor.fileno)
+        batch(netns, [f"link add q{k} type veth peer name q{k}p\n" for k in range(48)])
+        await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
+        assert monitor.stalls == 1
+        await aip(netns, "link", "add", "w2", "type", "veth", "peer", "name", "w2p")
+        await asyncio.wait_for(
+            _until(lambda: any(e[1] == "/devices/virtual/net/w2" for e in events)), GUARD_S
         )
-        await monitor.start()
-        try:
-            asyncio.get_running_loop().remove_reader(monitor.fileno)
-            batch(netns, [f"link add q{k} type veth peer name q{k}p\n" for k in range(48)])
-            await asyncio.wait_for(_until(lambda: monitor.reopens == 1), GUARD_S)
-            assert monitor.stalls == 1
-            await aip(netns, "link", "add", "w2", "type", "veth", "peer", "name", "w2p")
-            await asyncio.wait_for(
-                _until(lambda: any(e[1] == "/devices/virtual/net/w2" for e in events)), GUARD_S
-            )
-        finally:
-            monitor.stop()
-
-    run(main())
+    finally:
+        monitor.stop()

@@ -21,20 +21,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.node import GUARD_S, PREFIX
 
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 
 pytestmark = pytest.mark.faults
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
-PREFIX = "example.com"
-GUARD_S = 20.0
 WRITES = 200
 STORM_S = 2.0
 # No periodic reconcile while the test runs: a scan in a worker thread at the wrong moment could start a
@@ -162,8 +160,8 @@ def storm(tmp_path: Path) -> Iterator[Storm]:
     shutil.rmtree(s.kubelet_dir, ignore_errors=True)
 
 
-def test_reload_storm_ends_on_the_last_valid_config_with_nothing_leaked(
-    run: Run, storm: Storm, child_env: dict[str, str]
+async def test_reload_storm_ends_on_the_last_valid_config_with_nothing_leaked(
+    storm: Storm, child_env: dict[str, str]
 ) -> None:
     storm.put(storm.valid(0b1111))
 
@@ -208,53 +206,50 @@ def test_reload_storm_ends_on_the_last_valid_config_with_nothing_leaked(
             now = usage(pid)
         return now
 
-    async def main() -> None:
-        emu = KubeletEmulator(storm.kubelet_dir)
-        await emu.start()
-        with storm.log.open("wb") as log:
-            # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
-            proc = subprocess.Popen(storm.argv(), env=child_env, stdout=log, stderr=log)
-        try:
-            first = {f"{PREFIX}/pf{k}" for k in range(4)}
-            await emu.wait_for(lambda: first <= set(emu.resources()), GUARD_S)
-            # Warm up in the final configuration (and through every kind of bad file once), so the
-            # baseline counts what that configuration holds once the daemon has reloaded a few times.
-            for i in range(8):
-                storm.put(storm.invalid(i))
-                proc.send_signal(signal.SIGHUP)
-                await asyncio.sleep(0.05)
-            storm.put(storm.final())
+    emu = KubeletEmulator(storm.kubelet_dir)
+    await emu.start()
+    with storm.log.open("wb") as log:
+        # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
+        proc = subprocess.Popen(storm.argv(), env=child_env, stdout=log, stderr=log)
+    try:
+        first = {f"{PREFIX}/pf{k}" for k in range(4)}
+        await emu.wait_for(lambda: first <= set(emu.resources()), GUARD_S)
+        # Warm up in the final configuration (and through every kind of bad file once), so the
+        # baseline counts what that configuration holds once the daemon has reloaded a few times.
+        for i in range(8):
+            storm.put(storm.invalid(i))
             proc.send_signal(signal.SIGHUP)
-            await settled(emu, proc, storm.expected())
-            baseline = await stable(proc.pid)
+            await asyncio.sleep(0.05)
+        storm.put(storm.final())
+        proc.send_signal(signal.SIGHUP)
+        await settled(emu, proc, storm.expected())
+        baseline = await stable(proc.pid)
 
-            t0 = time.monotonic()
-            for i in range(WRITES):
-                last = i == WRITES - 1
-                storm.put(storm.final() if last else storm.valid(i) if i % 2 else storm.invalid(i // 2))
-                proc.send_signal(signal.SIGHUP)
-                # A write every 10 ms, on a schedule rather than after a fixed pause, so the storm lasts
-                # about 2 s however long each write took.
-                await asyncio.sleep(max(0.0, t0 + (i + 1) * STORM_S / WRITES - time.monotonic()))
+        t0 = time.monotonic()
+        for i in range(WRITES):
+            last = i == WRITES - 1
+            storm.put(storm.final() if last else storm.valid(i) if i % 2 else storm.invalid(i // 2))
+            proc.send_signal(signal.SIGHUP)
+            # A write every 10 ms, on a schedule rather than after a fixed pause, so the storm lasts
+            # about 2 s however long each write took.
+            await asyncio.sleep(max(0.0, t0 + (i + 1) * STORM_S / WRITES - time.monotonic()))
 
-            await settled(emu, proc, storm.expected())
-            assert "kubelet.sock" in storm.sockets()
-            # The storm's valid files were applied on the way (every one has pf0, which the file before
-            # the storm had not): this end state was reached by reloading, not by ignoring the storm.
-            assert emu.registrations(f"{PREFIX}/pf0") >= 2 and emu.stream_ended(f"{PREFIX}/pf0")
-            fds, threads = await steady(proc.pid, baseline)
-            assert fds == baseline[0] and threads <= baseline[1] + min(32, (os.cpu_count() or 1) + 4)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            code = await asyncio.to_thread(proc.wait, GUARD_S)
-            await emu.stop()
-        assert code == 0
-        text = storm.log.read_text(errors="replace")
-        # Every bad file was refused in clear lines; none raised, none left a traceback or a dead task.
-        assert "config reload refused" in text
-        assert text.count('msg="config reloaded"') >= 3, text[-3000:]
-        assert "exc=" not in text and "Traceback" not in text, text[-3000:]
-        assert "config reload failed" not in text and "applying the reloaded config failed" not in text
-
-    run(main())
+        await settled(emu, proc, storm.expected())
+        assert "kubelet.sock" in storm.sockets()
+        # The storm's valid files were applied on the way (every one has pf0, which the file before
+        # the storm had not): this end state was reached by reloading, not by ignoring the storm.
+        assert emu.registrations(f"{PREFIX}/pf0") >= 2 and emu.stream_ended(f"{PREFIX}/pf0")
+        fds, threads = await steady(proc.pid, baseline)
+        assert fds == baseline[0] and threads <= baseline[1] + min(32, (os.cpu_count() or 1) + 4)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proc.wait, GUARD_S)
+        await emu.stop()
+    assert code == 0
+    text = storm.log.read_text(errors="replace")
+    # Every bad file was refused in clear lines; none raised, none left a traceback or a dead task.
+    assert "config reload refused" in text
+    assert text.count('msg="config reloaded"') >= 3, text[-3000:]
+    assert "exc=" not in text and "Traceback" not in text, text[-3000:]
+    assert "config reload failed" not in text and "applying the reloaded config failed" not in text

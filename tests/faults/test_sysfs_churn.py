@@ -19,9 +19,11 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_daemon import GUARD_S, Node, Run, res, started, stopped
+from helpers.node import GUARD_S, Node, res
 
+from densedev.daemon import Daemon
 from densedev.model import HEALTHY, Device
+from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.simnode import build_node, set_num_vfs
 
 pytestmark = pytest.mark.faults
@@ -236,66 +238,62 @@ def test_broken_and_looping_links(both: tuple[ModuleType, ModuleType], tmp_path:
     assert fast.scan_sysfs(raw, part) == twin.scan_sysfs(raw, part)
 
 
-def test_daemon_keeps_serving_while_sysfs_churns(
-    run: Run, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.fixture
+def warnings_captured(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """Capture densedev's warnings from before the daemon starts."""
     caplog.set_level(logging.WARNING, logger="densedev")
-    node = Node(tmp_path, pfs=4, vfs_per_pf=8)
+    return caplog
+
+
+async def test_daemon_keeps_serving_while_sysfs_churns(
+    node: Node, warnings_captured: pytest.LogCaptureFixture, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    caplog = warnings_captured
+    emu = kubelet
     pfs = node.layout.pfs
     churned = [pfs[2].address, pfs[3].address]  # the "other_vfs" pool's PFs
     vanishing = [pfs[0].vf_addresses[7]]
     steady = res(f"sriov_{pfs[1].netdev}")
     other = res("other_vfs")
-
-    async def main() -> None:
-        emu, daemon = await started(node)
-        try:
-            tasks = list(daemon._tasks)
-            allocations = 0
-            with Churn(churn_step(node.sysfs, churned, vanishing, 8)) as churn:
-                # Garbage and loops planted mid-run, on top of the churn.
-                (_dev(node.sysfs, pfs[1].address) / "numa_node").write_bytes(b"banana\n")
-                _relink(node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6], pfs[0].vf_addresses[6])
-                for i in range(30):
-                    daemon.request_rescan(None if i % 3 == 0 else churned[i % 2])
-                    await asyncio.sleep(0.02)
-                    # The kubelet keeps getting answers from an untouched pool throughout.
-                    await emu.allocate(steady, [pfs[1].vf_addresses[i % 8]])
-                    allocations += 1
-            assert churn.rounds > 0 and allocations == 30
-            settle(node.sysfs, churned, vanishing, 8)
-            os.unlink(node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6])
-            os.symlink(
-                os.path.relpath(_home_of(node, pfs[0].vf_addresses[6]), node.sysfs / "bus/pci/devices"),
-                node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6],
-            )
-            scans = daemon.stats["scans"]
-            daemon.request_rescan()
-            want_other = {a for pf in pfs[2:] for a in pf.vf_addresses}
-            want_first = set(pfs[0].vf_addresses)
-            await emu.wait_for(
-                lambda: (
-                    daemon.stats["scans"] > scans
-                    and set(emu.devices(other)) == want_other
-                    and set(emu.devices(res(f"sriov_{pfs[0].netdev}"))) == want_first
-                ),
-                GUARD_S,
-            )
-            assert set(emu.devices(other).values()) == {HEALTHY}
-            assert set(emu.devices(steady)) == set(pfs[1].vf_addresses)
-            # Every daemon task is still running; nothing failed on the way.
-            assert all(not t.done() for t in tasks)
-            assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [
-                r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
-            ]
-            assert any("scan skipped or degraded entries" in r.getMessage() for r in caplog.records)
-        finally:
-            await stopped(emu, daemon)
-
-    try:
-        run(main())
-    finally:
-        shutil.rmtree(node.kubelet_dir, ignore_errors=True)
+    tasks = list(daemon._tasks)
+    allocations = 0
+    with Churn(churn_step(node.sysfs, churned, vanishing, 8)) as churn:
+        # Garbage and loops planted mid-run, on top of the churn.
+        (_dev(node.sysfs, pfs[1].address) / "numa_node").write_bytes(b"banana\n")
+        _relink(node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6], pfs[0].vf_addresses[6])
+        for i in range(30):
+            daemon.request_rescan(None if i % 3 == 0 else churned[i % 2])
+            await asyncio.sleep(0.02)
+            # The kubelet keeps getting answers from an untouched pool throughout.
+            await emu.allocate(steady, [pfs[1].vf_addresses[i % 8]])
+            allocations += 1
+    assert churn.rounds > 0 and allocations == 30
+    settle(node.sysfs, churned, vanishing, 8)
+    os.unlink(node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6])
+    os.symlink(
+        os.path.relpath(_home_of(node, pfs[0].vf_addresses[6]), node.sysfs / "bus/pci/devices"),
+        node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6],
+    )
+    scans = daemon.stats["scans"]
+    daemon.request_rescan()
+    want_other = {a for pf in pfs[2:] for a in pf.vf_addresses}
+    want_first = set(pfs[0].vf_addresses)
+    await emu.wait_for(
+        lambda: (
+            daemon.stats["scans"] > scans
+            and set(emu.devices(other)) == want_other
+            and set(emu.devices(res(f"sriov_{pfs[0].netdev}"))) == want_first
+        ),
+        GUARD_S,
+    )
+    assert set(emu.devices(other).values()) == {HEALTHY}
+    assert set(emu.devices(steady)) == set(pfs[1].vf_addresses)
+    # Every daemon task is still running; nothing failed on the way.
+    assert all(not t.done() for t in tasks)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [
+        r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR
+    ]
+    assert any("scan skipped or degraded entries" in r.getMessage() for r in caplog.records)
 
 
 def _home_of(node: Node, address: str) -> Path:

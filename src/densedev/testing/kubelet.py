@@ -11,6 +11,10 @@ be handed to two pods; every such double holding is recorded (``double_holdings`
 emulator raises ``InvariantViolation`` on the first one.  It serves the PodResources API
 (``v1.PodResourcesLister``) when given a socket path, and writes ``kubelet_internal_checkpoint`` when
 and as the kubelet does.
+
+The names it accepts follow the kubelet's own rules, written here from Kubernetes' sources
+(``v1helper.IsExtendedResourceName``, apimachinery's ``IsQualifiedName``), independently of the
+daemon's config validation, so that a bug in either shows up as a disagreement.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import stat
 import time
 import zlib
@@ -33,7 +38,6 @@ import grpc
 
 from .._proto import api_pb2, podresources_pb2
 from ..model import HEALTHY, UNHEALTHY
-from ..pools.config import validate_resource_name
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,61 @@ KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_RECEIVE = 4 * 1024 * 1024  # the kubelet's gRPC default receive limit
 DIAL_TIMEOUT = 10.0  # the kubelet dials a registering plugin for up to 10 s, blocking Register
+# Go's syscall.SockaddrUnix refuses (EINVAL) a path as long as sun_path (108 bytes on Linux) unless it is
+# abstract: the kubelet can dial at most 107 bytes.
+SUN_PATH_MAX = 107
+
+# k8s.io/apimachinery/pkg/util/validation: a DNS-1123 label/subdomain, and a qualified name's name part.
+# Go's regexp matches ASCII classes on bytes; Python's on str, hence ASCII only and fullmatch for "^...$".
+_RFC1123_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_RFC1123_SUBDOMAIN = re.compile(rf"{_RFC1123_LABEL}(\.{_RFC1123_LABEL})*", re.ASCII)
+_QUALIFIED_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", re.ASCII)
+_REQUESTS_PREFIX = "requests."  # v1.DefaultResourceRequestsPrefix
+_NATIVE_NAMESPACE = "kubernetes.io/"  # v1.ResourceDefaultNamespacePrefix
+
+
+def qualified_name_errors(value: str) -> list[str]:
+    """Return what apimachinery's ``IsQualifiedName`` says about ``value`` (empty when it is valid)."""
+    parts = value.split("/")
+    if len(parts) > 2:
+        return ["a qualified name has at most one '/'"]
+    errors = []
+    if len(parts) == 2:
+        prefix, name = parts
+        if not prefix:
+            errors.append("prefix part must be non-empty")
+        else:
+            # IsDNS1123Subdomain counts bytes (Go's len).
+            if len(prefix.encode()) > 253:
+                errors.append("prefix part must be no more than 253 characters")
+            if not _RFC1123_SUBDOMAIN.fullmatch(prefix):
+                errors.append("prefix part must be a lowercase RFC 1123 subdomain")
+    else:
+        name = parts[0]
+    if not name:
+        errors.append("name part must be non-empty")
+    elif len(name.encode()) > 63:
+        errors.append("name part must be no more than 63 characters")
+    if not _QUALIFIED_NAME.fullmatch(name):
+        errors.append(
+            "name part must consist of alphanumeric characters, '-', '_' or '.', "
+            "and must start and end with an alphanumeric character"
+        )
+    return errors
+
+
+def extended_resource_name_error(name: str) -> str | None:
+    """Return why the kubelet's ``IsExtendedResourceName`` is false for ``name``; None when it is true."""
+    # IsNativeResource: no "/" at all, or "kubernetes.io/" anywhere in it.
+    if "/" not in name:
+        return "no '/': an unprefixed name is a native resource"
+    if _NATIVE_NAMESPACE in name:
+        return f"{_NATIVE_NAMESPACE!r} in it: a native resource"
+    if name.startswith(_REQUESTS_PREFIX):
+        return f"starts with {_REQUESTS_PREFIX!r}, the quota prefix"
+    # The name must stay a qualified name as the quota name "requests.<name>".
+    errors = qualified_name_errors(_REQUESTS_PREFIX + name)
+    return f"as the quota name {_REQUESTS_PREFIX}<name>: {'; '.join(errors)}" if errors else None
 
 
 NO_TOPOLOGY = -1  # the checkpoint's NUMA key of a device listed without topology (nodeWithoutTopology)
@@ -249,12 +308,20 @@ class KubeletEmulator:
             return (
                 f"unsupported API version {request.version!r} of {request.resource_name!r}: want {VERSION!r}"
             )
-        # The same extended-resource-name rules the daemon checks its config with.
-        name_error = validate_resource_name(request.resource_name)
+        # The kubelet's words (errInvalidResourceName), then which of its rules the name breaks.
+        name_error = extended_resource_name_error(request.resource_name)
         if name_error:
-            return f"invalid resource name: {name_error}"
+            return f"the ResourceName {request.resource_name!r} is invalid: {name_error}"
+        # Stricter than the kubelet, which dials filepath.Join(dir, endpoint): a plugin's socket belongs in
+        # the plugin dir, whose sockets the kubelet deletes at its start.
         if not request.endpoint or "/" in request.endpoint:
             return f"endpoint {request.endpoint!r} must be a socket file name in {self.plugin_dir}"
+        path = self.plugin_dir / request.endpoint
+        if len(os.fsencode(path)) > SUN_PATH_MAX:
+            return (
+                f"failed to dial device plugin {request.resource_name} at {path}: invalid argument "
+                f"({len(os.fsencode(path))} bytes, a unix socket path holds at most {SUN_PATH_MAX})"
+            )
         return None
 
     async def _consume(self, endpoint: _Endpoint) -> None:
@@ -263,6 +330,8 @@ class KubeletEmulator:
             call = endpoint.stub.ListAndWatch(api_pb2.Empty())
             async for response in call:
                 received = time.monotonic()
+                # The kubelet puts no rule on device IDs: genericDeviceUpdateCallback keys a map by
+                # Device.ID, so a repeated ID is one device, as here.
                 devices = {d.ID: d.health for d in response.devices}
                 numa = {d.ID: tuple(n.ID for n in d.topology.nodes) for d in response.devices}
                 endpoint.devices = devices
