@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import accel
+from . import accel, poolset
 from ._proto import api_pb2
 from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
@@ -35,7 +35,7 @@ from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
 from .kubelet.sockets import remove_stale_sockets
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import ROLE_PF, Config, Device, Pool, PoolApi, PoolConfig, RequestError
+from .model import ROLE_PF, Config, Device, Pool, PoolApi, RequestError
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ops.logs import log_event, summarise
@@ -259,6 +259,7 @@ class Daemon:
         self._full_rescan = False
         self._ibdev_cache: list[str] | None = None
         self.pools: dict[str, PoolRuntime] = {}
+        self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
         self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
         self.started = False
@@ -324,17 +325,10 @@ class Daemon:
         for i, pool in enumerate(pools):
             if pool.config.api is PoolApi.DRA:
                 continue  # published as ResourceSlices and served by the DRA driver
-            try:
-                runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
-            except Exception:
-                # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
-                log.exception("pool %s could not be set up; the other pools go on", pool.config.full_name)
-                continue
             upd = initial.get(i)
             healthy = upd.healthy if upd is not None else self.tracker.pool_health(i)
-            runtime.publish(healthy, None)
-            self._report_counts(runtime.name, i, healthy)
-            self.pools[pool.config.full_name] = runtime
+            self._set_up(i, pool, healthy)
+        self._pools = pools
         self._order = [p.config.full_name for p in pools]
         self._dra_take(raw, pools)
         self._retain_held()
@@ -423,6 +417,20 @@ class Daemon:
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         log_event(log, "daemon stopped")
+
+    def _set_up(self, i: int, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
+        """Build pool ``i``'s runtime and publish its first list; None (logged) if it cannot be set up."""
+        name = pool.config.full_name
+        try:
+            runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
+        except Exception:
+            # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
+            log.exception("pool %s could not be set up; the other pools go on", name)
+            return None
+        runtime.publish(healthy, None)
+        self.pools[name] = runtime
+        self._report_counts(name, i, healthy)
+        return runtime
 
     async def _start_runner(self, runtime: PoolRuntime) -> None:
         if await self._try_start(runtime):
@@ -563,7 +571,7 @@ class Daemon:
         """Held devices were released (or newly seen held): list or withhold them in their pools."""
         async with self._reload_lock:
             if self.ownership.would_change():
-                self._apply(self.devices, self.config)
+                await self._apply(self.config)
                 self._note_event(0)
             else:
                 self._retain_held()
@@ -723,8 +731,8 @@ class Daemon:
                 await self.ownership.refresh()  # a device that moved pools may be held by a pod
         self.table = table
         if changed:
-            self._ibdev_cache = None
-            self._apply(table.devices, self.config)
+            async with self._reload_lock:
+                await self._apply(self.config)
             gc.freeze()
             if not self.settings.netlink:
                 self._read_sysfs_links()
@@ -755,19 +763,43 @@ class Daemon:
                 table = table.merged(discovery.rescan_devices(root, [address]), [address])
         return table
 
-    def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
-        """Recompute pools from devices and config, and update pools whose membership changed."""
+    async def _apply(self, config: Config) -> poolset.PoolChanges:
+        """Select pools from the device table and ``config``, diff them with the set applied last, apply that.
+
+        The one path of rescans, reloads and changes in what pods hold: servers of removed,
+        re-registering and DRA-bound pools stop; pools that keep theirs take the new membership in
+        place; every device-plugin pool without a server gets one.  The caller holds ``_reload_lock``
+        and has refreshed the ownership map (``filter`` withholds what it says is held).
+        """
+        devices = self.devices
         raw = selectors.build_pools(config, devices)
         pools = self.ownership.filter(raw)
+        changes = poolset.diff(self._pools, pools)
+        for n in changes.stopped:
+            runtime = self.pools.pop(n, None)
+            if runtime is not None:
+                deleted = n in changes.removed and n not in self.ownership.resources_held()
+                await self._stop_runtime(runtime, deleted=deleted)
+            if n in changes.removed:
+                self.metrics.remove_pool(n)
+        self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
         self._dra_take(raw, pools)
+        replaced = frozenset(changes.replaced)
+        started: list[PoolRuntime] = []
         for i, pool in enumerate(pools):
             runtime = self.pools.get(pool.config.full_name)
             if runtime is None:
+                # New, re-registering, back from DRA, or one whose set-up failed before: set it up now.
+                if pool.config.api is not PoolApi.DRA:
+                    healthy = self.tracker.pool_health(i)
+                    new = self._set_up(i, pool, healthy)
+                    if new is not None:
+                        started.append(new)
                 continue
-            if runtime.pool.members != pool.members or runtime.pool.config != pool.config:
+            if pool.config.full_name in replaced:
                 before = {m.id for m in runtime.pool.members}
                 after = {m.id for m in pool.members}
                 healthy = self.tracker.pool_health(i)
@@ -787,7 +819,10 @@ class Daemon:
                     removed=summarise(sorted(before - after)),
                 )
         self._retain_held()
-        return pools
+        # Last: should anything above fail, the next apply diffs from the set before and redoes it.
+        self._pools = pools
+        await asyncio.gather(*(self._start_runner(r) for r in started))
+        return changes
 
     # ----------------------------------------------------------------------------------- health
     def _note_event(self, count: int) -> None:
@@ -1043,27 +1078,6 @@ class Daemon:
     async def apply_config(self, new: Config) -> None:
         """Diff pool definitions and apply them; untouched pools keep their streams and registration."""
         async with self._reload_lock:
-            old_by_name = {p.full_name: p for p in self.config.pools}
-            new_by_name = {p.full_name: p for p in new.pools}
-            removed = [n for n in old_by_name if n not in new_by_name]
-            added = [n for n in new_by_name if n not in old_by_name]
-            # The kubelet reads options only at registration: a pool whose options change re-registers.
-            reregister = [
-                n
-                for n in new_by_name
-                if n in old_by_name and _options_of(old_by_name[n]) != _options_of(new_by_name[n])
-            ]
-            changed = [n for n in new_by_name if n in old_by_name and old_by_name[n] != new_by_name[n]]
-            # A pool moving to DRA leaves the device-plugin API: its server stops, its files stay for
-            # the pods that hold its devices (withheld from the DRA pool until they are released).
-            to_dra = [n for n in new_by_name if n in self.pools and new_by_name[n].api is PoolApi.DRA]
-            for n in removed + reregister + to_dra:
-                runtime = self.pools.pop(n, None)
-                if runtime is not None:
-                    deleted = n in removed and n not in self.ownership.resources_held()
-                    await self._stop_runtime(runtime, deleted=deleted)
-                if n in removed:
-                    self.metrics.remove_pool(n)
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
@@ -1075,38 +1089,17 @@ class Daemon:
             self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
             if pending:
                 self._coalescer.notify()
-            self._ibdev_cache = None
-            pools = self._apply(self.devices, new)
-            assert self.tracker is not None
-            started: list[PoolRuntime] = []
-            for i, pool in enumerate(pools):
-                name = pool.config.full_name
-                if name in self.pools or pool.config.api is PoolApi.DRA:
-                    continue
-                try:
-                    runtime = PoolRuntime(
-                        pool, self.settings, self.metrics, self._kubelet_watch, self.ownership
-                    )
-                except Exception:
-                    log.exception("pool %s could not be set up; the other pools go on", name)
-                    continue
-                healthy = self.tracker.pool_health(i)
-                runtime.publish(healthy, None)
-                self.pools[name] = runtime
-                self._report_counts(name, i, healthy)
-                started.append(runtime)
-            self._retain_held()
-            await asyncio.gather(*(self._start_runner(r) for r in started))
+            changes = await self._apply(new)
             await self._dra_start()
             self.stats["reloads"] += 1
             self.metrics.record_reload(True)
             log_event(
                 log,
                 "config reloaded",
-                added=",".join(added) or "-",
-                removed=",".join(removed) or "-",
-                changed=",".join(changed) or "-",
-                reregistered=",".join(reregister) or "-",
+                added=",".join(changes.added) or "-",
+                removed=",".join(changes.removed) or "-",
+                changed=",".join(changes.changed) or "-",
+                reregistered=",".join(changes.reregister) or "-",
                 pools=len(self.pools),
             )
 
@@ -1198,10 +1191,6 @@ def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
     """Return the wait before retry ``attempt`` (1-based): the low bound, doubling, capped at the high."""
     low, high = bounds
     return min(low * 2 ** (attempt - 1), high)
-
-
-def _options_of(pool: PoolConfig) -> tuple[bool, bool]:
-    return pool.prestart, pool.preferred != "none"
 
 
 def _config_identity(path: Path) -> tuple[str, int, int, int] | None:
