@@ -35,7 +35,7 @@ from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
 from .kubelet.sockets import remove_stale_sockets
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import ROLE_PF, Config, Device, Pool, PoolApi, RequestError
+from .model import Config, Device, Pool, PoolApi, RequestError
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ops.logs import log_event, summarise
@@ -74,37 +74,8 @@ class DaemonSettings:
     dra: DraSettings | None = None  # None: no DRA side (pools with "api": "dra" are not served)
 
 
-# Kernel uevents that change what discovery would find (lib/kobject_uevent.c action names).
-UEVENT_SUBSYSTEMS = frozenset(("pci", "net", "infiniband", "auxiliary", "vdpa"))
-UEVENT_ACTIONS = frozenset(("add", "remove", "bind", "unbind", "change", "move"))
-MAX_TARGETED_RESCANS = 32
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
-_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-
-
-def pci_address_in(devpath: str) -> str | None:
-    """Return the last PCI address among DEVPATH's components, or None (then rescan everything)."""
-    found = [part for part in devpath.split("/") if _BDF.fullmatch(part)]
-    return found[-1] if found else None
-
-
-def read_sysfs_links(sysfs_root: Path, ifnames: Iterable[str]) -> list[tuple[str, bool]]:
-    """Read ``class/net/<if>/operstate`` for the named interfaces (simulated nodes carry no netlink).
-
-    A real node's first netlink dump overrides these; on a simulated tree they are the only truth.
-    Unreadable files are skipped: the interface may just have left the host namespace.
-    """
-    out: list[tuple[str, bool]] = []
-    base = os.path.join(os.fspath(sysfs_root), "class", "net")
-    for name in ifnames:
-        try:
-            with open(os.path.join(base, name, "operstate"), "rb") as f:
-                state = f.read().strip()
-        except OSError:
-            continue
-        out.append((name, state in (b"up", b"unknown")))
-    return out
 
 
 def socket_name_for(resource: str, kubelet_dir: Path) -> str:
@@ -254,6 +225,7 @@ class Daemon:
         self.config = config
         self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
+        self.scanner = discovery.Scanner(settings.sysfs_root)
         self.table = discovery.DeviceTable(())
         self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
         self._full_rescan = False
@@ -624,7 +596,7 @@ class Daemon:
     # ----------------------------------------------------------------------------------- scanning
     def _scan(self) -> discovery.DeviceTable:
         t0 = time.perf_counter()
-        table = discovery.scan(self.settings.sysfs_root)
+        table = self.scanner.scan()
         self._note_scan(table, time.perf_counter() - t0)
         return table
 
@@ -641,28 +613,11 @@ class Daemon:
             )
         log.debug("scan: %d devices in %.1f ms", len(table.devices), elapsed * 1e3)
 
-    def _ifnames(self) -> set[str]:
-        names: set[str] = set()
-        for d in self.devices:
-            names.update(d.netdevs)
-            if d.pf_netdev:
-                names.add(d.pf_netdev)
-        return names
-
     def _ibdevs(self) -> list[str]:
         # RDMA ports are polled only for RDMA devices some pool advertises; the list changes only with
         # the pools, so it is kept rather than rebuilt from 16k members every poll.
         if self._ibdev_cache is None:
-            seen: dict[str, None] = {}
-            for r in self.pools.values():
-                for m in r.pool.members:
-                    if m.device.rdma_device:
-                        seen[m.device.rdma_device] = None
-            if not self.pools:
-                for d in self.devices:
-                    if d.rdma_device:
-                        seen[d.rdma_device] = None
-            self._ibdev_cache = list(seen)
+            self._ibdev_cache = discovery.rdma_devices((r.pool for r in self.pools.values()), self.devices)
         return self._ibdev_cache
 
     @property
@@ -706,31 +661,20 @@ class Daemon:
         full, self._full_rescan = self._full_rescan or not targets, False
         lost = self._uevent_lost_at if full else None
         t0 = time.perf_counter()
-        # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
-        if full or len(targets) > MAX_TARGETED_RESCANS:
-            # The periodic reconcile finds nothing changed nearly always: it reads on one thread,
-            # which takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-            reconcile, self._reconcile = self._reconcile, False
-            table = await asyncio.to_thread(
-                functools.partial(discovery.scan, threads=not reconcile),
-                self.settings.sysfs_root,
-                self.table,
-            )
-            self.metrics.record_resync("rescan")
-            # scan() hands back the devices it was given when none changed (compared in the worker):
-            # comparing 16k new Devices again here would hold up the loop for milliseconds.
-            changed = table.devices is not self.table.devices
-        else:
-            table = await asyncio.to_thread(self._rescan_targets_of, self.table, targets)
-            self.metrics.record_resync("targeted")
-            # A merged table keeps the Devices it did not rescan: mostly identity checks.
-            changed = table.devices != self.table.devices
-        self._note_scan(table, time.perf_counter() - t0)
-        if changed:
+        # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
+        # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
+        reconcile, self._reconcile = self._reconcile, False
+        targets = set() if full else targets
+        result = await asyncio.to_thread(
+            functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
+        )
+        self.metrics.record_resync("rescan" if result.full else "targeted")
+        self._note_scan(result.table, time.perf_counter() - t0)
+        if result.changed:
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # a device that moved pools may be held by a pod
-        self.table = table
-        if changed:
+        self.table = result.table
+        if result.changed:
             async with self._reload_lock:
                 await self._apply(self.config)
             gc.freeze()
@@ -747,21 +691,7 @@ class Daemon:
     def _read_sysfs_links(self) -> None:
         """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
         assert self.tracker is not None
-        self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
-
-    def _rescan_targets_of(self, table: discovery.DeviceTable, targets: set[str]) -> discovery.DeviceTable:
-        """Rescan only the named devices: a PF with its whole VF family, anything else alone."""
-        root = self.settings.sysfs_root
-        for address in sorted(targets):
-            known = table.by_id().get(address)
-            is_pf = (known is not None and known.role == ROLE_PF) or os.path.exists(
-                os.path.join(root, "bus/pci/devices", address, "sriov_totalvfs")
-            )
-            if is_pf:
-                table = discovery.rescan_pf(root, address, table)
-            else:
-                table = table.merged(discovery.rescan_devices(root, [address]), [address])
-        return table
+        self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self.devices)))
 
     async def _apply(self, config: Config) -> poolset.PoolChanges:
         """Select pools from the device table and ``config``, diff them with the set applied last, apply that.
@@ -863,20 +793,17 @@ class Daemon:
 
     def on_uevent(self, event: UeventTuple) -> None:
         """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
-        action, devpath, env = event
         self.metrics.record_netlink("uevent")
-        fields = dict(env)
-        if fields.get("SUBSYSTEM", "") in UEVENT_SUBSYSTEMS and action in UEVENT_ACTIONS:
+        relevant, address = discovery.uevent_target(event)
+        if relevant:
             self.stats["events"] += 1
-            # The device is named by PCI_SLOT_NAME (pci) or is the last PCI function in DEVPATH
-            # (net, infiniband, auxiliary and vdpa devices hang below their PCI function).
-            self.request_rescan(fields.get("PCI_SLOT_NAME") or pci_address_in(devpath))
+            self.request_rescan(address)
 
     def _poll_rdma(self) -> None:
         """Read RDMA port states now, on the caller's thread (start-up, before anything is served)."""
         ibdevs = self._ibdevs()
         if ibdevs:
-            self._take_ports(discovery.read_rdma_ports(self.settings.sysfs_root, ibdevs))
+            self._take_ports(self.scanner.rdma_ports(ibdevs))
 
     def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
         if self.tracker is not None:
@@ -886,9 +813,7 @@ class Daemon:
         """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
         ibdevs = self._ibdevs()
         if ibdevs:
-            self._take_ports(
-                await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
-            )
+            self._take_ports(await asyncio.to_thread(self.scanner.rdma_ports, ibdevs))
 
     async def _rdma_loop(self) -> None:
         # RDMA port state has no event source (sysfs-sriov-rdma reference): poll it.
