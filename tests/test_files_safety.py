@@ -24,9 +24,9 @@ from densedev import files
 from densedev._proto import api_pb2
 from densedev.alloc import cdi, devinfo
 from densedev.alloc.respond import AllocationSettings, PoolAllocator
-from densedev.daemon import socket_name_for
 from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.server import PluginServer
+from densedev.kubelet.sockets import socket_name_for
 from densedev.model import PoolConfig, RequestError, Selector
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]

@@ -25,9 +25,9 @@ import pytest
 
 from densedev._proto import api_pb2
 from densedev.alloc import cdi, devinfo
-from densedev.daemon import Daemon, DaemonSettings, socket_name_for
+from densedev.daemon import Daemon, DaemonSettings
 from densedev.kubelet.podresources import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
-from densedev.kubelet.sockets import remove_stale_sockets
+from densedev.kubelet.sockets import remove_stale_sockets, socket_name_for
 from densedev.model import RequestError
 from densedev.pools import config as config_mod
 from densedev.pools.ownership import GuardedService, Ownership, Source

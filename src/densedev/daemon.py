@@ -11,10 +11,8 @@ import asyncio
 import contextlib
 import functools
 import gc
-import hashlib
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
@@ -31,8 +29,8 @@ from .health.tracker import Coalescer, HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.registration import PluginRunner, announce_kubelet
-from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
-from .kubelet.sockets import remove_stale_sockets
+from .kubelet.server import PoolService, status_of
+from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
 from .model import Config, Device, Pool, PoolApi, RequestError
@@ -76,20 +74,6 @@ class DaemonSettings:
 
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
-
-
-def socket_name_for(resource: str, kubelet_dir: Path) -> str:
-    """Return the pool's socket file name: readable when it fits ``sun_path``, hashed when it would not.
-
-    Resource names may be 300+ characters while a unix socket path is limited to 107 bytes; the name
-    must also be stable across restarts so the kubelet's view does not churn.
-    """
-    # Only [A-Za-z0-9_.-] of the name reach the file name: no "/" or control character from a config.
-    readable = "densedev-" + re.sub(r"[^A-Za-z0-9_.-]", "_", resource) + ".sock"
-    if len(os.fsencode(kubelet_dir / readable)) <= MAX_UNIX_PATH:
-        return readable
-    digest = hashlib.sha256(resource.encode()).hexdigest()[:16]
-    return f"densedev-{digest}.sock"
 
 
 class MeteredService:

@@ -26,7 +26,7 @@ import grpc
 import pytest
 
 from densedev.alloc import cdi, devinfo
-from densedev.daemon import socket_name_for
+from densedev.kubelet.sockets import socket_name_for
 from densedev.testing import simnode
 from densedev.testing.kubelet import CHECKPOINT, KubeletEmulator, KubeletError
 

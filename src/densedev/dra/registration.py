@@ -29,7 +29,8 @@ from .._proto import pluginregistration_pb2 as reg_pb
 
 # The device-plugin server's socket helpers: bind under a narrowed umask, refuse non-sockets, and take
 # turns starting and stopping grpc.aio servers on one loop (see server.py for why each is needed).
-from ..kubelet.server import MAX_UNIX_PATH, SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
+from ..kubelet.server import SERVER_OPTIONS, _lifecycle_lock, _remove_socket, _restrict_socket
+from ..kubelet.sockets import MAX_UNIX_PATH
 from ..kubelet.watch import DirectoryWatch
 from ..printable import clip
 

@@ -19,6 +19,7 @@ from .._proto import api_pb2
 from ..model import RequestError
 from ..printable import clip
 from .feed import PoolFeed
+from .sockets import MAX_UNIX_PATH
 from .wire import KUBELET_MAX_MESSAGE
 
 log = logging.getLogger(__name__)
@@ -72,9 +73,6 @@ def _identity(message: bytes) -> bytes:
     """Serialize an already encoded message: the feed holds wire bytes, re-encoding would waste them."""
     return message
 
-
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
-MAX_UNIX_PATH = 107
 
 _LIFECYCLE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
     weakref.WeakKeyDictionary()
