@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from densedev import files
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
@@ -219,3 +220,28 @@ def test_sighup_reloads_and_sigterm_exits_cleanly(run: Run, node: Node, child_en
             await emu.stop()
 
     run(main())
+
+
+def test_the_config_watch_tells_a_configmap_swap_from_the_same_file(tmp_path: Path) -> None:
+    # A ConfigMap volume: config.json -> ..data/config.json, ..data -> ..<timestamp> (kubelet's
+    # atomic writer swaps the ..data symlink on every update).
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    for version in ("..v1", "..v2"):
+        (mount / version).mkdir()
+        (mount / version / "config.json").write_text('{"resourceList": []}')
+    (mount / "..data").symlink_to("..v1")
+    (mount / "config.json").symlink_to("..data/config.json")
+    path = mount / "config.json"
+    first = files.resolved_identity(path)
+    assert first is not None and first[0] == str(mount / "..v1" / "config.json")
+    assert files.resolved_identity(path) == first
+    # Same bytes, another file: a swap is a change even when nothing in the file differs.
+    (mount / "..next").symlink_to("..v2")
+    (mount / "..next").replace(mount / "..data")
+    swapped = files.resolved_identity(path)
+    assert swapped is not None and swapped != first and swapped[0].endswith("..v2/config.json")
+    # Gone: None, and an identity again once it is back.
+    (mount / "..data").unlink()
+    assert files.resolved_identity(path) is None
+    assert files.identify(path) is None and files.identify(path, follow_symlinks=False) is not None

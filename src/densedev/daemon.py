@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from . import accel, poolset
+from . import accel, files, poolset
 from ._proto import api_pb2
 from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
@@ -913,11 +913,11 @@ class Daemon:
         # stat, not just the path's mtime.
         path = self.settings.config_path
         assert path is not None
-        last = _config_identity(path)
+        last = files.resolved_identity(path)
         while True:
             await asyncio.sleep(self.settings.config_poll_s)
             try:
-                now = _config_identity(path)
+                now = files.resolved_identity(path)
             except Exception:
                 log.exception("config watch: cannot stat %s; trying again", path)
                 continue
@@ -1100,12 +1100,3 @@ def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
     """Return the wait before retry ``attempt`` (1-based): the low bound, doubling, capped at the high."""
     low, high = bounds
     return min(low * 2 ** (attempt - 1), high)
-
-
-def _config_identity(path: Path) -> tuple[str, int, int, int] | None:
-    try:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-    except OSError:
-        return None
-    return real, st.st_ino, st.st_mtime_ns, st.st_size

@@ -46,16 +46,6 @@ DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 MAX_NOTIFICATIONS = 100  # the registration statuses kept for inspection; older ones are dropped
 
-Identity = tuple[int, int, int]
-
-
-def _identify(path: Path) -> Identity | None:
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns
-
 
 class UnixServer:
     """One grpc.aio server on one unix socket (mode 0600 whatever the umask), removed on stop."""
@@ -65,13 +55,15 @@ class UnixServer:
         self.path = Path(path)
         self._handlers = tuple(handlers)
         self._server: grpc.aio.Server | None = None
-        self.identity: Identity | None = None
+        self.identity: files.FileIdentity | None = None  # of the socket itself, never a symlink's target
 
     @property
     def intact(self) -> bool:
         """Whether we serve and the path is still the socket we bound (not deleted, not replaced)."""
         return (
-            self._server is not None and self.identity is not None and _identify(self.path) == self.identity
+            self._server is not None
+            and self.identity is not None
+            and files.identify(self.path, follow_symlinks=False) == self.identity
         )
 
     async def start(self) -> None:
@@ -98,7 +90,7 @@ class UnixServer:
                 await server.stop(None)
                 raise
             self._server = server
-            self.identity = _identify(self.path)
+            self.identity = files.identify(self.path, follow_symlinks=False)
         log.info("%s: serving on %s", self.label, self.path)
 
     async def stop(self, grace: float | None = 0.5) -> None:
@@ -108,7 +100,7 @@ class UnixServer:
             return
         async with _lifecycle_lock():
             await server.stop(grace)
-        if self.identity is not None and _identify(self.path) == self.identity:
+        if self.identity is not None and files.identify(self.path, follow_symlinks=False) == self.identity:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
         self.identity = None

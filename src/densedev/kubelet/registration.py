@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from .._proto import api_pb2
+from ..files import FileIdentity, identify
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
 from .watch import DirectoryWatch
@@ -25,17 +25,6 @@ KUBELET_SOCKET = "kubelet.sock"
 # Codes that mean "no kubelet to talk to (yet)": retry soon.  Any other error is the kubelet refusing
 # the request (a bad resource name comes back as UNKNOWN with its text): retry slowly.
 _ABSENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-
-FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns)
-
-
-def identify(path: Path) -> FileIdentity | None:
-    """Return what tells this file from a recreated one at the same path, or None when it is absent."""
-    try:
-        st = os.stat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 async def announce_kubelet(kubelet_dir: Path, poll: float = 0.5) -> None:

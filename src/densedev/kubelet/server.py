@@ -103,7 +103,7 @@ class PluginServer:
         self._feed = feed
         self._service = service
         self._server: grpc.aio.Server | None = None
-        self._inode: tuple[int, int, int] | None = None
+        self._inode: files.FileIdentity | None = None
         self._stopping = asyncio.Event()
         self.streams = 0  # ListAndWatch streams open now
         self.streams_opened = 0  # ListAndWatch streams opened since start
@@ -117,7 +117,7 @@ class PluginServer:
         return self._server is not None
 
     @property
-    def socket_identity(self) -> tuple[int, int, int] | None:
+    def socket_identity(self) -> files.FileIdentity | None:
         """The (device, inode, ctime ns) of the socket this server bound, to tell it from a new file."""
         return self._inode
 
@@ -162,7 +162,7 @@ class PluginServer:
             raise
         self._stopping = asyncio.Event()
         self._server = server
-        self._inode = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        self._inode = files.identity_of(st)
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
@@ -182,7 +182,7 @@ class PluginServer:
         # already belong to a newer server.
         try:
             st = os.lstat(self.socket_path)
-            if (st.st_dev, st.st_ino, st.st_ctime_ns) == self._inode:
+            if files.identity_of(st) == self._inode:
                 self.socket_path.unlink()
         except FileNotFoundError:
             pass
