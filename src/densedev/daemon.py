@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from . import accel, files, poolset
-from ._proto import api_pb2
 from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
 from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
@@ -29,21 +28,20 @@ from .health.tracker import Coalescer, HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.registration import PluginRunner, announce_kubelet
-from .kubelet.server import PoolService, status_of
+from .kubelet.server import PoolService
 from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import Config, Device, Pool, PoolApi, RequestError
+from .model import Config, Device, Pool, PoolApi
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ops.logs import log_event, summarise
-from .ops.metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
+from .ops.metrics import MeteredService, Metrics, MetricsServer, parse_addr
 from .pools import config as config_mod
 from .pools import select as selectors
 from .pools.ownership import DRA_CLAIMS, GuardedService, Ownership
 
 log = logging.getLogger("densedev.daemon")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,45 +72,6 @@ class DaemonSettings:
 
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
-
-
-class MeteredService:
-    """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
-
-    def __init__(self, resource: str, inner: PoolService, metrics: Metrics) -> None:
-        self.resource = resource
-        self.inner = inner
-        self.metrics = metrics
-
-    def options(self) -> tuple[bool, bool]:
-        """Return the pool's options (read by the kubelet once per registration)."""
-        return self.inner.options()
-
-    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
-        """Answer Allocate, timed."""
-        return self._timed(ALLOCATE, self.inner.allocate, ids)
-
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Answer GetPreferredAllocation, timed."""
-        return self._timed(PREFERRED, self.inner.preferred, available, must_include, size)
-
-    def prestart(self, ids: Sequence[str]) -> None:
-        """Answer PreStartContainer, timed."""
-        self._timed(PRESTART, self.inner.prestart, ids)
-
-    def _timed(self, method: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one kubelet call, recording its latency and, if it fails, the status it is answered with."""
-        t0 = time.perf_counter()
-        try:
-            result = call(*args)
-        except RequestError as exc:
-            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, status_of(exc).name)
-            raise
-        except Exception:
-            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, "INTERNAL")
-            raise
-        self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0)
-        return result
 
 
 class PoolRuntime:
