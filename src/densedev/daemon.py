@@ -22,6 +22,7 @@ from typing import Any
 from . import accel, files, poolset
 from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
+from .backoff import Backoff, backoff_delay
 from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
 from .health.tracker import Coalescer, HealthTracker, PoolUpdate
@@ -292,7 +293,7 @@ class Daemon:
         is our bug, not the user's), counted, and the loop restarts after a backoff that grows while
         it keeps failing at once and resets once it has run a while.
         """
-        delay = SUPERVISE_MIN_S
+        backoff = Backoff(SUPERVISE_MIN_S, SUPERVISE_MAX_S)
         while True:
             began = time.monotonic()
             try:
@@ -300,11 +301,11 @@ class Daemon:
                 return
             except Exception:
                 if time.monotonic() - began > SUPERVISE_RESET_S:
-                    delay = SUPERVISE_MIN_S
+                    backoff.reset()
+                delay = backoff.next()
                 self.metrics.record_task_restart(name)
                 log.exception("daemon task %s failed; restarting it in %.1f s", name, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, SUPERVISE_MAX_S)
 
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
@@ -1053,9 +1054,3 @@ class Daemon:
             attempt += 1
             if await self._dra_try_start(attempt):
                 return
-
-
-def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
-    """Return the wait before retry ``attempt`` (1-based): the low bound, doubling, capped at the high."""
-    low, high = bounds
-    return min(low * 2 ** (attempt - 1), high)
