@@ -420,13 +420,13 @@ def test_reload_survives_a_deep_config_and_applies_the_next_good_one(run: Run, n
         try:
             node.write(DEEP)
             daemon.request_reload()
-            await wait(lambda: daemon.stats["reload_failures"] == 1)
+            await wait(lambda: reloads(daemon, "failure") == 1)
             assert len(daemon.config.pools) == 3
             doc = copy.deepcopy(node.doc)
             doc["resourceList"].pop(0)
             node.write(doc)
             daemon.request_reload()
-            await wait(lambda: daemon.stats["reloads"] == 1)
+            await wait(lambda: reloads(daemon) == 1)
             assert set(daemon.pools) == {res("pf1"), res("pf2")}
         finally:
             await daemon.stop()
@@ -457,12 +457,12 @@ def test_reload_survives_any_exception_and_keeps_the_last_good_config(run: Run, 
             doc["resourceList"].pop(0)
             node.write(doc)
             daemon.request_reload()
-            await wait(lambda: daemon.stats["reload_failures"] == 1)
+            await wait(lambda: reloads(daemon, "failure") == 1)
             assert daemon.config == before and set(daemon.pools) == {res(n) for n in ("pf0", "pf1", "pf2")}
             assert 'densedev_config_reloads_total{result="failure"} 1.0' in daemon.metrics.render().decode()
             # The reload task lives on: the same file, asked again, applies.
             daemon.request_reload()
-            await wait(lambda: daemon.stats["reloads"] == 1)
+            await wait(lambda: reloads(daemon) == 1)
             assert set(daemon.pools) == {res("pf1"), res("pf2")}
         finally:
             await daemon.stop()
@@ -495,6 +495,13 @@ def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(run: Run, 
         assert not daemon._coalescer.pending
 
     run(main())
+
+
+def reloads(daemon: Daemon, result: str = "success") -> float:
+    """Return how many config reloads ended in ``result`` (success, failure), as /metrics counts them."""
+    return (
+        daemon.metrics.registry.get_sample_value("densedev_config_reloads_total", {"result": result}) or 0.0
+    )
 
 
 async def wait(predicate: Callable[[], bool], timeout: float = GUARD_S) -> None:

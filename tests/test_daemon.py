@@ -291,7 +291,15 @@ def test_cdi_specs_follow_the_pools(run: Run, node: Node) -> None:
             doc = pools_config(node.layout)
             removed = doc["resourceList"].pop(0)  # type: ignore[attr-defined]
             node.write_config(doc)
-            await emu.wait_for(lambda: daemon.stats["reloads"] == 1, GUARD_S)
+            await emu.wait_for(
+                lambda: (
+                    daemon.metrics.registry.get_sample_value(
+                        "densedev_config_reloads_total", {"result": "success"}
+                    )
+                    == 1
+                ),
+                GUARD_S,
+            )
             left = sorted(p.name for p in cdi_dir.glob("densedev-*.json"))
             assert len(left) == len(ours) - 1
             assert not any(removed["resourceName"] in name for name in left)

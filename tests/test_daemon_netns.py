@@ -142,14 +142,20 @@ def test_overrun_forces_a_resync(run: Run, tmp_path: Path, netns: str, kubelet_d
         daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
         await daemon.start()
         try:
-            scans = daemon.stats["scans"]
+            registry = daemon.metrics.registry
+            scans = registry.get_sample_value("densedev_scans_total") or 0.0
+            full = {"reason": "rescan"}
+            rescans = registry.get_sample_value("densedev_resyncs_total", full) or 0.0
             # A link that went down while we were blind (as during an overrun) is found by the resync.
             ip(netns, "link", "set", layout.pfs[3].netdev, "down")
             daemon.on_overrun()
             r = f"{PREFIX}/sriov_{layout.pfs[3].netdev}"
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
-            await emu.wait_for(lambda: daemon.stats["scans"] > scans, GUARD_S)
-            assert daemon.stats["overruns"] == 1
+            # The resync is a full rescan: a targeted one could not find what changed while blind.
+            await emu.wait_for(
+                lambda: (registry.get_sample_value("densedev_resyncs_total", full) or 0.0) > rescans, GUARD_S
+            )
+            assert (registry.get_sample_value("densedev_scans_total") or 0.0) > scans
         finally:
             await daemon.stop()
             await emu.stop()

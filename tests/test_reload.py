@@ -31,6 +31,13 @@ def res(name: str) -> str:
     return f"{PREFIX}/{name}"
 
 
+def reloads(daemon: Daemon, result: str = "success") -> float:
+    """Return how many config reloads ended in ``result`` (success, failure), as /metrics counts them."""
+    return (
+        daemon.metrics.registry.get_sample_value("densedev_config_reloads_total", {"result": result}) or 0.0
+    )
+
+
 class Node:
     """A 4-PF simulated node whose config leaves PF 3 out, so a reload can add a pool for it."""
 
@@ -131,7 +138,7 @@ def test_add_change_reregister_remove_pools_by_editing_the_file(run: Run, node: 
             doc["resourceList"].pop()
             node.write(doc)
             await emu.wait_for(lambda: emu.stream_ended(res("pf3")), GUARD_S)
-            await emu.wait_for(lambda: daemon.stats["reloads"] == 4, GUARD_S)
+            await emu.wait_for(lambda: reloads(daemon) == 4, GUARD_S)
             assert res("pf3") not in daemon.pools
             after = snapshot(emu)
             assert {r: after[r] for r in first} == {r: before[r] for r in first}
@@ -154,7 +161,7 @@ def test_invalid_config_keeps_the_last_good_one(run: Run, node: Node) -> None:
             await emu.wait_for(lambda: all(emu.updates(res(n)) for n in ("pf0", "pf1", "pf2")), GUARD_S)
             base = snapshot(emu)
             node.write('{"resourceList": [{"resourceName": "bad name!", "selectors": {"drivers": 5}}]}')
-            await emu.wait_for(lambda: daemon.stats["reload_failures"] == 1, GUARD_S)
+            await emu.wait_for(lambda: reloads(daemon, "failure") == 1, GUARD_S)
             await asyncio.sleep(0.2)
             assert snapshot(emu) == base and set(daemon.pools) == set(base)
             # A good file afterwards applies as usual.
@@ -162,7 +169,7 @@ def test_invalid_config_keeps_the_last_good_one(run: Run, node: Node) -> None:
             doc["resourceList"].pop(0)
             node.write(doc)
             await emu.wait_for(lambda: emu.stream_ended(res("pf0")), GUARD_S)
-            await emu.wait_for(lambda: daemon.stats["reloads"] == 1, GUARD_S)
+            await emu.wait_for(lambda: reloads(daemon) == 1, GUARD_S)
             assert set(daemon.pools) == {res("pf1"), res("pf2")}
         finally:
             await daemon.stop()

@@ -203,14 +203,6 @@ class Daemon:
         self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
         self._all_failed_since: float | None = None  # since when no configured pool is served
         self._reconcile = False  # the next full rescan is the periodic reconcile
-        self.stats = {
-            "scans": 0,
-            "flushes": 0,
-            "events": 0,
-            "reloads": 0,
-            "reload_failures": 0,
-            "overruns": 0,
-        }
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -545,7 +537,6 @@ class Daemon:
         return table
 
     def _note_scan(self, table: discovery.DeviceTable, elapsed: float) -> None:
-        self.stats["scans"] += 1
         self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
         if table.warnings:
             log_event(
@@ -711,7 +702,6 @@ class Daemon:
         self.metrics.record_netlink("link", len(links))
         if self.tracker is None or not (states or gone):
             return
-        self.stats["events"] += len(states) + len(gone)
         self.tracker.set_links(states)
         # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
         self.tracker.drop_links(gone)
@@ -729,7 +719,6 @@ class Daemon:
         The monitor counted the fault and reopened its socket; the link monitor dumps every link itself.
         A uevent monitor's resync is this full rescan, timed until it is applied.
         """
-        self.stats["overruns"] += 1
         log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
         if source == "uevent" and self._uevent_lost_at is None:
             self._uevent_lost_at = time.monotonic()
@@ -740,7 +729,6 @@ class Daemon:
         self.metrics.record_netlink("uevent")
         relevant, address = discovery.uevent_target(event)
         if relevant:
-            self.stats["events"] += 1
             self.request_rescan(address)
 
     def _poll_rdma(self) -> None:
@@ -777,7 +765,6 @@ class Daemon:
         updates = self.tracker.collect()
         latency = None if self._burst_start is None else time.monotonic() - self._burst_start
         events, self._burst_start, self._burst_events = self._burst_events, None, 0
-        self.stats["flushes"] += 1
         for idx, upd in updates.items():
             runtime = self.pools.get(self._order[idx]) if idx < len(self._order) else None
             if runtime is None:
@@ -899,7 +886,6 @@ class Daemon:
                 log.exception("config reload failed; the last good config stays")
 
     def _reload_failed(self) -> None:
-        self.stats["reload_failures"] += 1
         self.metrics.record_reload(False)
 
     async def reload(self) -> bool:
@@ -960,7 +946,6 @@ class Daemon:
                 self._coalescer.notify()
             changes = await self._apply(new)
             await self._dra_start()
-            self.stats["reloads"] += 1
             self.metrics.record_reload(True)
             log_event(
                 log,

@@ -269,13 +269,13 @@ def test_daemon_keeps_serving_while_sysfs_churns(
                 os.path.relpath(_home_of(node, pfs[0].vf_addresses[6]), node.sysfs / "bus/pci/devices"),
                 node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6],
             )
-            scans = daemon.stats["scans"]
+            scans = daemon.metrics.registry.get_sample_value("densedev_scans_total") or 0.0
             daemon.request_rescan()
             want_other = {a for pf in pfs[2:] for a in pf.vf_addresses}
             want_first = set(pfs[0].vf_addresses)
             await emu.wait_for(
                 lambda: (
-                    daemon.stats["scans"] > scans
+                    (daemon.metrics.registry.get_sample_value("densedev_scans_total") or 0.0) > scans
                     and set(emu.devices(other)) == want_other
                     and set(emu.devices(res(f"sriov_{pfs[0].netdev}"))) == want_first
                 ),
