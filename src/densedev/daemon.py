@@ -23,8 +23,7 @@ from . import accel, files, poolset
 from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
 from .backoff import Backoff, backoff_delay
-from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
-from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
+from .dra.driver import ClientFactory, DraDriver, DraHooks, DraSettings
 from .health.tracker import Coalescer, HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
@@ -40,7 +39,7 @@ from .ops.logs import log_event, summarise
 from .ops.metrics import MeteredService, Metrics, MetricsServer, parse_addr
 from .pools import config as config_mod
 from .pools import select as selectors
-from .pools.ownership import DRA_CLAIMS, GuardedService, Ownership
+from .pools.ownership import GuardedService, Ownership
 
 log = logging.getLogger("densedev.daemon")
 
@@ -164,8 +163,6 @@ class Daemon:
         dra_client: ClientFactory | None = None,
     ) -> None:
         self.settings = settings
-        self._dra_client = dra_client  # the API client's maker (tests); None: from the kubeconfig
-        self.dra: DraDriver | None = None
         self.config = config
         self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
@@ -200,6 +197,15 @@ class Daemon:
             registry=self.metrics.registry,
             poll_s=settings.in_use_poll_s,
         )
+        self._dra = DraHooks(
+            settings.dra,
+            self.ownership,
+            lambda device_id: device_id in self.table.by_id(),
+            cdi_dir=settings.cdi_dir,
+            devinfo_dir=settings.devinfo_dir,
+            dev_root=settings.dev_root,
+            client_factory=dra_client,
+        )
         self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
         self._all_failed_since: float | None = None  # since when no configured pool is served
         self._reconcile = False  # the next full rescan is the periodic reconcile
@@ -222,7 +228,7 @@ class Daemon:
             await self.ownership.refresh()
         self.table = table
         # Devices of prepared DRA claims are held before any pool of either API lists anything.
-        self._dra_recover()
+        self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
         self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
@@ -238,13 +244,13 @@ class Daemon:
             self._set_up(i, pool, healthy)
         self._pools = pools
         self._order = [p.config.full_name for p in pools]
-        self._dra_take(raw, pools)
+        self._dra.take(raw, pools, self.tracker.pool_health)
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
         self._reconcile_files(frozenset(self.ownership.held))
         self._remove_stale_sockets()
-        await self._dra_start()
+        await self._dra.start(self.config)
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
@@ -316,11 +322,7 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     mon.stop()
         await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
-        if self.dra is not None:
-            try:
-                await self.dra.stop()
-            except Exception:
-                log.exception("the DRA driver failed to stop cleanly")
+        await self._dra.stop()
         self._kubelet_watch.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
@@ -498,6 +500,11 @@ class Daemon:
                 log.exception("pool %s: keeping the files of held devices failed", name)
 
     @property
+    def dra(self) -> DraDriver | None:
+        """Return the DRA driver once this node needs one (DRA pools, or claims still prepared), else None."""
+        return self._dra.driver
+
+    @property
     def metrics_port(self) -> int | None:
         """Return the port /metrics is served on (an ephemeral one when asked for port 0), or None."""
         return self._metrics_server.port if self._metrics_server is not None else None
@@ -513,7 +520,7 @@ class Daemon:
             )
         if self._start_errors:
             return False, "not serving: " + self._failure_text()
-        if self.dra is not None and self.dra.needed() and not self.dra.started:
+        if self._dra.waiting():
             return False, "the DRA driver has not started (see the log)"
         missing = [n for n, r in self.pools.items() if not r.runner.registered]
         if missing:
@@ -651,7 +658,7 @@ class Daemon:
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
-        self._dra_take(raw, pools)
+        self._dra.take(raw, pools, self.tracker.pool_health)
         replaced = frozenset(changes.replaced)
         started: list[PoolRuntime] = []
         for i, pool in enumerate(pools):
@@ -936,7 +943,7 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
-            self._dra_recover()  # the first DRA pool of this run
+            self._dra.recover(new)  # the first DRA pool of this run
             # The window may have changed: a new coalescer, but the old one's pending flush must neither
             # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
             pending = self._coalescer.pending
@@ -945,7 +952,7 @@ class Daemon:
             if pending:
                 self._coalescer.notify()
             changes = await self._apply(new)
-            await self._dra_start()
+            await self._dra.start(self.config)
             self.metrics.record_reload(True)
             log_event(
                 log,
@@ -956,86 +963,3 @@ class Daemon:
                 reregistered=",".join(changes.reregister) or "-",
                 pools=len(self.pools),
             )
-
-    # ----------------------------------------------------------------------------------- DRA
-    def _dra_recover(self) -> None:
-        """Build the DRA driver and count the devices its prepared claims hold (before serving)."""
-        dra = self.settings.dra
-        if dra is None or self.dra is not None:
-            return
-        # Nothing to do for a node that never served DRA: no DRA pool and no claims checkpoint.
-        checkpoint = dra.plugins_dir / self.config.dra_driver_name / CLAIMS_CHECKPOINT
-        if not any(p.api is PoolApi.DRA for p in self.config.pools) and not os.path.lexists(checkpoint):
-            return
-        self.dra = DraDriver(
-            dra,
-            self.config.dra_driver_name,
-            cdi_dir=self.settings.cdi_dir,
-            devinfo_dir=self.settings.devinfo_dir,
-            dev_root=self.settings.dev_root,
-            on_node=lambda device_id: device_id in self.table.by_id(),
-            holder=self._dra_holder,
-            on_claims=self._dra_claims_changed,
-            client_factory=self._dra_client,
-        )
-        self.ownership.set_claimed(self.dra.recover())
-
-    def _dra_holder(self, device_id: str) -> str | None:
-        """Name who holds a device under the device-plugin API (the DRA gate refuses it then)."""
-        return ", ".join(sorted(self.ownership.held.get(device_id, frozenset()) - {DRA_CLAIMS})) or None
-
-    def _dra_claims_changed(self) -> None:
-        """After a Prepare or Unprepare: the ownership map follows the claims at once."""
-        if self.dra is not None:
-            self.ownership.set_claimed(self.dra.claimed())
-
-    def _dra_take(self, raw: Sequence[Pool], pools: Sequence[Pool]) -> None:
-        if self.dra is None:
-            return
-        try:
-            self.dra.take_pools(raw, pools, self.ownership.withheld)
-            assert self.tracker is not None
-            self.dra.take_health(self.tracker.pool_health)
-        except Exception:
-            log.exception("DRA: taking the new pools failed")
-
-    async def _dra_start(self) -> None:
-        """Start the DRA driver when it is needed; on failure one line, and retries in the background."""
-        dra = self.dra
-        if dra is None:
-            if any(p.api is PoolApi.DRA for p in self.config.pools):
-                log_event(log, "DRA pools are not served: DRA is off", level=logging.WARNING)
-            return
-        if dra.started or not dra.needed() or any(t.get_name() == "dra-start" for t in self._tasks):
-            return
-        if dra.driver != self.config.dra_driver_name:
-            log_event(
-                log,
-                "draDriverName changes take effect at the next start",
-                level=logging.WARNING,
-                serving=dra.driver,
-            )
-        if not await self._dra_try_start(1):
-            self._spawn(self._dra_retry(), "dra-start")
-
-    async def _dra_try_start(self, attempt: int) -> bool:
-        assert self.dra is not None
-        try:
-            await self.dra.start()
-        except DraUnavailable as exc:
-            if attempt == 1 or attempt % 10 == 0:
-                log_event(log, "DRA driver cannot start; retrying", level=logging.WARNING, error=str(exc))
-            return False
-        except Exception:
-            log.exception("DRA driver failed to start; retrying")
-            return False
-        return True
-
-    async def _dra_retry(self) -> None:
-        bounds = self.settings.dra.retry_s if self.settings.dra is not None else (0.5, 30.0)
-        attempt = 1
-        while True:
-            await asyncio.sleep(backoff_delay(attempt, bounds))
-            attempt += 1
-            if await self._dra_try_start(attempt):
-                return
