@@ -22,7 +22,7 @@ from test_allocation import NET, dev, pool_of
 
 from densedev import files
 from densedev._proto import api_pb2
-from densedev.alloc import cdi, devinfo
+from densedev.alloc import cdi, devinfo, leftovers
 from densedev.alloc.respond import AllocationSettings, PoolAllocator
 from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.server import PluginServer
@@ -207,7 +207,7 @@ def test_directories_replaced_by_symlinks_are_never_followed(tmp_path: Path) -> 
         alloc.allocate(["0000:3b:00.2"])
     assert e.value.kind == RequestError.PRECONDITION
     alloc.close(remove_cdi=True)
-    assert cdi.SpecWriter(cdi_dir).prune([]) == []
+    assert leftovers.prune_cdi(cdi_dir, [], {}).removed == ()
     with pytest.raises(OSError):
         files.write_atomic(info_dir, "x-device.json", b"{}")
     # CDI off: the device-info directory alone is refused too.

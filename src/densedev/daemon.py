@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from . import accel, files, poolset
-from .alloc import cdi, leftovers
+from .alloc import leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
 from .backoff import Backoff, backoff_delay
 from .dra.driver import ClientFactory, DraDriver, DraHooks, DraSettings
@@ -197,6 +197,7 @@ class Daemon:
             registry=self.metrics.registry,
             poll_s=settings.in_use_poll_s,
         )
+        self._leftovers = leftovers.Leftovers(settings.cdi_dir, settings.devinfo_dir)
         self._dra = DraHooks(
             settings.dra,
             self.ownership,
@@ -248,7 +249,7 @@ class Daemon:
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
-        self._reconcile_files(frozenset(self.ownership.held))
+        self._leftovers.reconcile([r.allocator for r in self.pools.values()], self.ownership.by_resource())
         self._remove_stale_sockets()
         await self._dra.start(self.config)
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
@@ -438,38 +439,6 @@ class Daemon:
         except Exception:
             log.exception("pool %s: cleaning up its files failed", runtime.name)
 
-    def _reconcile_files(self, in_use: frozenset[str] | None = None) -> None:
-        """Remove our CDI specs and device-info files an earlier run left that no pool or held device needs.
-
-        ``in_use``: device IDs a pod still holds (their files stay, whichever pool wrote them).
-        """
-        try:
-            result = leftovers.reconcile_pools(
-                self.settings.cdi_dir,
-                self.settings.devinfo_dir,
-                [r.allocator for r in self.pools.values()],
-                in_use,
-            )
-        except Exception:
-            log.exception("reconciling files left by an earlier run failed; going on without")
-            return
-        for problem in result.problems:
-            log_event(log, "leftover file not reconciled", level=logging.WARNING, problem=problem)
-        if result.removed:
-            names = [p.name for p in result.removed]
-            log_event(log, "removed files left by an earlier run", files=summarise(names, noun="file"))
-
-    def _prune_cdi(self) -> None:
-        """Delete our CDI specs of pools no longer configured once no pod holds their devices."""
-        if self.settings.cdi_dir is None:
-            return
-        # A removed pool's spec stays while pods hold its devices: the kubelet restarts their containers
-        # from the checkpointed response, which names the devices by that kind (<prefix>/<name>).
-        keep = [r.allocator.kind for r in self.pools.values()] + sorted(self.ownership.resources_held())
-        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(keep)
-        if removed:
-            log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
-
     def _remove_stale_sockets(self) -> None:
         """Delete dead sockets of pools an earlier run served and the config no longer has."""
         keep = {socket_name_for(n, self.settings.kubelet_dir) for n in self._order}
@@ -485,19 +454,12 @@ class Daemon:
                 self._note_event(0)
             else:
                 self._retain_held()
-            self._prune_cdi()
+            self._leftovers.prune([r.allocator for r in self.pools.values()], self.ownership.by_resource())
 
     def _retain_held(self) -> None:
         """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
-        if self.settings.cdi_dir is None and self.settings.devinfo_dir is None:
-            return
-        held = self.ownership.by_resource()
-        by_id = self.table.by_id() if held else {}
-        for name, runtime in self.pools.items():
-            try:
-                runtime.allocator.retain([by_id[i] for i in sorted(held.get(name, ())) if i in by_id])
-            except Exception:
-                log.exception("pool %s: keeping the files of held devices failed", name)
+        allocators = {n: r.allocator for n, r in self.pools.items()}
+        self._leftovers.retain(allocators, self.ownership.by_resource(), self.table.by_id)
 
     @property
     def dra(self) -> DraDriver | None:
