@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import accel, files, poolset
+from . import accel, poolset
 from .alloc import leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
 from .backoff import Backoff, backoff_delay
@@ -37,9 +37,9 @@ from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .ops.logs import log_event, summarise
 from .ops.metrics import MeteredService, Metrics, MetricsServer, parse_addr
-from .pools import config as config_mod
 from .pools import select as selectors
 from .pools.ownership import GuardedService, Ownership
+from .reload import ConfigReloader
 
 log = logging.getLogger("densedev.daemon")
 
@@ -183,7 +183,6 @@ class Daemon:
         self._burst_start: float | None = None  # when the first event of the pending burst arrived
         self._burst_events = 0
         self._deadline_handle: asyncio.TimerHandle | None = None
-        self._reload_requested = asyncio.Event()
         self._rescan_requested = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
@@ -198,6 +197,14 @@ class Daemon:
             poll_s=settings.in_use_poll_s,
         )
         self._leftovers = leftovers.Leftovers(settings.cdi_dir, settings.devinfo_dir)
+        self._reloader = ConfigReloader(
+            settings.config_path,
+            default_prefix=settings.resource_prefix,
+            poll_s=settings.config_poll_s,
+            metrics=self.metrics,
+            current=lambda: self.config,
+            apply=self.apply_config,
+        )
         self._dra = DraHooks(
             settings.dra,
             self.ownership,
@@ -260,10 +267,10 @@ class Daemon:
             functools.partial(self.ownership.run, self._on_ownership_change, self._kubelet_watch), "in-use"
         )
         self._spawn_loop(self._rescan_loop, "rescan")
-        self._spawn_loop(self._reload_loop, "reload")
+        self._spawn_loop(self._reloader.run, "reload")
         self._spawn_loop(self._housekeeping_loop, "housekeeping")
         if self.settings.config_path is not None:
-            self._spawn_loop(self._config_watch_loop, "config-watch")
+            self._spawn_loop(self._reloader.watch, "config-watch")
         self.started = True
         # The device table, pools and caches live as long as the daemon: keep the cyclic GC from walking
         # 16k devices' objects on every full collection (a 50 ms stall of the loop at 16k devices).
@@ -822,85 +829,26 @@ class Daemon:
     # ----------------------------------------------------------------------------------- reload
     def request_reload(self) -> None:
         """Reload the config file soon (SIGHUP or a change seen on disk)."""
-        self._reload_requested.set()
-
-    async def _config_watch_loop(self) -> None:
-        # A ConfigMap mount updates by swapping the `..data` symlink, so watch the resolved target and its
-        # stat, not just the path's mtime.
-        path = self.settings.config_path
-        assert path is not None
-        last = files.resolved_identity(path)
-        while True:
-            await asyncio.sleep(self.settings.config_poll_s)
-            try:
-                now = files.resolved_identity(path)
-            except Exception:
-                log.exception("config watch: cannot stat %s; trying again", path)
-                continue
-            if now != last:
-                last = now
-                self.request_reload()
-
-    async def _reload_loop(self) -> None:
-        # This task is the only way SIGHUP and file changes take effect: if it died, every later reload
-        # would be ignored without a word.  Whatever a reload raises is logged and counted, and the
-        # last good config stays.
-        while True:
-            await self._reload_requested.wait()
-            self._reload_requested.clear()
-            try:
-                await self.reload()
-            except Exception:
-                self._reload_failed()
-                log.exception("config reload failed; the last good config stays")
-
-    def _reload_failed(self) -> None:
-        self.metrics.record_reload(False)
+        self._reloader.request()
 
     async def reload(self) -> bool:
-        """Load the config file again and apply it: new pools start, removed stop, changed update in place.
-
-        Returns False, logging why, when the file is refused or applying it fails; the daemon then keeps
-        running on the last good config.
-        """
-        path = self.settings.config_path
-        if path is None:
-            return False
-        try:
-            # In a worker thread: a 1 MiB file full of problems takes a while to validate, and the loop
-            # keeps health and the kubelet's calls going meanwhile.
-            new = await asyncio.to_thread(config_mod.load, path, default_prefix=self.settings.resource_prefix)
-        except config_mod.ConfigError as exc:
-            self._reload_failed()
-            for p in exc.problems:
-                log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=p)
-            return False
-        except Exception as exc:
-            # load() turns every problem of the file into ConfigError; anything else is a bug, and still
-            # must not end the daemon's reloads.
-            self._reload_failed()
-            log_event(
-                log, "config reload refused", level=logging.ERROR, file=str(path), problem=repr(exc)[:500]
-            )
-            return False
-        for warning in new.warnings:
-            log_event(log, "config warning", level=logging.WARNING, file=str(path), problem=warning)
-        if new == self.config:
-            return True
-        last_good = self.config
-        try:
-            await self.apply_config(new)
-        except Exception:
-            # Pools already stopped or started stay so; the config stays the last good one, so the next
-            # reload diffs against it again and finishes the job.
-            self.config = last_good
-            self._reload_failed()
-            log.exception("applying the reloaded config failed; the last good config stays")
-            return False
-        return True
+        """Load the config file again and apply it; False (logged) when refused or applying it failed."""
+        return await self._reloader.reload()
 
     async def apply_config(self, new: Config) -> None:
-        """Diff pool definitions and apply them; untouched pools keep their streams and registration."""
+        """Diff pool definitions and apply them; untouched pools keep their streams and registration.
+
+        Should it fail, the config stays the last good one: pools already stopped or started stay so,
+        and the next reload diffs against it again and finishes the job.
+        """
+        last_good = self.config
+        try:
+            await self._apply_config(new)
+        except Exception:
+            self.config = last_good
+            raise
+
+    async def _apply_config(self, new: Config) -> None:
         async with self._reload_lock:
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
