@@ -1,8 +1,10 @@
 """The daemon: one device table, its pools, their health, one plugin server per pool, kept current.
 
-Data flows one way: sysfs/netlink → device table (discovery) → pools (selectors) → health (health) →
-wire (wire) → kubelet (server/registration).  This module owns the only mutable state and wires the
-stages together; each stage stays ignorant of the others.
+Data flows one way: sysfs/netlink → device table (node.scanner) → pools (pools.select) → health
+(health.tracker) → wire (kubelet.wire) → kubelet (kubelet.server/registration, or the DRA driver).
+This module holds the lifecycle and the loops (rescan, reload, RDMA poll, in-use, housekeeping) and
+the only mutable state; rescans, reloads and releases all end in one pool-set diff (``poolset``)
+applied by ``Daemon._apply``.  Each stage stays ignorant of the others.
 """
 
 from __future__ import annotations
