@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from helpers.devices import dev, pool_of
+from helpers.metrics import sample
 from helpers.node import GUARD_S, NO_FILES, Node, res, three_pools
 
 from densedev import cli
@@ -403,13 +404,13 @@ async def test_reload_survives_a_deep_config_and_applies_the_next_good_one(node:
     try:
         node.write_config(DEEP)
         daemon.request_reload()
-        await wait(lambda: daemon.stats["reload_failures"] == 1)
+        await wait(lambda: sample(daemon, "densedev_config_reloads_total", result="failure") == 1)
         assert len(daemon.config.pools) == 3
         doc = copy.deepcopy(node.doc)
         doc["resourceList"].pop(0)
         node.write_config(doc)
         daemon.request_reload()
-        await wait(lambda: daemon.stats["reloads"] == 1)
+        await wait(lambda: sample(daemon, "densedev_config_reloads_total", result="success") == 1)
         assert set(daemon.pools) == {res("pf1"), res("pf2")}
     finally:
         await daemon.stop()
@@ -437,12 +438,12 @@ async def test_reload_survives_any_exception_and_keeps_the_last_good_config(node
         doc["resourceList"].pop(0)
         node.write_config(doc)
         daemon.request_reload()
-        await wait(lambda: daemon.stats["reload_failures"] == 1)
+        await wait(lambda: sample(daemon, "densedev_config_reloads_total", result="failure") == 1)
         assert daemon.config == before and set(daemon.pools) == {res(n) for n in ("pf0", "pf1", "pf2")}
         assert 'densedev_config_reloads_total{result="failure"} 1.0' in daemon.metrics.render().decode()
         # The reload task lives on: the same file, asked again, applies.
         daemon.request_reload()
-        await wait(lambda: daemon.stats["reloads"] == 1)
+        await wait(lambda: sample(daemon, "densedev_config_reloads_total", result="success") == 1)
         assert set(daemon.pools) == {res("pf1"), res("pf2")}
     finally:
         await daemon.stop()
@@ -469,6 +470,11 @@ async def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(node
     finally:
         await daemon.stop()
     assert not daemon._coalescer.pending
+
+
+def reloads(daemon: Daemon, result: str = "success") -> float:
+    """Return how many config reloads ended in ``result`` (success, failure), as /metrics counts them."""
+    return sample(daemon, "densedev_config_reloads_total", result=result)
 
 
 async def wait(predicate: Callable[[], bool], timeout: float = GUARD_S) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from helpers.metrics import sample
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.daemon import Daemon
@@ -167,7 +168,9 @@ async def test_cdi_specs_follow_the_pools(
     doc = pools_config(node.layout)
     removed = doc["resourceList"].pop(0)
     node.write_config(doc)
-    await emu.wait_for(lambda: daemon.stats["reloads"] == 1, GUARD_S)
+    await emu.wait_for(
+        lambda: sample(daemon, "densedev_config_reloads_total", result="success") == 1, GUARD_S
+    )
     left = sorted(p.name for p in cdi.glob("densedev-*.json"))
     assert len(left) == len(ours) - 1
     assert not any(removed["resourceName"] in name for name in left)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.metrics import sample
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
@@ -142,14 +143,17 @@ def test_overrun_forces_a_resync(run: Run, tmp_path: Path, netns: str, kubelet_d
         daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
         await daemon.start()
         try:
-            scans = daemon.stats["scans"]
+            scans = sample(daemon, "densedev_scans_total")
+            full = {"reason": "rescan"}
+            rescans = sample(daemon, "densedev_resyncs_total", **full)
             # A link that went down while we were blind (as during an overrun) is found by the resync.
             ip(netns, "link", "set", layout.pfs[3].netdev, "down")
             daemon.on_overrun()
             r = f"{PREFIX}/sriov_{layout.pfs[3].netdev}"
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
-            await emu.wait_for(lambda: daemon.stats["scans"] > scans, GUARD_S)
-            assert daemon.stats["overruns"] == 1
+            # The resync is a full rescan: a targeted one could not find what changed while blind.
+            await emu.wait_for(lambda: (sample(daemon, "densedev_resyncs_total", **full)) > rescans, GUARD_S)
+            assert sample(daemon, "densedev_scans_total") > scans
         finally:
             await daemon.stop()
             await emu.stop()

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from helpers import Run
 
-from densedev.daemon import Daemon, DaemonSettings, socket_name_for
+from densedev.daemon import Daemon, DaemonSettings
+from densedev.kubelet.sockets import socket_name_for
 from densedev.ops.preflight import LOCK_NAME
 from densedev.pools import config as config_mod
 from densedev.testing import simnode

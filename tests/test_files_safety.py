@@ -20,11 +20,11 @@ from helpers.devices import NET, dev, pool_of
 
 from densedev import files
 from densedev._proto import api_pb2
-from densedev.alloc import cdi, devinfo
+from densedev.alloc import cdi, devinfo, leftovers
 from densedev.alloc.respond import AllocationSettings, PoolAllocator
-from densedev.daemon import socket_name_for
 from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.server import PluginServer
+from densedev.kubelet.sockets import socket_name_for
 from densedev.model import PoolConfig, RequestError, Selector
 
 VICTIM = b"precious\n"
@@ -193,7 +193,7 @@ def test_directories_replaced_by_symlinks_are_never_followed(tmp_path: Path) -> 
         alloc.allocate(["0000:3b:00.2"])
     assert e.value.kind == RequestError.PRECONDITION
     alloc.close(remove_cdi=True)
-    assert cdi.SpecWriter(cdi_dir).prune([]) == []
+    assert leftovers.prune_cdi(cdi_dir, [], {}).removed == ()
     with pytest.raises(OSError):
         files.write_atomic(info_dir, "x-device.json", b"{}")
     # CDI off: the device-info directory alone is refused too.

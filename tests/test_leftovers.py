@@ -12,7 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -20,6 +20,7 @@ from helpers import Run
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.alloc import cdi, devinfo, leftovers
+from densedev.model import ROLE_VF, Device
 from densedev.testing.kubelet import KubeletEmulator
 
 A0, A1, A2 = "0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"
@@ -85,7 +86,7 @@ def test_files_of_devices_a_pod_still_holds_stay_whatever_their_pool(dirs: tuple
     (c / "othervendor.com-x.json").write_text("{}")  # not ours: no densedev- prefix
     (c / ".densedev-example.com-now.json.99.tmp").write_text("{")
     claim = leftovers.PoolClaim("example.com/now", None, frozenset({A2}))
-    result = leftovers.reconcile(c, d, [claim], in_use=frozenset({A0}))
+    result = leftovers.reconcile(c, d, [claim], held={"example.com/gone": {A0}})
     assert held_file.exists() and not free_file.exists()
     assert held_spec.exists() and current.exists() and not free_spec.exists()
     assert visible(c) == sorted([held_spec.name, current.name, "othervendor.com-x.json"])
@@ -93,9 +94,81 @@ def test_files_of_devices_a_pod_still_holds_stay_whatever_their_pool(dirs: tuple
     assert devinfo.read_owners(d) == {"example.com-gone"}
     assert sorted(result.kept_specs) == sorted([held_spec, current])
     # Released: the next start removes them, and the record with them.
-    leftovers.reconcile(c, d, [claim], in_use=frozenset())
+    leftovers.reconcile(c, d, [claim], held={})
     assert visible(d) == [] and not (d / devinfo.OWNED_RECORD).exists()
     assert visible(c) == sorted([current.name, "othervendor.com-x.json"])
+
+
+def test_one_cdi_rule_keeps_the_specs_of_configured_pools_and_of_resources_held(
+    dirs: tuple[Path, Path],
+) -> None:
+    c, _ = dirs
+    kept = spec(c, "intel.com/kept", [A0])
+    held = spec(c, "intel.com/held", [A1])
+    # Lists a held device, but the pod holds it under another resource: the kubelet's checkpointed
+    # response names it intel.com/kept=..., never intel.com/moved=..., so nothing needs this spec.
+    moved = spec(c, "intel.com/moved", [A0, A2])
+    gone = spec(c, "intel.com/old_pool", [A2])
+    for name in ("nvidia.com-gpu.json", "densedev.yaml"):
+        (c / name).write_text("{}")
+    temp = c / ".densedev-intel.com-kept.json.4242.tmp"  # a crash between write and rename
+    temp.write_text("{")
+    claims = [
+        leftovers.PoolClaim("intel.com/kept", None, frozenset({A0})),
+        leftovers.PoolClaim("", None, frozenset()),
+    ]
+    result = leftovers.prune_cdi(
+        c, claims, {"intel.com/held": {A1}, "intel.com/kept": {A0}, "intel.com/idle": set()}
+    )
+    assert sorted(result.removed) == sorted([temp, moved, gone])
+    assert sorted(result.kept_specs) == sorted([kept, held]) and result.problems == ()
+    assert visible(c) == sorted([kept.name, held.name, "densedev.yaml", "nvidia.com-gpu.json"])
+    # Released: the next prune takes the held resource's spec too.
+    assert leftovers.prune_cdi(c, claims, {}).removed == (held,)
+
+
+def device(address: str) -> Device:
+    """Return a VF as a scan reports it (only its address matters here)."""
+    return Device(address, ROLE_VF, "15b3", "101e", "020000", "", "", "mlx5_core", 0, -1, False, -1, 0, 0,
+                  "", -1, "", (), "", "", (), "", "", "", "", "")  # fmt: skip
+
+
+class Owner:
+    """A pool's file side as the daemon's allocators present it: records what it is asked to keep."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.retained: list[list[str]] = []
+
+    def claim(self) -> leftovers.PoolClaim:
+        return leftovers.PoolClaim(self.kind, None, frozenset())
+
+    def adopt_info(self, device_ids: Iterable[str]) -> None:
+        raise AssertionError("not at a prune")
+
+    def retain(self, devices: Sequence[Device]) -> None:
+        self.retained.append([d.id for d in devices])
+        if self.kind == "intel.com/broken":
+            raise OSError("read-only file system")
+
+
+def test_leftovers_prune_after_release_and_retain_what_is_held(dirs: tuple[Path, Path]) -> None:
+    c, d = dirs
+    spec(c, "intel.com/a", [A0])
+    gone = spec(c, "intel.com/gone", [A1])
+    owners = {"intel.com/a": Owner("intel.com/a"), "intel.com/broken": Owner("intel.com/broken")}
+    files_ = leftovers.Leftovers(c, d)
+    files_.prune(list(owners.values()), {"intel.com/gone": {A1}})
+    assert gone.exists()
+    files_.prune(list(owners.values()), {})
+    assert not gone.exists()
+    table = {i: device(i) for i in (A0, A1)}
+    # A pool whose files cannot be kept is logged; the next pool still keeps its own.
+    files_.retain(owners, {"intel.com/a": {A1, A2}, "intel.com/broken": {A0}}, lambda: table)
+    assert owners["intel.com/a"].retained == [[A1]] and owners["intel.com/broken"].retained == [[A0]]
+    # Without CDI and device-info directories there is nothing to keep: the table is not even read.
+    leftovers.Leftovers(None, None).retain(owners, {"intel.com/a": {A0}}, lambda: {})
+    assert owners["intel.com/a"].retained == [[A1]]
 
 
 def test_unreadable_directories_are_reported_not_raised(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ import grpc
 import pytest
 
 from densedev.dra.registration import DraPlugin
+from densedev.files import identify
 from densedev.kubelet.lifecycle import SocketServer
-from densedev.kubelet.sockets import identify
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD = 10.0  # hang guards only: nothing here asserts on speed

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import pytest
+from helpers.metrics import sample
 from helpers.node import GUARD_S, NO_FILES, PREFIX, Node, pool, res, three_pools
 
 from densedev.daemon import Daemon
@@ -73,7 +74,9 @@ async def test_add_change_reregister_remove_pools_by_editing_the_file(
     doc["resourceList"].pop()
     node.write_config(doc)
     await emu.wait_for(lambda: emu.stream_ended(res("pf3")), GUARD_S)
-    await emu.wait_for(lambda: daemon.stats["reloads"] == 4, GUARD_S)
+    await emu.wait_for(
+        lambda: sample(daemon, "densedev_config_reloads_total", result="success") == 4, GUARD_S
+    )
     assert res("pf3") not in daemon.pools
     after = snapshot(emu)
     assert {r: after[r] for r in first} == {r: before[r] for r in first}
@@ -88,7 +91,9 @@ async def test_invalid_config_keeps_the_last_good_one(
     await emu.wait_for(lambda: all(emu.updates(res(n)) for n in ("pf0", "pf1", "pf2")), GUARD_S)
     base = snapshot(emu)
     node.write_config('{"resourceList": [{"resourceName": "bad name!", "selectors": {"drivers": 5}}]}')
-    await emu.wait_for(lambda: daemon.stats["reload_failures"] == 1, GUARD_S)
+    await emu.wait_for(
+        lambda: sample(daemon, "densedev_config_reloads_total", result="failure") == 1, GUARD_S
+    )
     await asyncio.sleep(0.2)
     assert snapshot(emu) == base and set(daemon.pools) == set(base)
     # A good file afterwards applies as usual.
@@ -96,7 +101,9 @@ async def test_invalid_config_keeps_the_last_good_one(
     doc["resourceList"].pop(0)
     node.write_config(doc)
     await emu.wait_for(lambda: emu.stream_ended(res("pf0")), GUARD_S)
-    await emu.wait_for(lambda: daemon.stats["reloads"] == 1, GUARD_S)
+    await emu.wait_for(
+        lambda: sample(daemon, "densedev_config_reloads_total", result="success") == 1, GUARD_S
+    )
     assert set(daemon.pools) == {res("pf1"), res("pf2")}
 
 

@@ -1,8 +1,10 @@
 """The daemon: one device table, its pools, their health, one plugin server per pool, kept current.
 
-Data flows one way: sysfs/netlink → device table (discovery) → pools (selectors) → health (health) →
-wire (wire) → kubelet (server/registration).  This module owns the only mutable state and wires the
-stages together; each stage stays ignorant of the others.
+Data flows one way: sysfs/netlink → device table (node.scanner) → pools (pools.select) → health
+(health.tracker) → wire (kubelet.wire) → kubelet (kubelet.server/registration, or the DRA driver).
+This module holds the lifecycle and the loops (rescan, reload, RDMA poll, in-use, housekeeping) and
+the only mutable state; rescans, reloads and releases all end in one pool-set diff (``poolset``)
+applied by ``Daemon._apply``.  Each stage stays ignorant of the others.
 """
 
 from __future__ import annotations
@@ -11,39 +13,37 @@ import asyncio
 import contextlib
 import functools
 import gc
-import hashlib
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from . import accel
-from ._proto import api_pb2
-from .alloc import cdi, leftovers
+from . import accel, poolset
+from .alloc import leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
-from .dra import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
+from .backoff import Backoff, backoff_delay
 from .dra import DraSettings
+from .dra.hooks import DraHooks
 from .health.tracker import Coalescer, HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.registration import PluginRunner, announce_kubelet
-from .kubelet.server import MAX_UNIX_PATH, PoolService, status_of
-from .kubelet.sockets import remove_stale_sockets
+from .kubelet.server import PoolService
+from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
 from .kubelet.wire import ListEncoder
-from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi, PoolConfig, Preferred, RequestError, Role
+from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .node.layout import SYSFS_ROOT
 from .ops.logs import log_event, summarise
-from .ops.metrics import ALLOCATE, PREFERRED, PRESTART, Metrics, MetricsServer, parse_addr
-from .pools import config as config_mod
+from .ops.metrics import MeteredService, Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
-from .pools.ownership import DRA_CLAIMS, GuardedService, Ownership
+from .pools.ownership import GuardedService, Ownership
+from .reload import ConfigReloader
 
 if TYPE_CHECKING:
     # The DRA driver (gRPC DRA services, the API-server client) is imported where it is built, only
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from .dra.driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.daemon")
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -80,90 +79,8 @@ class DaemonSettings:
     dra: DraSettings | None = None  # None: no DRA side (pools with "api": "dra" are not served)
 
 
-# Kernel uevents that change what discovery would find (lib/kobject_uevent.c action names).
-UEVENT_SUBSYSTEMS = frozenset(("pci", "net", "infiniband", "auxiliary", "vdpa"))
-UEVENT_ACTIONS = frozenset(("add", "remove", "bind", "unbind", "change", "move"))
-MAX_TARGETED_RESCANS = 32
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
-_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
-
-
-def pci_address_in(devpath: str) -> str | None:
-    """Return the last PCI address among DEVPATH's components, or None (then rescan everything)."""
-    found = [part for part in devpath.split("/") if _BDF.fullmatch(part)]
-    return found[-1] if found else None
-
-
-def read_sysfs_links(sysfs_root: Path, ifnames: Iterable[str]) -> list[tuple[str, bool]]:
-    """Read ``class/net/<if>/operstate`` for the named interfaces (simulated nodes carry no netlink).
-
-    A real node's first netlink dump overrides these; on a simulated tree they are the only truth.
-    Unreadable files are skipped: the interface may just have left the host namespace.
-    """
-    out: list[tuple[str, bool]] = []
-    base = os.path.join(os.fspath(sysfs_root), "class", "net")
-    for name in ifnames:
-        try:
-            with open(os.path.join(base, name, "operstate"), "rb") as f:
-                state = f.read().strip()
-        except OSError:
-            continue
-        out.append((name, state in (b"up", b"unknown")))
-    return out
-
-
-def socket_name_for(resource: str, kubelet_dir: Path) -> str:
-    """Return the pool's socket file name: readable when it fits ``sun_path``, hashed when it would not.
-
-    Resource names may be 300+ characters while a unix socket path is limited to 107 bytes; the name
-    must also be stable across restarts so the kubelet's view does not churn.
-    """
-    # Only [A-Za-z0-9_.-] of the name reach the file name: no "/" or control character from a config.
-    readable = "densedev-" + re.sub(r"[^A-Za-z0-9_.-]", "_", resource) + ".sock"
-    if len(os.fsencode(kubelet_dir / readable)) <= MAX_UNIX_PATH:
-        return readable
-    digest = hashlib.sha256(resource.encode()).hexdigest()[:16]
-    return f"densedev-{digest}.sock"
-
-
-class MeteredService:
-    """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
-
-    def __init__(self, resource: str, inner: PoolService, metrics: Metrics) -> None:
-        self.resource = resource
-        self.inner = inner
-        self.metrics = metrics
-
-    def options(self) -> tuple[bool, bool]:
-        """Return the pool's options (read by the kubelet once per registration)."""
-        return self.inner.options()
-
-    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
-        """Answer Allocate, timed."""
-        return self._timed(ALLOCATE, self.inner.allocate, ids)
-
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Answer GetPreferredAllocation, timed."""
-        return self._timed(PREFERRED, self.inner.preferred, available, must_include, size)
-
-    def prestart(self, ids: Sequence[str]) -> None:
-        """Answer PreStartContainer, timed."""
-        self._timed(PRESTART, self.inner.prestart, ids)
-
-    def _timed(self, method: str, call: Callable[..., T], *args: Any) -> T:
-        """Run one kubelet call, recording its latency and, if it fails, the status it is answered with."""
-        t0 = time.perf_counter()
-        try:
-            result = call(*args)
-        except RequestError as exc:
-            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, status_of(exc).name)
-            raise
-        except Exception:
-            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, "INTERNAL")
-            raise
-        self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0)
-        return result
 
 
 class PoolRuntime:
@@ -255,16 +172,16 @@ class Daemon:
         dra_client: ClientFactory | None = None,
     ) -> None:
         self.settings = settings
-        self._dra_client = dra_client  # the API client's maker (tests); None: from the kubeconfig
-        self.dra: DraDriver | None = None
         self.config = config
         self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
+        self.scanner = discovery.Scanner(settings.sysfs_root)
         self.table = discovery.DeviceTable(())
         self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
         self._full_rescan = False
         self._ibdev_cache: list[str] | None = None
         self.pools: dict[str, PoolRuntime] = {}
+        self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
         self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
         self.started = False
@@ -275,7 +192,6 @@ class Daemon:
         self._burst_start: float | None = None  # when the first event of the pending burst arrived
         self._burst_events = 0
         self._deadline_handle: asyncio.TimerHandle | None = None
-        self._reload_requested = asyncio.Event()
         self._rescan_requested = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
@@ -289,17 +205,27 @@ class Daemon:
             registry=self.metrics.registry,
             poll_s=settings.in_use_poll_s,
         )
+        self._leftovers = leftovers.Leftovers(settings.cdi_dir, settings.devinfo_dir)
+        self._reloader = ConfigReloader(
+            settings.config_path,
+            default_prefix=settings.resource_prefix,
+            poll_s=settings.config_poll_s,
+            metrics=self.metrics,
+            current=lambda: self.config,
+            apply=self.apply_config,
+        )
+        self._dra = DraHooks(
+            settings.dra,
+            self.ownership,
+            lambda device_id: device_id in self.table.by_id(),
+            cdi_dir=settings.cdi_dir,
+            devinfo_dir=settings.devinfo_dir,
+            dev_root=settings.dev_root,
+            client_factory=dra_client,
+        )
         self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
         self._all_failed_since: float | None = None  # since when no configured pool is served
         self._reconcile = False  # the next full rescan is the periodic reconcile
-        self.stats = {
-            "scans": 0,
-            "flushes": 0,
-            "events": 0,
-            "reloads": 0,
-            "reload_failures": 0,
-            "overruns": 0,
-        }
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -319,7 +245,7 @@ class Daemon:
             await self.ownership.refresh()
         self.table = table
         # Devices of prepared DRA claims are held before any pool of either API lists anything.
-        self._dra_recover()
+        self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
         self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
@@ -330,25 +256,18 @@ class Daemon:
         for i, pool in enumerate(pools):
             if pool.config.api is PoolApi.DRA:
                 continue  # published as ResourceSlices and served by the DRA driver
-            try:
-                runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
-            except Exception:
-                # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
-                log.exception("pool %s could not be set up; the other pools go on", pool.config.full_name)
-                continue
             upd = initial.get(i)
             healthy = upd.healthy if upd is not None else self.tracker.pool_health(i)
-            runtime.publish(healthy, None)
-            self._report_counts(runtime.name, i, healthy)
-            self.pools[pool.config.full_name] = runtime
+            self._set_up(i, pool, healthy)
+        self._pools = pools
         self._order = [p.config.full_name for p in pools]
-        self._dra_take(raw, pools)
+        self._dra.take(raw, pools, self.tracker.pool_health)
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
-        self._reconcile_files(frozenset(self.ownership.held))
+        self._leftovers.reconcile([r.allocator for r in self.pools.values()], self.ownership.by_resource())
         self._remove_stale_sockets()
-        await self._dra_start()
+        await self._dra.start(self.config)
         await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
         if self.settings.netlink:
             await self._start_netlink()
@@ -357,10 +276,10 @@ class Daemon:
             functools.partial(self.ownership.run, self._on_ownership_change, self._kubelet_watch), "in-use"
         )
         self._spawn_loop(self._rescan_loop, "rescan")
-        self._spawn_loop(self._reload_loop, "reload")
+        self._spawn_loop(self._reloader.run, "reload")
         self._spawn_loop(self._housekeeping_loop, "housekeeping")
         if self.settings.config_path is not None:
-            self._spawn_loop(self._config_watch_loop, "config-watch")
+            self._spawn_loop(self._reloader.watch, "config-watch")
         self.started = True
         # The device table, pools and caches live as long as the daemon: keep the cyclic GC from walking
         # 16k devices' objects on every full collection (a 50 ms stall of the loop at 16k devices).
@@ -389,7 +308,7 @@ class Daemon:
         is our bug, not the user's), counted, and the loop restarts after a backoff that grows while
         it keeps failing at once and resets once it has run a while.
         """
-        delay = SUPERVISE_MIN_S
+        backoff = Backoff(SUPERVISE_MIN_S, SUPERVISE_MAX_S)
         while True:
             began = time.monotonic()
             try:
@@ -397,11 +316,11 @@ class Daemon:
                 return
             except Exception:
                 if time.monotonic() - began > SUPERVISE_RESET_S:
-                    delay = SUPERVISE_MIN_S
+                    backoff.reset()
+                delay = backoff.next()
                 self.metrics.record_task_restart(name)
                 log.exception("daemon task %s failed; restarting it in %.1f s", name, delay)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, SUPERVISE_MAX_S)
 
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
@@ -420,15 +339,25 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     mon.stop()
         await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
-        if self.dra is not None:
-            try:
-                await self.dra.stop()
-            except Exception:
-                log.exception("the DRA driver failed to stop cleanly")
+        await self._dra.stop()
         self._kubelet_watch.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         log_event(log, "daemon stopped")
+
+    def _set_up(self, i: int, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
+        """Build pool ``i``'s runtime and publish its first list; None (logged) if it cannot be set up."""
+        name = pool.config.full_name
+        try:
+            runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
+        except Exception:
+            # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
+            log.exception("pool %s could not be set up; the other pools go on", name)
+            return None
+        runtime.publish(healthy, None)
+        self.pools[name] = runtime
+        self._report_counts(name, i, healthy)
+        return runtime
 
     async def _start_runner(self, runtime: PoolRuntime) -> None:
         if await self._try_start(runtime):
@@ -526,38 +455,6 @@ class Daemon:
         except Exception:
             log.exception("pool %s: cleaning up its files failed", runtime.name)
 
-    def _reconcile_files(self, in_use: frozenset[str] | None = None) -> None:
-        """Remove our CDI specs and device-info files an earlier run left that no pool or held device needs.
-
-        ``in_use``: device IDs a pod still holds (their files stay, whichever pool wrote them).
-        """
-        try:
-            result = leftovers.reconcile_pools(
-                self.settings.cdi_dir,
-                self.settings.devinfo_dir,
-                [r.allocator for r in self.pools.values()],
-                in_use,
-            )
-        except Exception:
-            log.exception("reconciling files left by an earlier run failed; going on without")
-            return
-        for problem in result.problems:
-            log_event(log, "leftover file not reconciled", level=logging.WARNING, problem=problem)
-        if result.removed:
-            names = [p.name for p in result.removed]
-            log_event(log, "removed files left by an earlier run", files=summarise(names, noun="file"))
-
-    def _prune_cdi(self) -> None:
-        """Delete our CDI specs of pools no longer configured once no pod holds their devices."""
-        if self.settings.cdi_dir is None:
-            return
-        # A removed pool's spec stays while pods hold its devices: the kubelet restarts their containers
-        # from the checkpointed response, which names the devices by that kind (<prefix>/<name>).
-        keep = [r.allocator.kind for r in self.pools.values()] + sorted(self.ownership.resources_held())
-        removed = cdi.SpecWriter(self.settings.cdi_dir).prune(keep)
-        if removed:
-            log_event(log, "removed stale CDI specs", files=summarise([p.name for p in removed], noun="file"))
-
     def _remove_stale_sockets(self) -> None:
         """Delete dead sockets of pools an earlier run served and the config no longer has."""
         keep = {socket_name_for(n, self.settings.kubelet_dir) for n in self._order}
@@ -569,23 +466,21 @@ class Daemon:
         """Held devices were released (or newly seen held): list or withhold them in their pools."""
         async with self._reload_lock:
             if self.ownership.would_change():
-                self._apply(self.devices, self.config)
+                await self._apply(self.config)
                 self._note_event(0)
             else:
                 self._retain_held()
-            self._prune_cdi()
+            self._leftovers.prune([r.allocator for r in self.pools.values()], self.ownership.by_resource())
 
     def _retain_held(self) -> None:
         """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
-        if self.settings.cdi_dir is None and self.settings.devinfo_dir is None:
-            return
-        held = self.ownership.by_resource()
-        by_id = self.table.by_id() if held else {}
-        for name, runtime in self.pools.items():
-            try:
-                runtime.allocator.retain([by_id[i] for i in sorted(held.get(name, ())) if i in by_id])
-            except Exception:
-                log.exception("pool %s: keeping the files of held devices failed", name)
+        allocators = {n: r.allocator for n, r in self.pools.items()}
+        self._leftovers.retain(allocators, self.ownership.by_resource(), self.table.by_id)
+
+    @property
+    def dra(self) -> DraDriver | None:
+        """Return the DRA driver once this node needs one (DRA pools, or claims still prepared), else None."""
+        return self._dra.driver
 
     @property
     def metrics_port(self) -> int | None:
@@ -603,7 +498,7 @@ class Daemon:
             )
         if self._start_errors:
             return False, "not serving: " + self._failure_text()
-        if self.dra is not None and self.dra.needed() and not self.dra.started:
+        if self._dra.waiting():
             return False, "the DRA driver has not started (see the log)"
         missing = [n for n, r in self.pools.items() if not r.runner.registered]
         if missing:
@@ -622,12 +517,11 @@ class Daemon:
     # ----------------------------------------------------------------------------------- scanning
     def _scan(self) -> discovery.DeviceTable:
         t0 = time.perf_counter()
-        table = discovery.scan(self.settings.sysfs_root)
+        table = self.scanner.scan()
         self._note_scan(table, time.perf_counter() - t0)
         return table
 
     def _note_scan(self, table: discovery.DeviceTable, elapsed: float) -> None:
-        self.stats["scans"] += 1
         self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
         if table.warnings:
             log_event(
@@ -639,28 +533,11 @@ class Daemon:
             )
         log.debug("scan: %d devices in %.1f ms", len(table.devices), elapsed * 1e3)
 
-    def _ifnames(self) -> set[str]:
-        names: set[str] = set()
-        for d in self.devices:
-            names.update(d.netdevs)
-            if d.pf_netdev:
-                names.add(d.pf_netdev)
-        return names
-
     def _ibdevs(self) -> list[str]:
         # RDMA ports are polled only for RDMA devices some pool advertises; the list changes only with
         # the pools, so it is kept rather than rebuilt from 16k members every poll.
         if self._ibdev_cache is None:
-            seen: dict[str, None] = {}
-            for r in self.pools.values():
-                for m in r.pool.members:
-                    if m.device.rdma_device:
-                        seen[m.device.rdma_device] = None
-            if not self.pools:
-                for d in self.devices:
-                    if d.rdma_device:
-                        seen[d.rdma_device] = None
-            self._ibdev_cache = list(seen)
+            self._ibdev_cache = discovery.rdma_devices((r.pool for r in self.pools.values()), self.devices)
         return self._ibdev_cache
 
     @property
@@ -704,33 +581,22 @@ class Daemon:
         full, self._full_rescan = self._full_rescan or not targets, False
         lost = self._uevent_lost_at if full else None
         t0 = time.perf_counter()
-        # Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
-        if full or len(targets) > MAX_TARGETED_RESCANS:
-            # The periodic reconcile finds nothing changed nearly always: it reads on one thread,
-            # which takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-            reconcile, self._reconcile = self._reconcile, False
-            table = await asyncio.to_thread(
-                functools.partial(discovery.scan, threads=not reconcile),
-                self.settings.sysfs_root,
-                self.table,
-            )
-            self.metrics.record_resync("rescan")
-            # scan() hands back the devices it was given when none changed (compared in the worker):
-            # comparing 16k new Devices again here would hold up the loop for milliseconds.
-            changed = table.devices is not self.table.devices
-        else:
-            table = await asyncio.to_thread(self._rescan_targets_of, self.table, targets)
-            self.metrics.record_resync("targeted")
-            # A merged table keeps the Devices it did not rescan: mostly identity checks.
-            changed = table.devices != self.table.devices
-        self._note_scan(table, time.perf_counter() - t0)
-        if changed:
+        # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
+        # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
+        reconcile, self._reconcile = self._reconcile, False
+        targets = set() if full else targets
+        result = await asyncio.to_thread(
+            functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
+        )
+        self.metrics.record_resync("rescan" if result.full else "targeted")
+        self._note_scan(result.table, time.perf_counter() - t0)
+        if result.changed:
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # a device that moved pools may be held by a pod
-        self.table = table
-        if changed:
-            self._ibdev_cache = None
-            self._apply(table.devices, self.config)
+        self.table = result.table
+        if result.changed:
+            async with self._reload_lock:
+                await self._apply(self.config)
             gc.freeze()
             if not self.settings.netlink:
                 self._read_sysfs_links()
@@ -745,35 +611,45 @@ class Daemon:
     def _read_sysfs_links(self) -> None:
         """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
         assert self.tracker is not None
-        self.tracker.set_links(read_sysfs_links(self.settings.sysfs_root, self._ifnames()))
+        self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self.devices)))
 
-    def _rescan_targets_of(self, table: discovery.DeviceTable, targets: set[str]) -> discovery.DeviceTable:
-        """Rescan only the named devices: a PF with its whole VF family, anything else alone."""
-        root = self.settings.sysfs_root
-        for address in sorted(targets):
-            known = table.by_id().get(address)
-            is_pf = (known is not None and known.role == Role.PF) or os.path.exists(
-                os.path.join(root, "bus/pci/devices", address, "sriov_totalvfs")
-            )
-            if is_pf:
-                table = discovery.rescan_pf(root, address, table)
-            else:
-                table = table.merged(discovery.rescan_devices(root, [address]), [address])
-        return table
+    async def _apply(self, config: Config) -> poolset.PoolChanges:
+        """Select pools from the device table and ``config``, diff them with the set applied last, apply that.
 
-    def _apply(self, devices: tuple[Device, ...], config: Config) -> tuple[Pool, ...]:
-        """Recompute pools from devices and config, and update pools whose membership changed."""
+        The one path of rescans, reloads and changes in what pods hold: servers of removed,
+        re-registering and DRA-bound pools stop; pools that keep theirs take the new membership in
+        place; every device-plugin pool without a server gets one.  The caller holds ``_reload_lock``
+        and has refreshed the ownership map (``filter`` withholds what it says is held).
+        """
+        devices = self.devices
         raw = selectors.build_pools(config, devices)
         pools = self.ownership.filter(raw)
+        changes = poolset.diff(self._pools, pools)
+        for n in changes.stopped:
+            runtime = self.pools.pop(n, None)
+            if runtime is not None:
+                deleted = n in changes.removed and n not in self.ownership.resources_held()
+                await self._stop_runtime(runtime, deleted=deleted)
+            if n in changes.removed:
+                self.metrics.remove_pool(n)
+        self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._order = [p.config.full_name for p in pools]
-        self._dra_take(raw, pools)
+        self._dra.take(raw, pools, self.tracker.pool_health)
+        replaced = frozenset(changes.replaced)
+        started: list[PoolRuntime] = []
         for i, pool in enumerate(pools):
             runtime = self.pools.get(pool.config.full_name)
             if runtime is None:
+                # New, re-registering, back from DRA, or one whose set-up failed before: set it up now.
+                if pool.config.api is not PoolApi.DRA:
+                    healthy = self.tracker.pool_health(i)
+                    new = self._set_up(i, pool, healthy)
+                    if new is not None:
+                        started.append(new)
                 continue
-            if runtime.pool.members != pool.members or runtime.pool.config != pool.config:
+            if pool.config.full_name in replaced:
                 before = {m.id for m in runtime.pool.members}
                 after = {m.id for m in pool.members}
                 healthy = self.tracker.pool_health(i)
@@ -793,7 +669,10 @@ class Daemon:
                     removed=summarise(sorted(before - after)),
                 )
         self._retain_held()
-        return pools
+        # Last: should anything above fail, the next apply diffs from the set before and redoes it.
+        self._pools = pools
+        await asyncio.gather(*(self._start_runner(r) for r in started))
+        return changes
 
     # ----------------------------------------------------------------------------------- health
     def _note_event(self, count: int) -> None:
@@ -808,7 +687,6 @@ class Daemon:
         self.metrics.record_netlink("link", len(links))
         if self.tracker is None or not (states or gone):
             return
-        self.stats["events"] += len(states) + len(gone)
         self.tracker.set_links(states)
         # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
         self.tracker.drop_links(gone)
@@ -826,7 +704,6 @@ class Daemon:
         The monitor counted the fault and reopened its socket; the link monitor dumps every link itself.
         A uevent monitor's resync is this full rescan, timed until it is applied.
         """
-        self.stats["overruns"] += 1
         log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
         if source == "uevent" and self._uevent_lost_at is None:
             self._uevent_lost_at = time.monotonic()
@@ -834,20 +711,16 @@ class Daemon:
 
     def on_uevent(self, event: UeventTuple) -> None:
         """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
-        action, devpath, env = event
         self.metrics.record_netlink("uevent")
-        fields = dict(env)
-        if fields.get("SUBSYSTEM", "") in UEVENT_SUBSYSTEMS and action in UEVENT_ACTIONS:
-            self.stats["events"] += 1
-            # The device is named by PCI_SLOT_NAME (pci) or is the last PCI function in DEVPATH
-            # (net, infiniband, auxiliary and vdpa devices hang below their PCI function).
-            self.request_rescan(fields.get("PCI_SLOT_NAME") or pci_address_in(devpath))
+        relevant, address = discovery.uevent_target(event)
+        if relevant:
+            self.request_rescan(address)
 
     def _poll_rdma(self) -> None:
         """Read RDMA port states now, on the caller's thread (start-up, before anything is served)."""
         ibdevs = self._ibdevs()
         if ibdevs:
-            self._take_ports(discovery.read_rdma_ports(self.settings.sysfs_root, ibdevs))
+            self._take_ports(self.scanner.rdma_ports(ibdevs))
 
     def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
         if self.tracker is not None:
@@ -857,9 +730,7 @@ class Daemon:
         """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
         ibdevs = self._ibdevs()
         if ibdevs:
-            self._take_ports(
-                await asyncio.to_thread(discovery.read_rdma_ports, self.settings.sysfs_root, ibdevs)
-            )
+            self._take_ports(await asyncio.to_thread(self.scanner.rdma_ports, ibdevs))
 
     async def _rdma_loop(self) -> None:
         # RDMA port state has no event source (sysfs-sriov-rdma reference): poll it.
@@ -879,7 +750,6 @@ class Daemon:
         updates = self.tracker.collect()
         latency = None if self._burst_start is None else time.monotonic() - self._burst_start
         events, self._burst_start, self._burst_events = self._burst_events, None, 0
-        self.stats["flushes"] += 1
         for idx, upd in updates.items():
             runtime = self.pools.get(self._order[idx]) if idx < len(self._order) else None
             if runtime is None:
@@ -968,112 +838,31 @@ class Daemon:
     # ----------------------------------------------------------------------------------- reload
     def request_reload(self) -> None:
         """Reload the config file soon (SIGHUP or a change seen on disk)."""
-        self._reload_requested.set()
-
-    async def _config_watch_loop(self) -> None:
-        # A ConfigMap mount updates by swapping the `..data` symlink, so watch the resolved target and its
-        # stat, not just the path's mtime.
-        path = self.settings.config_path
-        assert path is not None
-        last = _config_identity(path)
-        while True:
-            await asyncio.sleep(self.settings.config_poll_s)
-            try:
-                now = _config_identity(path)
-            except Exception:
-                log.exception("config watch: cannot stat %s; trying again", path)
-                continue
-            if now != last:
-                last = now
-                self.request_reload()
-
-    async def _reload_loop(self) -> None:
-        # This task is the only way SIGHUP and file changes take effect: if it died, every later reload
-        # would be ignored without a word.  Whatever a reload raises is logged and counted, and the
-        # last good config stays.
-        while True:
-            await self._reload_requested.wait()
-            self._reload_requested.clear()
-            try:
-                await self.reload()
-            except Exception:
-                self._reload_failed()
-                log.exception("config reload failed; the last good config stays")
-
-    def _reload_failed(self) -> None:
-        self.stats["reload_failures"] += 1
-        self.metrics.record_reload(False)
+        self._reloader.request()
 
     async def reload(self) -> bool:
-        """Load the config file again and apply it: new pools start, removed stop, changed update in place.
-
-        Returns False, logging why, when the file is refused or applying it fails; the daemon then keeps
-        running on the last good config.
-        """
-        path = self.settings.config_path
-        if path is None:
-            return False
-        try:
-            # In a worker thread: a 1 MiB file full of problems takes a while to validate, and the loop
-            # keeps health and the kubelet's calls going meanwhile.
-            new = await asyncio.to_thread(config_mod.load, path, default_prefix=self.settings.resource_prefix)
-        except config_mod.ConfigError as exc:
-            self._reload_failed()
-            for p in exc.problems:
-                log_event(log, "config reload refused", level=logging.ERROR, file=str(path), problem=p)
-            return False
-        except Exception as exc:
-            # load() turns every problem of the file into ConfigError; anything else is a bug, and still
-            # must not end the daemon's reloads.
-            self._reload_failed()
-            log_event(
-                log, "config reload refused", level=logging.ERROR, file=str(path), problem=repr(exc)[:500]
-            )
-            return False
-        for warning in new.warnings:
-            log_event(log, "config warning", level=logging.WARNING, file=str(path), problem=warning)
-        if new == self.config:
-            return True
-        last_good = self.config
-        try:
-            await self.apply_config(new)
-        except Exception:
-            # Pools already stopped or started stay so; the config stays the last good one, so the next
-            # reload diffs against it again and finishes the job.
-            self.config = last_good
-            self._reload_failed()
-            log.exception("applying the reloaded config failed; the last good config stays")
-            return False
-        return True
+        """Load the config file again and apply it; False (logged) when refused or applying it failed."""
+        return await self._reloader.reload()
 
     async def apply_config(self, new: Config) -> None:
-        """Diff pool definitions and apply them; untouched pools keep their streams and registration."""
+        """Diff pool definitions and apply them; untouched pools keep their streams and registration.
+
+        Should it fail, the config stays the last good one: pools already stopped or started stay so,
+        and the next reload diffs against it again and finishes the job.
+        """
+        last_good = self.config
+        try:
+            await self._apply_config(new)
+        except Exception:
+            self.config = last_good
+            raise
+
+    async def _apply_config(self, new: Config) -> None:
         async with self._reload_lock:
-            old_by_name = {p.full_name: p for p in self.config.pools}
-            new_by_name = {p.full_name: p for p in new.pools}
-            removed = [n for n in old_by_name if n not in new_by_name]
-            added = [n for n in new_by_name if n not in old_by_name]
-            # The kubelet reads options only at registration: a pool whose options change re-registers.
-            reregister = [
-                n
-                for n in new_by_name
-                if n in old_by_name and _options_of(old_by_name[n]) != _options_of(new_by_name[n])
-            ]
-            changed = [n for n in new_by_name if n in old_by_name and old_by_name[n] != new_by_name[n]]
-            # A pool moving to DRA leaves the device-plugin API: its server stops, its files stay for
-            # the pods that hold its devices (withheld from the DRA pool until they are released).
-            to_dra = [n for n in new_by_name if n in self.pools and new_by_name[n].api is PoolApi.DRA]
-            for n in removed + reregister + to_dra:
-                runtime = self.pools.pop(n, None)
-                if runtime is not None:
-                    deleted = n in removed and n not in self.ownership.resources_held()
-                    await self._stop_runtime(runtime, deleted=deleted)
-                if n in removed:
-                    self.metrics.remove_pool(n)
             with contextlib.suppress(Exception):
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
-            self._dra_recover()  # the first DRA pool of this run
+            self._dra.recover(new)  # the first DRA pool of this run
             # The window may have changed: a new coalescer, but the old one's pending flush must neither
             # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
             pending = self._coalescer.pending
@@ -1081,143 +870,15 @@ class Daemon:
             self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
             if pending:
                 self._coalescer.notify()
-            self._ibdev_cache = None
-            pools = self._apply(self.devices, new)
-            assert self.tracker is not None
-            started: list[PoolRuntime] = []
-            for i, pool in enumerate(pools):
-                name = pool.config.full_name
-                if name in self.pools or pool.config.api is PoolApi.DRA:
-                    continue
-                try:
-                    runtime = PoolRuntime(
-                        pool, self.settings, self.metrics, self._kubelet_watch, self.ownership
-                    )
-                except Exception:
-                    log.exception("pool %s could not be set up; the other pools go on", name)
-                    continue
-                healthy = self.tracker.pool_health(i)
-                runtime.publish(healthy, None)
-                self.pools[name] = runtime
-                self._report_counts(name, i, healthy)
-                started.append(runtime)
-            self._retain_held()
-            await asyncio.gather(*(self._start_runner(r) for r in started))
-            await self._dra_start()
-            self.stats["reloads"] += 1
+            changes = await self._apply(new)
+            await self._dra.start(self.config)
             self.metrics.record_reload(True)
             log_event(
                 log,
                 "config reloaded",
-                added=",".join(added) or "-",
-                removed=",".join(removed) or "-",
-                changed=",".join(changed) or "-",
-                reregistered=",".join(reregister) or "-",
+                added=",".join(changes.added) or "-",
+                removed=",".join(changes.removed) or "-",
+                changed=",".join(changes.changed) or "-",
+                reregistered=",".join(changes.reregister) or "-",
                 pools=len(self.pools),
             )
-
-    # ----------------------------------------------------------------------------------- DRA
-    def _dra_recover(self) -> None:
-        """Build the DRA driver and count the devices its prepared claims hold (before serving)."""
-        dra = self.settings.dra
-        if dra is None or self.dra is not None:
-            return
-        # Nothing to do for a node that never served DRA: no DRA pool and no claims checkpoint.
-        checkpoint = dra.plugins_dir / self.config.dra_driver_name / CLAIMS_CHECKPOINT
-        if not any(p.api is PoolApi.DRA for p in self.config.pools) and not os.path.lexists(checkpoint):
-            return
-        from .dra.driver import DraDriver
-
-        self.dra = DraDriver(
-            dra,
-            self.config.dra_driver_name,
-            cdi_dir=self.settings.cdi_dir,
-            devinfo_dir=self.settings.devinfo_dir,
-            dev_root=self.settings.dev_root,
-            on_node=lambda device_id: device_id in self.table.by_id(),
-            holder=self._dra_holder,
-            on_claims=self._dra_claims_changed,
-            client_factory=self._dra_client,
-        )
-        self.ownership.set_claimed(self.dra.recover())
-
-    def _dra_holder(self, device_id: str) -> str | None:
-        """Name who holds a device under the device-plugin API (the DRA gate refuses it then)."""
-        return ", ".join(sorted(self.ownership.held.get(device_id, frozenset()) - {DRA_CLAIMS})) or None
-
-    def _dra_claims_changed(self) -> None:
-        """After a Prepare or Unprepare: the ownership map follows the claims at once."""
-        if self.dra is not None:
-            self.ownership.set_claimed(self.dra.claimed())
-
-    def _dra_take(self, raw: Sequence[Pool], pools: Sequence[Pool]) -> None:
-        if self.dra is None:
-            return
-        try:
-            self.dra.take_pools(raw, pools, self.ownership.withheld)
-            assert self.tracker is not None
-            self.dra.take_health(self.tracker.pool_health)
-        except Exception:
-            log.exception("DRA: taking the new pools failed")
-
-    async def _dra_start(self) -> None:
-        """Start the DRA driver when it is needed; on failure one line, and retries in the background."""
-        dra = self.dra
-        if dra is None:
-            if any(p.api is PoolApi.DRA for p in self.config.pools):
-                log_event(log, "DRA pools are not served: DRA is off", level=logging.WARNING)
-            return
-        if dra.started or not dra.needed() or any(t.get_name() == "dra-start" for t in self._tasks):
-            return
-        if dra.driver != self.config.dra_driver_name:
-            log_event(
-                log,
-                "draDriverName changes take effect at the next start",
-                level=logging.WARNING,
-                serving=dra.driver,
-            )
-        if not await self._dra_try_start(1):
-            self._spawn(self._dra_retry(), "dra-start")
-
-    async def _dra_try_start(self, attempt: int) -> bool:
-        from .dra.driver import DraUnavailable  # imported already: self.dra is a DraDriver
-
-        assert self.dra is not None
-        try:
-            await self.dra.start()
-        except DraUnavailable as exc:
-            if attempt == 1 or attempt % 10 == 0:
-                log_event(log, "DRA driver cannot start; retrying", level=logging.WARNING, error=str(exc))
-            return False
-        except Exception:
-            log.exception("DRA driver failed to start; retrying")
-            return False
-        return True
-
-    async def _dra_retry(self) -> None:
-        bounds = self.settings.dra.retry_s if self.settings.dra is not None else (0.5, 30.0)
-        attempt = 1
-        while True:
-            await asyncio.sleep(backoff_delay(attempt, bounds))
-            attempt += 1
-            if await self._dra_try_start(attempt):
-                return
-
-
-def backoff_delay(attempt: int, bounds: tuple[float, float]) -> float:
-    """Return the wait before retry ``attempt`` (1-based): the low bound, doubling, capped at the high."""
-    low, high = bounds
-    return min(low * 2 ** (attempt - 1), high)
-
-
-def _options_of(pool: PoolConfig) -> tuple[bool, bool]:
-    return pool.prestart, pool.preferred != Preferred.NONE
-
-
-def _config_identity(path: Path) -> tuple[str, int, int, int] | None:
-    try:
-        real = os.path.realpath(path)
-        st = os.stat(real)
-    except OSError:
-        return None
-    return real, st.st_ino, st.st_mtime_ns, st.st_size

@@ -227,3 +227,40 @@ def list_names(directory: Path) -> list[str]:
         return sorted(os.listdir(dirfd))
     finally:
         os.close(dirfd)
+
+
+FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns)
+
+
+def identity_of(st: os.stat_result) -> FileIdentity:
+    """Return what tells a file from another at the same path, or from itself before a change.
+
+    A file made anew (written and renamed over, as the kubelet and ConfigMap updates do) has a new
+    inode; an inode written, truncated, chmod-ed or renamed in place gets a new ctime (inode(7)).
+    """
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def identify(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileIdentity | None:
+    """Return the identity (``identity_of``) of the file at ``path``, or None when nothing is there.
+
+    Other errors (EACCES, ELOOP) are raised: the path exists, but cannot be told apart.
+    """
+    try:
+        st = os.stat(path, follow_symlinks=follow_symlinks)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return identity_of(st)
+
+
+def resolved_identity(path: str | os.PathLike[str]) -> tuple[str, FileIdentity] | None:
+    """Return the path's target with its identity, or None when it cannot be resolved and stat-ed.
+
+    A ConfigMap mount updates by swapping its ``..data`` symlink: the target's name changes too.
+    """
+    try:
+        real = os.path.realpath(path)
+        found = identify(real)
+    except OSError:
+        return None
+    return None if found is None else (real, found)

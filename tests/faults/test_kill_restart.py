@@ -25,7 +25,7 @@ from helpers import node as node_helpers
 from helpers.node import GUARD_S, PREFIX, pool, res
 
 from densedev.alloc import cdi, devinfo
-from densedev.daemon import socket_name_for
+from densedev.kubelet.sockets import socket_name_for
 from densedev.testing import simnode
 from densedev.testing.kubelet import CHECKPOINT, KubeletEmulator, KubeletError
 

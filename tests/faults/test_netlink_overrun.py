@@ -157,10 +157,10 @@ async def test_link_flood_while_the_loop_is_blocked_then_pf_changes_still_arrive
         resumed = time.monotonic()
         await emu.wait_for(all_health(emu, pool(pf2), UNHEALTHY), GUARD_S)
         recovery = time.monotonic() - resumed
-        assert daemon.stats["overruns"] >= 1
+        assert metric(daemon, "densedev_netlink_overruns_total", source="link") >= 1
         # The reader must still be alive: later PF changes reach the kubelet, in both directions,
         # read as events (no further overrun resynced them).
-        overruns = daemon.stats["overruns"]
+        overruns = metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun")
         await aip(netns, "link", "set", pf2, "up")
         await emu.wait_for(all_health(emu, pool(pf2), HEALTHY), GUARD_S)
         await aip(netns, "link", "set", pf0, "down")
@@ -169,7 +169,7 @@ async def test_link_flood_while_the_loop_is_blocked_then_pf_changes_still_arrive
         await emu.wait_for(all_health(emu, pool(pf0), HEALTHY), GUARD_S)
         for pf in layout.pfs[1:4:2]:
             assert set(emu.devices(pool(pf.netdev)).values()) == {HEALTHY}
-        assert daemon.stats["overruns"] == overruns
+        assert metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun") == overruns
         assert metric(daemon, "densedev_netlink_overruns_total", source="link") >= 1
         assert metric(daemon, "densedev_netlink_reopens_total", source="link", reason="overrun") >= 1
         assert resyncs(daemon, "link") >= 1
@@ -192,7 +192,7 @@ async def test_uevent_flood_while_the_loop_is_blocked_then_uevents_still_arrive(
     sender = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(netns))
     try:
         await emu.wait_for(lambda: len(emu.devices(pool(pf.netdev))) == 8, GUARD_S)
-        scans = daemon.stats["scans"]
+        scans = metric(daemon, "densedev_scans_total")
         # Each veth created or deleted sends uevents for both ends and their queues to listeners in
         # the namespace (net devices' uevents are namespace-tagged): far more than the buffer holds.
         churn = [
@@ -201,11 +201,13 @@ async def test_uevent_flood_while_the_loop_is_blocked_then_uevents_still_arrive(
             for line in (f"link add uv{k} type veth peer name uv{k}p\n", f"link del uv{k}\n")
         ]
         batch(netns, churn)
-        await emu.wait_for(lambda: daemon.stats["overruns"] >= 1, GUARD_S)
+        await emu.wait_for(
+            lambda: metric(daemon, "densedev_netlink_overruns_total", source="uevent") >= 1, GUARD_S
+        )
         # The resync the overrun asked for (a full rescan) completes before the node changes, so
         # only a uevent read after it can make the pool follow.
         await emu.wait_for(lambda: resyncs(daemon, "uevent") >= 1, GUARD_S)
-        assert daemon.stats["scans"] > scans
+        assert metric(daemon, "densedev_scans_total") > scans
         assert metric(daemon, "densedev_netlink_overruns_total", source="uevent") >= 1
         assert metric(daemon, "densedev_netlink_reopens_total", source="uevent", reason="overrun") >= 1
         simnode.set_num_vfs(sysfs, pf.address, 0)

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from helpers.metrics import sample
 from helpers.node import GUARD_S, Node, res
 
 from densedev.daemon import Daemon
@@ -274,13 +275,13 @@ async def test_daemon_keeps_serving_while_sysfs_churns(
         os.path.relpath(_home_of(node, pfs[0].vf_addresses[6]), node.sysfs / "bus/pci/devices"),
         node.sysfs / "bus/pci/devices" / pfs[0].vf_addresses[6],
     )
-    scans = daemon.stats["scans"]
+    scans = sample(daemon, "densedev_scans_total")
     daemon.request_rescan()
     want_other = {a for pf in pfs[2:] for a in pf.vf_addresses}
     want_first = set(pfs[0].vf_addresses)
     await emu.wait_for(
         lambda: (
-            daemon.stats["scans"] > scans
+            sample(daemon, "densedev_scans_total") > scans
             and set(emu.devices(other)) == want_other
             and set(emu.devices(res(f"sriov_{pfs[0].netdev}"))) == want_first
         ),

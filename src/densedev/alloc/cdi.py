@@ -137,27 +137,6 @@ class SpecWriter:
         except OSError as e:
             log.warning("cannot remove CDI spec of %s in %s: %s", kind, self.directory, e)
 
-    def prune(self, keep_kinds: Iterable[str]) -> list[Path]:
-        """Delete our specs (``densedev-*.json``) of kinds not in ``keep_kinds`` and our stale temp files."""
-        keep = {spec_file_name(k) for k in keep_kinds}
-        removed: list[Path] = []
-        try:
-            names = files.list_names(self.directory)
-        except OSError as e:
-            log.warning("cannot list CDI dir %s: %s", self.directory, e)
-            return removed
-        # Specs first, then temporary files of ours that a crash between write and rename left behind.
-        ours = [n for n in names if is_spec_name(n)] + [n for n in names if files.is_temp_of(n, FILE_PREFIX)]
-        for name in ours:
-            if name in keep:
-                continue
-            try:
-                if files.remove(self.directory, name):
-                    removed.append(self.directory / name)
-            except OSError as e:
-                log.warning("cannot remove CDI file %s: %s", self.directory / name, e)
-        return removed
-
 
 def is_spec_name(name: str) -> bool:
     """Return whether a file name is one this daemon gives its specs (``densedev-*.json``)."""

@@ -1,4 +1,4 @@
-"""Crash leftovers: reconcile the CDI specs and device-info files an earlier run left with the pools now.
+"""Leftovers: the CDI specs and device-info files no configured pool and no held device needs any more.
 
 A daemon killed with SIGKILL (OOM killer, node pressure, ``kubectl delete --force``) never runs its
 cleanup, and the next start may have a config without some of its pools: their device-info files and
@@ -13,24 +13,28 @@ still holds, need.  Files of other programs are never touched:
   writes before its first file.
 
 The kubelet restarts a pod's containers from its checkpointed Allocate response, which names our CDI
-devices: a spec or file of a device a pod still holds is kept even when its pool is gone.
+devices ``<resource>=<device>``, the kind being the resource (``respond.cdi_class``): one rule,
+``prune_cdi``, keeps the spec of every configured pool and of every resource pods still hold devices
+under, at start and after every release; device-info files, one per device, stay while their device is
+held under any resource.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from .. import files
+from ..model import Device
+from ..ops.logs import log_event, summarise
 from . import cdi, devinfo
 
 log = logging.getLogger(__name__)
 
-MAX_SPEC_READ = 64 * 1024 * 1024  # a spec of 16k devices is a few MB; anything bigger is not ours
+Held = Mapping[str, Collection[str]]  # resource name -> device IDs running pods hold under it
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Reconciled:
 
 
 class FileOwner(Protocol):
-    """A pool's file side (``allocation.PoolAllocator``): says what it owns, adopts what it kept."""
+    """A pool's file side (``respond.PoolAllocator``): says what it owns, adopts and retains files."""
 
     def claim(self) -> PoolClaim:
         """Return what this pool may own on disk."""
@@ -63,27 +67,36 @@ class FileOwner(Protocol):
         """Take device-info files an earlier run left for these devices as this pool's own."""
         ...
 
+    def retain(self, devices: Sequence[Device]) -> None:
+        """Keep the files of these devices, held under this pool's resource, after they left the pool."""
+        ...
+
 
 def reconcile(
     cdi_dir: Path | None,
     devinfo_dir: Path | None,
     claims: Sequence[PoolClaim],
-    in_use: frozenset[str] | None = None,
+    held: Held | None = None,
 ) -> Reconciled:
     """Remove our files that no configured pool and no held device needs; return what was done.
 
-    ``in_use`` is the set of device IDs a pod still holds (from the kubelet); their files stay whatever
-    pool they were written for.  Without it, only what the configured pools' devices have is kept.
+    ``held`` names the devices pods still hold (from the kubelet) by resource: the specs of those
+    resources and the device-info files of those devices stay, whatever pool wrote them.  Without it,
+    only what the configured pools have is kept.
     """
-    held = in_use or frozenset()
+    held = held or {}
     removed: list[Path] = []
     problems: list[str] = []
     kept_specs: list[Path] = []
     kept_info: dict[str, frozenset[str]] = {}
     if cdi_dir is not None:
-        _reconcile_cdi(cdi_dir, claims, held, removed, kept_specs, problems)
+        specs = prune_cdi(cdi_dir, claims, held)
+        removed.extend(specs.removed)
+        kept_specs.extend(specs.kept_specs)
+        problems.extend(specs.problems)
     if devinfo_dir is not None:
-        kept_info = _reconcile_devinfo(devinfo_dir, claims, held, removed, problems)
+        in_use = frozenset(i for ids in held.values() for i in ids)
+        kept_info = _reconcile_devinfo(devinfo_dir, claims, in_use, removed, problems)
     return Reconciled(tuple(removed), kept_info, tuple(kept_specs), tuple(problems))
 
 
@@ -91,11 +104,11 @@ def reconcile_pools(
     cdi_dir: Path | None,
     devinfo_dir: Path | None,
     owners: Sequence[FileOwner],
-    in_use: frozenset[str] | None = None,
+    held: Held | None = None,
 ) -> Reconciled:
     """Reconcile for the daemon's pools, and hand each pool the device-info files kept for it."""
     claims = [o.claim() for o in owners]
-    result = reconcile(cdi_dir, devinfo_dir, claims, in_use)
+    result = reconcile(cdi_dir, devinfo_dir, claims, held)
     for owner, claim in zip(owners, claims, strict=True):
         if claim.info_stem is not None:
             kept = result.kept_info.get(claim.info_stem, frozenset())
@@ -121,38 +134,27 @@ def _list(directory: Path, problems: list[str]) -> list[str]:
         return []
 
 
-def _spec_devices(directory: Path, name: str) -> set[str]:
-    """Return the device names a spec file lists (empty when it cannot be read as a spec)."""
-    data = files.read_regular(directory, name, MAX_SPEC_READ)
-    if data is None:
-        return set()
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return set()
-    devices = doc.get("devices") if isinstance(doc, dict) else None
-    if not isinstance(devices, list):
-        return set()
-    return {d["name"] for d in devices if isinstance(d, dict) and isinstance(d.get("name"), str)}
+def prune_cdi(directory: Path, claims: Sequence[PoolClaim], held: Held) -> Reconciled:
+    """Remove our CDI specs of kinds no configured pool writes and no pod holds devices under.
 
-
-def _reconcile_cdi(
-    directory: Path,
-    claims: Sequence[PoolClaim],
-    held: frozenset[str],
-    removed: list[Path],
-    kept: list[Path],
-    problems: list[str],
-) -> None:
+    The one CDI rule, at start and after every release: a spec's kind is its pool's resource name, and
+    the kubelet restarts a container from its checkpointed response naming ``<resource>=<device>``.
+    Temporary files of ours (a crash between write and rename) go too.
+    """
+    removed: list[Path] = []
+    kept: list[Path] = []
+    problems: list[str] = []
     wanted = {cdi.spec_file_name(c.kind) for c in claims if c.kind}
+    wanted.update(cdi.spec_file_name(r) for r, ids in held.items() if ids)
     for name in _list(directory, problems):
         if files.is_temp_of(name, cdi.FILE_PREFIX):
-            _remove(directory, name, removed, problems)  # a crash between write and rename
+            _remove(directory, name, removed, problems)
         elif cdi.is_spec_name(name):
-            if name in wanted or (held and _spec_devices(directory, name) & held):
+            if name in wanted:
                 kept.append(directory / name)
             else:
                 _remove(directory, name, removed, problems)
+    return Reconciled(tuple(removed), kept_specs=tuple(kept), problems=tuple(problems))
 
 
 def _reconcile_devinfo(
@@ -191,3 +193,47 @@ def _reconcile_devinfo(
         except OSError as e:
             problems.append(f"cannot update {directory / devinfo.OWNED_RECORD}: {e.strerror or e}")
     return {s: frozenset(ids) for s, ids in kept.items()}
+
+
+class Leftovers:
+    """The daemon's files beyond what each pool keeps itself: reconciled at start, pruned after releases."""
+
+    def __init__(self, cdi_dir: Path | None, devinfo_dir: Path | None) -> None:
+        self.cdi_dir = cdi_dir
+        self.devinfo_dir = devinfo_dir
+
+    def reconcile(self, owners: Sequence[FileOwner], held: Held) -> None:
+        """At start: remove what an earlier run left that no pool and no held device needs (logged)."""
+        try:
+            result = reconcile_pools(self.cdi_dir, self.devinfo_dir, owners, held)
+        except Exception:
+            log.exception("reconciling files left by an earlier run failed; going on without")
+            return
+        _report(result, "removed files left by an earlier run")
+
+    def prune(self, owners: Sequence[FileOwner], held: Held) -> None:
+        """After a release: remove the specs of pools no longer configured once nothing is held under them."""
+        if self.cdi_dir is None:
+            return
+        _report(prune_cdi(self.cdi_dir, [o.claim() for o in owners], held), "removed stale CDI specs")
+
+    def retain(
+        self, owners: Mapping[str, FileOwner], held: Held, devices: Callable[[], Mapping[str, Device]]
+    ) -> None:
+        """Have each pool keep the files of devices pods hold under its resource after they left it."""
+        if self.cdi_dir is None and self.devinfo_dir is None:
+            return
+        by_id = devices() if held else {}
+        for name, owner in owners.items():
+            try:
+                owner.retain([by_id[i] for i in sorted(held.get(name, ())) if i in by_id])
+            except Exception:
+                log.exception("pool %s: keeping the files of held devices failed", name)
+
+
+def _report(result: Reconciled, what: str) -> None:
+    """Log what was removed (one line, summarised) and each problem met (one line each)."""
+    for problem in result.problems:
+        log_event(log, "leftover file not reconciled", level=logging.WARNING, problem=problem)
+    if result.removed:
+        log_event(log, what, files=summarise([p.name for p in result.removed], noun="file"))

@@ -4,7 +4,7 @@ The daemon owns the engine (one scan, one config, one health tracker, one owners
 turns what it hands over into the two DRA surfaces: ResourceSlices at the API server (``Publisher``)
 and the kubelet plugin (``KubeletPlugin``: registration, NodePrepareResources, the health stream).
 
-Order matters and is the daemon's to keep (see ``Daemon.start``):
+Order matters and is the daemon's to keep (see ``Daemon.start``), through ``DraHooks``:
 
 1. ``recover()`` loads the prepared claims' checkpoint before anything is served, so the devices
    they hold count as held in the ownership map and the device-plugin side never lists them;

@@ -33,7 +33,8 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from .. import files
-from .sockets import MAX_UNIX_PATH, FileIdentity, identify
+from ..files import FileIdentity, identify
+from .sockets import MAX_UNIX_PATH
 from .wire import KUBELET_MAX_MESSAGE
 
 log = logging.getLogger(__name__)

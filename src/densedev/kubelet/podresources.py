@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from .. import files
 from .._proto import podresources_pb2
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
@@ -85,13 +86,12 @@ class PodResourcesClient:
             await channel.close(None)
 
 
-def checkpoint_identity(path: Path) -> tuple[int, int, int, int] | None:
+def checkpoint_identity(path: Path) -> files.FileIdentity | None:
     """Return what changes when the kubelet replaces the checkpoint (it writes a new file and renames it)."""
     try:
-        st = os.lstat(path)
+        return files.identify(path, follow_symlinks=False)
     except OSError:
         return None
-    return st.st_ino, st.st_mtime_ns, st.st_size, st.st_ctime_ns
 
 
 def read_checkpoint(path: Path) -> Held:

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 
 from .._proto import api_pb2
+from ..files import FileIdentity, identify
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
-from .sockets import FileIdentity, identify
 from .watch import DirectoryWatch
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,19 @@
-"""Pool sockets left behind by an earlier run (SIGKILL, a pool removed meanwhile) are removed at start.
+"""Pool sockets: their names within ``sun_path``'s limit, and the ones an earlier run left behind.
 
-Only entries this daemon could have made count: names ``densedev-*.sock`` (see
-``manager.socket_name_for``), that are sockets themselves (never a symlink or another file), that no
-current pool uses, and that nobody serves — a socket another running program listens on is left alone
-(connect succeeds); a dead one refuses the connection (ECONNREFUSED), as every socket of a killed
-process does.
+Left behind (SIGKILL, a pool removed meanwhile), they are removed at start.  Only entries this daemon
+could have made count: names ``densedev-*.sock`` (``socket_name_for``), that are sockets themselves
+(never a symlink or another file), that no current pool uses, and that nobody serves — a socket
+another running program listens on is left alone (connect succeeds); a dead one refuses the
+connection (ECONNREFUSED), as every socket of a killed process does.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
+import re
 import socket
 import stat
 from collections.abc import Iterable
@@ -21,6 +23,22 @@ log = logging.getLogger(__name__)
 
 PREFIX = "densedev-"
 SUFFIX = ".sock"
+# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
+MAX_UNIX_PATH = 107
+
+
+def socket_name_for(resource: str, kubelet_dir: Path) -> str:
+    """Return the pool's socket file name: readable when it fits ``sun_path``, hashed when it would not.
+
+    Resource names may be 300+ characters while a unix socket path is limited to 107 bytes; the name
+    must also be stable across restarts so the kubelet's view does not churn.
+    """
+    # Only [A-Za-z0-9_.-] of the name reach the file name: no "/" or control character from a config.
+    readable = PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", resource) + SUFFIX
+    if len(os.fsencode(kubelet_dir / readable)) <= MAX_UNIX_PATH:
+        return readable
+    digest = hashlib.sha256(resource.encode()).hexdigest()[:16]
+    return f"{PREFIX}{digest}{SUFFIX}"
 
 
 def _served(path: str) -> bool:
@@ -60,22 +78,3 @@ def remove_stale_sockets(kubelet_dir: Path, keep: Iterable[str]) -> list[str]:
             continue
         removed.append(name)
     return sorted(removed)
-
-
-# sockaddr_un.sun_path is 108 bytes including the terminating NUL (include/uapi/linux/un.h).
-MAX_UNIX_PATH = 107
-
-FileIdentity = tuple[int, int, int]  # (st_dev, st_ino, st_ctime_ns)
-
-
-def identify(path: Path, *, follow_symlinks: bool = True) -> FileIdentity | None:
-    """Return what tells this file from a recreated one at the same path, or None when it is absent.
-
-    The ctime too, as on ext4 a deleted socket's inode number is soon given to the next one.  Our own
-    sockets are named with ``follow_symlinks=False``: a symlink planted at their path is not ours.
-    """
-    try:
-        st = os.stat(path, follow_symlinks=follow_symlinks)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return st.st_dev, st.st_ino, st.st_ctime_ns

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from .. import accel
+from ..backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -282,7 +283,7 @@ class _Monitor:
         self._reopen_handle: asyncio.Handle | None = None
         self._reopen_soon = False  # a reopen runs on the next turn: the old queue is stale
         self._reopen_reason = ReopenReason.ERROR
-        self._reopen_backoff = _REOPEN_RETRY_S
+        self._reopen_backoff = Backoff(_REOPEN_RETRY_S, _REOPEN_RETRY_MAX_S)
         self._lost_at: float | None = None  # when events were last lost and not yet resynced
         self._resync_handle: asyncio.TimerHandle | None = None
         self._last_malformed_resync = -1e9
@@ -360,16 +361,16 @@ class _Monitor:
             sock = self._make_socket()
         except Exception as exc:
             # The namespace may be gone or descriptors exhausted: keep the old socket, try again later.
+            delay = self._reopen_backoff.next()
             log.error(
                 "netlink %s socket could not be reopened (%s); retrying in %.0f s",
                 self.source,
                 exc,
-                self._reopen_backoff,
+                delay,
             )
-            self._reopen_handle = self._loop.call_later(self._reopen_backoff, self._reopen)
-            self._reopen_backoff = min(self._reopen_backoff * 2, _REOPEN_RETRY_MAX_S)
+            self._reopen_handle = self._loop.call_later(delay, self._reopen)
             return
-        self._reopen_backoff = _REOPEN_RETRY_S
+        self._reopen_backoff.reset()
         self._detach()
         self._attach(sock)
         self.reopens += 1

@@ -11,25 +11,37 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
-from .. import accel
-from ..model import Device
+from .. import accel, pci
+from ..model import Device, Pool, Role
 from ..printable import columns
-from .layout import PCI_DEVICES, SYSFS_ROOT
+from .layout import NET_CLASS, PCI_DEVICES, SYSFS_ROOT
 from .table import DeviceTable
 
+if TYPE_CHECKING:
+    from .events import UeventTuple
+
 __all__ = [
+    "UEVENT_ACTIONS",
+    "UEVENT_SUBSYSTEMS",
     "DeviceTable",
     "PciNames",
+    "Rescan",
+    "Scanner",
     "format_devices",
+    "netdev_names",
+    "pci_address_in",
     "pf_family",
+    "rdma_devices",
     "read_rdma_ports",
     "rescan_devices",
     "rescan_pf",
     "scan",
+    "uevent_target",
 ]
 
 log = logging.getLogger(__name__)
@@ -232,3 +244,118 @@ def format_devices(table: DeviceTable, names: PciNames | None = None) -> str:
     lines = columns(rows)
     lines.append(f"{len(table.devices)} devices, {len(table.warnings)} warnings")
     return "\n".join(lines)
+
+
+# --- the sysfs root, owned --------------------------------------------------------------------------
+
+# Kernel uevents that change what a scan would find (lib/kobject_uevent.c action names).
+UEVENT_SUBSYSTEMS = frozenset(("pci", "net", "infiniband", "auxiliary", "vdpa"))
+UEVENT_ACTIONS = frozenset(("add", "remove", "bind", "unbind", "change", "move"))
+# Beyond a few dozen devices one pass over the node is cheaper than many partial ones.
+MAX_TARGETED_RESCANS = 32
+
+
+def pci_address_in(devpath: str) -> str | None:
+    """Return the last PCI address among DEVPATH's components, or None (then rescan everything)."""
+    found = [part for part in devpath.split("/") if pci.is_address(part)]
+    return found[-1] if found else None
+
+
+def uevent_target(event: UeventTuple) -> tuple[bool, str | None]:
+    """Return whether a kernel uevent changes what a scan finds, and the PCI address to rescan (None: all)."""
+    action, devpath, env = event
+    fields = dict(env)
+    if fields.get("SUBSYSTEM", "") not in UEVENT_SUBSYSTEMS or action not in UEVENT_ACTIONS:
+        return False, None
+    # The device is named by PCI_SLOT_NAME (pci) or is the last PCI function in DEVPATH (net,
+    # infiniband, auxiliary and vdpa devices hang below their PCI function).
+    return True, fields.get("PCI_SLOT_NAME") or pci_address_in(devpath)
+
+
+def netdev_names(devices: Iterable[Device]) -> set[str]:
+    """Return the host interface names of the devices and of their PFs (whose link state they follow)."""
+    names: set[str] = set()
+    for d in devices:
+        names.update(d.netdevs)
+        if d.pf_netdev:
+            names.add(d.pf_netdev)
+    return names
+
+
+def rdma_devices(pools: Iterable[Pool], devices: Iterable[Device]) -> list[str]:
+    """Return the RDMA devices whose ports are polled: the pools' (all the table's when there is no pool)."""
+    seen: dict[str, None] = {}
+    any_pool = False
+    for pool in pools:
+        any_pool = True
+        for m in pool.members:
+            if m.device.rdma_device:
+                seen[m.device.rdma_device] = None
+    if not any_pool:
+        for d in devices:
+            if d.rdma_device:
+                seen[d.rdma_device] = None
+    return list(seen)
+
+
+class Rescan(NamedTuple):
+    """A rescan's result: the new table, whether it read the whole node, and whether anything changed."""
+
+    table: DeviceTable
+    full: bool
+    changed: bool
+
+
+class Scanner:
+    """Owns one sysfs root: full scans, targeted rescans, interface operstates and RDMA port states."""
+
+    def __init__(self, sysfs_root: str | Path = SYSFS_ROOT) -> None:
+        self.root = Path(sysfs_root)
+
+    def scan(self, previous: DeviceTable | None = None, *, threads: bool = True) -> DeviceTable:
+        """Scan the whole node (see ``scan``)."""
+        return scan(self.root, previous, threads=threads)
+
+    def rescan(self, table: DeviceTable, targets: Collection[str], *, threads: bool = True) -> Rescan:
+        """Rescan the targets (a PF with its whole VF family), or everything when none or too many.
+
+        Blocking: the daemon runs it in a worker thread.  ``threads=False`` is for a full scan that
+        most likely finds nothing (the periodic reconcile): one thread, the least CPU.
+        """
+        if not targets or len(targets) > MAX_TARGETED_RESCANS:
+            new = self.scan(table, threads=threads)
+            # scan() hands back the devices it was given when none changed (compared slice by slice).
+            return Rescan(new, True, new.devices is not table.devices)
+        new = table
+        for address in sorted(targets):
+            known = new.by_id().get(address)
+            is_pf = (known is not None and known.role == Role.PF) or os.path.exists(
+                os.path.join(self.root, PCI_DEVICES, address, "sriov_totalvfs")
+            )
+            if is_pf:
+                new = rescan_pf(self.root, address, new)
+            else:
+                new = new.merged(rescan_devices(self.root, [address]), [address])
+        # A merged table keeps the Devices it did not rescan: mostly identity checks.
+        return Rescan(new, False, new.devices != table.devices)
+
+    def operstates(self, ifnames: Iterable[str]) -> list[tuple[str, bool]]:
+        """Read ``class/net/<if>/operstate`` for the named interfaces (simulated nodes carry no netlink).
+
+        A real node's first netlink dump overrides these; on a simulated tree they are the only truth.
+        Unreadable files are skipped: the interface may just have left the host namespace.
+        """
+        out: list[tuple[str, bool]] = []
+        base = os.path.join(os.fspath(self.root), NET_CLASS)
+        for name in ifnames:
+            try:
+                with open(os.path.join(base, name, "operstate"), "rb") as f:
+                    state = f.read().strip()
+            except OSError:
+                continue
+            out.append((name, state in (b"up", b"unknown")))
+        return out
+
+    def rdma_ports(self, ibdevs: Iterable[str]) -> tuple[tuple[str, int, int, int], ...]:
+        """Return ``(ibdev, port, state, phys_state)`` for every port of these RDMA devices."""
+        return read_rdma_ports(self.root, ibdevs)

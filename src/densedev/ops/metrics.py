@@ -26,12 +26,17 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import __version__, accel
-from ..model import Health
+from ..model import Health, RequestError
+
+if TYPE_CHECKING:
+    from .._proto import api_pb2
+    from ..kubelet.server import PoolService
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Event-to-send latency: the health engine aims at milliseconds, so most of the resolution sits between
 # 0.5 ms and 50 ms; 1 s catches a stalled loop.
@@ -649,6 +654,49 @@ class Metrics:
 def _remove_resource(metric: Counter | Gauge | Histogram, resource: str) -> None:
     """Remove every series of ``metric`` whose ``resource`` label is ``resource``."""
     metric.remove_by_labels({"resource": resource})
+
+
+class MeteredService:
+    """Wraps a pool's allocator to time every kubelet call and count errors in the metrics."""
+
+    def __init__(self, resource: str, inner: PoolService, metrics: Metrics) -> None:
+        self.resource = resource
+        self.inner = inner
+        self.metrics = metrics
+
+    def options(self) -> tuple[bool, bool]:
+        """Return the pool's options (read by the kubelet once per registration)."""
+        return self.inner.options()
+
+    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
+        """Answer Allocate, timed."""
+        return self._timed(ALLOCATE, self.inner.allocate, ids)
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Answer GetPreferredAllocation, timed."""
+        return self._timed(PREFERRED, self.inner.preferred, available, must_include, size)
+
+    def prestart(self, ids: Sequence[str]) -> None:
+        """Answer PreStartContainer, timed."""
+        self._timed(PRESTART, self.inner.prestart, ids)
+
+    def _timed(self, method: str, call: Callable[..., T], *args: Any) -> T:
+        """Run one kubelet call, recording its latency and, if it fails, the status it is answered with."""
+        t0 = time.perf_counter()
+        try:
+            result = call(*args)
+        except RequestError as exc:
+            # The status the server answers with; imported here, as only a refused call needs it (and
+            # it brings in grpc).
+            from ..kubelet.server import status_of
+
+            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, status_of(exc).name)
+            raise
+        except Exception:
+            self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0, "INTERNAL")
+            raise
+        self.metrics.observe_rpc(self.resource, method, time.perf_counter() - t0)
+        return result
 
 
 # ------------------------------------------------------------------------------------- HTTP
