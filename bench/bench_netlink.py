@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _impl
 
 from densedev import accel
-from densedev.health.tracker import Coalescer, HealthTracker
+from densedev.health.coalesce import Coalescer
+from densedev.health.tracker import HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
 from densedev.node.events import NETLINK_ROUTE, LinkMonitor, link_states, open_netlink_socket, resolve_netns
 from densedev.testing.reference import pyroute2_links

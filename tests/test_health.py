@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from densedev.health.coalesce import Coalescer
 from densedev.health.tracker import (
     REASON_DRIVER,
     REASON_LINK,
@@ -17,7 +18,6 @@ from densedev.health.tracker import (
     REASON_RDMA,
     REASON_RECOVERING,
     REASON_UNBOUND,
-    Coalescer,
     HealthTracker,
 )
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember

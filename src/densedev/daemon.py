@@ -27,7 +27,8 @@ from .alloc import cdi, leftovers
 from .alloc.respond import AllocationSettings, PoolAllocator
 from .dra.claims import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from .dra.driver import ClientFactory, DraDriver, DraSettings, DraUnavailable
-from .health.tracker import Coalescer, HealthTracker, PoolUpdate
+from .health.coalesce import Coalescer
+from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.registration import PluginRunner, announce_kubelet

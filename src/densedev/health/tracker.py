@@ -8,13 +8,12 @@ one diff and produces nothing.
 
 Timing: Unhealthy is advertised at once; Healthy again only after ``hold_down_s`` of continuous health,
 so a flapping link does not make the kubelet flap its allocatable count.  ``next_deadline`` tells the
-caller when the next hold-down ends, so it can sleep instead of polling.  ``Coalescer`` folds a burst of
-events (a PF going down takes its VFs with it) into one ``collect`` within a short window.
+caller when the next hold-down ends, so it can sleep instead of polling (``coalesce.Coalescer`` folds a
+burst of events into one ``collect``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -368,51 +367,3 @@ class HealthTracker:
                 state.pending.setdefault(i, now)
             # Same members in the same order: only health changes need telling; otherwise the whole list.
             state.force = state.ids != prev.ids
-
-
-class Coalescer:
-    """Folds a burst of events into one call of ``flush``, at most ``window`` seconds after its first event.
-
-    The deadline is set by the first event and never pushed back by later ones, so a steady stream of
-    events cannot postpone the message to the kubelet indefinitely.
-    """
-
-    def __init__(
-        self,
-        flush: Callable[[], None],
-        window: float = 0.002,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        if window < 0:
-            raise ValueError(f"coalescing window must be >= 0 seconds, got {window}")
-        self._flush = flush
-        self._window = window
-        self._loop = loop
-        self._handle: asyncio.TimerHandle | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Return whether a flush is scheduled."""
-        return self._handle is not None
-
-    def notify(self) -> None:
-        """Note an event batch; schedules the flush unless one is already due."""
-        if self._handle is None:
-            loop = self._loop or asyncio.get_running_loop()
-            self._handle = loop.call_later(self._window, self._fire)
-
-    def flush_now(self) -> None:
-        """Run the flush immediately (and cancel the scheduled one), e.g. before shutting down."""
-        if self._handle is not None:
-            self._handle.cancel()
-        self._fire()
-
-    def cancel(self) -> None:
-        """Drop a scheduled flush."""
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _fire(self) -> None:
-        self._handle = None
-        self._flush()
