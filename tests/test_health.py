@@ -392,16 +392,23 @@ def test_coalescer_is_not_pushed_back_by_later_events(run: Run) -> None:
     assert run(main()) >= 1
 
 
-def test_coalescer_flush_now_and_cancel(run: Run) -> None:
+def test_coalescer_cancel_drops_the_scheduled_flush(run: Run) -> None:
     async def main() -> list[int]:
         calls: list[int] = []
-        coalescer = Coalescer(lambda: calls.append(1), window=10.0)
+        fired = asyncio.Event()
+
+        def flush() -> None:
+            calls.append(1)
+            fired.set()
+
+        coalescer = Coalescer(flush, window=0.01)
         coalescer.notify()
-        coalescer.flush_now()
+        coalescer.cancel()  # as Daemon.stop and a reload's hand-over do
         assert not coalescer.pending
-        coalescer.notify()
-        coalescer.cancel()
-        await asyncio.sleep(0)
+        coalescer.notify()  # due after the cancelled one would have been: only this one fires
+        await fired.wait()
+        await asyncio.sleep(0.02)
+        assert not coalescer.pending
         return calls
 
     assert run(main()) == [1]

@@ -37,12 +37,6 @@ class Coalescer:
             loop = self._loop or asyncio.get_running_loop()
             self._handle = loop.call_later(self._window, self._fire)
 
-    def flush_now(self) -> None:
-        """Run the flush immediately (and cancel the scheduled one), e.g. before shutting down."""
-        if self._handle is not None:
-            self._handle.cancel()
-        self._fire()
-
     def cancel(self) -> None:
         """Drop a scheduled flush."""
         if self._handle is not None:
