@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
-from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder, bit
+from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder
 
 F = descriptor_pb2.FieldDescriptorProto
 
@@ -133,14 +133,6 @@ def _expected(ids: list[str], numa: list[int], healthy: list[bool]) -> bytes:
     ).SerializeToString()
 
 
-def _bitmap(healthy: list[bool]) -> bytes:
-    out = bytearray((len(healthy) + 7) // 8)
-    for index, value in enumerate(healthy):
-        if value:
-            out[index >> 3] |= 1 << (index & 7)
-    return bytes(out)
-
-
 def test_list_encoder_follows_health_changes() -> None:
     ids = _ids(1000)
     numa = [i % 2 for i in range(1000)]
@@ -151,37 +143,22 @@ def test_list_encoder_follows_health_changes() -> None:
         healthy[index] = False
     assert encoder.encode(healthy, changed=[0, 7, 8, 999, 500]) == _expected(ids, numa, healthy)
     healthy[7] = True
-    assert encoder.encode(healthy) == _expected(ids, numa, healthy)  # changed=None: compares all
+    assert encoder.encode(healthy) == _expected(ids, numa, healthy)  # changed=None: re-encodes all
     decoded = api_pb2.ListAndWatchResponse.FromString(encoder.encode(healthy))
     assert [d.health for d in decoded.devices].count("Unhealthy") == 4
     assert encoder.truncated == 0
 
 
-def test_list_encoder_reads_bitmaps() -> None:
-    ids = _ids(77)  # not a multiple of 8: the last byte is partial
-    numa = [-1 if i % 10 == 0 else i % 4 for i in range(77)]
-    encoder = ListEncoder(ids, numa)
-    healthy = [i % 3 != 0 for i in range(77)]
-    assert encoder.encode(_bitmap(healthy)) == _expected(ids, numa, healthy)
-    healthy[76] = not healthy[76]
-    healthy[9] = not healthy[9]
-    assert encoder.encode(_bitmap(healthy)) == _expected(ids, numa, healthy)
-    healthy[40] = not healthy[40]
-    assert encoder.encode(_bitmap(healthy), changed=[40]) == _expected(ids, numa, healthy)
-    assert [bit(_bitmap(healthy), i) for i in range(77)] == healthy
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.booleans(), min_size=40, max_size=40), min_size=1, max_size=6), st.booleans())
-def test_list_encoder_generated_sequences(states: list[list[bool]], as_bitmap: bool) -> None:
+@given(st.lists(st.lists(st.booleans(), min_size=40, max_size=40), min_size=1, max_size=6))
+def test_list_encoder_generated_sequences(states: list[list[bool]]) -> None:
     ids = _ids(40)
     numa = [i % 3 - 1 for i in range(40)]
     encoder = ListEncoder(ids, numa)
     previous: list[bool] | None = None
     for state in states:
         changed = None if previous is None else [i for i in range(40) if state[i] != previous[i]]
-        data = _bitmap(state) if as_bitmap else state
-        assert encoder.encode(data, changed) == _expected(ids, numa, state)
+        assert encoder.encode(state, changed) == _expected(ids, numa, state)
         previous = state
 
 
@@ -189,8 +166,6 @@ def test_list_encoder_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="3 ids but 2 NUMA"):
         ListEncoder(_ids(3), [0, 0])
     encoder = ListEncoder(_ids(20), [0] * 20)
-    with pytest.raises(ValueError, match="bitmap of 2 bytes is too short for 20"):
-        encoder.encode(b"\xff\xff")
     with pytest.raises(ValueError, match="19 health values for 20"):
         encoder.encode([True] * 19)
     with pytest.raises(IndexError, match="changed index 20"):
@@ -221,5 +196,6 @@ def test_kubelet_limit_is_four_mebibytes() -> None:
     assert KUBELET_MAX_MESSAGE == 4 * 1024 * 1024
     # 16,384 devices with PCI IDs and topology fit with a wide margin.
     encoder = ListEncoder(_ids(16384), [1] * 16384)
-    assert len(encoder.encode(b"\xff" * 2048)) < KUBELET_MAX_MESSAGE // 4
+    assert len(encoder.encode([True] * 16384)) < KUBELET_MAX_MESSAGE // 4
     assert encoder.truncated == 0
+
