@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
+from densedev.health.tracker import HealthTracker
 from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder
+from densedev.model import ROLE_PF, ROLE_VF, Device, Pool, PoolConfig, PoolMember
 
 F = descriptor_pb2.FieldDescriptorProto
 
@@ -199,3 +201,84 @@ def test_kubelet_limit_is_four_mebibytes() -> None:
     assert len(encoder.encode([True] * 16384)) < KUBELET_MAX_MESSAGE // 4
     assert encoder.truncated == 0
 
+
+# -- fed by the health tracker, as the daemon feeds it ------------------------------------------------
+
+
+def _device(address: str, role: str, pf_netdev: str = "", netdevs: tuple[str, ...] = ()) -> Device:
+    return Device(
+        id=address, role=role, vendor="8086", device="1889", pci_class="020000", subsystem_vendor="8086",
+        subsystem_device="0000", driver="iavf", numa_node=address.endswith("1") - 1, iommu_group=-1,
+        noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=-1, pf_netdev=pf_netdev,
+        netdevs=netdevs, link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="",
+        pcie_root="pci0000:00", aux_type="",
+    )  # fmt: skip
+
+
+_PFS = ("p0", "p1", "p2")
+_TRACKER_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("link"), st.sampled_from([*_PFS, "v0", "v5", "v9"]), st.booleans()),
+        st.tuples(st.just("tick"), st.sampled_from([0.0, 0.5, 1.0])),
+        st.tuples(st.just("rescan"), st.integers(6, 12)),  # the node now has this many VFs
+        st.tuples(st.just("collect")),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_TRACKER_OPS)
+def test_encoder_fed_by_the_tracker_lists_what_the_tracker_holds(ops: list[tuple[Any, ...]]) -> None:
+    # The encoder keeps no health: it re-encodes only the members the tracker says changed.  Through
+    # links, hold-downs and rescans that grow and shrink the pools, every message the daemon's path
+    # builds (flush: the update; membership change: a new encoder, the whole list) equals protobuf's
+    # of the tracker's advertised health.
+    now = [0.0]
+    pfs = [_device(f"0000:0{k + 1}:00.0", ROLE_PF, netdevs=(name,)) for k, name in enumerate(_PFS)]
+
+    def table(vfs: int) -> tuple[list[Device], list[Pool]]:
+        devices = pfs + [
+            _device(f"0000:0{k % 3 + 1}:01.{k // 3}", ROLE_VF, _PFS[k % 3], (f"v{k}",)) for k in range(vfs)
+        ]
+        vf_members = [d for d in devices if d.role == ROLE_VF]
+        pools = [
+            Pool(PoolConfig("vfs", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members)),
+            Pool(PoolConfig("even", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members[::2])),
+            Pool(
+                PoolConfig("pfs", "example.com", exclude_topology=True),
+                tuple(PoolMember(d.id, d) for d in pfs),
+            ),
+        ]
+        return devices, pools
+
+    def encoder_of(p: Pool) -> tuple[ListEncoder, list[str], list[int]]:
+        ids = [m.id for m in p.members]
+        numa = [-1 if p.config.exclude_topology else m.device.numa_node for m in p.members]
+        return ListEncoder(ids, numa), ids, numa
+
+    devices, pools = table(9)
+    tracker = HealthTracker(devices, pools, clock=lambda: now[0])
+    encoders = {p.config.full_name: encoder_of(p) for p in pools}
+    sent: dict[str, bytes] = {}
+    for upd in tracker.collect().values():
+        sent[upd.pool] = encoders[upd.pool][0].encode(upd.healthy, None)
+    for op in [*ops, ("collect",)]:
+        if op[0] == "link":
+            tracker.set_links([(op[1], op[2])])
+        elif op[0] == "tick":
+            now[0] += op[1]
+        elif op[0] == "rescan":
+            devices, new_pools = table(op[1])
+            tracker.replace(devices, new_pools)
+            for old, p in zip(pools, new_pools, strict=True):
+                if old.members != p.members:
+                    name = p.config.full_name
+                    encoders[name] = encoder_of(p)
+                    sent[name] = encoders[name][0].encode(tracker.healthy(name), None)
+            pools = new_pools
+        else:
+            for upd in tracker.collect().values():
+                sent[upd.pool] = encoders[upd.pool][0].encode(upd.healthy, upd.changed)
+            for name, (_, ids, numa) in encoders.items():
+                assert sent[name] == _expected(ids, numa, list(tracker.healthy(name)))

@@ -171,11 +171,12 @@ class PoolRuntime:
         metrics: Metrics,
         watch: DirectoryWatch | None = None,
         ownership: Ownership | None = None,
+        *,
+        health: HealthTracker,
     ) -> None:
         self.pool = pool
         self.feed = PoolFeed()
-        self.healthy: list[bool] = [True] * len(pool.members)
-        self._index = {m.id: i for i, m in enumerate(pool.members)}
+        self._health = health  # the only holder of the members' health; the allocator asks it
         self.encoder = self._new_encoder(pool)
         self.allocator = PoolAllocator(
             pool,
@@ -218,21 +219,19 @@ class PoolRuntime:
         return self.pool.config.full_name
 
     def is_healthy(self, device_id: str) -> bool:
-        """Return whether the ID is a member whose last advertised health is Healthy."""
-        i = self._index.get(device_id)
-        return i is not None and self.healthy[i]
+        """Return whether the ID is a member the health tracker advertises Healthy."""
+        return self._health.is_healthy(self.name, device_id)
 
     def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
-        """Encode the pool's list from the cache, hand it to the streams, and return its size."""
-        self.healthy = list(healthy)
-        message = self.encoder.encode(self.healthy, changed)
+        """Encode the health the tracker handed over, hand the message to the streams, return its size."""
+        # ``changed``: the members the tracker says changed since its last report (None: all of them).
+        message = self.encoder.encode(healthy, changed)
         self.feed.publish(message)
         return len(message)
 
     def replace(self, pool: Pool, healthy: Sequence[bool]) -> int:
         """Adopt a new membership (rescan or reload) and publish the whole list once."""
         self.pool = pool
-        self._index = {m.id: i for i, m in enumerate(pool.members)}
         self.encoder = self._new_encoder(pool)
         self.allocator.update(pool)
         return self.publish(healthy, None)
@@ -260,7 +259,6 @@ class Daemon:
         self._full_rescan = False
         self._ibdev_cache: list[str] | None = None
         self.pools: dict[str, PoolRuntime] = {}
-        self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
         self.started = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -322,21 +320,27 @@ class Daemon:
             self._read_sysfs_links()
         self._poll_rdma()
         initial = self.tracker.collect()
-        for i, pool in enumerate(pools):
+        for pool in pools:
             if pool.config.api is PoolApi.DRA:
                 continue  # published as ResourceSlices and served by the DRA driver
             try:
-                runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
+                runtime = PoolRuntime(
+                    pool,
+                    self.settings,
+                    self.metrics,
+                    self._kubelet_watch,
+                    self.ownership,
+                    health=self.tracker,
+                )
             except Exception:
                 # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
                 log.exception("pool %s could not be set up; the other pools go on", pool.config.full_name)
                 continue
-            upd = initial.get(i)
-            healthy = upd.healthy if upd is not None else self.tracker.pool_health(i)
+            upd = initial.get(runtime.name)
+            healthy = upd.healthy if upd is not None else self.tracker.healthy(runtime.name)
             runtime.publish(healthy, None)
-            self._report_counts(runtime.name, i, healthy)
+            self._report_counts(runtime.name, healthy)
             self.pools[pool.config.full_name] = runtime
-        self._order = [p.config.full_name for p in pools]
         self._dra_take(raw, pools)
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
@@ -555,7 +559,7 @@ class Daemon:
 
     def _remove_stale_sockets(self) -> None:
         """Delete dead sockets of pools an earlier run served and the config no longer has."""
-        keep = {socket_name_for(n, self.settings.kubelet_dir) for n in self._order}
+        keep = {socket_name_for(p.full_name, self.settings.kubelet_dir) for p in self.config.pools}
         removed = remove_stale_sockets(self.settings.kubelet_dir, keep)
         if removed:
             log_event(log, "removed stale pool sockets", files=summarise(removed, noun="file"))
@@ -762,23 +766,22 @@ class Daemon:
         pools = self.ownership.filter(raw)
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
-        self._order = [p.config.full_name for p in pools]
         self._dra_take(raw, pools)
-        for i, pool in enumerate(pools):
+        for pool in pools:
             runtime = self.pools.get(pool.config.full_name)
             if runtime is None:
                 continue
             if runtime.pool.members != pool.members or runtime.pool.config != pool.config:
                 before = {m.id for m in runtime.pool.members}
                 after = {m.id for m in pool.members}
-                healthy = self.tracker.pool_health(i)
+                healthy = self.tracker.healthy(runtime.name)
                 try:
                     nbytes = runtime.replace(pool, healthy)
                 except Exception:
                     log.exception("pool %s: applying the new membership failed", runtime.name)
                     continue
                 self.metrics.record_send(runtime.name, nbytes, None)
-                self._report_counts(runtime.name, i, healthy)
+                self._report_counts(runtime.name, healthy)
                 log_event(
                     log,
                     "pool membership changed",
@@ -875,8 +878,8 @@ class Daemon:
         latency = None if self._burst_start is None else time.monotonic() - self._burst_start
         events, self._burst_start, self._burst_events = self._burst_events, None, 0
         self.stats["flushes"] += 1
-        for idx, upd in updates.items():
-            runtime = self.pools.get(self._order[idx]) if idx < len(self._order) else None
+        for name, upd in updates.items():
+            runtime = self.pools.get(name)
             if runtime is None:
                 continue
             try:
@@ -885,10 +888,10 @@ class Daemon:
                 log.exception("pool %s: publishing failed", runtime.name)
                 continue
             self.metrics.record_send(runtime.name, nbytes, latency, events)
-            self._report_change(runtime, idx, upd)
-        if self.dra is not None and any(i in updates for i in self.dra.indexes):
+            self._report_change(runtime, upd)
+        if self.dra is not None:
             try:
-                self.dra.take_changes({i: (u.healthy, u.changed) for i, u in updates.items()})
+                self.dra.take_changes(updates)
             except Exception:
                 log.exception("DRA: publishing health failed")
         deadline = self.tracker.next_deadline()
@@ -899,7 +902,7 @@ class Daemon:
             loop = asyncio.get_running_loop()
             self._deadline_handle = loop.call_later(max(0.0, deadline - self._clock()), self.flush)
 
-    def _report_change(self, runtime: PoolRuntime, idx: int, upd: PoolUpdate) -> None:
+    def _report_change(self, runtime: PoolRuntime, upd: PoolUpdate) -> None:
         """One log line per pool and direction, and the per-pool gauges; never a line per device."""
         members = runtime.pool.members
         down_pos = [p for p in upd.changed if not upd.healthy[p]]
@@ -921,9 +924,9 @@ class Daemon:
             )
         if up:
             log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
-        self._report_counts(runtime.name, idx, upd.healthy)
+        self._report_counts(runtime.name, upd.healthy)
 
-    def _report_counts(self, name: str, idx: int, healthy: Sequence[bool]) -> None:
+    def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
         bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
         reasons: dict[str, int] = {}
         if bad and self.tracker is not None and name in self.pools:
@@ -1080,21 +1083,26 @@ class Daemon:
             pools = self._apply(self.devices, new)
             assert self.tracker is not None
             started: list[PoolRuntime] = []
-            for i, pool in enumerate(pools):
+            for pool in pools:
                 name = pool.config.full_name
                 if name in self.pools or pool.config.api is PoolApi.DRA:
                     continue
                 try:
                     runtime = PoolRuntime(
-                        pool, self.settings, self.metrics, self._kubelet_watch, self.ownership
+                        pool,
+                        self.settings,
+                        self.metrics,
+                        self._kubelet_watch,
+                        self.ownership,
+                        health=self.tracker,
                     )
                 except Exception:
                     log.exception("pool %s could not be set up; the other pools go on", name)
                     continue
-                healthy = self.tracker.pool_health(i)
+                healthy = self.tracker.healthy(name)
                 runtime.publish(healthy, None)
                 self.pools[name] = runtime
-                self._report_counts(name, i, healthy)
+                self._report_counts(name, healthy)
                 started.append(runtime)
             self._retain_held()
             await asyncio.gather(*(self._start_runner(r) for r in started))
@@ -1149,7 +1157,7 @@ class Daemon:
         try:
             self.dra.take_pools(raw, pools, self.ownership.withheld)
             assert self.tracker is not None
-            self.dra.take_health(self.tracker.pool_health)
+            self.dra.take_health(self.tracker)
         except Exception:
             log.exception("DRA: taking the new pools failed")
 
