@@ -113,7 +113,8 @@ def bench_tracker(rounds: int) -> dict[str, object]:
                 now[0] += 10.0
                 updates = tracker.collect()
             samples.append(time.perf_counter() - start)
-            assert list(updates) == [2] and updates[2].unhealthy_count == (0 if up else 256)
+            assert list(updates) == ["intel.com/pool2"]
+            assert updates["intel.com/pool2"].healthy.count(False) == (0 if up else 256)
 
     def unchanged() -> None:
         tracker.set_links([("ens20f0", True)])  # already up: no fact changes

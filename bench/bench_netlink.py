@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import _impl
 
 from densedev import accel
-from densedev.health.tracker import Coalescer, HealthTracker
+from densedev.health.coalesce import Coalescer
+from densedev.health.tracker import HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
 from densedev.node.events import NETLINK_ROUTE, LinkMonitor, link_states, open_netlink_socket, resolve_netns
 from densedev.testing.reference import pyroute2_links
@@ -180,13 +181,13 @@ async def _live_flips(
     tracker.collect()
     ifindex: dict[str, int] = {}
     seen: dict[str, float] = {}
-    updates: dict[int, tuple[float, int]] = {}
+    updates: dict[str, tuple[float, int]] = {}  # pool name -> (when, members unhealthy)
     changed = asyncio.Event()
 
     def flush() -> None:
         now = time.perf_counter()
-        for idx, upd in tracker.collect().items():
-            updates[idx] = (now, upd.unhealthy_count)
+        for name, upd in tracker.collect().items():
+            updates[name] = (now, upd.healthy.count(False))
         changed.set()
         deadline = tracker.next_deadline()
         if deadline is not None:
@@ -225,7 +226,7 @@ async def _live_flips(
         update: list[float] = []
         for i in range(flips):
             p = i % pfs
-            name, idx = f"ens{p}f0", pool_of_pf[p]
+            name, idx = f"ens{p}f0", pools[pool_of_pf[p]].config.full_name
             # Earlier flips in this pool must have recovered (linkwatch may delay carrier-up by ~1 s).
             await wait_for(lambda idx=idx: updates.get(idx, (0.0, 0))[1] == 0)  # type: ignore[misc]
             seen.pop(name, None)

@@ -121,13 +121,15 @@ def main() -> int:
         return encoder.encode(healthy, changed=[77])
 
     results["list_encoder_one_change_s"] = timed(encoder_one, repeat)
-    bitmap = bytearray(b"\xff" * ((args.devices + 7) // 8))
+    pf = range(4096, 4352)  # one PF's 256 VFs flip, named as the health tracker names them
 
-    def encoder_bitmap_pf() -> bytes:
-        bitmap[512:544] = bytes(32) if bitmap[512] else b"\xff" * 32  # one PF's 256 VFs flip
-        return encoder.encode(bytes(bitmap))
+    def encoder_pf() -> bytes:
+        down = healthy[pf.start]
+        for index in pf:
+            healthy[index] = not down
+        return encoder.encode(healthy, changed=pf)
 
-    results["list_encoder_bitmap_pf_s"] = timed(encoder_bitmap_pf, repeat)
+    results["list_encoder_pf_s"] = timed(encoder_pf, repeat)
     # Proof the fast path makes the same message as protobuf.
     check = ListEncoder(str_ids, numa).encode([h == "Healthy" for h in health])
     message = api_pb2.ListAndWatchResponse()
@@ -159,9 +161,9 @@ def main() -> int:
         for key in ("cold_s", "one_change_s", "pf_change_s"):
             print(f"  python/cython {key[:-2]:<12} = {py[key] / cy[key]:.1f}x")
     one = float(results["list_encoder_one_change_s"])  # type: ignore[arg-type]
-    pf = float(results["list_encoder_bitmap_pf_s"])  # type: ignore[arg-type]
+    pf_s = float(results["list_encoder_pf_s"])  # type: ignore[arg-type]
     print(f"  ListEncoder 1 change ({accel.IMPLEMENTATION})          {one * ms:9.3f} ms")
-    print(f"  ListEncoder bitmap PF flip ({accel.IMPLEMENTATION})    {pf * ms:9.3f} ms")
+    print(f"  ListEncoder PF flip, 256 changes ({accel.IMPLEMENTATION}) {pf_s * ms:9.3f} ms")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
 from densedev.alloc.respond import AllocationSettings, PoolAllocator, build_response
+from densedev.health.tracker import HealthTracker
 from densedev.kubelet.server import PoolService
 from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
 from densedev.pools.config import env_var_name
@@ -298,10 +300,15 @@ def test_plain_pci_function_gets_generic_only(tmp_path: Path, dev_root: Path) ->
 
 @pytest.fixture
 def two_pools(tmp_path: Path, dev_root: Path) -> tuple[PoolAllocator, set[str]]:
-    vfs = [dev(f"0000:3b:00.{i}") for i in range(2, 6)]
-    unhealthy = {"0000:3b:00.5"}
-    alloc = PoolAllocator(pool_of(NET, vfs), settings(tmp_path, dev_root), lambda i: i not in unhealthy)
-    return alloc, unhealthy
+    vfs = [dev(f"0000:3b:00.{i}", netdevs=(f"vf{i}",)) for i in range(2, 6)]
+    pool = pool_of(NET, vfs)
+    # As the daemon wires it: the allocator asks the health tracker, the only holder of health.
+    tracker = HealthTracker(vfs, [pool])
+    tracker.set_links([("vf5", False)])
+    alloc = PoolAllocator(
+        pool, settings(tmp_path, dev_root), functools.partial(tracker.is_healthy, NET.full_name)
+    )
+    return alloc, {"0000:3b:00.5"}
 
 
 @pytest.mark.parametrize(

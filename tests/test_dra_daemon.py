@@ -233,6 +233,10 @@ async def test_dra_and_device_plugin_pools_end_to_end(node: Node) -> None:
         await c.until(
             lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"UNHEALTHY"}, "health stream updated"
         )
+        # The gate asks the daemon's health tracker: an unhealthy device is not prepared.
+        down = node.claim(pf1[3])
+        refused = (await c.dra_kubelet.prepare(DRIVER, [down]))[down[2]]
+        assert "unhealthy" in refused.error and not node.spec(down[2]).exists()
         daemon.set_links([(node.pf1.netdev, True)])
         await c.until(lambda: node.published() == by_name(pf1), "recovered devices published again")
         await c.until(

@@ -11,6 +11,7 @@ from helpers import devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from densedev.health.coalesce import Coalescer
 from densedev.health.tracker import (
     REASON_DRIVER,
     REASON_LINK,
@@ -18,7 +19,6 @@ from densedev.health.tracker import (
     REASON_RDMA,
     REASON_RECOVERING,
     REASON_UNBOUND,
-    Coalescer,
     HealthTracker,
 )
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
@@ -74,9 +74,26 @@ def node(pfs: int = 2, vfs: int = 4) -> list[Device]:
 
 
 def pool(name: str, devices: list[Device], policy: HealthPolicy | None = None) -> Pool:
-    """A pool of the given devices, one member each, with an optional health policy."""
+    """A pool ``intel.com/<name>`` of the given devices, one member each, with an optional health policy."""
     cfg = PoolConfig(resource_name=name, resource_prefix="intel.com", health=policy or HealthPolicy())
     return Pool(cfg, tuple(PoolMember(d.id, d) for d in devices))
+
+
+VF0, VF1, PFS = "intel.com/vf0", "intel.com/vf1", "intel.com/pfs"  # the pools of ``setup``
+
+
+def rebound(devices: list[Device], drivers: dict[str, str]) -> list[Device]:
+    """The device table a rescan reads after bind/unbind uevents: the named devices bound to new drivers."""
+    return [d._replace(driver=drivers[d.id]) if d.id in drivers else d for d in devices]
+
+
+def setup_pools(devices: list[Device]) -> list[Pool]:
+    """``setup``'s pools over a (rescanned) device table: PF0's VFs, PF1's VFs, both PFs."""
+    return [
+        pool("vf0", vfs_of(devices, "ens0f0")),
+        pool("vf1", vfs_of(devices, "ens1f0")),
+        pool("pfs", [d for d in devices if d.role == ROLE_PF]),
+    ]
 
 
 def vfs_of(devices: list[Device], pf_netdev: str) -> list[Device]:
@@ -92,16 +109,12 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def setup(clock: FakeClock) -> tuple[HealthTracker, list[Device]]:
-    """Two PFs with four VFs each; pool 0 = PF0's VFs, pool 1 = PF1's VFs, pool 2 = both PFs."""
+    """Two PFs with four VFs each; pool VF0 = PF0's VFs, VF1 = PF1's VFs, PFS = both PFs."""
     devices = node()
-    pools = [
-        pool("vf0", vfs_of(devices, "ens0f0")),
-        pool("vf1", vfs_of(devices, "ens1f0")),
-        pool("pfs", [d for d in devices if d.role == ROLE_PF]),
-    ]
-    tracker = HealthTracker(devices, pools, clock=clock)
+    tracker = HealthTracker(devices, setup_pools(devices), clock=clock)
     first = tracker.collect()
-    assert sorted(first) == [0, 1, 2] and all(all(u.healthy) for u in first.values())
+    assert list(first) == [VF0, VF1, PFS] and all(all(u.healthy) for u in first.values())
+    assert all(u.pool == name for name, u in first.items())
     return tracker, devices
 
 
@@ -119,11 +132,10 @@ def test_pf_down_takes_its_vfs_at_once_only_in_its_pool(
     tracker, devices = setup
     tracker.set_links([("ens0f0", False)])
     updates = tracker.collect()  # no time passes: unhealthy is reported at once
-    assert sorted(updates) == [0, 2]  # PF0's VFs, and PF0 itself (own link) in the PF pool
-    vf_update = updates[0]
+    assert list(updates) == [VF0, PFS]  # PF0's VFs, and PF0 itself (own link) in the PF pool
+    vf_update = updates[VF0]
     assert vf_update.healthy == (False,) * 4 and vf_update.changed == (0, 1, 2, 3)
-    assert (vf_update.healthy_count, vf_update.unhealthy_count) == (0, 4)
-    assert updates[2].healthy == (False, True) and updates[2].changed == (0,)
+    assert updates[PFS].healthy == (False, True) and updates[PFS].changed == (0,)
     for vf in vfs_of(devices, "ens0f0"):
         assert tracker.reasons(vf.id) == (REASON_PF_LINK,)
     assert tracker.reasons("0000:01:00.0") == (REASON_LINK,)
@@ -145,8 +157,8 @@ def test_recovery_waits_for_the_hold_down(
     assert tracker.collect() == {}
     clock.now += 0.001
     updates = tracker.collect()
-    assert sorted(updates) == [0, 2]
-    assert updates[0].healthy == (True,) * 4 and updates[0].changed == (0, 1, 2, 3)
+    assert list(updates) == [VF0, PFS]
+    assert updates[VF0].healthy == (True,) * 4 and updates[VF0].changed == (0, 1, 2, 3)
     assert tracker.next_deadline() is None
     assert tracker.reasons(vfs_of(devices, "ens0f0")[0].id) == ()
 
@@ -154,19 +166,19 @@ def test_recovery_waits_for_the_hold_down(
 def test_flapping_restarts_the_hold_down(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
     tracker, _ = setup
     tracker.set_links([("ens0f0", False)])
-    assert 0 in tracker.collect()
+    assert VF0 in tracker.collect()
     for _ in range(3):  # up 0.5 s, down again: never healthy long enough
         clock.now += 0.5
         tracker.set_links([("ens0f0", True)])
-        assert 0 not in tracker.collect()
+        assert VF0 not in tracker.collect()
         clock.now += 0.5
         tracker.set_links([("ens0f0", False)])
-        assert 0 not in tracker.collect()  # still unhealthy as advertised: nothing to send
+        assert VF0 not in tracker.collect()  # still unhealthy as advertised: nothing to send
     assert tracker.next_deadline() is None
     clock.now += 0.2
     tracker.set_links([("ens0f0", True)])
     clock.now += 1.0
-    assert tracker.collect()[0].healthy == (True,) * 4
+    assert tracker.collect()[VF0].healthy == (True,) * 4
 
 
 def test_down_and_up_inside_one_window_is_still_reported(
@@ -177,9 +189,9 @@ def test_down_and_up_inside_one_window_is_still_reported(
     tracker.set_links([("ens1f0", False)])
     clock.now += 0.001
     tracker.set_links([("ens1f0", True)])
-    assert tracker.collect()[1].healthy == (False,) * 4
+    assert tracker.collect()[VF1].healthy == (False,) * 4
     clock.now += 1.0
-    assert tracker.collect()[1].healthy == (True,) * 4
+    assert tracker.collect()[VF1].healthy == (True,) * 4
 
 
 def test_zero_hold_down_recovers_at_next_collect(clock: FakeClock) -> None:
@@ -188,8 +200,8 @@ def test_zero_hold_down_recovers_at_next_collect(clock: FakeClock) -> None:
     tracker.collect()
     tracker.set_links([("ens0f0", False)])
     tracker.set_links([("ens0f0", True)])
-    assert tracker.collect()[0].healthy == (False, False)
-    assert tracker.collect()[0].healthy == (True, True)
+    assert tracker.collect()["intel.com/p"].healthy == (False, False)
+    assert tracker.collect()["intel.com/p"].healthy == (True, True)
 
 
 def test_own_link_down_only_with_a_host_netdev(
@@ -198,13 +210,13 @@ def test_own_link_down_only_with_a_host_netdev(
     tracker, devices = setup
     vf = vfs_of(devices, "ens1f0")[2]
     tracker.set_links([("ens1f0v2", False)])
-    upd = tracker.collect()[1]
+    upd = tracker.collect()[VF1]
     assert upd.healthy == (True, True, False, True) and upd.changed == (2,)
     assert tracker.reasons(vf.id) == (REASON_LINK,)
     # The VF's netdev moves into a pod: RTM_DELLINK in the host namespace.  Gone is not down.
     tracker.drop_links(["ens1f0v2"])
     clock.now += 1.0
-    assert tracker.collect()[1].healthy == (True,) * 4
+    assert tracker.collect()[VF1].healthy == (True,) * 4
     # After the rescan the VF has no host netdev at all; a link of that name going down is not its.
     moved = vf._replace(netdevs=())
     devices2 = [moved if d.id == vf.id else d for d in devices]
@@ -224,9 +236,13 @@ def test_policy_switches_rules_off(clock: FakeClock) -> None:
     tracker = HealthTracker(devices, [pool("strict", vfs), pool("lenient", vfs, lenient)], clock=clock)
     tracker.collect()
     tracker.set_links([("ens0f0", False), ("ens0f0v0", False)])
-    tracker.set_drivers([(vfs[1].id, "")])
+    # vfs[1] unbound (the unbind uevent's rescan): the lenient pool keeps selecting it, as one
+    # without a driver selector would.
+    devices = rebound(devices, {vfs[1].id: ""})
+    vfs = devices[1:]
+    tracker.replace(devices, [pool("strict", vfs), pool("lenient", vfs, lenient)])
     updates = tracker.collect()
-    assert list(updates) == [0] and updates[0].healthy == (False, False)
+    assert list(updates) == ["intel.com/strict"] and updates["intel.com/strict"].healthy == (False, False)
     assert tracker.reasons(vfs[0].id) == (REASON_PF_LINK, REASON_LINK)
     assert tracker.reasons(vfs[1].id) == (REASON_PF_LINK, REASON_UNBOUND)
 
@@ -236,25 +252,32 @@ def test_two_netdevs_stay_down_while_either_is_down(clock: FakeClock) -> None:
     tracker = HealthTracker([d], [pool("p", [d])], clock=clock)
     tracker.collect()
     tracker.set_links([("p0", False), ("p0rep", False)])
-    assert tracker.collect()[0].healthy == (False,)
+    assert tracker.collect()["intel.com/p"].healthy == (False,)
     tracker.set_links([("p0", True)])
     clock.now += 10
     assert tracker.collect() == {}
     tracker.set_links([("p0rep", True)])
     clock.now += 1
-    assert tracker.collect()[0].healthy == (True,)
+    assert tracker.collect()["intel.com/p"].healthy == (True,)
 
 
 def test_driver_unbound_or_changed(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
+    # The daemon learns of a bind or unbind from its uevent, rescans, and hands the tracker the new table:
+    # a pool that does not filter by driver keeps the device, which is unhealthy while not bound to the
+    # driver it was selected with.
     tracker, devices = setup
     a, b = vfs_of(devices, "ens0f0")[:2]
-    tracker.set_drivers([(a.id, "vfio-pci"), (b.id, ""), ("0000:99:00.0", "ice")])  # unknown id: ignored
-    upd = tracker.collect()[0]
-    assert upd.healthy == (False, False, True, True)
+    devices = rebound(devices, {a.id: "vfio-pci", b.id: ""})
+    tracker.replace(devices, setup_pools(devices))
+    upd = tracker.collect()[VF0]
+    assert upd.healthy == (False, False, True, True) and upd.changed == (0, 1)
     assert tracker.reasons(a.id) == (REASON_DRIVER,) and tracker.reasons(b.id) == (REASON_UNBOUND,)
-    tracker.set_drivers([(a.id, "iavf"), (b.id, "iavf")])
+    devices = rebound(devices, {a.id: "iavf", b.id: "iavf"})
+    tracker.replace(devices, setup_pools(devices))
+    assert tracker.collect() == {}  # healthy again: the hold-down runs
     clock.now += 1
-    assert tracker.collect()[0].healthy == (True,) * 4
+    assert tracker.collect()[VF0].healthy == (True,) * 4
+    assert tracker.reasons(a.id) == () and tracker.reasons(b.id) == ()
 
 
 def test_rdma_port_not_active(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
@@ -262,12 +285,12 @@ def test_rdma_port_not_active(setup: tuple[HealthTracker, list[Device]], clock: 
     tracker.set_rdma_ports([("irdma0", 1, 4), ("irdma1", 1, 5)])  # ACTIVE, ACTIVE_DEFER
     assert tracker.collect() == {}
     tracker.set_rdma_ports([("irdma1", 1, 1)])  # DOWN
-    upd = tracker.collect()[2]
+    upd = tracker.collect()[PFS]
     assert upd.healthy == (True, False)
     assert tracker.reasons("0000:02:00.0") == (REASON_RDMA,)
     tracker.set_rdma_ports([("irdma1", 1, 4)])
     clock.now += 1
-    assert tracker.collect()[2].healthy == (True, True)
+    assert tracker.collect()[PFS].healthy == (True, True)
 
 
 def test_shared_pool_flips_every_id_of_a_device(clock: FakeClock) -> None:
@@ -278,8 +301,13 @@ def test_shared_pool_flips_every_id_of_a_device(clock: FakeClock) -> None:
     tracker = HealthTracker([d, other], [Pool(cfg, members)], clock=clock)
     tracker.collect()
     tracker.set_rdma_ports([("mlx5_0", 1, 2)])  # INIT
-    upd = tracker.collect()[0]
+    upd = tracker.collect()["rdma/rdma_shared"]
     assert upd.healthy == (False, False, False, True, True, True) and upd.changed == (0, 1, 2)
+    # The allocator asks by member ID; the DRA side by device ID; both read the same bitmaps.
+    assert not tracker.is_healthy("rdma/rdma_shared", "mlx5_0-2")
+    assert tracker.is_healthy("rdma/rdma_shared", "mlx5_1-0")
+    assert not tracker.device_healthy(d.id) and tracker.device_healthy(other.id)
+    assert tracker.unhealthy_devices("rdma/rdma_shared") == (d.id,)
 
 
 def test_replace_keeps_facts_and_reports_new_shapes(
@@ -291,21 +319,16 @@ def test_replace_keeps_facts_and_reports_new_shapes(
     # Rescan: PF0 now has 6 VFs (two created), PF1 lost its last VF.
     grown = node(2, 6)
     new = [d for d in grown if not (d.pf_netdev == "ens1f0" and d.vf_index >= 3)]
-    pools = [
-        pool("vf0", vfs_of(new, "ens0f0")),
-        pool("vf1", vfs_of(new, "ens1f0")),
-        pool("pfs", [d for d in new if d.role == ROLE_PF]),
-    ]
-    tracker.replace(new, pools)
+    tracker.replace(new, setup_pools(new))
     updates = tracker.collect()
     # vf0 and vf1 changed shape: reported whole; the new VFs of the down PF are unhealthy at once.
-    assert updates[0].healthy == (False,) * 6
-    assert updates[1].healthy == (True,) * 3
-    assert 2 not in updates  # same PFs, same health: nothing to send
+    assert updates[VF0].healthy == (False,) * 6
+    assert updates[VF1].healthy == (True,) * 3
+    assert PFS not in updates  # same PFs, same health: nothing to send
     clock.now += 3
     tracker.set_links([("ens0f0", True)])
     clock.now += 1
-    assert tracker.collect()[0].healthy == (True,) * 6
+    assert tracker.collect()[VF0].healthy == (True,) * 6
 
 
 def test_replace_carries_a_running_hold_down(
@@ -316,26 +339,53 @@ def test_replace_carries_a_running_hold_down(
     tracker.collect()
     tracker.set_links([("ens0f0", True)])
     clock.now += 0.5
-    pools = [
-        pool("vf0", vfs_of(devices, "ens0f0")),
-        pool("vf1", vfs_of(devices, "ens1f0")),
-        pool("pfs", [d for d in devices if d.role == ROLE_PF]),
-    ]
-    tracker.replace(list(devices), pools)
+    tracker.replace(list(devices), setup_pools(devices))
     assert tracker.collect() == {}  # same shape, still inside the hold-down
     assert tracker.next_deadline() == clock.now + 0.5
     clock.now += 0.5
-    assert tracker.collect()[0].healthy == (True,) * 4
+    assert tracker.collect()[VF0].healthy == (True,) * 4
 
 
-def test_pool_health_and_unhealthy_bitmap(setup: tuple[HealthTracker, list[Device]]) -> None:
+def test_the_readers_ask_the_tracker_by_pool_name(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    # Advertised health is what every reader sees, before and after collect: a device down now is
+    # refused at once, and one recovering stays unhealthy until its hold-down has run.
     tracker, devices = setup
+    vf = vfs_of(devices, "ens1f0")[1]
     tracker.set_links([("ens1f0v1", False)])
-    upd = tracker.collect()[1]
-    index = next(i for i, d in enumerate(devices) if d.netdevs == ("ens1f0v1",))
-    assert upd.unhealthy[index >> 3] >> (index & 7) & 1
-    assert sum(bin(b).count("1") for b in upd.unhealthy) == 1
-    assert tracker.pool_health(1) == (True, False, True, True)
+    assert tracker.healthy(VF1) == (True, False, True, True)
+    assert not tracker.is_healthy(VF1, vf.id) and not tracker.device_healthy(vf.id)
+    assert tracker.unhealthy_devices(VF1) == (vf.id,) and tracker.unhealthy_devices(VF0) == ()
+    assert tracker.collect()[VF1].healthy == tracker.healthy(VF1)
+    tracker.set_links([("ens1f0v1", True)])
+    assert not tracker.is_healthy(VF1, vf.id)
+    clock.now += 1
+    tracker.collect()
+    assert tracker.is_healthy(VF1, vf.id) and tracker.device_healthy(vf.id)
+    # Not a member, another pool's member, an unknown pool: not healthy in that pool.
+    assert not tracker.is_healthy(VF1, "0000:99:00.0")
+    assert not tracker.is_healthy(VF0, vf.id)
+    assert not tracker.is_healthy("intel.com/nope", vf.id)
+    # A device no pool lists (withheld) is not unhealthy to the DRA gate.
+    assert tracker.device_healthy("0000:99:00.0")
+    with pytest.raises(KeyError):
+        tracker.healthy("intel.com/nope")
+
+
+def test_member_without_a_table_device_stays_healthy(clock: FakeClock) -> None:
+    devices = node(1, 2)
+    ghost = dev("0000:77:00.1", pf="0000:77:00.0", pf_netdev="ens0f0")  # selected, then gone from the table
+    tracker = HealthTracker(devices, [pool("p", [*devices[1:], ghost])], clock=clock)
+    tracker.set_links([("ens0f0", False)])
+    assert tracker.collect()["intel.com/p"].healthy == (False, False, True)
+    assert tracker.is_healthy("intel.com/p", ghost.id)
+
+
+def test_pool_names_are_unique(clock: FakeClock) -> None:
+    devices = node(1, 2)
+    with pytest.raises(ValueError, match=r"intel\.com/p given twice"):
+        HealthTracker(devices, [pool("p", devices[1:2]), pool("p", devices[2:])], clock=clock)
 
 
 def test_a_large_node_changes_only_the_affected_pool(clock: FakeClock) -> None:
@@ -347,8 +397,9 @@ def test_a_large_node_changes_only_the_affected_pool(clock: FakeClock) -> None:
     tracker.collect()
     tracker.set_links([("ens9f0", False)])
     updates = tracker.collect()
-    assert list(updates) == [2]
-    assert updates[2].changed == tuple(range(256, 512)) and updates[2].unhealthy_count == 256
+    assert list(updates) == ["intel.com/p2"]
+    upd = updates["intel.com/p2"]
+    assert upd.changed == tuple(range(256, 512)) and upd.healthy.count(False) == 256
 
 
 # ----------------------------------------------------------------------------------------- coalescer
@@ -391,16 +442,23 @@ def test_coalescer_is_not_pushed_back_by_later_events(run: Run) -> None:
     assert run(main()) >= 1
 
 
-def test_coalescer_flush_now_and_cancel(run: Run) -> None:
+def test_coalescer_cancel_drops_the_scheduled_flush(run: Run) -> None:
     async def main() -> list[int]:
         calls: list[int] = []
-        coalescer = Coalescer(lambda: calls.append(1), window=10.0)
+        fired = asyncio.Event()
+
+        def flush() -> None:
+            calls.append(1)
+            fired.set()
+
+        coalescer = Coalescer(flush, window=0.01)
         coalescer.notify()
-        coalescer.flush_now()
+        coalescer.cancel()  # as Daemon.stop and a reload's hand-over do
         assert not coalescer.pending
-        coalescer.notify()
-        coalescer.cancel()
-        await asyncio.sleep(0)
+        coalescer.notify()  # due after the cancelled one would have been: only this one fires
+        await fired.wait()
+        await asyncio.sleep(0.02)
+        assert not coalescer.pending
         return calls
 
     assert run(main()) == [1]
@@ -510,12 +568,21 @@ def test_tracker_matches_the_model(ops: list[tuple[Any, ...]]) -> None:
             tracker.set_rdma_ports([(op[1], op[2], op[3])])
             model.ports.setdefault(op[1], {})[op[2]] = op[3]
         elif op[0] == "driver":
-            tracker.set_drivers([(op[1], op[2])])
+            # A bind/unbind uevent: the daemon rescans and hands the tracker the new table and pools.
             model.drivers[op[1]] = op[2]
+            table = rebound(devices, model.drivers)
+            by_id = {d.id: d for d in table}
+            tracker.replace(
+                table,
+                [
+                    Pool(p.config, tuple(PoolMember(m.id, by_id[m.device.id]) for m in p.members))
+                    for p in pools
+                ],
+            )
         elif op[0] == "tick":
             clock.now += op[1]
         if op[0] != "collect":
             model.settle(clock.now)
             continue
-        got = {p: (u.healthy, u.changed) for p, u in tracker.collect().items()}
-        assert got == model.collect(clock.now)
+        got = {u.pool: (u.healthy, u.changed) for u in tracker.collect().values()}
+        assert got == {pools[p].config.full_name: v for p, v in model.collect(clock.now).items()}

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from helpers.devices import dev
 
-from densedev.health.tracker import Coalescer, HealthTracker
+from densedev.health.coalesce import Coalescer
+from densedev.health.tracker import HealthTracker
 from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
 from densedev.node.events import (
     DEFAULT_RCVBUF,

@@ -16,7 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
-from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder, bit
+from densedev.health.tracker import HealthTracker
+from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder
+from densedev.model import ROLE_PF, ROLE_VF, Device, Pool, PoolConfig, PoolMember
 
 F = descriptor_pb2.FieldDescriptorProto
 
@@ -133,14 +135,6 @@ def _expected(ids: list[str], numa: list[int], healthy: list[bool]) -> bytes:
     ).SerializeToString()
 
 
-def _bitmap(healthy: list[bool]) -> bytes:
-    out = bytearray((len(healthy) + 7) // 8)
-    for index, value in enumerate(healthy):
-        if value:
-            out[index >> 3] |= 1 << (index & 7)
-    return bytes(out)
-
-
 def test_list_encoder_follows_health_changes() -> None:
     ids = _ids(1000)
     numa = [i % 2 for i in range(1000)]
@@ -151,37 +145,22 @@ def test_list_encoder_follows_health_changes() -> None:
         healthy[index] = False
     assert encoder.encode(healthy, changed=[0, 7, 8, 999, 500]) == _expected(ids, numa, healthy)
     healthy[7] = True
-    assert encoder.encode(healthy) == _expected(ids, numa, healthy)  # changed=None: compares all
+    assert encoder.encode(healthy) == _expected(ids, numa, healthy)  # changed=None: re-encodes all
     decoded = api_pb2.ListAndWatchResponse.FromString(encoder.encode(healthy))
     assert [d.health for d in decoded.devices].count("Unhealthy") == 4
     assert encoder.truncated == 0
 
 
-def test_list_encoder_reads_bitmaps() -> None:
-    ids = _ids(77)  # not a multiple of 8: the last byte is partial
-    numa = [-1 if i % 10 == 0 else i % 4 for i in range(77)]
-    encoder = ListEncoder(ids, numa)
-    healthy = [i % 3 != 0 for i in range(77)]
-    assert encoder.encode(_bitmap(healthy)) == _expected(ids, numa, healthy)
-    healthy[76] = not healthy[76]
-    healthy[9] = not healthy[9]
-    assert encoder.encode(_bitmap(healthy)) == _expected(ids, numa, healthy)
-    healthy[40] = not healthy[40]
-    assert encoder.encode(_bitmap(healthy), changed=[40]) == _expected(ids, numa, healthy)
-    assert [bit(_bitmap(healthy), i) for i in range(77)] == healthy
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.booleans(), min_size=40, max_size=40), min_size=1, max_size=6), st.booleans())
-def test_list_encoder_generated_sequences(states: list[list[bool]], as_bitmap: bool) -> None:
+@given(st.lists(st.lists(st.booleans(), min_size=40, max_size=40), min_size=1, max_size=6))
+def test_list_encoder_generated_sequences(states: list[list[bool]]) -> None:
     ids = _ids(40)
     numa = [i % 3 - 1 for i in range(40)]
     encoder = ListEncoder(ids, numa)
     previous: list[bool] | None = None
     for state in states:
         changed = None if previous is None else [i for i in range(40) if state[i] != previous[i]]
-        data = _bitmap(state) if as_bitmap else state
-        assert encoder.encode(data, changed) == _expected(ids, numa, state)
+        assert encoder.encode(state, changed) == _expected(ids, numa, state)
         previous = state
 
 
@@ -189,8 +168,6 @@ def test_list_encoder_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="3 ids but 2 NUMA"):
         ListEncoder(_ids(3), [0, 0])
     encoder = ListEncoder(_ids(20), [0] * 20)
-    with pytest.raises(ValueError, match="bitmap of 2 bytes is too short for 20"):
-        encoder.encode(b"\xff\xff")
     with pytest.raises(ValueError, match="19 health values for 20"):
         encoder.encode([True] * 19)
     with pytest.raises(IndexError, match="changed index 20"):
@@ -221,5 +198,87 @@ def test_kubelet_limit_is_four_mebibytes() -> None:
     assert KUBELET_MAX_MESSAGE == 4 * 1024 * 1024
     # 16,384 devices with PCI IDs and topology fit with a wide margin.
     encoder = ListEncoder(_ids(16384), [1] * 16384)
-    assert len(encoder.encode(b"\xff" * 2048)) < KUBELET_MAX_MESSAGE // 4
+    assert len(encoder.encode([True] * 16384)) < KUBELET_MAX_MESSAGE // 4
     assert encoder.truncated == 0
+
+
+# -- fed by the health tracker, as the daemon feeds it ------------------------------------------------
+
+
+def _device(address: str, role: str, pf_netdev: str = "", netdevs: tuple[str, ...] = ()) -> Device:
+    return Device(
+        id=address, role=role, vendor="8086", device="1889", pci_class="020000", subsystem_vendor="8086",
+        subsystem_device="0000", driver="iavf", numa_node=address.endswith("1") - 1, iommu_group=-1,
+        noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=-1, pf_netdev=pf_netdev,
+        netdevs=netdevs, link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="",
+        pcie_root="pci0000:00", aux_type="",
+    )  # fmt: skip
+
+
+_PFS = ("p0", "p1", "p2")
+_TRACKER_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("link"), st.sampled_from([*_PFS, "v0", "v5", "v9"]), st.booleans()),
+        st.tuples(st.just("tick"), st.sampled_from([0.0, 0.5, 1.0])),
+        st.tuples(st.just("rescan"), st.integers(6, 12)),  # the node now has this many VFs
+        st.tuples(st.just("collect")),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_TRACKER_OPS)
+def test_encoder_fed_by_the_tracker_lists_what_the_tracker_holds(ops: list[tuple[Any, ...]]) -> None:
+    # The encoder keeps no health: it re-encodes only the members the tracker says changed.  Through
+    # links, hold-downs and rescans that grow and shrink the pools, every message the daemon's path
+    # builds (flush: the update; membership change: a new encoder, the whole list) equals protobuf's
+    # of the tracker's advertised health.
+    now = [0.0]
+    pfs = [_device(f"0000:0{k + 1}:00.0", ROLE_PF, netdevs=(name,)) for k, name in enumerate(_PFS)]
+
+    def table(vfs: int) -> tuple[list[Device], list[Pool]]:
+        devices = pfs + [
+            _device(f"0000:0{k % 3 + 1}:01.{k // 3}", ROLE_VF, _PFS[k % 3], (f"v{k}",)) for k in range(vfs)
+        ]
+        vf_members = [d for d in devices if d.role == ROLE_VF]
+        pools = [
+            Pool(PoolConfig("vfs", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members)),
+            Pool(PoolConfig("even", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members[::2])),
+            Pool(
+                PoolConfig("pfs", "example.com", exclude_topology=True),
+                tuple(PoolMember(d.id, d) for d in pfs),
+            ),
+        ]
+        return devices, pools
+
+    def encoder_of(p: Pool) -> tuple[ListEncoder, list[str], list[int]]:
+        ids = [m.id for m in p.members]
+        numa = [-1 if p.config.exclude_topology else m.device.numa_node for m in p.members]
+        return ListEncoder(ids, numa), ids, numa
+
+    devices, pools = table(9)
+    tracker = HealthTracker(devices, pools, clock=lambda: now[0])
+    encoders = {p.config.full_name: encoder_of(p) for p in pools}
+    sent: dict[str, bytes] = {}
+    for upd in tracker.collect().values():
+        sent[upd.pool] = encoders[upd.pool][0].encode(upd.healthy, None)
+    for op in [*ops, ("collect",)]:
+        if op[0] == "link":
+            tracker.set_links([(op[1], op[2])])
+        elif op[0] == "tick":
+            now[0] += op[1]
+        elif op[0] == "rescan":
+            devices, new_pools = table(op[1])
+            tracker.replace(devices, new_pools)
+            for old, p in zip(pools, new_pools, strict=True):
+                if old.members != p.members:
+                    name = p.config.full_name
+                    encoders[name] = encoder_of(p)
+                    sent[name] = encoders[name][0].encode(tracker.healthy(name), None)
+            pools = new_pools
+        else:
+            for upd in tracker.collect().values():
+                sent[upd.pool] = encoders[upd.pool][0].encode(upd.healthy, upd.changed)
+            for name, (_, ids, numa) in encoders.items():
+                assert sent[name] == _expected(ids, numa, list(tracker.healthy(name)))

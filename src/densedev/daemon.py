@@ -27,7 +27,8 @@ from .alloc.respond import AllocationSettings, PoolAllocator
 from .backoff import Backoff, backoff_delay
 from .dra import DraSettings
 from .dra.hooks import DraHooks
-from .health.tracker import Coalescer, HealthTracker, PoolUpdate
+from .health.coalesce import Coalescer
+from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.registration import PluginRunner, announce_kubelet
@@ -93,11 +94,12 @@ class PoolRuntime:
         metrics: Metrics,
         watch: DirectoryWatch | None = None,
         ownership: Ownership | None = None,
+        *,
+        health: HealthTracker,
     ) -> None:
         self.pool = pool
         self.feed = PoolFeed()
-        self.healthy: list[bool] = [True] * len(pool.members)
-        self._index = {m.id: i for i, m in enumerate(pool.members)}
+        self._health = health  # the only holder of the members' health; the allocator asks it
         self.encoder = self._new_encoder(pool)
         self.allocator = PoolAllocator(
             pool,
@@ -140,21 +142,19 @@ class PoolRuntime:
         return self.pool.config.full_name
 
     def is_healthy(self, device_id: str) -> bool:
-        """Return whether the ID is a member whose last advertised health is Healthy."""
-        i = self._index.get(device_id)
-        return i is not None and self.healthy[i]
+        """Return whether the ID is a member the health tracker advertises Healthy."""
+        return self._health.is_healthy(self.name, device_id)
 
     def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
-        """Encode the pool's list from the cache, hand it to the streams, and return its size."""
-        self.healthy = list(healthy)
-        message = self.encoder.encode(self.healthy, changed)
+        """Encode the health the tracker handed over, hand the message to the streams, return its size."""
+        # ``changed``: the members the tracker says changed since its last report (None: all of them).
+        message = self.encoder.encode(healthy, changed)
         self.feed.publish(message)
         return len(message)
 
     def replace(self, pool: Pool, healthy: Sequence[bool]) -> int:
         """Adopt a new membership (rescan or reload) and publish the whole list once."""
         self.pool = pool
-        self._index = {m.id: i for i, m in enumerate(pool.members)}
         self.encoder = self._new_encoder(pool)
         self.allocator.update(pool)
         return self.publish(healthy, None)
@@ -182,7 +182,6 @@ class Daemon:
         self._ibdev_cache: list[str] | None = None
         self.pools: dict[str, PoolRuntime] = {}
         self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
-        self._order: list[str] = []  # pool names in config order (tracker indexes follow it)
         self.tracker: HealthTracker | None = None
         self.started = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -253,15 +252,15 @@ class Daemon:
             self._read_sysfs_links()
         self._poll_rdma()
         initial = self.tracker.collect()
-        for i, pool in enumerate(pools):
+        for pool in pools:
             if pool.config.api is PoolApi.DRA:
                 continue  # published as ResourceSlices and served by the DRA driver
-            upd = initial.get(i)
-            healthy = upd.healthy if upd is not None else self.tracker.pool_health(i)
-            self._set_up(i, pool, healthy)
+            name = pool.config.full_name
+            upd = initial.get(name)
+            healthy = upd.healthy if upd is not None else self.tracker.healthy(name)
+            self._set_up(pool, healthy)
         self._pools = pools
-        self._order = [p.config.full_name for p in pools]
-        self._dra.take(raw, pools, self.tracker.pool_health)
+        self._dra.take(raw, pools, self.tracker)
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
@@ -345,18 +344,21 @@ class Daemon:
             await self._metrics_server.stop()
         log_event(log, "daemon stopped")
 
-    def _set_up(self, i: int, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
-        """Build pool ``i``'s runtime and publish its first list; None (logged) if it cannot be set up."""
+    def _set_up(self, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
+        """Build a pool's runtime and publish its first list; None (logged) if it cannot be set up."""
         name = pool.config.full_name
+        assert self.tracker is not None
         try:
-            runtime = PoolRuntime(pool, self.settings, self.metrics, self._kubelet_watch, self.ownership)
+            runtime = PoolRuntime(
+                pool, self.settings, self.metrics, self._kubelet_watch, self.ownership, health=self.tracker
+            )
         except Exception:
             # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
             log.exception("pool %s could not be set up; the other pools go on", name)
             return None
         runtime.publish(healthy, None)
         self.pools[name] = runtime
-        self._report_counts(name, i, healthy)
+        self._report_counts(name, healthy)
         return runtime
 
     async def _start_runner(self, runtime: PoolRuntime) -> None:
@@ -457,7 +459,7 @@ class Daemon:
 
     def _remove_stale_sockets(self) -> None:
         """Delete dead sockets of pools an earlier run served and the config no longer has."""
-        keep = {socket_name_for(n, self.settings.kubelet_dir) for n in self._order}
+        keep = {socket_name_for(p.full_name, self.settings.kubelet_dir) for p in self.config.pools}
         removed = remove_stale_sockets(self.settings.kubelet_dir, keep)
         if removed:
             log_event(log, "removed stale pool sockets", files=summarise(removed, noun="file"))
@@ -635,31 +637,30 @@ class Daemon:
         self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
         assert self.tracker is not None
         self.tracker.replace(devices, pools)
-        self._order = [p.config.full_name for p in pools]
-        self._dra.take(raw, pools, self.tracker.pool_health)
+        self._dra.take(raw, pools, self.tracker)
         replaced = frozenset(changes.replaced)
         started: list[PoolRuntime] = []
-        for i, pool in enumerate(pools):
+        for pool in pools:
             runtime = self.pools.get(pool.config.full_name)
             if runtime is None:
                 # New, re-registering, back from DRA, or one whose set-up failed before: set it up now.
                 if pool.config.api is not PoolApi.DRA:
-                    healthy = self.tracker.pool_health(i)
-                    new = self._set_up(i, pool, healthy)
+                    healthy = self.tracker.healthy(pool.config.full_name)
+                    new = self._set_up(pool, healthy)
                     if new is not None:
                         started.append(new)
                 continue
             if pool.config.full_name in replaced:
                 before = {m.id for m in runtime.pool.members}
                 after = {m.id for m in pool.members}
-                healthy = self.tracker.pool_health(i)
+                healthy = self.tracker.healthy(runtime.name)
                 try:
                     nbytes = runtime.replace(pool, healthy)
                 except Exception:
                     log.exception("pool %s: applying the new membership failed", runtime.name)
                     continue
                 self.metrics.record_send(runtime.name, nbytes, None)
-                self._report_counts(runtime.name, i, healthy)
+                self._report_counts(runtime.name, healthy)
                 log_event(
                     log,
                     "pool membership changed",
@@ -750,8 +751,8 @@ class Daemon:
         updates = self.tracker.collect()
         latency = None if self._burst_start is None else time.monotonic() - self._burst_start
         events, self._burst_start, self._burst_events = self._burst_events, None, 0
-        for idx, upd in updates.items():
-            runtime = self.pools.get(self._order[idx]) if idx < len(self._order) else None
+        for name, upd in updates.items():
+            runtime = self.pools.get(name)
             if runtime is None:
                 continue
             try:
@@ -760,10 +761,10 @@ class Daemon:
                 log.exception("pool %s: publishing failed", runtime.name)
                 continue
             self.metrics.record_send(runtime.name, nbytes, latency, events)
-            self._report_change(runtime, idx, upd)
-        if self.dra is not None and any(i in updates for i in self.dra.indexes):
+            self._report_change(runtime, upd)
+        if self.dra is not None:
             try:
-                self.dra.take_changes({i: (u.healthy, u.changed) for i, u in updates.items()})
+                self.dra.take_changes(updates)
             except Exception:
                 log.exception("DRA: publishing health failed")
         deadline = self.tracker.next_deadline()
@@ -774,7 +775,7 @@ class Daemon:
             loop = asyncio.get_running_loop()
             self._deadline_handle = loop.call_later(max(0.0, deadline - self._clock()), self.flush)
 
-    def _report_change(self, runtime: PoolRuntime, idx: int, upd: PoolUpdate) -> None:
+    def _report_change(self, runtime: PoolRuntime, upd: PoolUpdate) -> None:
         """One log line per pool and direction, and the per-pool gauges; never a line per device."""
         members = runtime.pool.members
         down_pos = [p for p in upd.changed if not upd.healthy[p]]
@@ -796,9 +797,9 @@ class Daemon:
             )
         if up:
             log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
-        self._report_counts(runtime.name, idx, upd.healthy)
+        self._report_counts(runtime.name, upd.healthy)
 
-    def _report_counts(self, name: str, idx: int, healthy: Sequence[bool]) -> None:
+    def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
         bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
         reasons: dict[str, int] = {}
         if bad and self.tracker is not None and name in self.pools:

@@ -306,7 +306,9 @@ class PoolAllocator:
 
     def __init__(self, pool: Pool, settings: AllocationSettings, is_healthy: Callable[[str], bool]) -> None:
         self.settings = settings
-        self.is_healthy = is_healthy
+        # The health tracker's answer for this pool (the daemon binds it to the pool's name): the
+        # allocator keeps no health of its own, so it refuses what the tracker holds unhealthy now.
+        self._is_healthy = is_healthy
         self._devices: tuple[Device, ...] = ()
         self._retained: dict[str, Device] = {}  # non-members whose files stay: pods hold them (retain)
         self._configure(pool.config)
@@ -475,7 +477,7 @@ class PoolAllocator:
                 vanished_kind,
                 f"IDs not in this pool (unknown, gone, or another pool's): {listing(unknown)}",
             )
-        unhealthy = [i for i in ids if not self.is_healthy(i)]
+        unhealthy = [i for i in ids if not self._is_healthy(i)]
         if unhealthy:
             raise RequestError(RequestError.PRECONDITION, f"devices are unhealthy: {listing(unhealthy)}")
         devices: dict[str, Device] = {}

@@ -8,7 +8,8 @@ Order matters and is the daemon's to keep (see ``Daemon.start``), through ``DraH
 
 1. ``recover()`` loads the prepared claims' checkpoint before anything is served, so the devices
    they hold count as held in the ownership map and the device-plugin side never lists them;
-2. ``take_pools`` / ``take_health`` after every pool change and every health flush;
+2. ``take_pools`` / ``take_health`` after every pool change, ``take_changes`` after every health flush
+   (health itself stays in the daemon's tracker: the gate and the slices read it there);
 3. ``start()`` connects to the API server, publishes, and serves the kubelet.
 
 The kubelet plugin is served as long as the daemon runs once started, even when a reload leaves no
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..alloc import cdi
+from ..health.tracker import HealthTracker, PoolUpdate
 from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi
 from ..ops.logs import log_event
@@ -76,11 +78,8 @@ class DraDriver:
         self.settings = settings
         self.driver = driver
         self._factory = client_factory
-        self._health: dict[str, bool] = {}
-        self._unhealthy: set[str] = set()
-        # A device the tracker has no word on is one withheld from its pool: the gate then names
-        # who holds it rather than calling it unhealthy.
-        self.gate = PoolGate(on_node, (), lambda d: self._health.get(d, True), holder)
+        self._tracker: HealthTracker | None = None  # the daemon's, from take_health: it alone holds health
+        self.gate = PoolGate(on_node, (), self._healthy, holder)
         self._reader = _LateReader()
         self.plugin = KubeletPlugin(
             driver,
@@ -99,7 +98,6 @@ class DraDriver:
         self.publisher: Publisher | None = None
         self.pools: tuple[Pool, ...] = ()  # the DRA pools as configured (nothing withheld)
         self.withheld: frozenset[str] = frozenset()  # their devices held through the other API
-        self.indexes: tuple[int, ...] = ()  # positions of the DRA pools in the daemon's pool order
         self._listed: tuple[Pool, ...] = ()  # the DRA pools as listed (withheld devices taken out)
         self.started = False
 
@@ -111,6 +109,19 @@ class DraDriver:
     def claimed(self) -> frozenset[str]:
         """Return the device IDs prepared claims hold now."""
         return frozenset(self.plugin.service.held())
+
+    def _healthy(self, device_id: str) -> bool:
+        """Return whether the tracker advertises the device healthy (the gate's question at Prepare)."""
+        # A device the tracker lists in no pool is one withheld from its pool: the gate then names
+        # who holds it rather than calling it unhealthy.
+        return self._tracker is None or self._tracker.device_healthy(device_id)
+
+    def _unhealthy(self) -> frozenset[str]:
+        """Return the DRA pools' devices the tracker advertises unhealthy (read from its bitmaps)."""
+        tracker = self._tracker
+        if tracker is None:
+            return frozenset()
+        return frozenset(d for p in self._listed for d in tracker.unhealthy_devices(p.config.full_name))
 
     def needed(self) -> bool:
         """Return whether the driver must run: DRA pools are configured or claims are still prepared."""
@@ -125,8 +136,7 @@ class DraDriver:
         # the DRA pools themselves changed (a new plan costs a pass over their devices).
         replan = pools != self.pools
         self.pools = pools
-        self.indexes = tuple(i for i, p in enumerate(listed) if p.config.api is PoolApi.DRA)
-        self._listed = tuple(listed[i] for i in self.indexes)
+        self._listed = tuple(p for p in listed if p.config.api is PoolApi.DRA)
         # A DRA pool never shares members (no rdmaShared), so member IDs are device IDs.
         self.withheld = frozenset(i for p in self.pools for i in withheld.get(p.config.full_name, ()))
         if replan:
@@ -134,46 +144,39 @@ class DraDriver:
         if self.publisher is not None:
             self.publisher.update(pools=self.pools if replan else None, withheld=self.withheld)
 
-    def take_health(self, health_of: Callable[[int], Sequence[bool]]) -> None:
-        """Take the advertised health (hold-down applied) of the DRA pools from the daemon's tracker."""
+    def take_health(self, tracker: HealthTracker) -> None:
+        """After a pool change: stream the DRA pools' advertised health from the tracker."""
+        self._tracker = tracker
         health: dict[str, bool] = {}
-        for i, pool in zip(self.indexes, self._listed, strict=True):
-            for m, ok in zip(pool.members, health_of(i), strict=True):
-                health[m.device.id] = bool(ok)
-        gone = self._health.keys() - health.keys()
-        self._health = health
-        self._unhealthy = {d for d, ok in health.items() if not ok}
+        for pool in self._listed:
+            for m, ok in zip(pool.members, tracker.healthy(pool.config.full_name), strict=True):
+                health[m.device.id] = ok
+        stream = self.plugin.health
+        gone = stream.devices() - health.keys()
         if gone:
-            self.plugin.health.forget(gone)
-        self.plugin.health.update(health)
+            stream.forget(gone)
+        stream.update(health)
         if self.publisher is not None:
-            self.publisher.update(unhealthy=self._unhealthy)
+            self.publisher.update(unhealthy=self._unhealthy())
 
-    def take_changes(self, changes: Mapping[int, tuple[Sequence[bool], Sequence[int]]]) -> None:
-        """Take a health flush: per pool position, the members' health and the positions that changed.
+    def take_changes(self, updates: Mapping[str, PoolUpdate]) -> None:
+        """Take a health flush (the tracker's updates by pool name): stream and publish what changed.
 
         Costs the devices that changed, not the node: a PF going down at 16k devices touches its 256.
         """
         delta: dict[str, bool] = {}
-        for i, pool in zip(self.indexes, self._listed, strict=True):
-            change = changes.get(i)
-            if change is None:
+        for pool in self._listed:
+            upd = updates.get(pool.config.full_name)
+            if upd is None:
                 continue
-            healthy, changed = change
             members = pool.members
-            for p in changed:
-                delta[members[p].device.id] = bool(healthy[p])
+            for p in upd.changed:
+                delta[members[p].device.id] = upd.healthy[p]
         if not delta:
             return
-        self._health.update(delta)
-        for d, ok in delta.items():
-            if ok:
-                self._unhealthy.discard(d)
-            else:
-                self._unhealthy.add(d)
         self.plugin.health.update(delta)
         if self.publisher is not None:
-            self.publisher.update(unhealthy=self._unhealthy)
+            self.publisher.update(unhealthy=self._unhealthy())
 
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -204,7 +207,7 @@ class DraDriver:
             min_write_interval_s=self.settings.min_write_interval_s,
         )
         publisher = Publisher(self.client, settings, self.pools)
-        publisher.update(withheld=self.withheld, unhealthy=[d for d, ok in self._health.items() if not ok])
+        publisher.update(withheld=self.withheld, unhealthy=self._unhealthy())
         await publisher.start()
         self.publisher = publisher
         # The kubelet deletes the node's slices of a driver it (re)registers; publish again then

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, KeysView, Mapping
 from typing import Any
 
 import grpc
@@ -61,6 +61,8 @@ class HealthStream:
         self.resend = resend
         self.timeout_seconds = timeout_seconds
         self._clock = clock
+        # What the kubelet was last sent per device: the key of the encoding cache below (a device is
+        # re-encoded, with a new lastUpdatedTime, only when its health changes), never a health source.
         self._health: dict[str, bool] = {}
         self._encoded: dict[str, bytes] = {}  # device ID -> encoded DeviceHealth, in first-seen order
         self._message: bytes | None = None
@@ -110,9 +112,9 @@ class HealthStream:
         if changed:
             self._bump()
 
-    def health(self) -> dict[str, bool]:
-        """Return the current health by device ID."""
-        return dict(self._health)
+    def devices(self) -> KeysView[str]:
+        """Return the IDs of the devices streamed now."""
+        return self._health.keys()
 
     def _bump(self) -> None:
         self._version += 1

@@ -22,6 +22,7 @@ from . import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from . import DraSettings
 
 if TYPE_CHECKING:
+    from ..health.tracker import HealthTracker
     from .driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.dra.driver")  # the driver's lines, wherever in the package they start
@@ -84,15 +85,13 @@ class DraHooks:
         if self.driver is not None:
             self.ownership.set_claimed(self.driver.claimed())
 
-    def take(
-        self, raw: Sequence[Pool], pools: Sequence[Pool], health_of: Callable[[int], Sequence[bool]]
-    ) -> None:
-        """Hand the driver a new pool set (as configured, and as listed) and its advertised health."""
+    def take(self, raw: Sequence[Pool], pools: Sequence[Pool], health: HealthTracker) -> None:
+        """Hand the driver a new pool set (as configured, and as listed) and the owner of its health."""
         if self.driver is None:
             return
         try:
             self.driver.take_pools(raw, pools, self.ownership.withheld)
-            self.driver.take_health(health_of)
+            self.driver.take_health(health)
         except Exception:
             log.exception("DRA: taking the new pools failed")
 

@@ -1,5 +1,9 @@
 """Device health: per-device facts (links, RDMA ports, drivers) → per-pool advertised health.
 
+The tracker is the only holder of a member's health: pools are known by their extended resource name,
+the wire encoder, the allocator and the DRA driver ask it (or take what ``collect`` hands out) and keep
+no health of their own.
+
 Facts are kept as bitmaps over device-table indexes (a device's position in the ``devices`` sequence),
 one bitmap per fact, and each pool has a membership mask.  After a batch of facts, a pool's *raw*
 unhealthy set is the OR of the fact bitmaps its ``HealthPolicy`` enables, within its mask; an XOR diff
@@ -8,13 +12,12 @@ one diff and produces nothing.
 
 Timing: Unhealthy is advertised at once; Healthy again only after ``hold_down_s`` of continuous health,
 so a flapping link does not make the kubelet flap its allocatable count.  ``next_deadline`` tells the
-caller when the next hold-down ends, so it can sleep instead of polling.  ``Coalescer`` folds a burst of
-events (a PF going down takes its VFs with it) into one ``collect`` within a short window.
+caller when the next hold-down ends, so it can sleep instead of polling (``coalesce.Coalescer`` folds a
+burst of events into one ``collect``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,12 +43,9 @@ _PF_LINK, _LINK, _RDMA = range(3)
 class PoolUpdate:
     """A pool whose advertised health changed: the new state of every member and what changed."""
 
-    pool: int  # index into the ``pools`` sequence the tracker was given
+    pool: str  # the pool's extended resource name (``PoolConfig.full_name``)
     healthy: tuple[bool, ...]  # per member, in ``Pool.members`` order
     changed: tuple[int, ...]  # member positions whose advertised health changed (ascending)
-    unhealthy: bytes  # advertised-unhealthy bitmap over device-table indexes, within the pool's mask
-    healthy_count: int
-    unhealthy_count: int
 
 
 def _bit(bitmap: bytes | bytearray, i: int) -> bool:
@@ -56,9 +56,10 @@ class _PoolState:
     """One pool's mask, member layout and health state (raw, advertised, last sent, pending recovery)."""
 
     def __init__(self, pool: Pool, index: dict[str, int], nbytes: int) -> None:
-        self.pool = pool
+        self.name = pool.config.full_name
         self.policy = pool.config.health
         self.ids = tuple(m.id for m in pool.members)
+        self._member_devices: dict[str, int] | None = None  # member ID → device index, built on demand
         # Member positions per device index: a shared RDMA pool advertises many IDs for one device.
         self.positions: dict[int, list[int]] = {}
         # The driver each device had when the pool selected it (the driver rule compares against it).
@@ -76,6 +77,18 @@ class _PoolState:
         self.sent = bytes(nbytes)  # unhealthy as last returned by collect()
         self.pending: dict[int, float] = {}  # device index → when it became healthy (hold-down running)
         self.force = True  # report at the next collect even without a change (new or re-shaped pool)
+
+    def device_of(self, member_id: str) -> int | None:
+        """Return the device index of a member (-1: not in the device table), or None for a non-member."""
+        # Built at the first Allocate after a rescan, not at every rescan: a rescan of 16k devices
+        # re-lays out every pool, while Allocate calls are rare and ask about a few IDs.
+        if self._member_devices is None:
+            devices: dict[str, int] = dict.fromkeys(self.ids, -1)
+            for i, positions in self.positions.items():
+                for pos in positions:
+                    devices[self.ids[pos]] = i
+            self._member_devices = devices
+        return self._member_devices.get(member_id)
 
 
 class HealthTracker:
@@ -109,10 +122,15 @@ class HealthTracker:
                 self._by_pf_netdev.setdefault(d.pf_netdev, []).append(i)
             if d.rdma_device:
                 self._by_ibdev.setdefault(d.rdma_device, []).append(i)
-            self._drivers[d.id] = d.driver
-        self._pools = [_PoolState(p, self._index, self._nbytes) for p in pools]
+            self._drivers[d.id] = d.driver  # the driver bound now: each rescan's table brings it
+        self._pools: dict[str, _PoolState] = {}
+        for p in pools:
+            state = _PoolState(p, self._index, self._nbytes)
+            if state.name in self._pools:
+                raise ValueError(f"HealthTracker: pool {state.name} given twice")
+            self._pools[state.name] = state
         self._pools_of: dict[int, list[_PoolState]] = {}
-        for state in self._pools:
+        for state in self._pools.values():
             for i in state.positions:
                 self._pools_of.setdefault(i, []).append(state)
         empty = bytes(self._nbytes)
@@ -120,7 +138,7 @@ class HealthTracker:
         self._facts[_PF_LINK] = self._link_bitmap(self._by_pf_netdev)
         self._facts[_LINK] = self._link_bitmap(self._by_netdev)
         self._facts[_RDMA] = self._rdma_bitmap()
-        for state in self._pools:
+        for state in self._pools.values():
             state.driver_bad = self._driver_bitmap(state, state.selected_driver)
             state.raw = self._raw(state)
             state.advertised = state.raw  # a fresh pool starts from the facts, without a hold-down
@@ -217,26 +235,10 @@ class HealthTracker:
         self._facts[_RDMA] = accel.set_bits(bitmap, down, True)
         self._evaluate()
 
-    def set_drivers(self, states: Iterable[tuple[str, str]]) -> None:
-        """Record the driver bound to devices now ``(device id, driver or "")`` (bind/unbind uevents)."""
-        touched: list[int] = []
-        for dev_id, driver in states:
-            i = self._index.get(dev_id)
-            if i is None or self._drivers.get(dev_id) == driver:
-                continue
-            self._drivers[dev_id] = driver
-            touched.append(i)
-        if not touched:
-            return
-        for i in touched:
-            for state in self._pools_of.get(i, ()):
-                state.driver_bad = self._driver_bitmap(state, [i])
-        self._evaluate()
-
     def _evaluate(self) -> None:
         # Fold the facts into each pool: unhealthy at once, healthy starts the hold-down clock.
         now = self._clock()
-        for state in self._pools:
+        for state in self._pools.values():
             raw = self._raw(state)
             changed = accel.diff_bitmaps(state.raw, raw, state.mask)
             if not changed:
@@ -253,11 +255,11 @@ class HealthTracker:
                 state.advertised = accel.set_bits(state.advertised, bad, True)
 
     # ------------------------------------------------------------------------------------------ output
-    def collect(self) -> dict[int, PoolUpdate]:
+    def collect(self) -> dict[str, PoolUpdate]:
         """Return the pools whose advertised health changed since the last call (all pools the first time)."""
         now = self._clock()
-        out: dict[int, PoolUpdate] = {}
-        for p, state in enumerate(self._pools):
+        out: dict[str, PoolUpdate] = {}
+        for name, state in self._pools.items():
             if state.pending:
                 hold = state.policy.hold_down_s
                 # A device the kubelet has not yet been told is unhealthy (a blip shorter than the
@@ -274,14 +276,9 @@ class HealthTracker:
                 continue
             state.sent = state.advertised
             state.force = False
-            out[p] = self._update(p, state, changed)
+            positions = sorted(pos for i in changed for pos in state.positions.get(i, ()))
+            out[name] = PoolUpdate(name, self._member_health(state), tuple(positions))
         return out
-
-    def _update(self, p: int, state: _PoolState, changed: Sequence[int]) -> PoolUpdate:
-        healthy = self._member_health(state)
-        positions = sorted(pos for i in changed for pos in state.positions.get(i, ()))
-        bad = healthy.count(False)
-        return PoolUpdate(p, healthy, tuple(positions), state.advertised, len(healthy) - bad, bad)
 
     @staticmethod
     def _member_health(state: _PoolState) -> tuple[bool, ...]:
@@ -291,14 +288,34 @@ class HealthTracker:
                 flags[pos] = False
         return tuple(flags)
 
-    def pool_health(self, pool: int) -> tuple[bool, ...]:
-        """Return the advertised health of every member of a pool, in member order."""
+    def healthy(self, pool: str) -> tuple[bool, ...]:
+        """Return the advertised health of every member of a pool (by name), in member order."""
         return self._member_health(self._pools[pool])
+
+    def is_healthy(self, pool: str, member_id: str) -> bool:
+        """Return whether the ID is a member of the pool whose advertised health is Healthy."""
+        state = self._pools.get(pool)
+        if state is None:
+            return False
+        i = state.device_of(member_id)
+        return i is not None and (i < 0 or not _bit(state.advertised, i))
+
+    def device_healthy(self, device_id: str) -> bool:
+        """Return whether no pool advertises the device unhealthy (a device no pool lists counts healthy)."""
+        i = self._index.get(device_id)
+        return i is None or not any(_bit(state.advertised, i) for state in self._pools_of.get(i, ()))
+
+    def unhealthy_devices(self, pool: str) -> tuple[str, ...]:
+        """Return the IDs of the pool's devices advertised unhealthy (device IDs, not shared member IDs)."""
+        state = self._pools[pool]
+        return tuple(self._devices[i].id for i in accel.select_bits(state.advertised, state.mask))
 
     def next_deadline(self) -> float | None:
         """Return the clock time at which the earliest running hold-down ends, or ``None``."""
         deadlines = [
-            since + state.policy.hold_down_s for state in self._pools for since in state.pending.values()
+            since + state.policy.hold_down_s
+            for state in self._pools.values()
+            for since in state.pending.values()
         ]
         return min(deadlines) if deadlines else None
 
@@ -331,11 +348,11 @@ class HealthTracker:
     def replace(self, devices: Sequence[Device], pools: Sequence[Pool]) -> None:
         """Adopt a rescanned device table and pools, keeping facts and hold-downs of devices that remain."""
         old_devices = self._devices
-        old = {state.pool.config.full_name: state for state in self._pools}
+        old = self._pools
         # Link and RDMA facts are keyed by name, so they carry over; drivers come from the new table.
         self._build(devices, pools)
-        for state in self._pools:
-            prev = old.get(state.pool.config.full_name)
+        for name, state in self._pools.items():
+            prev = old.get(name)
             if prev is None:
                 continue  # a new pool: force-reported at the next collect
             # The driver a device was selected with sticks while it stays in the pool: a VF rebound
@@ -367,53 +384,6 @@ class HealthTracker:
             now = self._clock()
             for i in accel.diff_bitmaps(state.raw, state.advertised, state.mask):
                 state.pending.setdefault(i, now)
-            # Same members in the same order: only health changes need telling; otherwise the whole list.
-            state.force = state.ids != prev.ids
-
-
-class Coalescer:
-    """Folds a burst of events into one call of ``flush``, at most ``window`` seconds after its first event.
-
-    The deadline is set by the first event and never pushed back by later ones, so a steady stream of
-    events cannot postpone the message to the kubelet indefinitely.
-    """
-
-    def __init__(
-        self,
-        flush: Callable[[], None],
-        window: float = 0.002,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        if window < 0:
-            raise ValueError(f"coalescing window must be >= 0 seconds, got {window}")
-        self._flush = flush
-        self._window = window
-        self._loop = loop
-        self._handle: asyncio.TimerHandle | None = None
-
-    @property
-    def pending(self) -> bool:
-        """Return whether a flush is scheduled."""
-        return self._handle is not None
-
-    def notify(self) -> None:
-        """Note an event batch; schedules the flush unless one is already due."""
-        if self._handle is None:
-            loop = self._loop or asyncio.get_running_loop()
-            self._handle = loop.call_later(self._window, self._fire)
-
-    def flush_now(self) -> None:
-        """Run the flush immediately (and cancel the scheduled one), e.g. before shutting down."""
-        if self._handle is not None:
-            self._handle.cancel()
-        self._fire()
-
-    def cancel(self) -> None:
-        """Drop a scheduled flush."""
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-
-    def _fire(self) -> None:
-        self._handle = None
-        self._flush()
+            # Same members in the same order: only health changes need telling; otherwise the whole list
+            # (and a report still owed, e.g. a replace before the first collect, stays owed).
+            state.force = prev.force or state.ids != prev.ids
