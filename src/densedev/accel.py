@@ -52,7 +52,6 @@ encode_list = impl.encode_list
 # bitmap (health.py)
 diff_bitmaps = impl.diff_bitmaps
 select_bits = impl.select_bits
-count_bits = impl.count_bits
 or_bitmaps = impl.or_bitmaps
 set_bits = impl.set_bits
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from .alloc import pick_devices as pick_devices
 
 # bitmap: health bitmaps over device-table indexes
-from .bitmap import count_bits as count_bits
 from .bitmap import diff_bitmaps as diff_bitmaps
 from .bitmap import or_bitmaps as or_bitmaps
 from .bitmap import select_bits as select_bits

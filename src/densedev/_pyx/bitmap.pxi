@@ -11,7 +11,6 @@ from cpython.mem cimport PyMem_Malloc, PyMem_Free
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long x) nogil
-    int __builtin_popcountll(unsigned long long x) nogil
 
 
 cdef inline uint64_t _bm_word(const uint8_t* p, Py_ssize_t nbytes, Py_ssize_t w) noexcept nogil:
@@ -68,18 +67,6 @@ def select_bits(bytes bitmap, bytes mask):
     cdef Py_ssize_t n = _bm_check({"bitmap": bitmap, "mask": mask})
     return _bm_indexes(<const uint8_t*>PyBytes_AS_STRING(bitmap), NULL,
                        <const uint8_t*>PyBytes_AS_STRING(mask), n)
-
-
-def count_bits(bytes bitmap, bytes mask):
-    """Return how many bits are set in ``bitmap`` within ``mask``."""
-    cdef Py_ssize_t n = _bm_check({"bitmap": bitmap, "mask": mask})
-    cdef const uint8_t* a = <const uint8_t*>PyBytes_AS_STRING(bitmap)
-    cdef const uint8_t* m = <const uint8_t*>PyBytes_AS_STRING(mask)
-    cdef Py_ssize_t w, nwords = (n + 7) // 8
-    cdef long long total = 0
-    for w in range(nwords):
-        total += __builtin_popcountll(_bm_word(a, n, w) & _bm_word(m, n, w))
-    return total
 
 
 def or_bitmaps(bitmaps, bytes mask):
