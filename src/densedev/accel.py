@@ -14,12 +14,14 @@ from types import ModuleType
 
 from . import _fast_py as twin
 
+# Read here and nowhere else (setup.py's build switch aside): tests and benchmarks ask this module.
+NO_EXTENSIONS = os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0")
 FALLBACK_REASON = ""  # why the twin runs though the extension was not turned off ("" otherwise)
 
 
 def _choose() -> tuple[ModuleType, str, str]:
     global FALLBACK_REASON
-    if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
+    if NO_EXTENSIONS:
         return twin, "python", "DENSEDEV_NO_EXTENSIONS is set"  # asked for: silent
     try:
         from . import _fast  # type: ignore[attr-defined]
