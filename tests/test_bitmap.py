@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from types import ModuleType
 
 import pytest
@@ -102,16 +101,3 @@ def test_set_bits_leaves_input_untouched(impl: ModuleType) -> None:
     one = bytes([0])
     assert impl.set_bits(one, [0], True) == b"\x01"
     assert one == b"\x00" and bytes([0])[0] == 0
-
-
-@pytest.mark.parametrize(
-    "name",
-    ["diff_bitmaps", "select_bits", "or_bitmaps", "set_bits", "parse_links", "parse_uevent"],
-)
-def test_same_parameters_in_extension_twin_and_seam(both: tuple[ModuleType, ModuleType], name: str) -> None:
-    from densedev import accel
-
-    fast, twin = both
-    params = list(inspect.signature(getattr(twin, name)).parameters)
-    assert list(inspect.signature(getattr(fast, name)).parameters) == params
-    assert getattr(accel, name) is getattr(accel.impl, name)

@@ -5,6 +5,11 @@ Functions here are pure: bytes, ints and paths in; tuples and bytes out.  No asy
 logging, so each can be compared with its twin, fuzzed and benchmarked alone.
 """
 
+# The mirrored surface is listed once, in the twin; accel re-exports exactly these names.
+from ._fast_py import MIRRORED as _MIRRORED
+
+__all__ = list(_MIRRORED)
+
 # Each hot path lives in its own include so its twin sits beside it in _fast_py/<same name>.py.
 include "_pyx/wire.pxi"
 include "_pyx/bitmap.pxi"

@@ -11,6 +11,7 @@ import importlib.util
 import logging
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from . import _fast_py as twin
 
@@ -44,26 +45,12 @@ def _choose() -> tuple[ModuleType, str, str]:
 # for another interpreter or without a compiler shows here instead of only running slower.
 impl, IMPLEMENTATION, DETAIL = _choose()
 
-# Hot-path functions, re-exported by name.  Keep this list in step with _fast.pyi.
-# (each group is added by the module that owns it; see _pyx/*.pxi and _fast_py/*.py)
+# Hot-path functions, re-exported by name: the twin's MIRRORED list says which (the one list of them).
+globals().update((name, getattr(impl, name)) for name in twin.MIRRORED)
 
-# wire (wire.py)
-encode_device = impl.encode_device
-encode_list = impl.encode_list
+if TYPE_CHECKING:
+    # The twin is the spec, so its annotations type both implementations (_fast.pyi agrees; a test checks).
+    from ._fast_py import *  # noqa: F403
 
-# bitmap (health.py)
-diff_bitmaps = impl.diff_bitmaps
-select_bits = impl.select_bits
-or_bitmaps = impl.or_bitmaps
-set_bits = impl.set_bits
-
-# netlink (netlink.py)
-parse_links = impl.parse_links
-parse_uevent = impl.parse_uevent
-
-# alloc (allocation.py)
-pick_devices = impl.pick_devices
-
-# scan (discovery.py)
-scan_sysfs = impl.scan_sysfs
-read_rdma_ports = impl.read_rdma_ports
+__all__ = ["DETAIL", "FALLBACK_REASON", "IMPLEMENTATION", "NO_EXTENSIONS", "impl"]
+__all__ += twin.__all__  # the mirrored functions
