@@ -2,6 +2,8 @@
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from densedev.model import Device
+
 __all__: list[str]
 
 # alloc: preferred-allocation ranking (topology = int32 triples (numa, root, pf) per member index)
@@ -27,11 +29,11 @@ LinkTuple = tuple[int, int, str, int, int, int, int]
 def parse_links(buf: bytes) -> tuple[LinkTuple, ...]: ...
 def parse_uevent(buf: bytes) -> tuple[str, str, tuple[tuple[str, str], ...]] | None: ...
 
-# scan: sysfs scan; each device tuple is in densedev.model.Device field order, sorted by id
+# scan: the sysfs scan into Devices sorted by id, and warnings
 def read_rdma_ports(root: bytes, ibdevs: tuple[bytes, ...]) -> tuple[tuple[str, int, int, int], ...]: ...
 def scan_sysfs(
     root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True
-) -> tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]: ...
+) -> tuple[tuple[Device, ...], tuple[str, ...]]: ...
 
 # wire: Device and ListAndWatchResponse bytes
 def encode_device(device_id: bytes, healthy: bool, numa: int) -> bytes: ...
