@@ -1,0 +1,385 @@
+# Class maps: which function owns each class device (netdev, RDMA device and node), each driver's
+# devices and vDPA parents, read once per scan from the class, driver and bus directories.
+
+from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
+from libc.stdlib cimport calloc, malloc, realloc, free, qsort
+
+_SC_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
+_SC_CLASSES = _SC_RDMA_CLASSES + (b"net", b"infiniband")  # the order of SC_CLS_*
+
+
+cdef bint _sc_class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t cn,
+                          Py_ssize_t *at, Py_ssize_t *ln) noexcept nogil:
+    """``../../devices/.../<function>/<cls>/<node>`` → where ``<function>`` is; False for other shapes."""
+    cdef Py_ssize_t end = n, i, j, k, e2, e3
+    while end > 0 and buf[end - 1] == 47:
+        end -= 1
+    i = end
+    while i > 0 and buf[i - 1] != 47:
+        i -= 1
+    if i == 0:
+        return False
+    e2 = i - 1
+    j = e2
+    while j > 0 and buf[j - 1] != 47:
+        j -= 1
+    if j == 0 or e2 - j != cn or memcmp(buf + j, c, cn) != 0:
+        return False
+    e3 = j - 1
+    k = e3
+    while k > 0 and buf[k - 1] != 47:
+        k -= 1
+    at[0] = k
+    ln[0] = e3 - k
+    return e3 > k
+
+
+# ------------------------------------------------------------------ class maps, in C
+
+cdef enum:
+    SC_CLS_VERBS = 0       # the order of _SC_CLASSES
+    SC_CLS_MAD = 1
+    SC_CLS_CM = 2
+    SC_CLS_NET = 3
+    SC_CLS_IB = 4
+    SC_CLS_COUNT = 5
+    SC_DRIVERS = 5         # after the classes: (device address, driver) from the driver directories
+    SC_MAP_COUNT = 6
+
+
+cdef struct sc_centry:
+    # One class device: the function that owns it and its name, NUL-terminated in the map's arena
+    # (offsets while the arena grows, pointers once sealed).
+    Py_ssize_t owner_at
+    Py_ssize_t name_at
+    const char *owner
+    const char *name
+    unsigned long long k0  # the owner's first 16 bytes, big-endian and NUL-padded: most comparisons
+    unsigned long long k1  # while sorting end here (a PCI address is 12 bytes)
+
+
+cdef struct sc_cmap:
+    # One class directory as (owner, name) pairs sorted by owner then name: the twin's _class_map,
+    # looked up by binary search instead of a dict of lists (no Python object per class device).
+    sc_centry *e
+    Py_ssize_t n
+    Py_ssize_t cap
+    char *arena
+    Py_ssize_t used
+    Py_ssize_t acap
+    Py_ssize_t hint        # where the last lookup ended: rows are built in the map's (address) order
+
+
+cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char *name,
+                       Py_ssize_t nn) noexcept nogil:
+    """Record one class device; False when out of memory."""
+    cdef Py_ssize_t cap, need = on + nn + 2
+    cdef void *p
+    if m.n == m.cap:
+        cap = 2 * m.cap if m.cap else 1024
+        p = realloc(m.e, cap * sizeof(sc_centry))
+        if p == NULL:
+            return False
+        m.e = <sc_centry *>p
+        m.cap = cap
+    if m.used + need > m.acap:
+        cap = 2 * m.acap if m.acap else 65536
+        while cap < m.used + need:
+            cap *= 2
+        p = realloc(m.arena, cap)
+        if p == NULL:
+            return False
+        m.arena = <char *>p
+        m.acap = cap
+    m.e[m.n].owner_at = m.used
+    memcpy(m.arena + m.used, owner, on)
+    m.arena[m.used + on] = 0
+    m.used += on + 1
+    m.e[m.n].name_at = m.used
+    memcpy(m.arena + m.used, name, nn)
+    m.arena[m.used + nn] = 0
+    m.used += nn + 1
+    m.n += 1
+    return True
+
+
+cdef int _sc_centry_cmp(const void *a, const void *b) noexcept nogil:
+    # strcmp order of (owner, name): NUL-padded big-endian prefixes compare as strcmp does, and when
+    # both are equal either both owners end within them (equal) or the rest decides.
+    cdef const sc_centry *x = <const sc_centry *>a
+    cdef const sc_centry *y = <const sc_centry *>b
+    cdef int c
+    if x.k0 != y.k0:
+        return -1 if x.k0 < y.k0 else 1
+    if x.k1 != y.k1:
+        return -1 if x.k1 < y.k1 else 1
+    c = strcmp(x.owner + 16, y.owner + 16) if x.k1 & 0xFF else 0
+    return c if c != 0 else strcmp(x.name, y.name)
+
+
+cdef void _sc_centry_key(sc_centry *e) noexcept nogil:
+    cdef unsigned long long k0 = 0, k1 = 0
+    cdef int j = 0
+    cdef const unsigned char *o = <const unsigned char *>e.owner
+    while j < 8 and o[j] != 0:
+        k0 |= (<unsigned long long>o[j]) << (56 - 8 * j)
+        j += 1
+    if j == 8:
+        while j < 16 and o[j] != 0:
+            k1 |= (<unsigned long long>o[j]) << (120 - 8 * j)
+            j += 1
+    e.k0 = k0
+    e.k1 = k1
+
+
+cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
+    """Turn offsets into pointers and sort: owners together, each one's names in bytes order."""
+    cdef Py_ssize_t i
+    for i in range(m.n):
+        m.e[i].owner = m.arena + m.e[i].owner_at
+        m.e[i].name = m.arena + m.e[i].name_at
+        _sc_centry_key(&m.e[i])
+    if m.n > 1:
+        qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
+
+
+cdef struct sc_seals:
+    # Class maps sealed at once by this thread and helpers, each taking the next one.
+    sc_cmap *maps
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void *_sc_seal_reader(void *arg) noexcept nogil:
+    cdef sc_seals *b = <sc_seals *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_cmap_seal(&b.maps[i])
+
+
+cdef Py_ssize_t _sc_cmap_find(sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
+    """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last.
+
+    Lookups come in address order while rows are built, so the search starts where the last one
+    ended when the owner sorts after it, and within the next few entries when it sorts before them.
+    Not thread-safe (the hint): the scanning thread alone looks up.
+    """
+    cdef Py_ssize_t lo = 0, hi = m.n, mid, h = m.hint
+    if 0 < h <= m.n and strcmp(m.e[h - 1].owner, owner) < 0:
+        lo = h
+        if h + 8 < m.n and strcmp(m.e[h + 8].owner, owner) >= 0:
+            hi = h + 8
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if strcmp(m.e[mid].owner, owner) < 0:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo == m.n or strcmp(m.e[lo].owner, owner) != 0:
+        m.hint = lo
+        return -1
+    hi = lo + 1
+    while hi < m.n and strcmp(m.e[hi].owner, owner) == 0:
+        hi += 1
+    end[0] = hi
+    m.hint = hi
+    return lo
+
+
+cdef void _sc_cmap_free(sc_cmap *m) noexcept nogil:
+    free(m.e)
+    free(m.arena)
+    memset(m, 0, sizeof(sc_cmap))
+
+
+cdef dict _sc_vdpa_map(int rootfd):
+    cdef dict out = {}
+    cdef int bfd
+    cdef char buf[SC_LINK_MAX]
+    cdef Py_ssize_t n, b
+    cdef int status
+    cdef bytes entry, parent, path
+    cdef const char *cpath
+    with nogil:
+        bfd = _sc_open_dir(rootfd, "bus/vdpa/devices")
+    if bfd < 0:
+        return out
+    try:
+        for entry in _sc_entries_fd(sc_dup(bfd)):
+            cpath = entry
+            with nogil:
+                status = _sc_readlink(bfd, cpath, buf, &n)
+            if status != 0:
+                continue
+            parent = _sc_parent(buf, n)
+            if parent in out:
+                continue
+            path = entry + b"/driver"
+            cpath = path
+            with nogil:
+                status = _sc_readlink(bfd, cpath, buf, &n)
+            if status == 0:
+                b = _sc_base(buf, n)
+                drv = _sc_str(buf + b, n - b)
+            else:
+                drv = ""
+            out[parent] = (_sc_os.fsdecode(entry), drv)
+    finally:
+        sc_close(bfd)
+    return out
+
+
+cdef enum:
+    SC_RL_MAX = 256        # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
+    SC_RL_BATCH = 4096     # class links read ahead at once (~270 bytes each)
+    SC_RL_LONG = -4        # status of a link longer than SC_RL_MAX: read again with room for PATH_MAX
+
+
+cdef struct sc_rl:
+    # One class link to read: where, and what it says (done: set once status, n and buf are final).
+    int dirfd
+    const char *name
+    int status
+    int done
+    Py_ssize_t n
+    char buf[SC_RL_MAX]
+
+
+cdef struct sc_rl_batch:
+    sc_rl *items
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void _sc_rl_read(sc_rl *r) noexcept nogil:
+    cdef ssize_t got = sc_readlinkat(r.dirfd, r.name, r.buf, SC_RL_MAX)
+    if got < 0:
+        r.status = errno if errno else 1
+    elif got >= SC_RL_MAX:
+        r.status = SC_RL_LONG
+    else:
+        r.status = 0
+        r.n = got
+
+
+cdef void *_sc_rl_reader(void *arg) noexcept nogil:
+    cdef sc_rl_batch *b = <sc_rl_batch *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_rl_read(&b.items[i])
+        sc_set_done(&b.items[i].done)
+
+
+cdef void _sc_rl_wait(sc_rl_batch *b, Py_ssize_t k) noexcept nogil:
+    """Until link k is read: read links ourselves while any are left, then wait for the helpers'."""
+    cdef Py_ssize_t i
+    while not sc_is_done(&b.items[k].done):
+        i = sc_fetch_add(&b.next)
+        if i < b.n:
+            _sc_rl_read(&b.items[i])
+            sc_set_done(&b.items[i].done)
+        else:
+            sc_sched_yield()
+
+
+cdef int _sc_rl_start(sc_rl_batch *b, int helpers, sc_pthread_t *threads) noexcept nogil:
+    """Start up to ``helpers`` threads reading the batch ahead; return how many started."""
+    b.next = 0
+    return _sc_spawn(_sc_rl_reader, b, helpers, threads) if b.n >= 64 else 0
+
+
+cdef void _sc_rl_stop(sc_rl_batch *b, int started, sc_pthread_t *threads) noexcept nogil:
+    sc_store(&b.next, b.n)  # helpers stop after their current link
+    _sc_join(threads, started)
+
+
+cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
+    """Read every link of the batch, this thread and up to ``helpers`` more taking the next one each."""
+    cdef sc_pthread_t threads[3]
+    cdef int started = _sc_rl_start(b, helpers, threads)
+    _sc_rl_reader(b)
+    _sc_rl_stop(b, started, threads)
+
+
+cdef struct sc_lists:
+    # Directories listed at once by this thread and helpers, each taking the next one.
+    int *fds               # each path is opened relative to its fd
+    const char **paths
+    sc_names *out
+    Py_ssize_t n
+    Py_ssize_t next
+
+
+cdef void *_sc_lists_reader(void *arg) noexcept nogil:
+    cdef sc_lists *b = <sc_lists *>arg
+    cdef Py_ssize_t i
+    while True:
+        i = sc_fetch_add(&b.next)
+        if i >= b.n:
+            return NULL
+        _sc_names_open(&b.out[i], b.fds[i], b.paths[i])
+
+
+cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
+    """List several directories, each ``(dirfd, path, sort)``, into ``out`` (one each, freed by the
+    caller), by this thread and helpers.
+
+    The big listings of a scan (the bus, each class and each driver: one entry per device) cost a
+    getdents64 pass over thousands of dentries each; listed side by side they take half the time.
+    They stay C strings: a class's or driver's entries are only read back in C (16k Python bytes per
+    listing would hold the GIL for milliseconds).  An absent or unreadable directory lists as empty.
+    """
+    cdef sc_lists b
+    cdef sc_pthread_t threads[3]
+    cdef int started
+    cdef Py_ssize_t i
+    b.n = len(dirs)
+    b.next = 0
+    b.out = out
+    b.fds = <int *>malloc((b.n + 1) * sizeof(int))
+    b.paths = <const char **>malloc((b.n + 1) * sizeof(char *))
+    try:
+        if b.fds == NULL or b.paths == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        for i in range(b.n):
+            b.fds[i] = <int>dirs[i][0]
+            b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
+            b.out[i].unsorted = not dirs[i][2]
+        with nogil:
+            started = _sc_spawn(_sc_lists_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
+            _sc_lists_reader(&b)
+            _sc_join(threads, started)
+        for i in range(b.n):
+            if b.out[i].oom:
+                raise MemoryError("sysfs scan: out of memory listing a directory")
+    finally:
+        free(b.paths)
+        free(b.fds)
+
+
+cdef void _sc_driver_map(sc_cmap *m, list drivers, sc_names *lists) except *:
+    """(address, driver) for every device link in each driver's listing into ``m`` (the twin's
+    _driver_map, where two drivers claiming one device make it b"": here it has two entries)."""
+    cdef Py_ssize_t i, e, n, dn
+    cdef const char *driver
+    cdef const char *name
+    cdef bint ok = True
+    for i in range(len(drivers)):
+        driver = <bytes>drivers[i]
+        dn = len(<bytes>drivers[i])
+        with nogil:
+            for e in range(lists[i].count):
+                name = lists[i].names[e]
+                n = strlen(name)
+                # ':' – a device link, not one of the driver core's bind/unbind/new_id/uevent/module
+                if memchr(name, 58, n) != NULL and not _sc_cmap_add(m, name, n, driver, dn):
+                    ok = False
+                    break
+        if not ok:
+            raise MemoryError("sysfs scan: out of memory")
