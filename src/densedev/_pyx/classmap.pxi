@@ -4,11 +4,11 @@
 from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
 from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 
-_SC_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
-_SC_CLASSES = _SC_RDMA_CLASSES + (b"net", b"infiniband")  # the order of SC_CLS_*
+_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
+_CLASSES = _RDMA_CLASSES + (b"net", b"infiniband")  # the order of CLS_*
 
 
-cdef bint _sc_class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t cn,
+cdef bint class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t cn,
                           Py_ssize_t *at, Py_ssize_t *ln) noexcept nogil:
     """``../../devices/.../<function>/<cls>/<node>`` → where ``<function>`` is; False for other shapes."""
     cdef Py_ssize_t end = n, i, j, k, e2, e3
@@ -37,17 +37,17 @@ cdef bint _sc_class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize
 # ------------------------------------------------------------------ class maps, in C
 
 cdef enum:
-    SC_CLS_VERBS = 0       # the order of _SC_CLASSES
-    SC_CLS_MAD = 1
-    SC_CLS_CM = 2
-    SC_CLS_NET = 3
-    SC_CLS_IB = 4
-    SC_CLS_COUNT = 5
-    SC_DRIVERS = 5         # after the classes: (device address, driver) from the driver directories
-    SC_MAP_COUNT = 6
+    CLS_VERBS = 0       # the order of _CLASSES
+    CLS_MAD = 1
+    CLS_CM = 2
+    CLS_NET = 3
+    CLS_IB = 4
+    CLS_COUNT = 5
+    MAP_DRIVERS = 5         # after the classes: (device address, driver) from the driver directories
+    MAP_COUNT = 6
 
 
-cdef struct sc_centry:
+cdef struct centry:
     # One class device: the function that owns it and its name, NUL-terminated in the map's arena
     # (offsets while the arena grows, pointers once sealed).
     Py_ssize_t owner_at
@@ -58,10 +58,10 @@ cdef struct sc_centry:
     unsigned long long k1  # while sorting end here (a PCI address is 12 bytes)
 
 
-cdef struct sc_cmap:
+cdef struct cmap:
     # One class directory as (owner, name) pairs sorted by owner then name: the twin's _class_map,
     # looked up by binary search instead of a dict of lists (no Python object per class device).
-    sc_centry *e
+    centry *e
     Py_ssize_t n
     Py_ssize_t cap
     char *arena
@@ -70,17 +70,17 @@ cdef struct sc_cmap:
     Py_ssize_t hint        # where the last lookup ended: rows are built in the map's (address) order
 
 
-cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char *name,
+cdef bint cmap_add(cmap *m, const char *owner, Py_ssize_t on, const char *name,
                        Py_ssize_t nn) noexcept nogil:
     """Record one class device; False when out of memory."""
     cdef Py_ssize_t cap, need = on + nn + 2
     cdef void *p
     if m.n == m.cap:
         cap = 2 * m.cap if m.cap else 1024
-        p = realloc(m.e, cap * sizeof(sc_centry))
+        p = realloc(m.e, cap * sizeof(centry))
         if p == NULL:
             return False
-        m.e = <sc_centry *>p
+        m.e = <centry *>p
         m.cap = cap
     if m.used + need > m.acap:
         cap = 2 * m.acap if m.acap else 65536
@@ -103,11 +103,11 @@ cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char 
     return True
 
 
-cdef int _sc_centry_cmp(const void *a, const void *b) noexcept nogil:
+cdef int centry_cmp(const void *a, const void *b) noexcept nogil:
     # strcmp order of (owner, name): NUL-padded big-endian prefixes compare as strcmp does, and when
     # both are equal either both owners end within them (equal) or the rest decides.
-    cdef const sc_centry *x = <const sc_centry *>a
-    cdef const sc_centry *y = <const sc_centry *>b
+    cdef const centry *x = <const centry *>a
+    cdef const centry *y = <const centry *>b
     cdef int c
     if x.k0 != y.k0:
         return -1 if x.k0 < y.k0 else 1
@@ -117,7 +117,7 @@ cdef int _sc_centry_cmp(const void *a, const void *b) noexcept nogil:
     return c if c != 0 else strcmp(x.name, y.name)
 
 
-cdef void _sc_centry_key(sc_centry *e) noexcept nogil:
+cdef void centry_key(centry *e) noexcept nogil:
     cdef unsigned long long k0 = 0, k1 = 0
     cdef int j = 0
     cdef const unsigned char *o = <const unsigned char *>e.owner
@@ -132,35 +132,35 @@ cdef void _sc_centry_key(sc_centry *e) noexcept nogil:
     e.k1 = k1
 
 
-cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
+cdef void cmap_seal(cmap *m) noexcept nogil:
     """Turn offsets into pointers and sort: owners together, each one's names in bytes order."""
     cdef Py_ssize_t i
     for i in range(m.n):
         m.e[i].owner = m.arena + m.e[i].owner_at
         m.e[i].name = m.arena + m.e[i].name_at
-        _sc_centry_key(&m.e[i])
+        centry_key(&m.e[i])
     if m.n > 1:
-        qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
+        qsort(m.e, m.n, sizeof(centry), centry_cmp)
 
 
-cdef struct sc_seals:
+cdef struct seal_jobs:
     # Class maps sealed at once by this thread and helpers, each taking the next one.
-    sc_cmap *maps
+    cmap *maps
     Py_ssize_t n
     Py_ssize_t next
 
 
-cdef void *_sc_seal_reader(void *arg) noexcept nogil:
-    cdef sc_seals *b = <sc_seals *>arg
+cdef void *seal_reader(void *arg) noexcept nogil:
+    cdef seal_jobs *b = <seal_jobs *>arg
     cdef Py_ssize_t i
     while True:
-        i = sc_fetch_add(&b.next)
+        i = fetch_add(&b.next)
         if i >= b.n:
             return NULL
-        _sc_cmap_seal(&b.maps[i])
+        cmap_seal(&b.maps[i])
 
 
-cdef Py_ssize_t _sc_cmap_find(sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
+cdef Py_ssize_t cmap_find(cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
     """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last.
 
     Lookups come in address order while rows are built, so the search starts where the last one
@@ -189,144 +189,144 @@ cdef Py_ssize_t _sc_cmap_find(sc_cmap *m, const char *owner, Py_ssize_t *end) no
     return lo
 
 
-cdef void _sc_cmap_free(sc_cmap *m) noexcept nogil:
+cdef void cmap_free(cmap *m) noexcept nogil:
     free(m.e)
     free(m.arena)
-    memset(m, 0, sizeof(sc_cmap))
+    memset(m, 0, sizeof(cmap))
 
 
-cdef dict _sc_vdpa_map(int rootfd):
+cdef dict vdpa_map(int rootfd):
     cdef dict out = {}
     cdef int bfd
-    cdef char buf[SC_LINK_MAX]
+    cdef char buf[LINK_MAX]
     cdef Py_ssize_t n, b
     cdef int status
     cdef bytes entry, parent, path
     cdef const char *cpath
     with nogil:
-        bfd = _sc_open_dir(rootfd, "bus/vdpa/devices")
+        bfd = open_dir(rootfd, "bus/vdpa/devices")
     if bfd < 0:
         return out
     try:
-        for entry in _sc_entries_fd(sc_dup(bfd)):
+        for entry in entries_fd(dup(bfd)):
             cpath = entry
             with nogil:
-                status = _sc_readlink(bfd, cpath, buf, &n)
+                status = read_link(bfd, cpath, buf, &n)
             if status != 0:
                 continue
-            parent = _sc_parent(buf, n)
+            parent = parent_of(buf, n)
             if parent in out:
                 continue
             path = entry + b"/driver"
             cpath = path
             with nogil:
-                status = _sc_readlink(bfd, cpath, buf, &n)
+                status = read_link(bfd, cpath, buf, &n)
             if status == 0:
-                b = _sc_base(buf, n)
-                drv = _sc_str(buf + b, n - b)
+                b = basename_at(buf, n)
+                drv = fs_str(buf + b, n - b)
             else:
                 drv = ""
-            out[parent] = (_sc_os.fsdecode(entry), drv)
+            out[parent] = (_os.fsdecode(entry), drv)
     finally:
-        sc_close(bfd)
+        close(bfd)
     return out
 
 
 cdef enum:
-    SC_RL_MAX = 256        # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
-    SC_RL_BATCH = 4096     # class links read ahead at once (~270 bytes each)
-    SC_RL_LONG = -4        # status of a link longer than SC_RL_MAX: read again with room for PATH_MAX
+    AHEAD_LINK_MAX = 256        # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
+    AHEAD_BATCH = 4096     # class links read ahead at once (~270 bytes each)
+    LINK_LONG = -4        # status of a link longer than AHEAD_LINK_MAX: read again with room for PATH_MAX
 
 
-cdef struct sc_rl:
+cdef struct link_ahead:
     # One class link to read: where, and what it says (done: set once status, n and buf are final).
     int dirfd
     const char *name
     int status
     int done
     Py_ssize_t n
-    char buf[SC_RL_MAX]
+    char buf[AHEAD_LINK_MAX]
 
 
-cdef struct sc_rl_batch:
-    sc_rl *items
+cdef struct links_ahead:
+    link_ahead *items
     Py_ssize_t n
     Py_ssize_t next
 
 
-cdef void _sc_rl_read(sc_rl *r) noexcept nogil:
-    cdef ssize_t got = sc_readlinkat(r.dirfd, r.name, r.buf, SC_RL_MAX)
+cdef void link_ahead_read(link_ahead *r) noexcept nogil:
+    cdef ssize_t got = readlinkat(r.dirfd, r.name, r.buf, AHEAD_LINK_MAX)
     if got < 0:
         r.status = errno if errno else 1
-    elif got >= SC_RL_MAX:
-        r.status = SC_RL_LONG
+    elif got >= AHEAD_LINK_MAX:
+        r.status = LINK_LONG
     else:
         r.status = 0
         r.n = got
 
 
-cdef void *_sc_rl_reader(void *arg) noexcept nogil:
-    cdef sc_rl_batch *b = <sc_rl_batch *>arg
+cdef void *links_ahead_reader(void *arg) noexcept nogil:
+    cdef links_ahead *b = <links_ahead *>arg
     cdef Py_ssize_t i
     while True:
-        i = sc_fetch_add(&b.next)
+        i = fetch_add(&b.next)
         if i >= b.n:
             return NULL
-        _sc_rl_read(&b.items[i])
-        sc_set_done(&b.items[i].done)
+        link_ahead_read(&b.items[i])
+        mark_done(&b.items[i].done)
 
 
-cdef void _sc_rl_wait(sc_rl_batch *b, Py_ssize_t k) noexcept nogil:
+cdef void links_ahead_wait(links_ahead *b, Py_ssize_t k) noexcept nogil:
     """Until link k is read: read links ourselves while any are left, then wait for the helpers'."""
     cdef Py_ssize_t i
-    while not sc_is_done(&b.items[k].done):
-        i = sc_fetch_add(&b.next)
+    while not is_done(&b.items[k].done):
+        i = fetch_add(&b.next)
         if i < b.n:
-            _sc_rl_read(&b.items[i])
-            sc_set_done(&b.items[i].done)
+            link_ahead_read(&b.items[i])
+            mark_done(&b.items[i].done)
         else:
-            sc_sched_yield()
+            sched_yield()
 
 
-cdef int _sc_rl_start(sc_rl_batch *b, int helpers, sc_pthread_t *threads) noexcept nogil:
+cdef int links_ahead_start(links_ahead *b, int helpers, pthread_t *threads) noexcept nogil:
     """Start up to ``helpers`` threads reading the batch ahead; return how many started."""
     b.next = 0
-    return _sc_spawn(_sc_rl_reader, b, helpers, threads) if b.n >= 64 else 0
+    return spawn_helpers(links_ahead_reader, b, helpers, threads) if b.n >= 64 else 0
 
 
-cdef void _sc_rl_stop(sc_rl_batch *b, int started, sc_pthread_t *threads) noexcept nogil:
-    sc_store(&b.next, b.n)  # helpers stop after their current link
-    _sc_join(threads, started)
+cdef void links_ahead_stop(links_ahead *b, int started, pthread_t *threads) noexcept nogil:
+    store_relaxed(&b.next, b.n)  # helpers stop after their current link
+    join_helpers(threads, started)
 
 
-cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
+cdef void links_ahead_run(links_ahead *b, int helpers) noexcept nogil:
     """Read every link of the batch, this thread and up to ``helpers`` more taking the next one each."""
-    cdef sc_pthread_t threads[3]
-    cdef int started = _sc_rl_start(b, helpers, threads)
-    _sc_rl_reader(b)
-    _sc_rl_stop(b, started, threads)
+    cdef pthread_t threads[3]
+    cdef int started = links_ahead_start(b, helpers, threads)
+    links_ahead_reader(b)
+    links_ahead_stop(b, started, threads)
 
 
-cdef struct sc_lists:
+cdef struct list_jobs:
     # Directories listed at once by this thread and helpers, each taking the next one.
     int *fds               # each path is opened relative to its fd
     const char **paths
-    sc_names *out
+    dirlist *out
     Py_ssize_t n
     Py_ssize_t next
 
 
-cdef void *_sc_lists_reader(void *arg) noexcept nogil:
-    cdef sc_lists *b = <sc_lists *>arg
+cdef void *list_jobs_reader(void *arg) noexcept nogil:
+    cdef list_jobs *b = <list_jobs *>arg
     cdef Py_ssize_t i
     while True:
-        i = sc_fetch_add(&b.next)
+        i = fetch_add(&b.next)
         if i >= b.n:
             return NULL
-        _sc_names_open(&b.out[i], b.fds[i], b.paths[i])
+        dirlist_open(&b.out[i], b.fds[i], b.paths[i])
 
 
-cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
+cdef void list_dirs(list dirs, int helpers, dirlist *out) except *:
     """List several directories, each ``(dirfd, path, sort)``, into ``out`` (one each, freed by the
     caller), by this thread and helpers.
 
@@ -335,8 +335,8 @@ cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
     They stay C strings: a class's or driver's entries are only read back in C (16k Python bytes per
     listing would hold the GIL for milliseconds).  An absent or unreadable directory lists as empty.
     """
-    cdef sc_lists b
-    cdef sc_pthread_t threads[3]
+    cdef list_jobs b
+    cdef pthread_t threads[3]
     cdef int started
     cdef Py_ssize_t i
     b.n = len(dirs)
@@ -352,9 +352,9 @@ cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
             b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
             b.out[i].unsorted = not dirs[i][2]
         with nogil:
-            started = _sc_spawn(_sc_lists_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
-            _sc_lists_reader(&b)
-            _sc_join(threads, started)
+            started = spawn_helpers(list_jobs_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
+            list_jobs_reader(&b)
+            join_helpers(threads, started)
         for i in range(b.n):
             if b.out[i].oom:
                 raise MemoryError("sysfs scan: out of memory listing a directory")
@@ -363,7 +363,7 @@ cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
         free(b.fds)
 
 
-cdef void _sc_driver_map(sc_cmap *m, list drivers, sc_names *lists) except *:
+cdef void driver_map(cmap *m, list drivers, dirlist *lists) except *:
     """(address, driver) for every device link in each driver's listing into ``m`` (the twin's
     _driver_map, where two drivers claiming one device make it b"": here it has two entries)."""
     cdef Py_ssize_t i, e, n, dn
@@ -378,7 +378,7 @@ cdef void _sc_driver_map(sc_cmap *m, list drivers, sc_names *lists) except *:
                 name = lists[i].names[e]
                 n = strlen(name)
                 # ':' – a device link, not one of the driver core's bind/unbind/new_id/uevent/module
-                if memchr(name, 58, n) != NULL and not _sc_cmap_add(m, name, n, driver, dn):
+                if memchr(name, 58, n) != NULL and not cmap_add(m, name, n, driver, dn):
                     ok = False
                     break
         if not ok:

@@ -6,7 +6,7 @@
 # there are many independent ones, on more than one thread: the big directory listings (the bus and
 # each class), the class links (one per netdev, RDMA device and RDMA node), a PF's virtfn links and
 # runs of VFs are read ahead by this thread and up to three helper pthreads taking the next item each
-# (_sc_list_dirs, _sc_read_classes, _sc_rl_run, _ScVfReader), while this thread turns what is read
+# (list_dirs, read_classes, links_ahead_run, _VfReader), while this thread turns what is read
 # into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
 # (asyncio.to_thread), so the event loop keeps running meanwhile.  Warnings are built with the same
 # Python expressions as the twin so both return identical strings.
@@ -28,7 +28,7 @@ cdef extern from "Python.h":
     int PyGC_Enable()
     void PyObject_GC_UnTrack(object op)
 
-cdef const char *_SC_HEX = b"0123456789abcdef"
+cdef const char *HEX_DIGITS = b"0123456789abcdef"
 
 
 # ------------------------------------------------------------------ rows: densedev.model.Device
@@ -63,16 +63,16 @@ cdef Py_ssize_t DEV_VDPA_DRIVER = _Device._fields.index("vdpa_driver")
 cdef Py_ssize_t DEV_PCIE_ROOT = _Device._fields.index("pcie_root")
 cdef Py_ssize_t DEV_AUX_TYPE = _Device._fields.index("aux_type")
 if DEV_FIELDS != 26:
-    # _sc_row fills the 26 fields above: a field the model gained would be a NULL slot.
-    raise ImportError(f"densedev.model.Device has {DEV_FIELDS} fields; the scan fills 26: update _sc_row")
+    # new_row fills the 26 fields above: a field the model gained would be a NULL slot.
+    raise ImportError(f"densedev.model.Device has {DEV_FIELDS} fields; the scan fills 26: update new_row")
 
 
-cdef inline void _sc_put(list row, Py_ssize_t i, object value):
+cdef inline void put_item(list row, Py_ssize_t i, object value):
     Py_INCREF(value)  # PyList_SET_ITEM steals a reference
     PyList_SET_ITEM(row, i, value)
 
 
-cdef list _sc_row(object id, object role, object vendor, object device, object pci_class,
+cdef list new_row(object id, object role, object vendor, object device, object pci_class,
                   object subsystem_vendor, object subsystem_device, object driver, object numa_node,
                   object iommu_group, object noiommu, object acpi_index, object total_vfs, object num_vfs,
                   object pf, object vf_index, object pf_netdev, object netdevs, object link_type,
@@ -80,36 +80,36 @@ cdef list _sc_row(object id, object role, object vendor, object device, object p
                   object pcie_root, object aux_type):
     """One device's fields, by name, as a list in Device field order (the twin's Device(...)).
 
-    A list so the pass after the scan can fill in what a VF takes from its PF; _sc_device makes it a
+    A list so the pass after the scan can fill in what a VF takes from its PF; as_device makes it a
     Device once complete.
     """
     cdef list row = PyList_New(DEV_FIELDS)
-    _sc_put(row, DEV_ID, id)
-    _sc_put(row, DEV_ROLE, role)
-    _sc_put(row, DEV_VENDOR, vendor)
-    _sc_put(row, DEV_DEVICE, device)
-    _sc_put(row, DEV_PCI_CLASS, pci_class)
-    _sc_put(row, DEV_SUBSYSTEM_VENDOR, subsystem_vendor)
-    _sc_put(row, DEV_SUBSYSTEM_DEVICE, subsystem_device)
-    _sc_put(row, DEV_DRIVER, driver)
-    _sc_put(row, DEV_NUMA_NODE, numa_node)
-    _sc_put(row, DEV_IOMMU_GROUP, iommu_group)
-    _sc_put(row, DEV_NOIOMMU, noiommu)
-    _sc_put(row, DEV_ACPI_INDEX, acpi_index)
-    _sc_put(row, DEV_TOTAL_VFS, total_vfs)
-    _sc_put(row, DEV_NUM_VFS, num_vfs)
-    _sc_put(row, DEV_PF, pf)
-    _sc_put(row, DEV_VF_INDEX, vf_index)
-    _sc_put(row, DEV_PF_NETDEV, pf_netdev)
-    _sc_put(row, DEV_NETDEVS, netdevs)
-    _sc_put(row, DEV_LINK_TYPE, link_type)
-    _sc_put(row, DEV_RDMA_DEVICE, rdma_device)
-    _sc_put(row, DEV_RDMA_NODES, rdma_nodes)
-    _sc_put(row, DEV_UIO, uio)
-    _sc_put(row, DEV_VDPA, vdpa)
-    _sc_put(row, DEV_VDPA_DRIVER, vdpa_driver)
-    _sc_put(row, DEV_PCIE_ROOT, pcie_root)
-    _sc_put(row, DEV_AUX_TYPE, aux_type)
+    put_item(row, DEV_ID, id)
+    put_item(row, DEV_ROLE, role)
+    put_item(row, DEV_VENDOR, vendor)
+    put_item(row, DEV_DEVICE, device)
+    put_item(row, DEV_PCI_CLASS, pci_class)
+    put_item(row, DEV_SUBSYSTEM_VENDOR, subsystem_vendor)
+    put_item(row, DEV_SUBSYSTEM_DEVICE, subsystem_device)
+    put_item(row, DEV_DRIVER, driver)
+    put_item(row, DEV_NUMA_NODE, numa_node)
+    put_item(row, DEV_IOMMU_GROUP, iommu_group)
+    put_item(row, DEV_NOIOMMU, noiommu)
+    put_item(row, DEV_ACPI_INDEX, acpi_index)
+    put_item(row, DEV_TOTAL_VFS, total_vfs)
+    put_item(row, DEV_NUM_VFS, num_vfs)
+    put_item(row, DEV_PF, pf)
+    put_item(row, DEV_VF_INDEX, vf_index)
+    put_item(row, DEV_PF_NETDEV, pf_netdev)
+    put_item(row, DEV_NETDEVS, netdevs)
+    put_item(row, DEV_LINK_TYPE, link_type)
+    put_item(row, DEV_RDMA_DEVICE, rdma_device)
+    put_item(row, DEV_RDMA_NODES, rdma_nodes)
+    put_item(row, DEV_UIO, uio)
+    put_item(row, DEV_VDPA, vdpa)
+    put_item(row, DEV_VDPA_DRIVER, vdpa_driver)
+    put_item(row, DEV_PCIE_ROOT, pcie_root)
+    put_item(row, DEV_AUX_TYPE, aux_type)
     return row
 
 
@@ -117,7 +117,7 @@ cdef extern from *:
     """
     /* tuple.__new__(Device, row) without the argument tuple and the copy in between: a Device is a
        tuple subclass (a NamedTuple, no __dict__), laid out as a tuple, so its items are set in place. */
-    static PyObject *dd_sequence_as(PyObject *cls, PyObject *list) {
+    static PyObject *tuple_subtype_from_list(PyObject *cls, PyObject *list) {
         PyTypeObject *type = (PyTypeObject *)cls;
         Py_ssize_t i, n = PyList_GET_SIZE(list);
         PyObject *out = type->tp_alloc(type, n);
@@ -131,21 +131,21 @@ cdef extern from *:
         return out;
     }
     """
-    object dd_sequence_as(object type, list row)
+    object tuple_subtype_from_list(object type, list row)
 
 
-cdef inline object _sc_device(list row):
+cdef inline object as_device(list row):
     """A complete row as a densedev.model.Device."""
-    return dd_sequence_as(_DEVICE, row)
+    return tuple_subtype_from_list(_DEVICE, row)
 
 
-cdef str _sc_pcie_root(const char *buf, Py_ssize_t n):
+cdef str pcie_root_of(const char *buf, Py_ssize_t n):
     """First component after ``devices/`` of a link target, ignoring '', '.' and '..' components."""
-    cdef Py_ssize_t starts[SC_MAX_PARTS]
-    cdef Py_ssize_t lens[SC_MAX_PARTS]
+    cdef Py_ssize_t starts[MAX_PARTS]
+    cdef Py_ssize_t lens[MAX_PARTS]
     cdef int count = 0, k
     cdef Py_ssize_t i = 0, j, ln
-    while i <= n and count < SC_MAX_PARTS:
+    while i <= n and count < MAX_PARTS:
         j = i
         while j < n and buf[j] != 47:
             j += 1
@@ -157,11 +157,11 @@ cdef str _sc_pcie_root(const char *buf, Py_ssize_t n):
         i = j + 1
     for k in range(count - 1):
         if lens[k] == 7 and memcmp(buf + starts[k], b"devices", 7) == 0:
-            return _sc_str(buf + starts[k + 1], lens[k + 1])
+            return fs_str(buf + starts[k + 1], lens[k + 1])
     return ""
 
 
-cdef bytes _sc_parent(const char *buf, Py_ssize_t n):
+cdef bytes parent_of(const char *buf, Py_ssize_t n):
     """The component before the last of a link target (the twin's _parent)."""
     cdef Py_ssize_t end = n, i
     while end > 0 and buf[end - 1] == 47:
@@ -180,12 +180,12 @@ cdef bytes _sc_parent(const char *buf, Py_ssize_t n):
 
 # ------------------------------------------------------------------ what one scan reads once
 
-cdef class _ScMaps:
+cdef class _ScanMaps:
     """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
 
     cdef dict vdpa
-    cdef sc_cmap cmaps[SC_MAP_COUNT]  # each class directory's (owner, name) pairs in _SC_CLASSES order,
-                                      # then SC_DRIVERS: (address, driver) from each driver's directory
+    cdef cmap cmaps[MAP_COUNT]  # each class directory's (owner, name) pairs in _CLASSES order,
+                                      # then MAP_DRIVERS: (address, driver) from each driver's directory
     cdef dict vf_map      # VF address (bytes, as listed) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
@@ -208,7 +208,7 @@ cdef class _ScMaps:
             return ""
         if n == self.drv_len and memcmp(drv, self.drv_buf, n) == 0:
             return self.drv_str
-        self.drv_str = _sc_str(drv, n)
+        self.drv_str = fs_str(drv, n)
         if n <= <Py_ssize_t>sizeof(self.drv_buf):
             memcpy(self.drv_buf, drv, n)
             self.drv_len = n
@@ -218,7 +218,7 @@ cdef class _ScMaps:
 
     cdef int parent_fd(self, int busfd, const char *link, Py_ssize_t n) except? -2:
         """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
-        cdef Py_ssize_t b = _sc_base(link, n)
+        cdef Py_ssize_t b = basename_at(link, n)
         cdef bytes parent = PyBytes_FromStringAndSize(link, b - 1) if b > 0 else b"."
         cdef const char *cparent = parent
         cdef int fd
@@ -226,7 +226,7 @@ cdef class _ScMaps:
         if got is not None:
             return got
         with nogil:
-            fd = sc_openat(busfd, cparent, SC_DIR_FLAGS)
+            fd = openat(busfd, cparent, DIR_FLAGS)
         if fd < 0:
             fd = -1
         self.parents[parent] = fd
@@ -235,27 +235,27 @@ cdef class _ScMaps:
     cdef void close(self) noexcept:
         for fd in self.parents.values():
             if fd >= 0:
-                sc_close(fd)
+                close(fd)
         self.parents.clear()
 
     def __dealloc__(self):
         cdef int k
-        for k in range(SC_MAP_COUNT):
-            _sc_cmap_free(&self.cmaps[k])
+        for k in range(MAP_COUNT):
+            cmap_free(&self.cmaps[k])
 
 
-cdef str _sc_dev_node(const char *entry):
+cdef str dev_node(const char *entry):
     """``uverbs3`` → ``/dev/infiniband/uverbs3`` in one decode (the twin's "/dev/infiniband/" + name)."""
-    cdef char buf[SC_NAME_MAX + 32]
+    cdef char buf[FILE_NAME_MAX + 32]
     cdef Py_ssize_t n = strlen(entry)
-    if n > SC_NAME_MAX:
-        return "/dev/infiniband/" + _sc_str(entry, n)
+    if n > FILE_NAME_MAX:
+        return "/dev/infiniband/" + fs_str(entry, n)
     memcpy(buf, b"/dev/infiniband/", 16)
     memcpy(buf + 16, entry, n)
-    return _sc_str(buf, 16 + n)
+    return fs_str(buf, 16 + n)
 
 
-cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
+cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
     """Every class map of the scan (the twin's _rdma_map and _class_map), their links read in parallel.
 
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
@@ -264,9 +264,9 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     and reads too whenever the next one it needs is not ready; all of it without the GIL.  The class
     directories are listed side by side with the bus and every driver (``busfd``, unless it is -1 for
     a partial scan): the bus's sorted entries are returned (None without it) and the drivers' device
-    links fill the SC_DRIVERS map (the twin's _driver_map).
+    links fill the MAP_DRIVERS map (the twin's _driver_map).
     """
-    cdef char big[SC_LINK_MAX]
+    cdef char big[LINK_MAX]
     cdef Py_ssize_t n, i, total = 0, pos, fill_e, entry_i, nlists = 0
     cdef int fill_j, job_i, njobs = 0
     cdef int cfd = -1, started
@@ -276,30 +276,30 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
     cdef const char *buf
     cdef Py_ssize_t at, ln
     cdef int k
-    cdef sc_rl_batch b
-    cdef sc_rl *r
-    cdef sc_seals seals
-    cdef sc_pthread_t threads[3]
-    # Each class directory that opened: its fd, its SC_CLS_* and its name (for _sc_class_owner).
-    cdef int job_fd[SC_CLS_COUNT]
-    cdef int job_kind[SC_CLS_COUNT]
-    cdef const char *job_cls[SC_CLS_COUNT]
-    cdef Py_ssize_t job_cn[SC_CLS_COUNT]
-    cdef sc_names *lists = NULL  # the listings: one per class job, then the bus, then each driver
+    cdef links_ahead b
+    cdef link_ahead *r
+    cdef seal_jobs seals
+    cdef pthread_t threads[3]
+    # Each class directory that opened: its fd, its CLS_* and its name (for class_owner).
+    cdef int job_fd[CLS_COUNT]
+    cdef int job_kind[CLS_COUNT]
+    cdef const char *job_cls[CLS_COUNT]
+    cdef Py_ssize_t job_cn[CLS_COUNT]
+    cdef dirlist *lists = NULL  # the listings: one per class job, then the bus, then each driver
     cdef list bus_names = None
     cdef int helpers = maps.helpers
     b.items = NULL
     try:
-        for k in range(SC_CLS_COUNT):
-            cls_path = b"class/" + _SC_CLASSES[k]
+        for k in range(CLS_COUNT):
+            cls_path = b"class/" + _CLASSES[k]
             cpath = cls_path
             with nogil:
-                cfd = _sc_open_dir(rootfd, cpath)
+                cfd = open_dir(rootfd, cpath)
             if cfd >= 0:
                 job_fd[njobs] = cfd
                 job_kind[njobs] = k
-                job_cls[njobs] = <bytes>_SC_CLASSES[k]  # module-level constants: alive for good
-                job_cn[njobs] = len(<bytes>_SC_CLASSES[k])
+                job_cls[njobs] = <bytes>_CLASSES[k]  # module-level constants: alive for good
+                job_cn[njobs] = len(<bytes>_CLASSES[k])
                 njobs += 1
         # Only the bus is needed in order (a PF before its VFs); the class and driver maps sort their
         # own pairs.
@@ -307,19 +307,19 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
         drivers = []
         if busfd >= 0:
             dirs.append((busfd, b".", True))
-            drivers = _sc_listdir(rootfd, "bus/pci/drivers")
+            drivers = listdir_at(rootfd, "bus/pci/drivers")
             dirs.extend([(rootfd, b"bus/pci/drivers/" + d, False) for d in drivers])
-        lists = <sc_names *>calloc(len(dirs) + 1, sizeof(sc_names))
+        lists = <dirlist *>calloc(len(dirs) + 1, sizeof(dirlist))
         if lists == NULL:
             raise MemoryError("sysfs scan: out of memory")
         nlists = len(dirs)
-        _sc_list_dirs(dirs, helpers, lists)
+        list_dirs(dirs, helpers, lists)
         if busfd >= 0:
-            bus_names = _sc_names_list(&lists[njobs])
-            _sc_driver_map(&maps.cmaps[SC_DRIVERS], drivers, lists + njobs + 1)
+            bus_names = dirlist_bytes(&lists[njobs])
+            driver_map(&maps.cmaps[MAP_DRIVERS], drivers, lists + njobs + 1)
         for j in range(njobs):
             total += lists[j].count
-        b.items = <sc_rl *>malloc((total if total < SC_RL_BATCH else SC_RL_BATCH) * sizeof(sc_rl) + 1)
+        b.items = <link_ahead *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(link_ahead) + 1)
         if b.items == NULL:
             raise MemoryError("sysfs scan: out of memory")
         with nogil:
@@ -329,7 +329,7 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
             fill_e = entry_i = 0
             pos = 0
             while pos < total and not oom:
-                b.n = total - pos if total - pos < SC_RL_BATCH else SC_RL_BATCH
+                b.n = total - pos if total - pos < AHEAD_BATCH else AHEAD_BATCH
                 for i in range(b.n):
                     while fill_e >= lists[fill_j].count:
                         fill_j += 1
@@ -338,72 +338,72 @@ cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
                     b.items[i].name = lists[fill_j].names[fill_e]
                     b.items[i].done = 0
                     fill_e += 1
-                started = _sc_rl_start(&b, helpers, threads)
+                started = links_ahead_start(&b, helpers, threads)
                 for i in range(b.n):
                     while entry_i >= lists[job_i].count:
                         job_i += 1
                         entry_i = 0
                     entry_i += 1
                     r = &b.items[i]
-                    if not sc_is_done(&r.done):
-                        _sc_rl_wait(&b, i)
+                    if not is_done(&r.done):
+                        links_ahead_wait(&b, i)
                     buf = r.buf
                     n = r.n
-                    if r.status == SC_RL_LONG:
-                        r.status = _sc_readlink(job_fd[job_i], r.name, big, &n)
+                    if r.status == LINK_LONG:
+                        r.status = read_link(job_fd[job_i], r.name, big, &n)
                         buf = big
                     # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
                     # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
-                    ok = r.status == 0 and _sc_class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
-                    if ok and not _sc_cmap_add(&maps.cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
+                    ok = r.status == 0 and class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
+                    if ok and not cmap_add(&maps.cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
                         oom = True
                         break
-                _sc_rl_stop(&b, started, threads)
+                links_ahead_stop(&b, started, threads)
                 pos += b.n
         if oom:
             raise MemoryError("sysfs scan: out of memory")
         seals.maps = maps.cmaps
-        seals.n = SC_MAP_COUNT
+        seals.n = MAP_COUNT
         seals.next = 0
         with nogil:
             # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
-            started = _sc_spawn(_sc_seal_reader, &seals, helpers, threads)
-            _sc_seal_reader(&seals)
-            _sc_join(threads, started)
+            started = spawn_helpers(seal_reader, &seals, helpers, threads)
+            seal_reader(&seals)
+            join_helpers(threads, started)
     finally:
         free(b.items)
         if lists != NULL:
             for i in range(nlists):
-                _sc_names_free(&lists[i])
+                dirlist_free(&lists[i])
             free(lists)
         for j in range(njobs):
-            sc_close(job_fd[j])
+            close(job_fd[j])
     return bus_names
 
 
-cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
+cdef bytes virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
     """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, read in parallel without the GIL.
 
     Returns VF 0's address (b"" without one), whose uevent gives the ids all the PF's VFs share.
     """
     cdef bytes first = b""
-    cdef char big[SC_LINK_MAX]
+    cdef char big[LINK_MAX]
     cdef Py_ssize_t n, b, i, ln, count = 0
     cdef long k
     cdef bint ok
     cdef const char *e
     cdef const char *buf
-    cdef sc_names l
-    cdef sc_rl_batch batch
-    cdef sc_rl *r
-    memset(&l, 0, sizeof(sc_names))
+    cdef dirlist l
+    cdef links_ahead batch
+    cdef link_ahead *r
+    memset(&l, 0, sizeof(dirlist))
     batch.items = NULL
     try:
         with nogil:
-            _sc_names_open(&l, devfd, ".")
+            dirlist_open(&l, devfd, ".")
         if l.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
-        batch.items = <sc_rl *>malloc((l.count or 1) * sizeof(sc_rl))
+        batch.items = <link_ahead *>malloc((l.count or 1) * sizeof(link_ahead))
         if batch.items == NULL:
             raise MemoryError("sysfs scan: out of memory")
         for i in range(l.count):
@@ -414,35 +414,35 @@ cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helper
                 count += 1
         batch.n = count
         with nogil:
-            _sc_rl_run(&batch, helpers)
+            links_ahead_run(&batch, helpers)
         for i in range(count):
             r = &batch.items[i]
             e = r.name
             ln = strlen(e)
-            ok = _sc_int(e + 6, ln - 6, &k)
+            ok = parse_int(e + 6, ln - 6, &k)
             buf = r.buf
             n = r.n
-            if r.status == SC_RL_LONG:
+            if r.status == LINK_LONG:
                 with nogil:
-                    r.status = _sc_readlink(devfd, e, big, &n)
+                    r.status = read_link(devfd, e, big, &n)
                 buf = big
             if not ok or k < 0 or r.status != 0:
                 entry = PyBytes_FromStringAndSize(e, ln)
                 warnings.append(
-                    f"{pf}: {_sc_os.fsdecode(entry)}: {_sc_why(r.status) if r.status else 'not a VF link'}"
+                    f"{pf}: {_os.fsdecode(entry)}: {_why(r.status) if r.status else 'not a VF link'}"
                 )
                 continue
-            b = _sc_base(buf, n)
+            b = basename_at(buf, n)
             vf_map[PyBytes_FromStringAndSize(buf + b, n - b)] = (pf, k)
             if k == 0:
                 first = PyBytes_FromStringAndSize(buf + b, n - b)
     finally:
         free(batch.items)
-        _sc_names_free(&l)
+        dirlist_free(&l)
     return first
 
 
-cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
+cdef long routing_id(const char *a, Py_ssize_t n) noexcept nogil:
     """``0000:3b:00.1`` → bus << 8 | device << 3 | function; -1 for anything else (twin: _routing_id)."""
     cdef Py_ssize_t colon = 0
     cdef long bus, dev, fn
@@ -450,20 +450,20 @@ cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
         colon += 1
     if colon == 0 or colon == n or n - colon != 8 or a[colon + 3] != 58 or a[colon + 6] != 46:
         return -1
-    if not _sc_is_hex(<char *>a, colon) or not _sc_is_hex(<char *>a + colon + 1, 2):
+    if not all_hex(<char *>a, colon) or not all_hex(<char *>a + colon + 1, 2):
         return -1
-    if not _sc_is_hex(<char *>a + colon + 4, 2) or not (48 <= a[colon + 7] <= 57):
+    if not all_hex(<char *>a + colon + 4, 2) or not (48 <= a[colon + 7] <= 57):
         return -1
-    bus = _sc_hex_value(a + colon + 1, 2)
-    dev = _sc_hex_value(a + colon + 4, 2)
+    bus = hex_value(a + colon + 1, 2)
+    dev = hex_value(a + colon + 4, 2)
     fn = a[colon + 7] - 48
     if dev > 0x1F or fn > 7:
         return -1
     return bus << 8 | dev << 3 | fn
 
 
-cdef inline long _sc_hex_value(const char *a, Py_ssize_t n) noexcept nogil:
-    # n hex digits, already checked by _sc_is_hex
+cdef inline long hex_value(const char *a, Py_ssize_t n) noexcept nogil:
+    # n hex digits, already checked by all_hex
     cdef long v = 0
     cdef Py_ssize_t i
     cdef char c
@@ -473,7 +473,7 @@ cdef inline long _sc_hex_value(const char *a, Py_ssize_t n) noexcept nogil:
     return v
 
 
-cdef bint _sc_cat(char *out, size_t cap, const char *a, const char *b, const char *c,
+cdef bint cat_path(char *out, size_t cap, const char *a, const char *b, const char *c,
                   const char *d) noexcept nogil:
     """``a`` + ``b`` + ``c`` + ``d`` (c, d may be NULL) into out, cut to fit as snprintf would; False if cut.
 
@@ -500,13 +500,13 @@ cdef bint _sc_cat(char *out, size_t cap, const char *a, const char *b, const cha
     return True
 
 
-cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, object present, dict vf_map):
+cdef object computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, object present, dict vf_map):
     """Record a PF's VFs from its routing ID, sriov_offset and sriov_stride (the twin's _computed_virtfns).
 
     ``pfb`` is the PF's bus entry (``pf`` as bytes).  Returns VF 0's address, or None when the
     ``virtfn<k>`` links must be read instead.
     """
-    cdef char buf[SC_READ_MAX + 1]
+    cdef char buf[READ_MAX + 1]
     cdef char addr[64]
     cdef Py_ssize_t n, dn
     cdef long offset, stride, rid, r, k
@@ -518,13 +518,13 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
     if present is None or numvfs <= 0:
         return None
     with nogil:
-        status = _sc_read(devfd, "sriov_offset", buf, &n)
-        ok = status == 0 and _sc_int(buf, n, &offset)
+        status = read_attr(devfd, "sriov_offset", buf, &n)
+        ok = status == 0 and parse_int(buf, n, &offset)
         if ok:
-            status = _sc_read(devfd, "sriov_stride", buf, &n)
-            ok = status == 0 and _sc_int(buf, n, &stride)
+            status = read_attr(devfd, "sriov_stride", buf, &n)
+            ok = status == 0 and parse_int(buf, n, &stride)
     cpf = pfb
-    rid = _sc_routing_id(cpf, len(pfb))
+    rid = routing_id(cpf, len(pfb))
     if not ok or rid < 0 or offset <= 0 or stride < 0 or (stride == 0 and numvfs > 1):
         return None
     dn = pfb.index(b":")
@@ -538,11 +538,11 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
         # "%s:%02x:%02x.%d" % (domain, bus, device, function), as the kernel names a PCI device
         memcpy(addr, cpf, dn)
         addr[dn] = 58
-        addr[dn + 1] = _SC_HEX[(r >> 12) & 15]
-        addr[dn + 2] = _SC_HEX[(r >> 8) & 15]
+        addr[dn + 1] = HEX_DIGITS[(r >> 12) & 15]
+        addr[dn + 2] = HEX_DIGITS[(r >> 8) & 15]
         addr[dn + 3] = 58
-        addr[dn + 4] = _SC_HEX[(r >> 7) & 1]
-        addr[dn + 5] = _SC_HEX[(r >> 3) & 15]
+        addr[dn + 4] = HEX_DIGITS[(r >> 7) & 1]
+        addr[dn + 5] = HEX_DIGITS[(r >> 3) & 15]
         addr[dn + 6] = 46
         addr[dn + 7] = 48 + (r & 7)
         name = PyBytes_FromStringAndSize(addr, dn + 8)
@@ -555,12 +555,12 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
     return found[0]
 
 
-cdef object _sc_vf_ids(int parentfd, bytes vf0):
+cdef object read_vf_ids(int parentfd, bytes vf0):
     """The ids every VF of a PF shares, from its VF 0's uevent; None if unusable (the twin's _vf_ids)."""
-    cdef char buf[SC_UEVENT_MAX + 1]
+    cdef char buf[UEVENT_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
-    cdef sc_uev u
+    cdef uevent_at u
     cdef bytes path
     cdef const char *cpath
     if not vf0:
@@ -568,83 +568,83 @@ cdef object _sc_vf_ids(int parentfd, bytes vf0):
     path = vf0 + b"/uevent"
     cpath = path
     with nogil:
-        status = _sc_read_cap(parentfd, cpath, buf, &n, SC_UEVENT_MAX)
-    if status != 0 or not _sc_uevent_parse(buf, n, &u):
+        status = read_file(parentfd, cpath, buf, &n, UEVENT_MAX)
+    if status != 0 or not uevent_fields(buf, n, &u):
         return None
-    return _sc_uevent_ids(buf, &u)
+    return uevent_ids(buf, &u)
 
 
-cdef tuple _sc_netdevs(_ScMaps maps, const char *name):
+cdef tuple netdevs_of(_ScanMaps maps, const char *name):
     """A function's netdev names in bytes order (the twin's ``maps.nets``)."""
-    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cmaps[SC_CLS_NET], name, &end)
-    cdef sc_centry *e = maps.cmaps[SC_CLS_NET].e
+    cdef Py_ssize_t end, i = cmap_find(&maps.cmaps[CLS_NET], name, &end)
+    cdef centry *e = maps.cmaps[CLS_NET].e
     if i < 0:
         return ()
-    return tuple([_sc_str(e[k].name, strlen(e[k].name)) for k in range(i, end)])
+    return tuple([fs_str(e[k].name, strlen(e[k].name)) for k in range(i, end)])
 
 
-cdef tuple _sc_functions(_ScMaps maps, bytes name):
+cdef tuple functions_of(_ScanMaps maps, bytes name):
     """A function's netdevs, first RDMA device and its /dev/infiniband nodes, from the class maps."""
     cdef const char *c = name
     cdef Py_ssize_t end, i, k
     cdef int m
-    cdef sc_centry *e
-    netdevs = _sc_netdevs(maps, c)
-    i = _sc_cmap_find(&maps.cmaps[SC_CLS_IB], c, &end)
+    cdef centry *e
+    netdevs = netdevs_of(maps, c)
+    i = cmap_find(&maps.cmaps[CLS_IB], c, &end)
     if i < 0:
         return netdevs, "", ()
-    e = maps.cmaps[SC_CLS_IB].e
-    ibdev = _sc_str(e[i].name, strlen(e[i].name))
+    e = maps.cmaps[CLS_IB].e
+    ibdev = fs_str(e[i].name, strlen(e[i].name))
     nodes = []
-    for m in range(SC_CLS_VERBS, SC_CLS_CM + 1):
-        i = _sc_cmap_find(&maps.cmaps[m], c, &end)
+    for m in range(CLS_VERBS, CLS_CM + 1):
+        i = cmap_find(&maps.cmaps[m], c, &end)
         e = maps.cmaps[m].e
         for k in range(i, end if i >= 0 else i):
-            nodes.append(_sc_dev_node(e[k].name))
+            nodes.append(dev_node(e[k].name))
     nodes.sort()
     return netdevs, ibdev, tuple(nodes)
 
 
-cdef const char *_sc_first_netdev(_ScMaps maps, bytes name) noexcept:
+cdef const char *first_netdev(_ScanMaps maps, bytes name) noexcept:
     """The first netdev's name as a C string (kept alive by the map), or NULL."""
-    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cmaps[SC_CLS_NET], name, &end)
-    return maps.cmaps[SC_CLS_NET].e[i].name if i >= 0 else NULL
+    cdef Py_ssize_t end, i = cmap_find(&maps.cmaps[CLS_NET], name, &end)
+    return maps.cmaps[CLS_NET].e[i].name if i >= 0 else NULL
 
 
-cdef str _sc_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
+cdef str link_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
     """The link type of a ``net/<if>/type`` read (the twin's _link_type)."""
     cdef long v
     if status != 0:
         return ""  # the interface left the host namespace between listing and reading
-    if not _sc_int(buf, n, &v):
+    if not parse_int(buf, n, &v):
         warnings.append(f"{dev}: net/{ifname}/type: not an integer")
         return ""
-    if v == SC_ARPHRD_ETHER:
+    if v == ARPHRD_ETHER:
         return "ether"
-    if v == SC_ARPHRD_INFINIBAND:
+    if v == ARPHRD_INFINIBAND:
         return "infiniband"
     return ""
 
 
-cdef str _sc_link_type(int devfd, str ifname, str dev, list warnings):
-    cdef char buf[SC_READ_MAX + 1]
+cdef str read_link_type(int devfd, str ifname, str dev, list warnings):
+    cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
-    cdef bytes path = b"net/" + _sc_os.fsencode(ifname) + b"/type"
+    cdef bytes path = b"net/" + _os.fsencode(ifname) + b"/type"
     cdef const char *cpath = path
     with nogil:
-        status = _sc_read(devfd, cpath, buf, &n)
-    return _sc_type_name(status, buf, n, ifname, dev, warnings)
+        status = read_attr(devfd, cpath, buf, &n)
+    return link_type_name(status, buf, n, ifname, dev, warnings)
 
 
 # ------------------------------------------------------------------ uevent
 
-cdef struct sc_uev:
+cdef struct uevent_at:
     # Where a PCI uevent's fields start in its buffer (-1: absent) and how long the class and driver are.
     Py_ssize_t id_at, sub_at, cls_at, cls_n, drv_at, drv_n
 
 
-cdef bint _sc_uevent_parse(char *buf, Py_ssize_t n, sc_uev *u) noexcept nogil:
+cdef bint uevent_fields(char *buf, Py_ssize_t n, uevent_at *u) noexcept nogil:
     """Ids (and the bound driver) from a PCI device's uevent; False if the ids are incomplete.
 
     drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
@@ -680,12 +680,12 @@ cdef bint _sc_uevent_parse(char *buf, Py_ssize_t n, sc_uev *u) noexcept nogil:
         pos = end + 1
     if u.id_at < 0 or u.sub_at < 0 or u.cls_at < 0:
         return False
-    if not _sc_pair(buf + u.id_at, id_n) or not _sc_pair(buf + u.sub_at, sub_n):
+    if not hex_pair(buf + u.id_at, id_n) or not hex_pair(buf + u.sub_at, sub_n):
         return False
-    return 1 <= u.cls_n <= 6 and _sc_is_hex(buf + u.cls_at, u.cls_n)
+    return 1 <= u.cls_n <= 6 and all_hex(buf + u.cls_at, u.cls_n)
 
 
-cdef list _sc_uevent_ids(const char *u, sc_uev *e):
+cdef list uevent_ids(const char *u, uevent_at *e):
     """vendor, device, class (6 digits), subsystem vendor and device from a parsed uevent."""
     return [
         PyUnicode_DecodeASCII(u + e.id_at, 4, NULL),
@@ -698,64 +698,64 @@ cdef list _sc_uevent_ids(const char *u, sc_uev *e):
 
 # ------------------------------------------------------------------ one PCI function, read in full
 
-cdef struct sc_attr:
-    # One small attribute file: status 0, an errno, SC_EMPTY or SC_UNREAD; its stripped text.
+cdef struct small_file:
+    # One small attribute file: status 0, an errno, EMPTY or UNREAD; its stripped text.
     int status
     Py_ssize_t n
-    char buf[SC_READ_MAX + 1]
+    char buf[READ_MAX + 1]
 
 
-cdef struct sc_link:
+cdef struct link_read:
     # One symlink: status 0 or an errno; the target and where its basename starts.
     int status
     Py_ssize_t n
     Py_ssize_t base
-    char buf[SC_LINK_MAX]
+    char buf[LINK_MAX]
 
 
-cdef struct sc_pci:
-    # Everything the scan reads of one PCI function, filled without the GIL by _sc_read_pci.
-    sc_link bus            # bus/pci/devices/<name> → the device's path (its PCIe root)
+cdef struct pci_read:
+    # Everything the scan reads of one PCI function, filled without the GIL by read_pci.
+    link_read bus            # bus/pci/devices/<name> → the device's path (its PCIe root)
     int devfd              # the device directory; -1 when it would not open (open_err says why)
     int open_err
     int uevent_status
     Py_ssize_t uevent_n
-    char uevent[SC_UEVENT_MAX + 1]
+    char uevent[UEVENT_MAX + 1]
     bint from_uevent       # ids (and maybe the driver) came from uevent; ue points into it
-    sc_uev ue
-    sc_attr ids[5]         # vendor, device, class, subsystem_vendor, subsystem_device: without uevent
-    sc_link physfn
+    uevent_at ue
+    small_file ids[5]         # vendor, device, class, subsystem_vendor, subsystem_device: without uevent
+    link_read physfn
     bint is_vf
-    sc_attr numa, acpi, total
+    small_file numa, acpi, total
     long numa_v, acpi_v, total_v
-    sc_link driver
+    link_read driver
     const char *drv        # the driver name: into uevent or driver.buf; drv_len 0 when unbound
     Py_ssize_t drv_len
-    sc_link group
+    link_read group
     long group_v
     bint group_bad
     bint noiommu
-    sc_attr numvfs
-    sc_attr net_type
-    sc_names uio
+    small_file numvfs
+    small_file net_type
+    dirlist uio
 
 
-cdef inline void _sc_get_link(int dirfd, const char *name, sc_link *l) noexcept nogil:
-    l.status = _sc_readlink(dirfd, name, l.buf, &l.n)
-    l.base = _sc_base(l.buf, l.n) if l.status == 0 else 0
+cdef inline void get_link(int dirfd, const char *name, link_read *l) noexcept nogil:
+    l.status = read_link(dirfd, name, l.buf, &l.n)
+    l.base = basename_at(l.buf, l.n) if l.status == 0 else 0
 
 
-cdef inline long _sc_int_value(sc_attr *a, long default) noexcept nogil:
+cdef inline long int_value(small_file *a, long default) noexcept nogil:
     """An integer attribute; ``default`` when absent, max(default, -1) when bad (the twin's rule)."""
     cdef long value
-    if a.status == 0 and _sc_int(a.buf, a.n, &value):
+    if a.status == 0 and parse_int(a.buf, a.n, &value):
         return value
     if a.status == ENOENT:
         return default
     return default if default > -1 else -1
 
 
-cdef inline const char *_sc_id_attr(int i) noexcept nogil:
+cdef inline const char *id_attr_name(int i) noexcept nogil:
     if i == 0:
         return "vendor"
     if i == 1:
@@ -767,11 +767,11 @@ cdef inline const char *_sc_id_attr(int i) noexcept nogil:
     return "subsystem_device"
 
 
-cdef void _sc_read_pci(int busfd, const char *name, const char *ifname, sc_pci *d) noexcept nogil:
-    """Read one PCI function into d without the GIL; d.devfd is left open for _sc_build_pci."""
+cdef void read_pci(int busfd, const char *name, const char *ifname, pci_read *d) noexcept nogil:
+    """Read one PCI function into d without the GIL; d.devfd is left open for build_pci."""
     cdef int i
     cdef long v
-    cdef char path[SC_NAME_MAX + 16]
+    cdef char path[FILE_NAME_MAX + 16]
     d.devfd = -1
     d.from_uevent = False
     d.is_vf = False
@@ -780,144 +780,144 @@ cdef void _sc_read_pci(int busfd, const char *name, const char *ifname, sc_pci *
     d.group_v = -1
     d.group_bad = False
     d.noiommu = False
-    d.numa.status = d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = SC_UNREAD
+    d.numa.status = d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = UNREAD
     d.numa_v = d.acpi_v = -1
     d.total_v = -2
     d.uio.count = 0
     for i in range(5):
-        d.ids[i].status = SC_UNREAD
-    _sc_get_link(busfd, name, &d.bus)
-    d.devfd = sc_openat(busfd, name, SC_DIR_FLAGS)
+        d.ids[i].status = UNREAD
+    get_link(busfd, name, &d.bus)
+    d.devfd = openat(busfd, name, DIR_FLAGS)
     if d.devfd < 0:
         d.open_err = errno if errno else 1
         return
-    d.uevent_status = _sc_read_cap(d.devfd, "uevent", d.uevent, &d.uevent_n, SC_UEVENT_MAX)
+    d.uevent_status = read_file(d.devfd, "uevent", d.uevent, &d.uevent_n, UEVENT_MAX)
     if d.uevent_status == 0:
-        d.from_uevent = _sc_uevent_parse(d.uevent, d.uevent_n, &d.ue)
+        d.from_uevent = uevent_fields(d.uevent, d.uevent_n, &d.ue)
     if not d.from_uevent:
         # No usable uevent (half-written or odd tree): the individual attribute files decide, and a
         # bad identity file skips the device (so nothing more is read).
         for i in range(5):
-            d.ids[i].status = _sc_read(d.devfd, _sc_id_attr(i), d.ids[i].buf, &d.ids[i].n)
-            if i < 3 and (d.ids[i].status != 0 or not _sc_hex(d.ids[i].buf, d.ids[i].n, 6 if i == 2 else 4)):
+            d.ids[i].status = read_attr(d.devfd, id_attr_name(i), d.ids[i].buf, &d.ids[i].n)
+            if i < 3 and (d.ids[i].status != 0 or not parse_hex_id(d.ids[i].buf, d.ids[i].n, 6 if i == 2 else 4)):
                 return
     # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
     # kernel shows neither sriov_* nor acpi_index on it, and its NUMA node is its PF's (see the
     # twin's module docstring): once physfn is found, skip those probes.
-    _sc_get_link(d.devfd, "physfn", &d.physfn)
+    get_link(d.devfd, "physfn", &d.physfn)
     d.is_vf = d.physfn.status == 0 and d.physfn.n > d.physfn.base
     if not d.is_vf:
-        d.numa.status = _sc_read(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
-        d.numa_v = _sc_int_value(&d.numa, -1)
-        d.acpi.status = _sc_read(d.devfd, "acpi_index", d.acpi.buf, &d.acpi.n)
-        d.acpi_v = _sc_int_value(&d.acpi, -1)
-        d.total.status = _sc_read(d.devfd, "sriov_totalvfs", d.total.buf, &d.total.n)
-        d.total_v = _sc_int_value(&d.total, -2)
+        d.numa.status = read_attr(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
+        d.numa_v = int_value(&d.numa, -1)
+        d.acpi.status = read_attr(d.devfd, "acpi_index", d.acpi.buf, &d.acpi.n)
+        d.acpi_v = int_value(&d.acpi, -1)
+        d.total.status = read_attr(d.devfd, "sriov_totalvfs", d.total.buf, &d.total.n)
+        d.total_v = int_value(&d.total, -2)
     if d.from_uevent and d.ue.drv_n > 0:
         d.drv = d.uevent + d.ue.drv_at
         d.drv_len = d.ue.drv_n
     else:
         # No DRIVER= line (unbound, or the attribute files decided): the driver link says.
-        _sc_get_link(d.devfd, "driver", &d.driver)
+        get_link(d.devfd, "driver", &d.driver)
         if d.driver.status == 0:
             d.drv = d.driver.buf + d.driver.base
             d.drv_len = d.driver.n - d.driver.base
-    _sc_get_link(d.devfd, "iommu_group", &d.group)
+    get_link(d.devfd, "iommu_group", &d.group)
     if d.group.status == 0:
-        if not _sc_int(d.group.buf + d.group.base, d.group.n - d.group.base, &v) or v < 0:
+        if not parse_int(d.group.buf + d.group.base, d.group.n - d.group.base, &v) or v < 0:
             d.group_bad = True
         else:
             d.group_v = v
             # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device a
             # vfio driver binds, so only those are asked.
             if d.drv_len >= 4 and memcmp(d.drv, b"vfio", 4) == 0:
-                i = _sc_read(d.devfd, "iommu_group/name", d.net_type.buf, &d.net_type.n)
+                i = read_attr(d.devfd, "iommu_group/name", d.net_type.buf, &d.net_type.n)
                 d.noiommu = i == 0 and d.net_type.n == 12 and memcmp(d.net_type.buf, b"vfio-noiommu", 12) == 0
     if d.total_v != -2:
-        d.numvfs.status = _sc_read(d.devfd, "sriov_numvfs", d.numvfs.buf, &d.numvfs.n)
-    d.net_type.status = SC_UNREAD
+        d.numvfs.status = read_attr(d.devfd, "sriov_numvfs", d.numvfs.buf, &d.numvfs.n)
+    d.net_type.status = UNREAD
     if ifname != NULL and snprintf(path, sizeof(path), "net/%s/type", ifname) < <int>sizeof(path):
-        d.net_type.status = _sc_read(d.devfd, path, d.net_type.buf, &d.net_type.n)
+        d.net_type.status = read_attr(d.devfd, path, d.net_type.buf, &d.net_type.n)
     # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
-    if _sc_contains(d.drv, d.drv_len, "uio", 3):
-        _sc_names_open(&d.uio, d.devfd, "uio")
+    if contains(d.drv, d.drv_len, "uio", 3):
+        dirlist_open(&d.uio, d.devfd, "uio")
 
 
-cdef inline str _sc_attr_why(sc_attr *a, str what):
-    return _sc_why(a.status) if a.status else what
+cdef inline str attr_why(small_file *a, str what):
+    return _why(a.status) if a.status else what
 
 
-cdef void _sc_int_warn(sc_attr *a, str attr, str dev, list warnings) except *:
+cdef void warn_int(small_file *a, str attr, str dev, list warnings) except *:
     """The twin's warning for an integer attribute that is present but unreadable or not a number."""
     cdef long value
-    if a.status == SC_UNREAD or a.status == ENOENT:
+    if a.status == UNREAD or a.status == ENOENT:
         return
-    if a.status == 0 and _sc_int(a.buf, a.n, &value):
+    if a.status == 0 and parse_int(a.buf, a.n, &value):
         return
-    warnings.append(f"{dev}: {attr}: {_sc_attr_why(a, 'not an integer')}")
+    warnings.append(f"{dev}: {attr}: {attr_why(a, 'not an integer')}")
 
 
-cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list warnings):
-    """One PCI function as a row (_sc_row) from what _sc_read_pci read (closes d.devfd).
+cdef list build_pci(pci_read *d, int busfd, bytes name, _ScanMaps maps, list warnings):
+    """One PCI function as a row (new_row) from what read_pci read (closes d.devfd).
 
     A VF's PF netdev, index and NUMA node are filled in afterwards; a PF leaves its own for the VFs
     read after it.  Warnings come in the twin's order.
     """
-    cdef str dev = _sc_str(name, len(name))
-    cdef str pcie_root = _sc_pcie_root(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
+    cdef str dev = fs_str(name, len(name))
+    cdef str pcie_root = pcie_root_of(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
     cdef int i, parentfd
     cdef long num, total
-    cdef sc_attr *a
+    cdef small_file *a
     if d.devfd < 0:
-        warnings.append(f"{dev}: skipped: {_sc_os.strerror(d.open_err)}")
+        warnings.append(f"{dev}: skipped: {_os.strerror(d.open_err)}")
         return None
     try:
         if d.from_uevent:
-            ids = _sc_uevent_ids(d.uevent, &d.ue)
+            ids = uevent_ids(d.uevent, &d.ue)
         else:
             ids = ["", "", "", "", ""]
             for i in range(5):
                 a = &d.ids[i]
-                if a.status == 0 and _sc_hex(a.buf, a.n, 6 if i == 2 else 4):
+                if a.status == 0 and parse_hex_id(a.buf, a.n, 6 if i == 2 else 4):
                     ids[i] = PyUnicode_DecodeASCII(a.buf + 2, a.n - 2, NULL)
                 elif i < 3:
-                    why = _sc_attr_why(a, "not a hex id")
-                    warnings.append(f"{dev}: skipped: {_sc_id_attr(i).decode()}: {why}")
+                    why = attr_why(a, "not a hex id")
+                    warnings.append(f"{dev}: skipped: {id_attr_name(i).decode()}: {why}")
                     return None
                 elif a.status != ENOENT:
-                    why = _sc_attr_why(a, "not a hex id")
-                    warnings.append(f"{dev}: {_sc_id_attr(i).decode()}: {why}")
+                    why = attr_why(a, "not a hex id")
+                    warnings.append(f"{dev}: {id_attr_name(i).decode()}: {why}")
         if d.physfn.status == 0:
-            pf = _sc_str(d.physfn.buf + d.physfn.base, d.physfn.n - d.physfn.base)
+            pf = fs_str(d.physfn.buf + d.physfn.base, d.physfn.n - d.physfn.base)
         else:
             pf = ""
             if d.physfn.status != ENOENT:
-                warnings.append(f"{dev}: physfn: {_sc_why(d.physfn.status)}")
-        _sc_int_warn(&d.numa, "numa_node", dev, warnings)
-        _sc_int_warn(&d.acpi, "acpi_index", dev, warnings)
-        _sc_int_warn(&d.total, "sriov_totalvfs", dev, warnings)
-        driver = _sc_str(d.drv, d.drv_len) if d.drv_len else ""
+                warnings.append(f"{dev}: physfn: {_why(d.physfn.status)}")
+        warn_int(&d.numa, "numa_node", dev, warnings)
+        warn_int(&d.acpi, "acpi_index", dev, warnings)
+        warn_int(&d.total, "sriov_totalvfs", dev, warnings)
+        driver = fs_str(d.drv, d.drv_len) if d.drv_len else ""
         if d.group_bad:
             warnings.append(f"{dev}: iommu_group: not a group number")
         role = "vf" if pf else "pci"
         num = 0
         total = d.total_v
-        netdevs, ibdev, nodes = _sc_functions(maps, name)
+        netdevs, ibdev, nodes = functions_of(maps, name)
         if total != -2:
             role = "pf"
             if total < 0:
                 total = 0
             a = &d.numvfs
-            if a.status != 0 or not _sc_int(a.buf, a.n, &num):
-                warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
+            if a.status != 0 or not parse_int(a.buf, a.n, &num):
+                warnings.append(f"{dev}: sriov_numvfs: {attr_why(a, 'not an integer')}")
                 num = 0
-            vf0 = _sc_computed_virtfns(d.devfd, dev, name, num, maps.present, maps.vf_map)
+            vf0 = computed_virtfns(d.devfd, dev, name, num, maps.present, maps.vf_map)
             if vf0 is None:
-                vf0 = _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
+                vf0 = virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
-                    vf_ids = _sc_vf_ids(parentfd, vf0)
+                    vf_ids = read_vf_ids(parentfd, vf0)
                     maps.pfs[dev] = (
                         parentfd, pcie_root, vf_ids, d.group_v >= 0, d.numa_v, netdevs[0] if netdevs else ""
                     )
@@ -925,15 +925,15 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             total = 0
         if netdevs:
             a = &d.net_type
-            link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
+            link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
         else:
             link_type = ""
         if d.uio.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
-        uio = _sc_str(d.uio.names[0], strlen(d.uio.names[0])) if d.uio.count else ""
+        uio = fs_str(d.uio.names[0], strlen(d.uio.names[0])) if d.uio.count else ""
         vd = maps.vdpa.get(name)
         vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
-        return _sc_row(
+        return new_row(
             id=dev, role=role, vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=ids[3],
             subsystem_device=ids[4], driver=driver, numa_node=d.numa_v, iommu_group=d.group_v,
             noiommu=d.noiommu, acpi_index=d.acpi_v, total_vfs=total, num_vfs=num, pf=pf, vf_index=-1,
@@ -941,18 +941,18 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             uio=uio, vdpa=vdpa_name, vdpa_driver=vdpa_driver, pcie_root=pcie_root, aux_type="",
         )
     finally:
-        sc_close(d.devfd)
+        close(d.devfd)
         d.devfd = -1
 
 
 # ------------------------------------------------------------------ a VF beside its PF, read in batches
 
 cdef enum:
-    SC_VF_LINK = 256       # a VF's driver link target; longer ones take the full read
-    SC_VF_BATCH = 512      # VFs read ahead at once (~1.6 KB each)
+    VF_LINK_MAX = 256       # a VF's driver link target; longer ones take the full read
+    VF_BATCH = 512      # VFs read ahead at once (~1.6 KB each)
 
 
-cdef struct sc_vf:
+cdef struct vf_read:
     # What the fast read of one VF needs and finds; filled without the GIL, by any reader thread.
     int parentfd           # the PF's parent directory: the VF's directory is in it
     const char *name       # the VF's address (kept alive by the scan's name list)
@@ -963,21 +963,21 @@ cdef struct sc_vf:
     bint pf_grouped        # its PF has an IOMMU group (so should it)
     bint full              # this VF needs the full read (no usable uevent, or an odd link)
     int uevent_n
-    char uevent[SC_UEVENT_MAX + 1]
-    sc_uev ue
+    char uevent[UEVENT_MAX + 1]
+    uevent_at ue
     const char *drv
     Py_ssize_t drv_len
-    char drvlink[SC_VF_LINK]
+    char drvlink[VF_LINK_MAX]
     long group_v
     bint group_bad
     bint noiommu
-    sc_attr net_type
-    sc_names uio
+    small_file net_type
+    dirlist uio
 
 
-cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
+cdef void read_vf(vf_read *v) noexcept nogil:
     """The fast read of a VF relative to its PF's parent: uevent, driver, IOMMU group, link type, uio."""
-    cdef char path[SC_NAME_MAX * 2 + 32]
+    cdef char path[FILE_NAME_MAX * 2 + 32]
     cdef Py_ssize_t n, b
     cdef ssize_t got
     cdef size_t cap = sizeof(path)
@@ -986,7 +986,7 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     v.drv_len = 0
     v.group_v = -1
     v.group_bad = v.noiommu = False
-    v.net_type.status = SC_UNREAD
+    v.net_type.status = UNREAD
     v.uio.count = 0
     v.uio.oom = False
     if v.have_ids and v.listed != NULL:
@@ -996,26 +996,26 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     elif v.have_ids:
         # The ids are its PF's VFs': only the driver link is its own.  Unbound (or gone) takes the
         # full read, which tells the two apart.
-        if not _sc_cat(path, cap, v.name, "/driver", NULL, NULL):
+        if not cat_path(path, cap, v.name, "/driver", NULL, NULL):
             return
-        got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
-        if got < 0 or got >= SC_VF_LINK:
+        got = readlinkat(v.parentfd, path, v.drvlink, VF_LINK_MAX)
+        if got < 0 or got >= VF_LINK_MAX:
             return
-        b = _sc_base(v.drvlink, got)
+        b = basename_at(v.drvlink, got)
         v.drv = v.drvlink + b
         v.drv_len = got - b
-    elif not _sc_cat(path, cap, v.name, "/uevent", NULL, NULL):
+    elif not cat_path(path, cap, v.name, "/uevent", NULL, NULL):
         return
-    elif _sc_read_cap(v.parentfd, path, v.uevent, &n, SC_UEVENT_MAX) != 0:
+    elif read_file(v.parentfd, path, v.uevent, &n, UEVENT_MAX) != 0:
         return
     else:
         v.uevent_n = n
-        if not _sc_uevent_parse(v.uevent, n, &v.ue) or not _sc_vf_driver(v, path, cap):
+        if not uevent_fields(v.uevent, n, &v.ue) or not vf_driver(v, path, cap):
             return
-    _sc_read_vf_rest(v, path, cap)
+    read_vf_rest(v, path, cap)
 
 
-cdef bint _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
+cdef bint vf_driver(vf_read *v, char *path, size_t cap) noexcept nogil:
     """The driver of a VF read by its uevent: the DRIVER= line, else its driver link.
 
     False when the link is longer than the slot holds (the full read has room for it).
@@ -1026,50 +1026,50 @@ cdef bint _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
         v.drv = v.uevent + v.ue.drv_at
         v.drv_len = v.ue.drv_n
         return True
-    _sc_cat(path, cap, v.name, "/driver", NULL, NULL)
-    got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
-    if got >= SC_VF_LINK:
+    cat_path(path, cap, v.name, "/driver", NULL, NULL)
+    got = readlinkat(v.parentfd, path, v.drvlink, VF_LINK_MAX)
+    if got >= VF_LINK_MAX:
         return False
     if got >= 0:
-        b = _sc_base(v.drvlink, got)
+        b = basename_at(v.drvlink, got)
         v.drv = v.drvlink + b
         v.drv_len = got - b
     return True
 
 
-cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
+cdef void read_vf_rest(vf_read *v, char *path, size_t cap) noexcept nogil:
     """IOMMU group, link type and uio node of a VF whose ids and driver are read."""
-    cdef char link[SC_LINK_MAX]
+    cdef char link[LINK_MAX]
     cdef Py_ssize_t n, b
     cdef long g
     cdef int status
-    _sc_cat(path, cap, v.name, "/iommu_group", NULL, NULL)
-    status = _sc_readlink(v.parentfd, path, link, &n)
+    cat_path(path, cap, v.name, "/iommu_group", NULL, NULL)
+    status = read_link(v.parentfd, path, link, &n)
     if status != 0 and v.listed != NULL and v.pf_grouped:
         # Nothing of its own read yet: no group where its PF has one may be a VF that is gone (the
         # IOMMU puts every VF in a group when it does its PF), which the full read tells.
         return
     if status == 0:
-        b = _sc_base(link, n)
-        if not _sc_int(link + b, n - b, &g) or g < 0:
+        b = basename_at(link, n)
+        if not parse_int(link + b, n - b, &g) or g < 0:
             v.group_bad = True
         else:
             v.group_v = g
             if v.drv_len >= 4 and memcmp(v.drv, b"vfio", 4) == 0:
-                _sc_cat(path, cap, v.name, "/iommu_group/name", NULL, NULL)
-                status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
+                cat_path(path, cap, v.name, "/iommu_group/name", NULL, NULL)
+                status = read_attr(v.parentfd, path, v.net_type.buf, &v.net_type.n)
                 v.noiommu = status == 0 and v.net_type.n == 12 and memcmp(v.net_type.buf, b"vfio-noiommu", 12) == 0
     if v.ifname != NULL:
-        if not _sc_cat(path, cap, v.name, "/net/", v.ifname, "/type"):
+        if not cat_path(path, cap, v.name, "/net/", v.ifname, "/type"):
             return
-        v.net_type.status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
-    if _sc_contains(v.drv, v.drv_len, "uio", 3):
-        _sc_cat(path, cap, v.name, "/uio", NULL, NULL)
-        _sc_names_open(&v.uio, v.parentfd, path)
+        v.net_type.status = read_attr(v.parentfd, path, v.net_type.buf, &v.net_type.n)
+    if contains(v.drv, v.drv_len, "uio", 3):
+        cat_path(path, cap, v.name, "/uio", NULL, NULL)
+        dirlist_open(&v.uio, v.parentfd, path)
     v.full = False
 
 
-cdef object _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, list warnings):
+cdef object build_vf(vf_read *v, bytes name, str pf, long index, _ScanMaps maps, list warnings):
     """A fast-read VF of a PF this scan read, complete, as a Device; warnings in the twin's order.
 
     A Device: nothing is filled in later (the full read's rows are lists for that).
@@ -1077,21 +1077,21 @@ cdef object _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps,
     node, PCIe root and PF netdev are its PF's (the twin's _scan_vf and the pass after it).
     """
     _parentfd, pcie_root, ids, _grouped, numa, pf_netdev = maps.pfs[pf]
-    cdef str dev = _sc_str(name, len(name))
+    cdef str dev = fs_str(name, len(name))
     cdef str driver = maps.driver_name(v.drv, v.drv_len)
-    cdef sc_attr *a = &v.net_type
+    cdef small_file *a = &v.net_type
     if v.group_bad:
         warnings.append(f"{dev}: iommu_group: not a group number")
-    netdevs, ibdev, nodes = _sc_functions(maps, name)
-    link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings) if netdevs else ""
+    netdevs, ibdev, nodes = functions_of(maps, name)
+    link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings) if netdevs else ""
     if v.uio.oom:
         raise MemoryError("sysfs scan: out of memory listing a directory")
-    uio = _sc_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
+    uio = fs_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
     if ids is None:
-        ids = _sc_uevent_ids(v.uevent, &v.ue)
+        ids = uevent_ids(v.uevent, &v.ue)
     vd = maps.vdpa.get(name)
     vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
-    return _sc_device(_sc_row(
+    return as_device(new_row(
         id=dev, role="vf", vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=ids[3],
         subsystem_device=ids[4], driver=driver, numa_node=numa, iommu_group=v.group_v, noiommu=v.noiommu,
         acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=index, pf_netdev=pf_netdev,
@@ -1100,98 +1100,98 @@ cdef object _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps,
     ))
 
 
-cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
+cdef void vf_slot(vf_read *v, _ScanMaps maps, str pf, bytes name) except *:
     """Point a slot at a VF of ``pf`` (``name`` must outlive the read)."""
     cdef Py_ssize_t at, end
     parentfd, pcie_root, ids, pf_grouped, _numa, _netdev = maps.pfs[pf]
     v.parentfd = parentfd
     v.name = name
-    v.ifname = _sc_first_netdev(maps, name)
+    v.ifname = first_netdev(maps, name)
     v.have_ids = ids is not None
     v.pf_grouped = pf_grouped
     v.listed = NULL
     v.listed_len = 0
     if v.have_ids:
         # Listed by exactly one driver; by two (a torn bind) it reads its own link, as the twin does.
-        at = _sc_cmap_find(&maps.cmaps[SC_DRIVERS], name, &end)
+        at = cmap_find(&maps.cmaps[MAP_DRIVERS], name, &end)
         if at >= 0 and end - at == 1:
-            v.listed = maps.cmaps[SC_DRIVERS].e[at].name
+            v.listed = maps.cmaps[MAP_DRIVERS].e[at].name
             v.listed_len = strlen(v.listed)
 
 
-cdef struct sc_batch:
+cdef struct vf_batch:
     # VFs read ahead by this thread and helpers: each takes the next index, marks the slot done.
-    sc_vf *slots
+    vf_read *slots
     int *done
     Py_ssize_t n
     Py_ssize_t next
 
 
-cdef void *_sc_batch_reader(void *arg) noexcept nogil:
-    cdef sc_batch *b = <sc_batch *>arg
+cdef void *vf_batch_reader(void *arg) noexcept nogil:
+    cdef vf_batch *b = <vf_batch *>arg
     cdef Py_ssize_t i
     while True:
-        i = sc_fetch_add(&b.next)
+        i = fetch_add(&b.next)
         if i >= b.n:
             return NULL
-        _sc_read_vf(&b.slots[i])
-        sc_set_done(&b.done[i])
+        read_vf(&b.slots[i])
+        mark_done(&b.done[i])
 
 
-cdef inline void _sc_batch_wait(sc_batch *b, Py_ssize_t k) noexcept nogil:
+cdef inline void vf_batch_wait(vf_batch *b, Py_ssize_t k) noexcept nogil:
     """Until slot k is read: read slots ourselves while any are left, then wait for the helper's."""
     cdef Py_ssize_t i
-    while not sc_is_done(&b.done[k]):
-        i = sc_fetch_add(&b.next)
+    while not is_done(&b.done[k]):
+        i = fetch_add(&b.next)
         if i < b.n:
-            _sc_read_vf(&b.slots[i])
-            sc_set_done(&b.done[i])
+            read_vf(&b.slots[i])
+            mark_done(&b.done[i])
         else:
-            sc_sched_yield()
+            sched_yield()
 
 
 # One helper reader thread beside the scanning one: the scan is syscall-bound and its syscalls on
 # different files scale across cores (path walks are RCU-lookups, no shared lock); more helpers
 # than cores would only queue.
-_SC_HELPERS = max(0, min(3, (_sc_os.cpu_count() or 1) - 1))
+_HELPERS = max(0, min(3, (_os.cpu_count() or 1) - 1))
 
 
-cdef class _ScVfReader:
+cdef class _VfReader:
     """Slots for a run of VFs read ahead in parallel; the scanning thread builds rows in order."""
 
-    cdef sc_batch b
+    cdef vf_batch b
     cdef Py_ssize_t cap
 
     def __cinit__(self):
-        self.cap = SC_VF_BATCH
-        self.b.slots = <sc_vf *>malloc(self.cap * sizeof(sc_vf))
+        self.cap = VF_BATCH
+        self.b.slots = <vf_read *>malloc(self.cap * sizeof(vf_read))
         self.b.done = <int *>malloc(self.cap * sizeof(int))
         if self.b.slots == NULL or self.b.done == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        memset(self.b.slots, 0, self.cap * sizeof(sc_vf))
+        memset(self.b.slots, 0, self.cap * sizeof(vf_read))
 
     def __dealloc__(self):
         cdef Py_ssize_t i
         if self.b.slots != NULL:
             for i in range(self.cap):
-                _sc_names_free(&self.b.slots[i].uio)
+                dirlist_free(&self.b.slots[i].uio)
             free(self.b.slots)
         free(self.b.done)
 
-    cdef list run(self, list names, Py_ssize_t start, Py_ssize_t stop, int busfd, _ScMaps maps,
+    cdef list run(self, list names, Py_ssize_t start, Py_ssize_t stop, int busfd, _ScanMaps maps,
                   list warnings, list rows):
         """Read names[start:stop] (VFs whose PF this scan read) and append their rows in order."""
-        cdef sc_batch *b = &self.b
+        cdef vf_batch *b = &self.b
         cdef Py_ssize_t k, n = stop - start
-        cdef sc_pthread_t threads[3]
+        cdef pthread_t threads[3]
         cdef int started = 0, helpers = maps.helpers
         cdef bytes name
-        cdef sc_vf *v
+        cdef vf_read *v
         pfs = []
         for k in range(n):
             name = names[start + k]
             pf, _index = maps.vf_map[name]
-            _sc_vf_slot(&b.slots[k], maps, pf, name)
+            vf_slot(&b.slots[k], maps, pf, name)
             pfs.append(pf)
             b.done[k] = 0
         b.n = n
@@ -1199,119 +1199,119 @@ cdef class _ScVfReader:
         if n < 32:
             helpers = 0  # a thread costs more than it saves on a handful
         with nogil:
-            started = _sc_spawn(_sc_batch_reader, b, helpers, threads)
+            started = spawn_helpers(vf_batch_reader, b, helpers, threads)
         try:
             for k in range(n):
                 with nogil:
-                    _sc_batch_wait(b, k)
+                    vf_batch_wait(b, k)
                 v = &b.slots[k]
                 name = names[start + k]
                 pf = pfs[k]
                 hit = maps.vf_map.get(name)
                 if v.full or hit is None or hit[0] != pf:
                     # An odd VF (or one an odd PF claimed meanwhile): the one-at-a-time path decides.
-                    row = _sc_scan_one(busfd, name, maps, warnings)
+                    row = scan_one(busfd, name, maps, warnings)
                 else:
-                    row = _sc_build_vf(v, name, pf, hit[1], maps, warnings)
+                    row = build_vf(v, name, pf, hit[1], maps, warnings)
                 if row is not None:
                     rows.append(row)
                 if not (k + 1) & 255:
-                    _sc_yield()
+                    yield_gil()
         finally:
             with nogil:
-                sc_store(&b.next, b.n)  # helpers stop after their current slot
-                _sc_join(threads, started)
+                store_relaxed(&b.next, b.n)  # helpers stop after their current slot
+                join_helpers(threads, started)
 
 
-cdef object _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
+cdef object scan_one(int busfd, bytes name, _ScanMaps maps, list warnings):
     """One function on its own: the fast read if it is a VF of a PF this scan read, else the full read."""
-    cdef sc_vf *v
-    cdef sc_pci *d
+    cdef vf_read *v
+    cdef pci_read *d
     cdef const char *cname = name
     cdef const char *ifname
     hit = maps.vf_map.get(name)
     if hit is not None and hit[0] in maps.pfs:
-        v = <sc_vf *>malloc(sizeof(sc_vf))
+        v = <vf_read *>malloc(sizeof(vf_read))
         if v == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        memset(v, 0, sizeof(sc_vf))
+        memset(v, 0, sizeof(vf_read))
         try:
-            _sc_vf_slot(v, maps, hit[0], name)
+            vf_slot(v, maps, hit[0], name)
             with nogil:
-                _sc_read_vf(v)
+                read_vf(v)
             if not v.full:
-                return _sc_build_vf(v, name, hit[0], hit[1], maps, warnings)
+                return build_vf(v, name, hit[0], hit[1], maps, warnings)
         finally:
-            _sc_names_free(&v.uio)
+            dirlist_free(&v.uio)
             free(v)
-    d = <sc_pci *>malloc(sizeof(sc_pci))
+    d = <pci_read *>malloc(sizeof(pci_read))
     if d == NULL:
         raise MemoryError("sysfs scan: out of memory")
-    memset(d, 0, sizeof(sc_pci))
+    memset(d, 0, sizeof(pci_read))
     d.devfd = -1
-    ifname = _sc_first_netdev(maps, name)
+    ifname = first_netdev(maps, name)
     try:
         with nogil:
-            _sc_read_pci(busfd, cname, ifname, d)
-        return _sc_build_pci(d, busfd, name, maps, warnings)
+            read_pci(busfd, cname, ifname, d)
+        return build_pci(d, busfd, name, maps, warnings)
     finally:
         if d.devfd >= 0:
-            sc_close(d.devfd)
-        _sc_names_free(&d.uio)
+            close(d.devfd)
+        dirlist_free(&d.uio)
         free(d)
 
 
-cdef tuple _sc_pf_facts(int busfd, str pf, _ScMaps maps, list warnings):
+cdef tuple pf_facts_of(int busfd, str pf, _ScanMaps maps, list warnings):
     """For a partial scan: a PF outside the set still gives its VFs their index, netdev and NUMA node."""
-    cdef bytes name = _sc_os.fsencode(pf)
+    cdef bytes name = _os.fsencode(pf)
     cdef const char *cname = name
     cdef int devfd, status
-    cdef char buf[SC_READ_MAX + 1]
+    cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef long numa
     with nogil:
-        devfd = _sc_open_dir(busfd, cname)
+        devfd = open_dir(busfd, cname)
     if devfd < 0:
         return (), -1
     try:
-        _sc_virtfns(devfd, pf, maps.vf_map, warnings, maps.helpers)
+        virtfns(devfd, pf, maps.vf_map, warnings, maps.helpers)
         with nogil:
-            status = _sc_read(devfd, "numa_node", buf, &n)
-        if status != 0 or not _sc_int(buf, n, &numa):
+            status = read_attr(devfd, "numa_node", buf, &n)
+        if status != 0 or not parse_int(buf, n, &numa):
             numa = -1
-        return _sc_netdevs(maps, cname), numa
+        return netdevs_of(maps, cname), numa
     finally:
-        sc_close(devfd)
+        close(devfd)
 
 
-cdef list _sc_scan_sfs(int rootfd, dict by_id, list rows, _ScMaps maps, list warnings):
+cdef list scan_sfs(int rootfd, dict by_id, list rows, _ScanMaps maps, list warnings):
     """Every auxiliary-bus subfunction whose parent function is among ``rows`` (``by_id``: the rows
     that are not VFs, where SFs are made; a VF parent is found among all of them)."""
     cdef list out = []
     cdef dict every = None
-    cdef char buf[SC_LINK_MAX]
+    cdef char buf[LINK_MAX]
     cdef Py_ssize_t n, b
     cdef int status, devfd, afd
     cdef long sfnum
     cdef bytes name
     cdef const char *cname
     with nogil:
-        afd = _sc_open_dir(rootfd, "bus/auxiliary/devices")
+        afd = open_dir(rootfd, "bus/auxiliary/devices")
     if afd < 0:
         return out
     try:
-        for name in _sc_entries_fd(sc_dup(afd)):
+        for name in entries_fd(dup(afd)):
             # mlx5 also puts .eth/.rdma/.eth-rep devices on the auxiliary bus; only .sf. are subfunctions.
             if b".sf." not in name:
                 continue
-            sf = _sc_os.fsdecode(name)
+            sf = _os.fsdecode(name)
             cname = name
             with nogil:
-                status = _sc_readlink(afd, cname, buf, &n)
+                status = read_link(afd, cname, buf, &n)
             if status != 0:
-                warnings.append(f"{sf}: skipped: {_sc_why(status)}")
+                warnings.append(f"{sf}: skipped: {_why(status)}")
                 continue
-            owner = _sc_os.fsdecode(_sc_parent(buf, n))
+            owner = _os.fsdecode(parent_of(buf, n))
             parent = by_id.get(owner)
             if parent is None:
                 if every is None:
@@ -1319,39 +1319,39 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, list rows, _ScMaps maps, list war
                 parent = every.get(owner)
             if parent is None:
                 continue
-            pcie_root = _sc_pcie_root(buf, n)
+            pcie_root = pcie_root_of(buf, n)
             with nogil:
-                devfd = _sc_open_dir(afd, cname)
+                devfd = open_dir(afd, cname)
                 status = (errno if errno else 1) if devfd < 0 else 0
             if devfd < 0:
-                warnings.append(f"{sf}: skipped: {_sc_os.strerror(status)}")
+                warnings.append(f"{sf}: skipped: {_os.strerror(status)}")
                 continue
-            netdevs, ibdev, nodes = _sc_functions(maps, name)
+            netdevs, ibdev, nodes = functions_of(maps, name)
             try:
                 with nogil:
-                    status = _sc_readlink(devfd, "driver", buf, &n)
+                    status = read_link(devfd, "driver", buf, &n)
                 if status == 0:
-                    b = _sc_base(buf, n)
-                    driver = _sc_str(buf + b, n - b)
+                    b = basename_at(buf, n)
+                    driver = fs_str(buf + b, n - b)
                 else:
                     driver = ""
                 # mlx5's SF device shows its SF number (sf/dev/dev.c sfnum_show); ranged pfNames
                 # select SFs by it, so it goes where a VF keeps its index.
                 with nogil:
-                    status = _sc_read(devfd, "sfnum", buf, &n)
-                if status != 0 or not _sc_int(buf, n, &sfnum) or sfnum < 0:
+                    status = read_attr(devfd, "sfnum", buf, &n)
+                if status != 0 or not parse_int(buf, n, &sfnum) or sfnum < 0:
                     if status != ENOENT:
-                        why = _sc_why(status) if status else "not an integer"
+                        why = _why(status) if status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                link_type = _sc_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
+                link_type = read_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
             finally:
-                sc_close(devfd)
+                close(devfd)
             pf_netdevs = parent[DEV_NETDEVS]
             vd = maps.vdpa.get(name)
             vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
             # An SF shares its parent function's ids and NUMA node; its sfnum goes where a VF's index does.
-            out.append(_sc_row(
+            out.append(new_row(
                 id=sf, role="sf", vendor=parent[DEV_VENDOR], device=parent[DEV_DEVICE],
                 pci_class=parent[DEV_PCI_CLASS], subsystem_vendor=parent[DEV_SUBSYSTEM_VENDOR],
                 subsystem_device=parent[DEV_SUBSYSTEM_DEVICE], driver=driver,
@@ -1361,40 +1361,40 @@ cdef list _sc_scan_sfs(int rootfd, dict by_id, list rows, _ScMaps maps, list war
                 vdpa=vdpa_name, vdpa_driver=vdpa_driver, pcie_root=pcie_root, aux_type="sf",
             ))
     finally:
-        sc_close(afd)
+        close(afd)
     return out
 
 
-cdef void _sc_drain(object table) except *:
-    """Empty a big dict or list entry by entry, with GIL hand-over points (see _sc_yield)."""
+cdef void drain(object table) except *:
+    """Empty a big dict or list entry by entry, with GIL hand-over points (see yield_gil)."""
     cdef Py_ssize_t i = 0
     while table:
         table.popitem() if type(table) is dict else table.pop()
         i += 1
-        if not i & SC_YIELD_ROWS:
-            _sc_yield()
+        if not i & YIELD_ROWS:
+            yield_gil()
 
 
-cdef inline void _sc_yield() noexcept:
+cdef inline void yield_gil() noexcept:
     # A point where a thread waiting for the GIL (the event loop) can take it: CPython hands the GIL
     # over here once the waiter has asked for it (after sys.getswitchinterval()), as between bytecodes.
     with nogil:
         pass
 
 
-def _sc_row_id(row):
+def _row_id(row):
     return row[DEV_ID]
 
 
-cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
+cdef list scan_pcis(int busfd, list names, _ScanMaps maps, list warnings):
     """Every named PCI function in order; runs of VFs whose PF was read are read ahead in parallel."""
     cdef list rows = []
     cdef Py_ssize_t i = 0, j, count = len(names)
-    cdef _ScVfReader reader = None
+    cdef _VfReader reader = None
     cdef bytes name
     while i < count:
         j = i
-        while j < count and j - i < SC_VF_BATCH:
+        while j < count and j - i < VF_BATCH:
             name = names[j]
             hit = maps.vf_map.get(name)
             if hit is None or hit[0] not in maps.pfs:
@@ -1402,11 +1402,11 @@ cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
             j += 1
         if j > i:
             if reader is None:
-                reader = _ScVfReader()
+                reader = _VfReader()
             reader.run(names, i, j, busfd, maps, warnings, rows)
             i = j
             continue
-        row = _sc_scan_one(busfd, names[i], maps, warnings)
+        row = scan_one(busfd, names[i], maps, warnings)
         if row is not None:
             rows.append(row)
         i += 1
@@ -1419,13 +1419,13 @@ def scan_sysfs(bytes root, tuple addresses=None, bint threads=True):
     # traverse them in vain (tens of thousands per scan): the collector waits until the end.
     cdef int gc_was = PyGC_Disable()
     try:
-        return _sc_scan(root, addresses, threads)
+        return scan_tree(root, addresses, threads)
     finally:
         if gc_was:
             PyGC_Enable()
 
 
-cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
+cdef tuple scan_tree(bytes root, tuple addresses, bint threads):
     cdef list warnings = []
     cdef int rootfd, busfd
     cdef list rows
@@ -1435,35 +1435,35 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
     cdef int err
     cdef Py_ssize_t i
     cdef const char *croot = root
-    cdef _ScMaps maps
+    cdef _ScanMaps maps
     with nogil:
-        rootfd = sc_openat(-100, croot, SC_DIR_FLAGS)  # AT_FDCWD
+        rootfd = openat(-100, croot, DIR_FLAGS)  # AT_FDCWD
         err = (errno if errno else 1) if rootfd < 0 else 0
     if rootfd < 0:
-        return (), (f"{_sc_os.fsdecode(root)}: cannot open sysfs root: {_sc_os.strerror(err)}",)
+        return (), (f"{_os.fsdecode(root)}: cannot open sysfs root: {_os.strerror(err)}",)
     try:
         with nogil:
-            busfd = _sc_open_dir(rootfd, "bus/pci/devices")
+            busfd = open_dir(rootfd, "bus/pci/devices")
             err = (errno if errno else 1) if busfd < 0 else 0
         if busfd < 0:
-            return (), (f"{_sc_os.fsdecode(root)}/bus/pci/devices: {_sc_os.strerror(err)}",)
-        maps = _ScMaps()
+            return (), (f"{_os.fsdecode(root)}/bus/pci/devices: {_os.strerror(err)}",)
+        maps = _ScanMaps()
         maps.rootfd = rootfd
-        maps.helpers = _SC_HELPERS if threads else 0
+        maps.helpers = _HELPERS if threads else 0
         try:
-            names = _sc_read_classes(rootfd, maps, busfd if addresses is None else -1)
-            maps.vdpa = _sc_vdpa_map(rootfd)
+            names = read_classes(rootfd, maps, busfd if addresses is None else -1)
+            maps.vdpa = vdpa_map(rootfd)
             if addresses is not None:
                 names = sorted(set(addresses))
             maps.present = set(names) if addresses is None else None
-            rows = _sc_scan_pcis(busfd, names, maps, warnings)
+            rows = scan_pcis(busfd, names, maps, warnings)
             # The rows VFs and SFs hang off: PFs (and the other functions), a few dozen, not every VF.
             by_id = {r[DEV_ID]: r for r in rows if r[DEV_ROLE] != "vf"}
             i = 0
             for row in rows:
                 i += 1
-                if not i & SC_YIELD_ROWS:
-                    _sc_yield()
+                if not i & YIELD_ROWS:
+                    yield_gil()
                 if row[DEV_ROLE] != "vf" or row[DEV_VF_INDEX] >= 0:
                     continue  # not a VF, or one read beside its PF: complete already (a Device)
                 pf = row[DEV_PF]
@@ -1473,38 +1473,38 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
                 else:
                     facts = pf_facts.get(pf)
                     if facts is None:
-                        facts = pf_facts[pf] = _sc_pf_facts(busfd, pf, maps, warnings)
+                        facts = pf_facts[pf] = pf_facts_of(busfd, pf, maps, warnings)
                 netdevs = facts[0]
                 row[DEV_PF_NETDEV] = netdevs[0] if netdevs else ""
                 row[DEV_NUMA_NODE] = facts[1]
-                hit = maps.vf_map.get(_sc_os.fsencode(row[DEV_ID]))
+                hit = maps.vf_map.get(_os.fsencode(row[DEV_ID]))
                 row[DEV_VF_INDEX] = hit[1] if hit is not None and hit[0] == pf else -1
-            rows.extend(_sc_scan_sfs(rootfd, by_id, rows, maps, warnings))
+            rows.extend(scan_sfs(rootfd, by_id, rows, maps, warnings))
         finally:
             maps.close()
-            sc_close(busfd)
+            close(busfd)
     finally:
-        sc_close(rootfd)
-    rows.sort(key=_sc_row_id)
+        close(rootfd)
+    rows.sort(key=_row_id)
     # Working tables are emptied piecemeal and each row list is freed as its Device is made (by_id
     # first lets go of them): one dealloc of 16k entries would hold the GIL for milliseconds.
     by_id = None
-    _sc_drain(maps.vf_map)
-    _sc_drain(names)
+    drain(maps.vf_map)
+    drain(names)
     out = []
     for i in range(len(rows)):
-        if not (i + 1) & SC_YIELD_ROWS:
-            _sc_yield()
+        if not (i + 1) & YIELD_ROWS:
+            yield_gil()
         row = rows[i]
         if type(row) is list:
-            row = _sc_device(<list>row)
-        _sc_untrack(row)
+            row = as_device(<list>row)
+        untrack(row)
         out.append(row)
         rows[i] = None
     return tuple(out), tuple(warnings)
 
 
-cdef inline void _sc_untrack(object row) noexcept:
+cdef inline void untrack(object row) noexcept:
     # A Device holds only str, int, bool and tuples of str (and, a NamedTuple, no __dict__): it can
     # never be part of a reference cycle, so the collector need not traverse it (CPython untracks such
     # tuples itself, but only once a collection has walked them: ~40k per 4k-VF scan, a millisecond of
@@ -1514,17 +1514,17 @@ cdef inline void _sc_untrack(object row) noexcept:
     PyObject_GC_UnTrack(row)
 
 
-cdef long _sc_leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
+cdef long leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
     """``4: ACTIVE`` → 4; -1 when the text before ':' (stripped) is not a number."""
     cdef Py_ssize_t end = 0, start = 0
     cdef long v
     while end < n and buf[end] != 58:
         end += 1
-    while end > 0 and _sc_space(buf[end - 1]):
+    while end > 0 and is_space(buf[end - 1]):
         end -= 1
-    while start < end and _sc_space(buf[start]):
+    while start < end and is_space(buf[start]):
         start += 1
-    if _sc_int(buf + start, end - start, &v):
+    if parse_int(buf + start, end - start, &v):
         return v
     return -1
 
@@ -1532,10 +1532,10 @@ cdef long _sc_leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
 def read_rdma_ports(bytes root, tuple ibdevs):
     """Read ``(ibdev, port, state, phys_state)`` for every port of each RDMA device (absent ones skipped)."""
     cdef list out = []
-    cdef char buf[SC_READ_MAX + 1]
+    cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef long port_n, state, phys
-    cdef int cfd = sc_openat(-100, _sc_os.path.join(root, b"class/infiniband"), SC_DIR_FLAGS)
+    cdef int cfd = openat(-100, _os.path.join(root, b"class/infiniband"), DIR_FLAGS)
     cdef bytes pdir, base, state_path, phys_path
     cdef const char *state_c
     cdef const char *phys_c
@@ -1545,8 +1545,8 @@ def read_rdma_ports(bytes root, tuple ibdevs):
     try:
         for ibdev in ibdevs:
             pdir = ibdev + b"/ports"
-            for port in _sc_listdir(cfd, pdir):
-                if not _sc_int(port, len(port), &port_n):
+            for port in listdir_at(cfd, pdir):
+                if not parse_int(port, len(port), &port_n):
                     continue
                 base = pdir + b"/" + port
                 state_path = base + b"/state"
@@ -1556,13 +1556,13 @@ def read_rdma_ports(bytes root, tuple ibdevs):
                 # The poll reads two files per port for every RDMA device in a pool, every second: the
                 # reads run without the GIL so a poll in a worker thread leaves the event loop free.
                 with nogil:
-                    rc = _sc_read(cfd, state_c, buf, &n)
+                    rc = read_attr(cfd, state_c, buf, &n)
                     if rc == 0:
-                        state = _sc_leading_int(buf, n)
-                        phys = _sc_leading_int(buf, n) if _sc_read(cfd, phys_c, buf, &n) == 0 else -1
+                        state = leading_int(buf, n)
+                        phys = leading_int(buf, n) if read_attr(cfd, phys_c, buf, &n) == 0 else -1
                 if rc != 0:
                     continue
-                out.append((_sc_os.fsdecode(ibdev), port_n, state, phys))
+                out.append((_os.fsdecode(ibdev), port_n, state, phys))
     finally:
-        sc_close(cfd)
+        close(cfd)
     return tuple(out)
