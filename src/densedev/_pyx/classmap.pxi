@@ -143,21 +143,9 @@ cdef void cmap_seal(cmap *m) noexcept nogil:
         qsort(m.e, m.n, sizeof(centry), centry_cmp)
 
 
-cdef struct seal_jobs:
-    # Class maps sealed at once by this thread and helpers, each taking the next one.
-    cmap *maps
-    Py_ssize_t n
-    Py_ssize_t next
-
-
-cdef void *seal_reader(void *arg) noexcept nogil:
-    cdef seal_jobs *b = <seal_jobs *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        cmap_seal(&b.maps[i])
+cdef void seal_item(void *maps, Py_ssize_t i) noexcept nogil:
+    """Work queue item: seal class map i."""
+    cmap_seal(&(<cmap *>maps)[i])
 
 
 cdef Py_ssize_t cmap_find(cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
@@ -233,25 +221,24 @@ cdef dict vdpa_map(int rootfd):
 
 
 cdef enum:
-    AHEAD_LINK_MAX = 256        # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
+    AHEAD_LINK_MAX = 256   # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
     AHEAD_BATCH = 4096     # class links read ahead at once (~270 bytes each)
-    LINK_LONG = -4        # status of a link longer than AHEAD_LINK_MAX: read again with room for PATH_MAX
+    AHEAD_SHARED = 64      # fewer links than this are read by this thread alone (a thread costs more)
+    LINK_LONG = -4         # status of a link longer than AHEAD_LINK_MAX: read again with room for PATH_MAX
 
 
 cdef struct link_ahead:
-    # One class link to read: where, and what it says (done: set once status, n and buf are final).
+    # One link to read ahead (a work queue item): where, and what it says.
     int dirfd
     const char *name
     int status
-    int done
     Py_ssize_t n
     char buf[AHEAD_LINK_MAX]
 
 
-cdef struct links_ahead:
-    link_ahead *items
-    Py_ssize_t n
-    Py_ssize_t next
+cdef void link_ahead_item(void *items, Py_ssize_t i) noexcept nogil:
+    """Work queue item: read link i."""
+    link_ahead_read(&(<link_ahead *>items)[i])
 
 
 cdef void link_ahead_read(link_ahead *r) noexcept nogil:
@@ -265,65 +252,17 @@ cdef void link_ahead_read(link_ahead *r) noexcept nogil:
         r.n = got
 
 
-cdef void *links_ahead_reader(void *arg) noexcept nogil:
-    cdef links_ahead *b = <links_ahead *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        link_ahead_read(&b.items[i])
-        mark_done(&b.items[i].done)
-
-
-cdef void links_ahead_wait(links_ahead *b, Py_ssize_t k) noexcept nogil:
-    """Until link k is read: read links ourselves while any are left, then wait for the helpers'."""
-    cdef Py_ssize_t i
-    while not is_done(&b.items[k].done):
-        i = fetch_add(&b.next)
-        if i < b.n:
-            link_ahead_read(&b.items[i])
-            mark_done(&b.items[i].done)
-        else:
-            sched_yield()
-
-
-cdef int links_ahead_start(links_ahead *b, int helpers, pthread_t *threads) noexcept nogil:
-    """Start up to ``helpers`` threads reading the batch ahead; return how many started."""
-    b.next = 0
-    return spawn_helpers(links_ahead_reader, b, helpers, threads) if b.n >= 64 else 0
-
-
-cdef void links_ahead_stop(links_ahead *b, int started, pthread_t *threads) noexcept nogil:
-    store_relaxed(&b.next, b.n)  # helpers stop after their current link
-    join_helpers(threads, started)
-
-
-cdef void links_ahead_run(links_ahead *b, int helpers) noexcept nogil:
-    """Read every link of the batch, this thread and up to ``helpers`` more taking the next one each."""
-    cdef pthread_t threads[3]
-    cdef int started = links_ahead_start(b, helpers, threads)
-    links_ahead_reader(b)
-    links_ahead_stop(b, started, threads)
-
-
 cdef struct list_jobs:
-    # Directories listed at once by this thread and helpers, each taking the next one.
-    int *fds               # each path is opened relative to its fd
+    # Directories to list side by side: each path is opened relative to its fd, listed into out.
+    int *fds
     const char **paths
     dirlist *out
-    Py_ssize_t n
-    Py_ssize_t next
 
 
-cdef void *list_jobs_reader(void *arg) noexcept nogil:
-    cdef list_jobs *b = <list_jobs *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        dirlist_open(&b.out[i], b.fds[i], b.paths[i])
+cdef void list_item(void *jobs, Py_ssize_t i) noexcept nogil:
+    """Work queue item: list directory i."""
+    cdef list_jobs *b = <list_jobs *>jobs
+    dirlist_open(&b.out[i], b.fds[i], b.paths[i])
 
 
 cdef void list_dirs(list dirs, int helpers, dirlist *out) except *:
@@ -336,26 +275,22 @@ cdef void list_dirs(list dirs, int helpers, dirlist *out) except *:
     listing would hold the GIL for milliseconds).  An absent or unreadable directory lists as empty.
     """
     cdef list_jobs b
-    cdef pthread_t threads[3]
-    cdef int started
-    cdef Py_ssize_t i
-    b.n = len(dirs)
-    b.next = 0
+    cdef workq q
+    cdef Py_ssize_t i, n = len(dirs)
     b.out = out
-    b.fds = <int *>malloc((b.n + 1) * sizeof(int))
-    b.paths = <const char **>malloc((b.n + 1) * sizeof(char *))
+    b.fds = <int *>malloc((n + 1) * sizeof(int))
+    b.paths = <const char **>malloc((n + 1) * sizeof(char *))
     try:
         if b.fds == NULL or b.paths == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        for i in range(b.n):
+        for i in range(n):
             b.fds[i] = <int>dirs[i][0]
             b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
             b.out[i].unsorted = not dirs[i][2]
         with nogil:
-            started = spawn_helpers(list_jobs_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
-            list_jobs_reader(&b)
-            join_helpers(threads, started)
-        for i in range(b.n):
+            workq_init(&q, list_item, &b, n, NULL)
+            workq_run(&q, helpers)
+        for i in range(n):
             if b.out[i].oom:
                 raise MemoryError("sysfs scan: out of memory listing a directory")
     finally:

@@ -6,7 +6,7 @@
 # there are many independent ones, on more than one thread: the big directory listings (the bus and
 # each class), the class links (one per netdev, RDMA device and RDMA node), a PF's virtfn links and
 # runs of VFs are read ahead by this thread and up to three helper pthreads taking the next item each
-# (list_dirs, read_classes, links_ahead_run, _VfReader), while this thread turns what is read
+# (one work queue, workq.pxi: list_dirs, read_classes, virtfns, _VfReader), while this thread turns what is read
 # into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
 # (asyncio.to_thread), so the event loop keeps running meanwhile.  Warnings are built with the same
 # Python expressions as the twin so both return identical strings.
@@ -269,17 +269,17 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
     cdef char big[LINK_MAX]
     cdef Py_ssize_t n, i, total = 0, pos, fill_e, entry_i, nlists = 0
     cdef int fill_j, job_i, njobs = 0
-    cdef int cfd = -1, started
+    cdef int cfd = -1
     cdef bint ok, oom = False
     cdef bytes cls_path
     cdef const char *cpath
     cdef const char *buf
     cdef Py_ssize_t at, ln
     cdef int k
-    cdef links_ahead b
+    cdef link_ahead *items = NULL
+    cdef int *done = NULL
     cdef link_ahead *r
-    cdef seal_jobs seals
-    cdef pthread_t threads[3]
+    cdef workq q
     # Each class directory that opened: its fd, its CLS_* and its name (for class_owner).
     cdef int job_fd[CLS_COUNT]
     cdef int job_kind[CLS_COUNT]
@@ -288,7 +288,6 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
     cdef dirlist *lists = NULL  # the listings: one per class job, then the bus, then each driver
     cdef list bus_names = None
     cdef int helpers = maps.helpers
-    b.items = NULL
     try:
         for k in range(CLS_COUNT):
             cls_path = b"class/" + _CLASSES[k]
@@ -319,8 +318,9 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
             driver_map(&maps.cmaps[MAP_DRIVERS], drivers, lists + njobs + 1)
         for j in range(njobs):
             total += lists[j].count
-        b.items = <link_ahead *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(link_ahead) + 1)
-        if b.items == NULL:
+        items = <link_ahead *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(link_ahead) + 1)
+        done = <int *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(int) + 1)
+        if items == NULL or done == NULL:
             raise MemoryError("sysfs scan: out of memory")
         with nogil:
             # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i)
@@ -329,24 +329,23 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
             fill_e = entry_i = 0
             pos = 0
             while pos < total and not oom:
-                b.n = total - pos if total - pos < AHEAD_BATCH else AHEAD_BATCH
-                for i in range(b.n):
+                n = total - pos if total - pos < AHEAD_BATCH else AHEAD_BATCH
+                for i in range(n):
                     while fill_e >= lists[fill_j].count:
                         fill_j += 1
                         fill_e = 0
-                    b.items[i].dirfd = job_fd[fill_j]
-                    b.items[i].name = lists[fill_j].names[fill_e]
-                    b.items[i].done = 0
+                    items[i].dirfd = job_fd[fill_j]
+                    items[i].name = lists[fill_j].names[fill_e]
                     fill_e += 1
-                started = links_ahead_start(&b, helpers, threads)
-                for i in range(b.n):
+                workq_init(&q, link_ahead_item, items, n, done)
+                workq_start(&q, helpers if n >= AHEAD_SHARED else 0)
+                for i in range(q.n):
                     while entry_i >= lists[job_i].count:
                         job_i += 1
                         entry_i = 0
                     entry_i += 1
-                    r = &b.items[i]
-                    if not is_done(&r.done):
-                        links_ahead_wait(&b, i)
+                    r = &items[i]
+                    workq_wait(&q, i)
                     buf = r.buf
                     n = r.n
                     if r.status == LINK_LONG:
@@ -358,20 +357,17 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
                     if ok and not cmap_add(&maps.cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
                         oom = True
                         break
-                links_ahead_stop(&b, started, threads)
-                pos += b.n
+                workq_stop(&q)
+                pos += q.n
         if oom:
             raise MemoryError("sysfs scan: out of memory")
-        seals.maps = maps.cmaps
-        seals.n = MAP_COUNT
-        seals.next = 0
         with nogil:
             # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
-            started = spawn_helpers(seal_reader, &seals, helpers, threads)
-            seal_reader(&seals)
-            join_helpers(threads, started)
+            workq_init(&q, seal_item, maps.cmaps, MAP_COUNT, NULL)
+            workq_run(&q, helpers)
     finally:
-        free(b.items)
+        free(items)
+        free(done)
         if lists != NULL:
             for i in range(nlists):
                 dirlist_free(&lists[i])
@@ -394,29 +390,29 @@ cdef bytes virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
     cdef const char *e
     cdef const char *buf
     cdef dirlist l
-    cdef links_ahead batch
+    cdef link_ahead *items = NULL
     cdef link_ahead *r
+    cdef workq q
     memset(&l, 0, sizeof(dirlist))
-    batch.items = NULL
     try:
         with nogil:
             dirlist_open(&l, devfd, ".")
         if l.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
-        batch.items = <link_ahead *>malloc((l.count or 1) * sizeof(link_ahead))
-        if batch.items == NULL:
+        items = <link_ahead *>malloc((l.count or 1) * sizeof(link_ahead))
+        if items == NULL:
             raise MemoryError("sysfs scan: out of memory")
         for i in range(l.count):
             e = l.names[i]
             if strlen(e) >= 6 and memcmp(e, b"virtfn", 6) == 0:
-                batch.items[count].dirfd = devfd
-                batch.items[count].name = e
+                items[count].dirfd = devfd
+                items[count].name = e
                 count += 1
-        batch.n = count
         with nogil:
-            links_ahead_run(&batch, helpers)
+            workq_init(&q, link_ahead_item, items, count, NULL)
+            workq_run(&q, helpers if count >= AHEAD_SHARED else 0)
         for i in range(count):
-            r = &batch.items[i]
+            r = &items[i]
             e = r.name
             ln = strlen(e)
             ok = parse_int(e + 6, ln - 6, &k)
@@ -437,7 +433,7 @@ cdef bytes virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
             if k == 0:
                 first = PyBytes_FromStringAndSize(buf + b, n - b)
     finally:
-        free(batch.items)
+        free(items)
         dirlist_free(&l)
     return first
 
@@ -1119,92 +1115,59 @@ cdef void vf_slot(vf_read *v, _ScanMaps maps, str pf, bytes name) except *:
             v.listed_len = strlen(v.listed)
 
 
-cdef struct vf_batch:
-    # VFs read ahead by this thread and helpers: each takes the next index, marks the slot done.
-    vf_read *slots
-    int *done
-    Py_ssize_t n
-    Py_ssize_t next
+cdef enum:
+    VF_SHARED = 32         # fewer VFs than this are read by this thread alone (a thread costs more)
 
 
-cdef void *vf_batch_reader(void *arg) noexcept nogil:
-    cdef vf_batch *b = <vf_batch *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        read_vf(&b.slots[i])
-        mark_done(&b.done[i])
-
-
-cdef inline void vf_batch_wait(vf_batch *b, Py_ssize_t k) noexcept nogil:
-    """Until slot k is read: read slots ourselves while any are left, then wait for the helper's."""
-    cdef Py_ssize_t i
-    while not is_done(&b.done[k]):
-        i = fetch_add(&b.next)
-        if i < b.n:
-            read_vf(&b.slots[i])
-            mark_done(&b.done[i])
-        else:
-            sched_yield()
-
-
-# One helper reader thread beside the scanning one: the scan is syscall-bound and its syscalls on
-# different files scale across cores (path walks are RCU-lookups, no shared lock); more helpers
-# than cores would only queue.
-_HELPERS = max(0, min(3, (_os.cpu_count() or 1) - 1))
+cdef void read_vf_item(void *slots, Py_ssize_t i) noexcept nogil:
+    """Work queue item: the fast read of VF slot i."""
+    read_vf(&(<vf_read *>slots)[i])
 
 
 cdef class _VfReader:
     """Slots for a run of VFs read ahead in parallel; the scanning thread builds rows in order."""
 
-    cdef vf_batch b
+    cdef vf_read *slots
+    cdef int *done
     cdef Py_ssize_t cap
 
     def __cinit__(self):
         self.cap = VF_BATCH
-        self.b.slots = <vf_read *>malloc(self.cap * sizeof(vf_read))
-        self.b.done = <int *>malloc(self.cap * sizeof(int))
-        if self.b.slots == NULL or self.b.done == NULL:
+        self.slots = <vf_read *>malloc(self.cap * sizeof(vf_read))
+        self.done = <int *>malloc(self.cap * sizeof(int))
+        if self.slots == NULL or self.done == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        memset(self.b.slots, 0, self.cap * sizeof(vf_read))
+        memset(self.slots, 0, self.cap * sizeof(vf_read))
 
     def __dealloc__(self):
         cdef Py_ssize_t i
-        if self.b.slots != NULL:
+        if self.slots != NULL:
             for i in range(self.cap):
-                dirlist_free(&self.b.slots[i].uio)
-            free(self.b.slots)
-        free(self.b.done)
+                dirlist_free(&self.slots[i].uio)
+            free(self.slots)
+        free(self.done)
 
     cdef list run(self, list names, Py_ssize_t start, Py_ssize_t stop, int busfd, _ScanMaps maps,
                   list warnings, list rows):
         """Read names[start:stop] (VFs whose PF this scan read) and append their rows in order."""
-        cdef vf_batch *b = &self.b
+        cdef workq q
         cdef Py_ssize_t k, n = stop - start
-        cdef pthread_t threads[3]
-        cdef int started = 0, helpers = maps.helpers
         cdef bytes name
         cdef vf_read *v
         pfs = []
         for k in range(n):
             name = names[start + k]
             pf, _index = maps.vf_map[name]
-            vf_slot(&b.slots[k], maps, pf, name)
+            vf_slot(&self.slots[k], maps, pf, name)
             pfs.append(pf)
-            b.done[k] = 0
-        b.n = n
-        b.next = 0
-        if n < 32:
-            helpers = 0  # a thread costs more than it saves on a handful
         with nogil:
-            started = spawn_helpers(vf_batch_reader, b, helpers, threads)
+            workq_init(&q, read_vf_item, self.slots, n, self.done)
+            workq_start(&q, maps.helpers if n >= VF_SHARED else 0)
         try:
             for k in range(n):
                 with nogil:
-                    vf_batch_wait(b, k)
-                v = &b.slots[k]
+                    workq_wait(&q, k)
+                v = &self.slots[k]
                 name = names[start + k]
                 pf = pfs[k]
                 hit = maps.vf_map.get(name)
@@ -1219,8 +1182,7 @@ cdef class _VfReader:
                     yield_gil()
         finally:
             with nogil:
-                store_relaxed(&b.next, b.n)  # helpers stop after their current slot
-                join_helpers(threads, started)
+                workq_stop(&q)  # helpers stop after their current slot
 
 
 cdef object scan_one(int busfd, bytes name, _ScanMaps maps, list warnings):
