@@ -36,40 +36,6 @@ cdef bint class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t c
 
 # ------------------------------------------------------------------ class maps, in C
 
-cdef enum:
-    CLS_VERBS = 0       # the order of _CLASSES
-    CLS_MAD = 1
-    CLS_CM = 2
-    CLS_NET = 3
-    CLS_IB = 4
-    CLS_COUNT = 5
-    MAP_DRIVERS = 5         # after the classes: (device address, driver) from the driver directories
-    MAP_COUNT = 6
-
-
-cdef struct centry:
-    # One class device: the function that owns it and its name, NUL-terminated in the map's arena
-    # (offsets while the arena grows, pointers once sealed).
-    Py_ssize_t owner_at
-    Py_ssize_t name_at
-    const char *owner
-    const char *name
-    unsigned long long k0  # the owner's first 16 bytes, big-endian and NUL-padded: most comparisons
-    unsigned long long k1  # while sorting end here (a PCI address is 12 bytes)
-
-
-cdef struct cmap:
-    # One class directory as (owner, name) pairs sorted by owner then name: the twin's _class_map,
-    # looked up by binary search instead of a dict of lists (no Python object per class device).
-    centry *e
-    Py_ssize_t n
-    Py_ssize_t cap
-    char *arena
-    Py_ssize_t used
-    Py_ssize_t acap
-    Py_ssize_t hint        # where the last lookup ended: rows are built in the map's (address) order
-
-
 cdef bint cmap_add(cmap *m, const char *owner, Py_ssize_t on, const char *name,
                        Py_ssize_t nn) noexcept nogil:
     """Record one class device; False when out of memory."""
@@ -218,22 +184,6 @@ cdef dict vdpa_map(int rootfd):
     finally:
         close(bfd)
     return out
-
-
-cdef enum:
-    AHEAD_LINK_MAX = 256   # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
-    AHEAD_BATCH = 4096     # class links read ahead at once (~270 bytes each)
-    AHEAD_SHARED = 64      # fewer links than this are read by this thread alone (a thread costs more)
-    LINK_LONG = -4         # status of a link longer than AHEAD_LINK_MAX: read again with room for PATH_MAX
-
-
-cdef struct link_ahead:
-    # One link to read ahead (a work queue item): where, and what it says.
-    int dirfd
-    const char *name
-    int status
-    Py_ssize_t n
-    char buf[AHEAD_LINK_MAX]
 
 
 cdef void link_ahead_item(void *items, Py_ssize_t i) noexcept nogil:

@@ -1,58 +1,10 @@
 # rtnetlink link messages and kernel uevents; twin and spec: densedev/_fast_py/netlink.py.
 # Pure decoders: bytes in, tuples out; never read past the buffer, never raise on hostile input.
+# The kernel structs (nlmsghdr, ifinfomsg, rtattr) and constants are declared in _fast.pxd.
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, int32_t
 from libc.string cimport memcpy, memchr
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-
-
-# <linux/netlink.h>
-#   struct nlmsghdr {
-#       __u32 nlmsg_len;    /* Length of message including header */
-#       __u16 nlmsg_type;   /* Message content */
-#       __u16 nlmsg_flags;  /* Additional flags */
-#       __u32 nlmsg_seq;    /* Sequence number */
-#       __u32 nlmsg_pid;    /* Sending process port ID */
-#   };
-cdef struct nlmsghdr:
-    uint32_t nlmsg_len
-    uint16_t nlmsg_type
-    uint16_t nlmsg_flags
-    uint32_t nlmsg_seq
-    uint32_t nlmsg_pid
-
-# <linux/rtnetlink.h>
-#   struct ifinfomsg {
-#       unsigned char  ifi_family;
-#       unsigned char  __ifi_pad;
-#       unsigned short ifi_type;    /* ARPHRD_* */
-#       int            ifi_index;   /* Link index */
-#       unsigned       ifi_flags;   /* IFF_* flags */
-#       unsigned       ifi_change;  /* IFF_* change mask */
-#   };
-cdef struct ifinfomsg:
-    uint8_t ifi_family
-    uint8_t ifi_pad
-    uint16_t ifi_type
-    int32_t ifi_index
-    uint32_t ifi_flags
-    uint32_t ifi_change
-
-#   struct rtattr {
-#       unsigned short rta_len;
-#       unsigned short rta_type;
-#   };
-cdef struct rtattr:
-    uint16_t rta_len
-    uint16_t rta_type
-
-cdef enum:
-    RTM_NEWLINK = 16
-    RTM_DELLINK = 17
-    IFLA_IFNAME = 3
-    IFLA_LINK = 5
-    IFLA_OPERSTATE = 16
-    IFLA_CARRIER = 33
 
 
 cdef inline Py_ssize_t align4(Py_ssize_t n) noexcept nogil:

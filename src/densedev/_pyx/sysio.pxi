@@ -8,60 +8,10 @@ from libc.stdlib cimport realloc, free, qsort
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.unicode cimport PyUnicode_DecodeUTF8
 
-cdef extern from "<fcntl.h>" nogil:
-    int openat "openat"(int dirfd, const char *path, int flags, ...)
-    enum:
-        O_RDONLY "O_RDONLY"
-        O_DIRECTORY "O_DIRECTORY"
-        O_CLOEXEC "O_CLOEXEC"
-
-cdef extern from "<unistd.h>" nogil:
-    ssize_t read "read"(int fd, void *buf, size_t count)
-    int close "close"(int fd)
-    ssize_t readlinkat "readlinkat"(int dirfd, const char *path, char *buf, size_t size)
-    int dup "dup"(int fd)
-
-cdef extern from "<sys/syscall.h>" nogil:
-    long syscall "syscall"(long number, ...)
-    enum:
-        SYS_getdents64 "SYS_getdents64"
-
-# include/linux/dirent.h:
-#   struct linux_dirent64 { u64 d_ino; s64 d_off; unsigned short d_reclen; unsigned char d_type;
-#                            char d_name[]; };
-cdef struct linux_dirent64:
-    unsigned long long d_ino
-    long long d_off
-    unsigned short d_reclen
-    unsigned char d_type
-    char d_name[1]
-
-cdef enum:
-    DIR_FLAGS = O_RDONLY | O_DIRECTORY | O_CLOEXEC
-    FILE_FLAGS = O_RDONLY | O_CLOEXEC
-    READ_MAX = 255      # one short attribute line, as the twin's os.read(fd, 255)
-    LINK_MAX = 4096     # PATH_MAX: sysfs link targets are far shorter
-    EMPTY = -2          # status of an attribute that exists but holds only whitespace
-    UNREAD = -3         # status of an attribute this device does not need read
-    MAX_PARTS = 128
-    UEVENT_MAX = 1023   # a PCI device's uevent is ~150 bytes (DRIVER, PCI_*, MODALIAS)
-    DENTS_BUF = 32768   # one getdents64 call returns a whole device directory
-    DIRENT_MAX = 280    # largest linux_dirent64: 19-byte header + 255-byte name + NUL, 8-aligned
-    FILE_NAME_MAX = 255
-    YIELD_ROWS = 1023   # a GIL hand-over point every 1,024 rows of the whole-table loops
-    # include/uapi/linux/if_arp.h
-    ARPHRD_ETHER = 1
-    ARPHRD_INFINIBAND = 32
-
 import os as _os
 
 
 # ------------------------------------------------------------------ C primitives (no GIL needed)
-
-cdef inline bint is_space(char c) noexcept nogil:
-    # bytes.strip() whitespace: space \t \n \r \v \f
-    return c == 32 or (9 <= c <= 13)
-
 
 cdef inline int read_attr(int dirfd, const char *name, char *buf, Py_ssize_t *n) noexcept nogil:
     return read_file(dirfd, name, buf, n, READ_MAX)
@@ -93,24 +43,6 @@ cdef int read_file(int dirfd, const char *name, char *buf, Py_ssize_t *n, Py_ssi
     n[0] = end - start
     buf[n[0]] = 0
     return 0
-
-
-cdef int read_link(int dirfd, const char *name, char *buf, Py_ssize_t *n) noexcept nogil:
-    cdef ssize_t got = readlinkat(dirfd, name, buf, LINK_MAX - 1)
-    n[0] = 0
-    if got < 0:
-        return errno if errno else 1
-    buf[got] = 0
-    n[0] = got
-    return 0
-
-
-cdef inline Py_ssize_t basename_at(const char *buf, Py_ssize_t n) noexcept nogil:
-    """Offset of the basename (after the last '/')."""
-    cdef Py_ssize_t i = n
-    while i > 0 and buf[i - 1] != 47:
-        i -= 1
-    return i
 
 
 cdef bint parse_int(const char *buf, Py_ssize_t n, long *out) noexcept nogil:
@@ -177,19 +109,6 @@ cdef bint contains(const char *buf, Py_ssize_t n, const char *sub, Py_ssize_t m)
 
 
 # ------------------------------------------------------------------ directory listings without the GIL
-
-cdef struct dirlist:
-    # A sorted directory listing as C strings.
-    char *data            # the names, NUL-terminated, back to back
-    Py_ssize_t used
-    Py_ssize_t cap
-    Py_ssize_t *offs      # where each name starts in data (data moves while it grows)
-    char **names          # count pointers into data, sorted once the listing is complete
-    Py_ssize_t count
-    Py_ssize_t ncap
-    bint oom
-    bint unsorted         # set before listing: leave the names in directory order
-
 
 cdef int cmp_names(const void *a, const void *b) noexcept nogil:
     # Directory entries hold no NUL, and strcmp compares as unsigned char: the order of sorted(bytes).
@@ -313,10 +232,6 @@ cdef list listdir_at(int dirfd, const char *name):
         return dirlist_bytes(&l)
     finally:
         dirlist_free(&l)
-
-
-cdef int open_dir(int dirfd, const char *name) noexcept nogil:
-    return openat(dirfd, name, DIR_FLAGS)
 
 
 # ------------------------------------------------------------------ Python objects (GIL held)

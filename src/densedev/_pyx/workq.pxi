@@ -8,45 +8,8 @@
 
 from libc.string cimport memset
 
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long pthread_t "pthread_t"
-    int pthread_create "pthread_create"(pthread_t *t, const void *attr, void *(*start)(void *) noexcept nogil, void *arg)
-    int pthread_join "pthread_join"(pthread_t t, void **ret)
-
-
-cdef extern from "<sched.h>" nogil:
-    int sched_yield "sched_yield"()
-
-cdef extern from *:
-    """
-    static inline Py_ssize_t fetch_add(Py_ssize_t *p) { return __atomic_fetch_add(p, 1, __ATOMIC_RELAXED); }
-    static inline void mark_done(int *p) { __atomic_store_n(p, 1, __ATOMIC_RELEASE); }
-    static inline int is_done(int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-    static inline void store_relaxed(Py_ssize_t *p, Py_ssize_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-    """
-    Py_ssize_t fetch_add(Py_ssize_t *p) nogil
-    void mark_done(int *p) nogil
-    int is_done(int *p) nogil
-    void store_relaxed(Py_ssize_t *p, Py_ssize_t v) nogil
-
-
-ctypedef void (*work_fn)(void *ctx, Py_ssize_t i) noexcept nogil
-
-cdef enum:
-    MAX_HELPERS = 3
-
 # Helper threads a scan may start beside its own: one fewer than the cores (more would only queue).
 _HELPERS = max(0, min(MAX_HELPERS, (_os.cpu_count() or 1) - 1))
-
-
-cdef struct workq:
-    work_fn run            # does item i of ctx
-    void *ctx
-    Py_ssize_t n
-    Py_ssize_t next        # the next item nobody has taken
-    int *done              # NULL, or one flag per item, set once it is done (for in-order consumers)
-    int started            # helper threads running
-    pthread_t threads[MAX_HELPERS]
 
 
 cdef void workq_init(workq *q, work_fn run, void *ctx, Py_ssize_t n, int *done) noexcept nogil:
