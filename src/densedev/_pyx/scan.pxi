@@ -255,8 +255,9 @@ cdef str dev_node(const char *entry):
     return fs_str(buf, 16 + n)
 
 
-cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
-    """Every class map of the scan (the twin's _rdma_map and _class_map), their links read in parallel.
+cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int busfd):
+    """Fill ``cmaps`` (MAP_COUNT maps) with every class map of the scan (the twin's _rdma_map and
+    _class_map), their links read in parallel by this thread and up to ``helpers`` more.
 
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
     (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
@@ -287,7 +288,6 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
     cdef Py_ssize_t job_cn[CLS_COUNT]
     cdef dirlist *lists = NULL  # the listings: one per class job, then the bus, then each driver
     cdef list bus_names = None
-    cdef int helpers = maps.helpers
     try:
         for k in range(CLS_COUNT):
             cls_path = b"class/" + _CLASSES[k]
@@ -315,7 +315,7 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
         list_dirs(dirs, helpers, lists)
         if busfd >= 0:
             bus_names = dirlist_bytes(&lists[njobs])
-            driver_map(&maps.cmaps[MAP_DRIVERS], drivers, lists + njobs + 1)
+            driver_map(&cmaps[MAP_DRIVERS], drivers, lists + njobs + 1)
         for j in range(njobs):
             total += lists[j].count
         items = <link_ahead *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(link_ahead) + 1)
@@ -354,7 +354,7 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
                     # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
                     # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
                     ok = r.status == 0 and class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
-                    if ok and not cmap_add(&maps.cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
+                    if ok and not cmap_add(&cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
                         oom = True
                         break
                 workq_stop(&q)
@@ -363,7 +363,7 @@ cdef list read_classes(int rootfd, _ScanMaps maps, int busfd):
             raise MemoryError("sysfs scan: out of memory")
         with nogil:
             # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
-            workq_init(&q, seal_item, maps.cmaps, MAP_COUNT, NULL)
+            workq_init(&q, seal_item, cmaps, MAP_COUNT, NULL)
             workq_run(&q, helpers)
     finally:
         free(items)
@@ -1413,7 +1413,7 @@ cdef tuple scan_tree(bytes root, tuple addresses, bint threads):
         maps.rootfd = rootfd
         maps.helpers = _HELPERS if threads else 0
         try:
-            names = read_classes(rootfd, maps, busfd if addresses is None else -1)
+            names = read_classes(rootfd, maps.cmaps, maps.helpers, busfd if addresses is None else -1)
             maps.vdpa = vdpa_map(rootfd)
             if addresses is not None:
                 names = sorted(set(addresses))
