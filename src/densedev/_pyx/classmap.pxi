@@ -268,3 +268,125 @@ cdef void driver_map(cmap *m, list drivers, dirlist *lists) except *:
                     break
         if not ok:
             raise MemoryError("sysfs scan: out of memory")
+
+
+cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int busfd):
+    """Fill ``cmaps`` (MAP_COUNT maps) with every class map of the scan (the twin's _rdma_map and
+    _class_map), their links read in parallel by this thread and up to ``helpers`` more.
+
+    One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
+    (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
+    while this thread adds each one read to its class's C map (sealed, that is sorted, at the end),
+    and reads too whenever the next one it needs is not ready; all of it without the GIL.  The class
+    directories are listed side by side with the bus and every driver (``busfd``, unless it is -1 for
+    a partial scan): the bus's sorted entries are returned (None without it) and the drivers' device
+    links fill the MAP_DRIVERS map (the twin's _driver_map).
+    """
+    cdef char big[LINK_MAX]
+    cdef Py_ssize_t n, i, total = 0, pos, fill_e, entry_i, nlists = 0
+    cdef int fill_j, job_i, njobs = 0
+    cdef int cfd = -1
+    cdef bint ok, oom = False
+    cdef bytes cls_path
+    cdef const char *cpath
+    cdef const char *buf
+    cdef Py_ssize_t at, ln
+    cdef int k
+    cdef link_ahead *items = NULL
+    cdef int *done = NULL
+    cdef link_ahead *r
+    cdef workq q
+    # Each class directory that opened: its fd, its CLS_* and its name (for class_owner).
+    cdef int job_fd[CLS_COUNT]
+    cdef int job_kind[CLS_COUNT]
+    cdef const char *job_cls[CLS_COUNT]
+    cdef Py_ssize_t job_cn[CLS_COUNT]
+    cdef dirlist *lists = NULL  # the listings: one per class job, then the bus, then each driver
+    cdef list bus_names = None
+    try:
+        for k in range(CLS_COUNT):
+            cls_path = b"class/" + _CLASSES[k]
+            cpath = cls_path
+            with nogil:
+                cfd = open_dir(rootfd, cpath)
+            if cfd >= 0:
+                job_fd[njobs] = cfd
+                job_kind[njobs] = k
+                job_cls[njobs] = <bytes>_CLASSES[k]  # module-level constants: alive for good
+                job_cn[njobs] = len(<bytes>_CLASSES[k])
+                njobs += 1
+        # Only the bus is needed in order (a PF before its VFs); the class and driver maps sort their
+        # own pairs.
+        dirs = [(job_fd[j], b".", False) for j in range(njobs)]
+        drivers = []
+        if busfd >= 0:
+            dirs.append((busfd, b".", True))
+            drivers = listdir_at(rootfd, "bus/pci/drivers")
+            dirs.extend([(rootfd, b"bus/pci/drivers/" + d, False) for d in drivers])
+        lists = <dirlist *>calloc(len(dirs) + 1, sizeof(dirlist))
+        if lists == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        nlists = len(dirs)
+        list_dirs(dirs, helpers, lists)
+        if busfd >= 0:
+            bus_names = dirlist_bytes(&lists[njobs])
+            driver_map(&cmaps[MAP_DRIVERS], drivers, lists + njobs + 1)
+        for j in range(njobs):
+            total += lists[j].count
+        items = <link_ahead *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(link_ahead) + 1)
+        done = <int *>malloc((total if total < AHEAD_BATCH else AHEAD_BATCH) * sizeof(int) + 1)
+        if items == NULL or done == NULL:
+            raise MemoryError("sysfs scan: out of memory")
+        with nogil:
+            # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i)
+            # adds to the maps.  The names point into the listings, which outlive the loop.
+            fill_j = job_i = 0
+            fill_e = entry_i = 0
+            pos = 0
+            while pos < total and not oom:
+                n = total - pos if total - pos < AHEAD_BATCH else AHEAD_BATCH
+                for i in range(n):
+                    while fill_e >= lists[fill_j].count:
+                        fill_j += 1
+                        fill_e = 0
+                    items[i].dirfd = job_fd[fill_j]
+                    items[i].name = lists[fill_j].names[fill_e]
+                    fill_e += 1
+                workq_init(&q, link_ahead_item, items, n, done)
+                workq_start(&q, helpers if n >= AHEAD_SHARED else 0)
+                for i in range(q.n):
+                    while entry_i >= lists[job_i].count:
+                        job_i += 1
+                        entry_i = 0
+                    entry_i += 1
+                    r = &items[i]
+                    workq_wait(&q, i)
+                    buf = r.buf
+                    n = r.n
+                    if r.status == LINK_LONG:
+                        r.status = read_link(job_fd[job_i], r.name, big, &n)
+                        buf = big
+                    # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
+                    # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
+                    ok = r.status == 0 and class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
+                    if ok and not cmap_add(&cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
+                        oom = True
+                        break
+                workq_stop(&q)
+                pos += q.n
+        if oom:
+            raise MemoryError("sysfs scan: out of memory")
+        with nogil:
+            # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
+            workq_init(&q, seal_item, cmaps, MAP_COUNT, NULL)
+            workq_run(&q, helpers)
+    finally:
+        free(items)
+        free(done)
+        if lists != NULL:
+            for i in range(nlists):
+                dirlist_free(&lists[i])
+            free(lists)
+        for j in range(njobs):
+            close(job_fd[j])
+    return bus_names
