@@ -6,8 +6,8 @@
 # there are many independent ones, on more than one thread: the big directory listings (the bus and
 # each class), the class links (one per netdev, RDMA device and RDMA node), a PF's virtfn links and
 # runs of VFs are read ahead by this thread and up to three helper pthreads taking the next item each
-# (one work queue, workq.pxi: list_dirs, read_classes, virtfns, _VfReader), while this thread turns what is read
-# into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
+# (the one work queue of workq.pxi, used by list_dirs, read_classes, virtfns and _VfReader), while
+# this thread turns what is read into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
 # (asyncio.to_thread), so the event loop keeps running meanwhile.  Warnings are built with the same
 # Python expressions as the twin so both return identical strings.
 
