@@ -383,8 +383,9 @@ class _Maps:
         self.nets = _class_map(rootfd, b"net")
         self.ibs = _class_map(rootfd, b"infiniband")
         self.vf_map: dict[bytes, tuple[str, int]] = {}  # VF address → (PF, index), from virtfn links
-        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None, has a group)
-        self.pfs: dict[str, tuple[int, str, list[str] | None, bool]] = {}
+        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None, has a group,
+        # NUMA node, first netdev): what a VF read beside it takes from it
+        self.pfs: dict[str, tuple[int, str, list[str] | None, bool, int, str]] = {}
         self.parents: dict[bytes, int] = {}  # parent dir (link text) → open fd, shared by its PFs
 
     def parent_fd(self, busfd: int, link: bytes) -> int:
@@ -416,9 +417,9 @@ def _functions(maps: _Maps, name: bytes) -> tuple[tuple[str, ...], bytes, tuple[
 
 
 def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> Device | None:
-    """A VF whose PF this scan has read, relative to the PF's parent; None to take the full read."""
-    pf, _index = maps.vf_map[name]
-    parentfd, pcie_root, vf_ids, pf_grouped = maps.pfs[pf]
+    """A VF whose PF this scan has read, relative to the PF's parent, complete; None to take the full read."""
+    pf, index = maps.vf_map[name]
+    parentfd, pcie_root, vf_ids, pf_grouped, numa, pf_netdev = maps.pfs[pf]
     listed = b""
     if vf_ids is not None:
         # Ids are its PF's VFs' (see _vf_ids): the driver alone is this VF's own, from its driver's
@@ -453,11 +454,11 @@ def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> Device | None:
     link_type = _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
     uios = _listdir(parentfd, name + b"/uio") if "uio" in driver else []
     vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
-    # NUMA node, VF index and PF netdev are the pass after the scan's (from the PF's row).
+    # NUMA node and PF netdev are its PF's (see the module docstring), its index its virtfn link's.
     return Device(
         id=dev, role="vf", vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=ids[3],
-        subsystem_device=ids[4], driver=driver, numa_node=-1, iommu_group=group, noiommu=noiommu,
-        acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=-1, pf_netdev="", netdevs=netdevs,
+        subsystem_device=ids[4], driver=driver, numa_node=numa, iommu_group=group, noiommu=noiommu,
+        acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=index, pf_netdev=pf_netdev, netdevs=netdevs,
         link_type=link_type, rdma_device=os.fsdecode(ibdev), rdma_nodes=nodes,
         uio=os.fsdecode(uios[0]) if uios else "", vdpa=vdpa_name, vdpa_driver=vdpa_driver,
         pcie_root=pcie_root, aux_type="",
@@ -548,6 +549,7 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> Devi
         group, noiommu = _iommu_group(devfd, b"", driver, dev, warnings)
         role = "vf" if pf else "pci"
         num = 0
+        netdevs, ibdev, nodes = _functions(maps, name)
         if total != -2:
             role = "pf"
             total = max(total, 0)
@@ -562,10 +564,10 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> Devi
                 vf0 = _virtfns(devfd, dev, maps.vf_map, warnings)
             parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
             if parentfd >= 0:
-                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0), group >= 0)
+                pf_netdev = netdevs[0] if netdevs else ""
+                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0), group >= 0, numa, pf_netdev)
         else:
             total = 0
-        netdevs, ibdev, nodes = _functions(maps, name)
         link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
         # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
         uios = _listdir(devfd, b"uio") if "uio" in driver else []
@@ -692,8 +694,8 @@ def scan_sysfs(
             by_id = {row.id: row for row in rows}
             pf_facts: dict[str, tuple[tuple[str, ...], int]] = {}
             for i, row in enumerate(rows):
-                if row.role != "vf":
-                    continue
+                if row.role != "vf" or row.vf_index >= 0:
+                    continue  # not a VF, or one read beside its PF: complete already
                 pf = row.pf
                 parent = by_id.get(pf)
                 if parent is not None:
