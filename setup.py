@@ -22,7 +22,14 @@ if not NO_EXTENSIONS:
                 extra_compile_args=["-O2"],
             )
         ],
-        compiler_directives={"language_level": "3", "linetrace": TRACE},
+        # binding + embedsignature: the functions carry their signatures, so inspect.signature can hold
+        # them to the twin's (tests/test_accel_fallback.py).
+        compiler_directives={
+            "language_level": "3",
+            "linetrace": TRACE,
+            "binding": True,
+            "embedsignature": True,
+        },
     )
 
 setup(ext_modules=ext_modules)

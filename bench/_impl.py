@@ -31,7 +31,7 @@ def announce(script: str) -> None:
         where = getattr(accel.impl, "__file__", "?")
         print(f"### {name}: measuring the Cython extension ({where})", flush=True)
         return
-    if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
+    if accel.NO_EXTENSIONS:
         print(f"### {name}: measuring the PLAIN-PYTHON TWIN (DENSEDEV_NO_EXTENSIONS is set)", flush=True)
         return
     reason = accel.FALLBACK_REASON or "not built"

@@ -1,7 +1,7 @@
 """Benchmark the health bitmaps and the tracker at node scale, extension vs twin in the same run.
 
 Bitmaps of 65,536 devices (8 KiB): ``diff_bitmaps`` with a few changed bits (the usual event) and with
-one PF's 256 VFs changed, ``count_bits`` and ``or_bitmaps`` of four fact bitmaps (one pool evaluation).
+one PF's 256 VFs changed, ``select_bits`` and ``or_bitmaps`` of four fact bitmaps (one pool evaluation).
 Then the ``HealthTracker`` on 64 PFs x 256 VFs (16,384 devices, 16 pools of 1,024): one PF link down,
 ``set_links`` + ``collect`` (the work between the netlink event and the wire), once per implementation
 (each in a child process, since ``accel`` picks one per process).  Target: diff ≤ 20 µs.
@@ -63,7 +63,7 @@ def bench_bitmaps(mod: ModuleType, calls: int, rounds: int) -> dict[str, float]:
         "diff_few_s": per_call(lambda: mod.diff_bitmaps(old, few, full), calls, rounds),
         "diff_pf256_s": per_call(lambda: mod.diff_bitmaps(old, pf, full), calls, rounds),
         "diff_none_s": per_call(lambda: mod.diff_bitmaps(old, old, full), calls, rounds),
-        "count_s": per_call(lambda: mod.count_bits(old, full), calls, rounds),
+        "select_s": per_call(lambda: mod.select_bits(old, full), calls, rounds),
         "or4_s": per_call(lambda: mod.or_bitmaps(facts, full), calls, rounds),
     }
 
@@ -174,7 +174,7 @@ def main() -> int:
         print(
             f"  [{name:<6}] diff 4 changes {r['diff_few_s'] * us:8.2f} µs   diff 256 changes "
             f"{r['diff_pf256_s'] * us:8.2f} µs   diff none {r['diff_none_s'] * us:8.2f} µs   "
-            f"count {r['count_s'] * us:8.2f} µs   or of 4 {r['or4_s'] * us:8.2f} µs"
+            f"select {r['select_s'] * us:8.2f} µs   or of 4 {r['or4_s'] * us:8.2f} µs"
         )
     if len(impls) == 2:
         py, cy = results["python"], results["cython"]

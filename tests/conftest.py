@@ -29,11 +29,11 @@ if TYPE_CHECKING:  # imported where used: test_conftest.py runs this file where 
 
 pytest_plugins = ("pytester",)  # test_conftest.py runs small suites under these hooks
 
-NO_EXT = os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0")
-
 
 def _cython() -> ModuleType:
-    if NO_EXT:
+    from densedev import accel
+
+    if accel.NO_EXTENSIONS:
         pytest.skip("DENSEDEV_NO_EXTENSIONS=1: the Cython extension is not under test")
     # A missing build is an error, not a skip: CI must prove the extension it ships.
     return importlib.import_module("densedev._fast")

@@ -1,20 +1,88 @@
-"""A broken extension build is said once at warning level, and benchmarks refuse to measure the twin
-by accident."""
+"""The seam: the extension and its twin export one list of functions with the same signatures (and
+_fast.pyi says so too), a broken extension build is said once at warning level, and benchmarks refuse
+to measure the twin by accident."""
 
 from __future__ import annotations
 
+import ast
 import importlib.machinery
+import inspect
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import densedev
+from densedev import _fast_py, accel
 
 SRC = Path(densedev.__file__).resolve().parent
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 PROBE = "import densedev.accel as a; print(a.IMPLEMENTATION)"
+
+
+def _public_functions(module: ModuleType) -> set[str]:
+    return {n for n, v in vars(module).items() if not n.startswith("_") and inspect.isroutine(v)}
+
+
+def _shape(sig: inspect.Signature) -> list[tuple[str, object, object]]:
+    # What a caller can rely on: names, positional/keyword kinds and defaults (the extension's
+    # parameters carry C types, not annotations; _fast.pyi holds the annotations, checked below).
+    return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+
+def test_one_list_of_mirrored_functions() -> None:
+    mirrored = _fast_py.MIRRORED
+    assert len(set(mirrored)) == len(mirrored) and list(mirrored) == _fast_py.__all__
+    assert _public_functions(_fast_py) == set(mirrored)
+    assert set(accel.__all__) - set(mirrored) == {
+        "DETAIL",
+        "FALLBACK_REASON",
+        "IMPLEMENTATION",
+        "NO_EXTENSIONS",
+        "impl",
+    }
+    for name in mirrored:
+        assert getattr(accel, name) is getattr(accel.impl, name), name
+
+
+def test_extension_and_twin_export_the_same_functions_and_signatures(
+    both: tuple[ModuleType, ModuleType],
+) -> None:
+    fast, twin = both
+    assert fast.__all__ == twin.__all__
+    assert _public_functions(fast) == set(twin.MIRRORED)
+    for name in twin.MIRRORED:
+        assert _shape(inspect.signature(getattr(fast, name))) == _shape(
+            inspect.signature(getattr(twin, name))
+        ), name
+
+
+def test_stub_agrees_with_the_twin() -> None:
+    # The twin uses postponed annotations, so inspect hands back their source text, as ast.unparse does
+    # the stub's.
+    tree = ast.parse((SRC / "_fast.pyi").read_text())
+    stubs = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert set(stubs) == set(_fast_py.MIRRORED)
+    for name, node in stubs.items():
+        sig = inspect.signature(getattr(_fast_py, name))
+        args = node.args
+        defaults = [None] * (len(args.args) - len(args.defaults)) + list(args.defaults)
+        stub = [
+            (
+                a.arg,
+                ast.unparse(a.annotation) if a.annotation else None,
+                None if d is None else ast.literal_eval(d),
+            )
+            for a, d in zip(args.args, defaults, strict=True)
+        ]
+        twin = [
+            (p.name, p.annotation, None if p.default is inspect.Parameter.empty else p.default)
+            for p in sig.parameters.values()
+        ]
+        assert stub == twin, name
+        assert node.returns is not None and ast.unparse(node.returns) == sig.return_annotation, name
 
 
 def _copy_tree(dest: Path, with_so: bytes | None) -> Path:

@@ -14,7 +14,6 @@ from typing import Any, get_origin, get_type_hints
 
 import pytest
 
-from densedev import accel
 from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Device
 from densedev.node import scanner as discovery
 from densedev.testing.simnode import (
@@ -31,8 +30,7 @@ def _scan(
     impl: ModuleType, root: Path, addresses: tuple[str, ...] | None = None
 ) -> tuple[dict[str, Device], tuple[str, ...]]:
     wanted = None if addresses is None else tuple(os.fsencode(a) for a in addresses)
-    rows, warnings = impl.scan_sysfs(os.fsencode(root), wanted)
-    devices = [Device._make(r) for r in rows]
+    devices, warnings = impl.scan_sysfs(os.fsencode(root), wanted)
     assert [d.id for d in devices] == sorted(d.id for d in devices)
     return {d.id: d for d in devices}, warnings
 
@@ -43,49 +41,40 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> NodeLayout:
     return build_node(tmp_path_factory.mktemp("node"), pfs=4, vfs_per_pf=6, rdma=True, extras=True)
 
 
-def test_rows_have_device_fields_and_types(impl: ModuleType, node: NodeLayout) -> None:
-    # discovery builds Device tuples with the bare tuple constructor (no length check): hold both
+def test_rows_are_devices_with_the_field_types(impl: ModuleType, node: NodeLayout) -> None:
+    # The extension fills a Device's items in place (no constructor, no length check): hold both
     # scans to the exact shape, field by field.
     rows, _ = impl.scan_sysfs(os.fsencode(node.root), None)
     want = [get_origin(t) or t for t in get_type_hints(Device).values()]  # tuple[str, ...] → tuple
-    assert rows and all(type(r) is tuple and len(r) == len(Device._fields) for r in rows)
+    assert rows and all(type(r) is Device and len(r) == len(Device._fields) for r in rows)
     for r in rows:
         assert [type(v) for v in r] == want, r
     table = discovery.scan(node.root)
-    assert all(type(d) is Device for d in table.devices)
-    assert [tuple(d) for d in table.devices] == [r for r in rows if r[0] in table.by_id()]
+    assert table.devices == rows
 
 
-def test_extension_rows_are_left_to_reference_counting(node: NodeLayout) -> None:
+def test_extension_rows_are_left_to_reference_counting(
+    both: tuple[ModuleType, ModuleType], node: NodeLayout
+) -> None:
     # The rows hold no containers but tuples of str: the extension untracks them from the cyclic
     # collector (CPython would on its first pass over them), so a scan leaves it nothing to walk.
-    fast = pytest.importorskip("densedev._fast")
-    if os.environ.get("DENSEDEV_NO_EXTENSIONS"):
-        pytest.skip("extension disabled")
+    fast, _twin = both
     rows, _ = fast.scan_sysfs(os.fsencode(node.root), None)
-    assert rows and not any(gc.is_tracked(r) or gc.is_tracked(r[17]) or gc.is_tracked(r[20]) for r in rows)
+    assert rows and not any(
+        gc.is_tracked(r) or gc.is_tracked(r.netdevs) or gc.is_tracked(r.rdma_nodes) for r in rows
+    )
 
 
-def test_table_leaves_the_collector_as_it_found_it(node: NodeLayout) -> None:
-    # Building the table pauses the cyclic collector; it must come back on, and stay off when the
-    # application had turned it off itself.
+def test_scan_leaves_the_collector_as_it_found_it(impl: ModuleType, node: NodeLayout) -> None:
+    # The extension pauses the cyclic collector while it scans (every object it makes lives until it
+    # returns); it must come back on, and stay off when the application had turned it off itself.
     assert gc.isenabled()
-    thresholds = gc.get_threshold()
-    gc.set_threshold(5)  # a young collection every 5 new objects: this small node would set off many
-    try:
-        rows, _ = accel.scan_sysfs(os.fsencode(node.root), None)
-        gc.collect()
-        before = gc.get_count()[0]
-        devices = discovery._devices(rows)
-        after = gc.get_count()[0]
-        table = discovery.scan(node.root)
-    finally:
-        gc.set_threshold(*thresholds)
-    assert gc.isenabled() and len(devices) == len(table) > 5
-    # The Devices were made while it waited, so no young collection ran: they are all still counted.
-    assert after >= before + len(devices)
+    table = discovery.scan(node.root)
+    assert gc.isenabled() and len(table) > 5
+    assert impl.scan_sysfs(os.fsencode(node.root), None)[0] == table.devices and gc.isenabled()
     gc.disable()
     try:
+        impl.scan_sysfs(os.fsencode(node.root), None)
         discovery.scan(node.root)
         assert not gc.isenabled()
     finally:
@@ -497,13 +486,12 @@ def test_rows_are_compared_with_a_table_slice_by_slice() -> None:
     # The reconcile's "unchanged?" test runs in slices so the event loop can take the GIL between them;
     # a difference in any slice, or a different count, is still a difference.
     devices = tuple(Device(*(f"{i:05x}", *([""] * (len(Device._fields) - 1)))) for i in range(1300))
-    rows = tuple(tuple(d) for d in devices)
+    rows = tuple(Device(*d) for d in devices)
     assert discovery._same(rows, devices)
     for at in (0, 511, 512, 1299):
-        changed = (*rows[:at], (*rows[at][:-1], "x"), *rows[at + 1 :])
+        changed = (*rows[:at], rows[at]._replace(aux_type="x"), *rows[at + 1 :])
         assert not discovery._same(changed, devices), at
     assert not discovery._same(rows[:-1], devices) and not discovery._same((*rows, rows[0]), devices)
-    assert discovery._devices(rows) == devices and all(type(d) is Device for d in discovery._devices(rows))
 
 
 def test_an_unchanged_node_gives_back_the_previous_table(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from densedev.model import Device
 from densedev.testing.simnode import bind_driver, build_node, move_netdev_to_pod, set_num_vfs
 
 # Ways a real node's sysfs goes wrong under a scanner (device removed, half-written attributes,
@@ -151,7 +152,7 @@ def test_extension_and_twin_agree_on_generated_trees(both: tuple[ModuleType, Mod
         # Partial scans agree too (a PF's VFs without the PF, plus an address that does not exist).
         some = (*(os.fsencode(x) for pf in layout.pfs[:1] for x in pf.vf_addresses), b"0000:ff:00.0")
         assert fast.scan_sysfs(raw, some) == twin.scan_sysfs(raw, some)
-        ibdevs = (*(d[19].encode() for d in a[0] if d[19]), b"absent")
+        ibdevs = (*(d.rdma_device.encode() for d in a[0] if d.rdma_device), b"absent")
         assert fast.read_rdma_ports(raw, ibdevs) == twin.read_rdma_ports(raw, ibdevs)
 
 
@@ -179,7 +180,7 @@ def test_attribute_parsing_agrees_on_arbitrary_bytes(
     assert result == twin.scan_sysfs(raw, None)
     assert fast.read_rdma_ports(raw, (b"mlx5_0",)) == twin.read_rdma_ports(raw, (b"mlx5_0",))
     # The PF is kept exactly when its vendor reads as 0x + four hex digits (surrounding space ignored).
-    kept = any(d[0] == "0000:19:00.0" for d in result[0])
+    kept = any(d.id == "0000:19:00.0" for d in result[0])
     body = junk.strip()
     assert kept == (
         len(body) == 6
@@ -212,7 +213,7 @@ def test_uevent_parsing_agrees(
     raw = os.fsencode(small_node)
     result = fast.scan_sysfs(raw, None)
     assert result == twin.scan_sysfs(raw, None)
-    pf = next(d for d in result[0] if d[0] == "0000:19:00.0")
+    pf = next(d for d in result[0] if d.id == "0000:19:00.0")
     values = {k: v for k, v in lines}  # the last line of a key wins
     pid, sub, cls = values.get("PCI_ID"), values.get("PCI_SUBSYS_ID"), values.get("PCI_CLASS")
     if (
@@ -227,7 +228,7 @@ def test_uevent_parsing_agrees(
         and 1 <= len(cls) <= 6
         and all(c in "0123456789abcdefABCDEF" for c in cls)
     ):
-        assert pf[2:7] == (
+        assert (pf.vendor, pf.device, pf.pci_class, pf.subsystem_vendor, pf.subsystem_device) == (
             pid[:4].lower(),
             pid[5:].lower(),
             cls.lower().zfill(6),
@@ -235,11 +236,15 @@ def test_uevent_parsing_agrees(
             sub[5:].lower(),
         )
     else:
-        assert pf[2:5] == ("15b3", "101d", "020000")  # fell back to the attribute files
+        assert (pf.vendor, pf.device, pf.pci_class) == (
+            "15b3",
+            "101d",
+            "020000",
+        )  # the attribute files decided
 
 
-def _rows(result: tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]) -> dict[str, tuple[object, ...]]:
-    return {str(row[0]): row for row in result[0]}
+def _rows(result: tuple[tuple[Device, ...], tuple[str, ...]]) -> dict[str, Device]:
+    return {row.id: row for row in result[0]}
 
 
 def test_a_vf_read_beside_its_pf_equals_its_full_read(impl: ModuleType, tmp_path: Path) -> None:
@@ -257,7 +262,9 @@ def test_a_vf_read_beside_its_pf_equals_its_full_read(impl: ModuleType, tmp_path
         alone, alone_warnings = impl.scan_sysfs(raw, (os.fsencode(vf),))
         assert alone_warnings == ()
         assert alone == (rows[vf],)
-    assert {rows[vf][8] for vf in layout.pfs[1].vf_addresses} == {rows[layout.pfs[1].address][8]}
+    assert {rows[vf].numa_node for vf in layout.pfs[1].vf_addresses} == {
+        rows[layout.pfs[1].address].numa_node
+    }
 
 
 def test_a_vf_not_beside_its_pf_is_found_through_its_bus_link(impl: ModuleType, tmp_path: Path) -> None:
@@ -274,7 +281,7 @@ def test_a_vf_not_beside_its_pf_is_found_through_its_bus_link(impl: ModuleType, 
     after, warnings = impl.scan_sysfs(raw, None)
     assert warnings == ()
     moved = _rows((after, warnings))[vf]
-    assert moved[:24] == before[vf][:24] and moved[24] == "pci0000:99"
+    assert moved == before[vf]._replace(pcie_root="pci0000:99") and before[vf].pcie_root != "pci0000:99"
 
 
 def test_parallel_reads_agree_across_batches(both: tuple[ModuleType, ModuleType], tmp_path: Path) -> None:
@@ -304,9 +311,9 @@ def test_parallel_reads_agree_across_batches(both: tuple[ModuleType, ModuleType]
     assert fast.scan_sysfs(raw, None) == expected
     assert fast.scan_sysfs(raw, None, False) == expected == twin.scan_sysfs(raw, None, False)
     rows = _rows(expected)
-    assert rows[layout.pfs[1].vf_addresses[3]][15] == 3
-    assert "longif" in rows[layout.pfs[1].vf_addresses[4]][17]
-    assert sum(1 for r in expected[0] if r[1] == "vf") == 1200
+    assert rows[layout.pfs[1].vf_addresses[3]].vf_index == 3
+    assert "longif" in rows[layout.pfs[1].vf_addresses[4]].netdevs
+    assert sum(1 for r in expected[0] if r.role == "vf") == 1200
     assert [w for w in expected[1] if "type" in w] == [
-        f"{vfs[k]}: net/{rows[vfs[k]][17][0]}/type: not an integer" for k in (100, 530)
+        f"{vfs[k]}: net/{rows[vfs[k]].netdevs[0]}/type: not an integer" for k in (100, 530)
     ]

@@ -11,7 +11,12 @@ import importlib.util
 import logging
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING
 
+from ._mirrored import MIRRORED
+
+# Read here and nowhere else (setup.py's build switch aside): tests and benchmarks ask this module.
+NO_EXTENSIONS = os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0")
 FALLBACK_REASON = ""  # why the twin runs though the extension was not turned off ("" otherwise)
 
 
@@ -24,7 +29,7 @@ def _twin() -> ModuleType:
 
 def _choose() -> tuple[ModuleType, str, str]:
     global FALLBACK_REASON
-    if os.environ.get("DENSEDEV_NO_EXTENSIONS", "") not in ("", "0"):
+    if NO_EXTENSIONS:
         return _twin(), "python", "DENSEDEV_NO_EXTENSIONS is set"  # asked for: silent
     try:
         from . import _fast  # type: ignore[attr-defined]
@@ -47,27 +52,12 @@ def _choose() -> tuple[ModuleType, str, str]:
 # for another interpreter or without a compiler shows here instead of only running slower.
 impl, IMPLEMENTATION, DETAIL = _choose()
 
-# Hot-path functions, re-exported by name.  Keep this list in step with _fast.pyi.
-# (each group is added by the module that owns it; see _pyx/*.pxi and _fast_py/*.py)
+# Hot-path functions, re-exported by name: _mirrored.MIRRORED says which (the one list of them).
+globals().update((name, getattr(impl, name)) for name in MIRRORED)
 
-# wire (wire.py)
-encode_device = impl.encode_device
-encode_list = impl.encode_list
+if TYPE_CHECKING:
+    # _fast.pyi types both implementations (the twin's signatures, which a test checks it against).
+    from ._fast import *  # noqa: F403
 
-# bitmap (health.py)
-diff_bitmaps = impl.diff_bitmaps
-select_bits = impl.select_bits
-count_bits = impl.count_bits
-or_bitmaps = impl.or_bitmaps
-set_bits = impl.set_bits
-
-# netlink (netlink.py)
-parse_links = impl.parse_links
-parse_uevent = impl.parse_uevent
-
-# alloc (allocation.py)
-pick_devices = impl.pick_devices
-
-# scan (discovery.py)
-scan_sysfs = impl.scan_sysfs
-read_rdma_ports = impl.read_rdma_ports
+__all__ = ["DETAIL", "FALLBACK_REASON", "IMPLEMENTATION", "NO_EXTENSIONS", "impl"]
+__all__ += MIRRORED  # the mirrored functions

@@ -40,12 +40,6 @@ def select_bits(bitmap: bytes, mask: bytes) -> tuple[int, ...]:
     return _indexes(int.from_bytes(bitmap, "little") & int.from_bytes(mask, "little"))
 
 
-def count_bits(bitmap: bytes, mask: bytes) -> int:
-    """Return how many bits are set in ``bitmap`` within ``mask``."""
-    _check_lengths(bitmap=bitmap, mask=mask)
-    return (int.from_bytes(bitmap, "little") & int.from_bytes(mask, "little")).bit_count()
-
-
 def or_bitmaps(bitmaps: Sequence[bytes], mask: bytes) -> bytes:
     """Return the OR of ``bitmaps`` restricted to ``mask`` (bits outside the mask are clear)."""
     _check_lengths(mask=mask, **{f"bitmaps[{i}]": b for i, b in enumerate(bitmaps)})

@@ -1,7 +1,7 @@
 """Plain-Python twin of ``_pyx/scan.pxi``: the sysfs scan of PCI functions, subfunctions and RDMA ports.
 
-This file is the spec.  ``scan_sysfs`` returns ``(devices, warnings)`` where each device is a plain tuple
-in the field order of ``densedev.model.Device``, sorted by id, and each warning a string naming the
+This file is the spec.  ``scan_sysfs`` returns ``(devices, warnings)`` where each device is a
+``densedev.model.Device``, sorted by id, and each warning a string naming the
 device and the reason it was skipped or a field left empty.  Nothing here raises for a messy tree:
 devices vanish mid-scan, files are half-written, symlinks dangle or loop on real nodes.
 
@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import os
 
-# Device tuple positions (densedev.model.Device field order).
-_ID, _ROLE, _DRIVER, _NUMA, _PF, _VF_INDEX, _PF_NETDEV, _NETDEVS = 0, 1, 7, 8, 14, 15, 16, 17
+from ..model import Device
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _O_FILE = os.O_RDONLY | os.O_CLOEXEC
@@ -384,8 +383,9 @@ class _Maps:
         self.nets = _class_map(rootfd, b"net")
         self.ibs = _class_map(rootfd, b"infiniband")
         self.vf_map: dict[bytes, tuple[str, int]] = {}  # VF address → (PF, index), from virtfn links
-        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None, has a group)
-        self.pfs: dict[str, tuple[int, str, list[str] | None, bool]] = {}
+        # PF read in this scan → (parent dir fd, PCIe root, the ids its VFs share or None, has a group,
+        # NUMA node, first netdev): what a VF read beside it takes from it
+        self.pfs: dict[str, tuple[int, str, list[str] | None, bool, int, str]] = {}
         self.parents: dict[bytes, int] = {}  # parent dir (link text) → open fd, shared by its PFs
 
     def parent_fd(self, busfd: int, link: bytes) -> int:
@@ -416,10 +416,10 @@ def _functions(maps: _Maps, name: bytes) -> tuple[tuple[str, ...], bytes, tuple[
     return netdevs, ibdev, nodes
 
 
-def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> list[object] | None:
-    """A VF whose PF this scan has read, relative to the PF's parent; None to take the full read."""
-    pf, _index = maps.vf_map[name]
-    parentfd, pcie_root, vf_ids, pf_grouped = maps.pfs[pf]
+def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> Device | None:
+    """A VF whose PF this scan has read, relative to the PF's parent, complete; None to take the full read."""
+    pf, index = maps.vf_map[name]
+    parentfd, pcie_root, vf_ids, pf_grouped, numa, pf_netdev = maps.pfs[pf]
     listed = b""
     if vf_ids is not None:
         # Ids are its PF's VFs' (see _vf_ids): the driver alone is this VF's own, from its driver's
@@ -454,11 +454,15 @@ def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> list[object] | No
     link_type = _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
     uios = _listdir(parentfd, name + b"/uio") if "uio" in driver else []
     vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
-    return [
-        dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, -1, group, noiommu, -1, 0, 0, pf, -1,
-        "", netdevs, link_type, os.fsdecode(ibdev), nodes, os.fsdecode(uios[0]) if uios else "",
-        vdpa_name, vdpa_driver, pcie_root, "",
-    ]  # fmt: skip
+    # NUMA node and PF netdev are its PF's (see the module docstring), its index its virtfn link's.
+    return Device(
+        id=dev, role="vf", vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=ids[3],
+        subsystem_device=ids[4], driver=driver, numa_node=numa, iommu_group=group, noiommu=noiommu,
+        acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=index, pf_netdev=pf_netdev, netdevs=netdevs,
+        link_type=link_type, rdma_device=os.fsdecode(ibdev), rdma_nodes=nodes,
+        uio=os.fsdecode(uios[0]) if uios else "", vdpa=vdpa_name, vdpa_driver=vdpa_driver,
+        pcie_root=pcie_root, aux_type="",
+    )  # fmt: skip
 
 
 def _iommu_group(dirfd: int, prefix: bytes, driver: str, dev: str, warnings: list[str]) -> tuple[int, bool]:
@@ -478,8 +482,8 @@ def _iommu_group(dirfd: int, prefix: bytes, driver: str, dev: str, warnings: lis
     return g, False
 
 
-def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list[object] | None:
-    """One PCI function as a list in Device field order (PF netdev, VF index, VF NUMA filled in later)."""
+def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> Device | None:
+    """One PCI function as a Device (a VF's PF netdev, index and NUMA node are filled in later)."""
     dev = os.fsdecode(name)
     link_status, link = _readlink(busfd, name)
     pcie_root = _pcie_root(link) if link_status == 0 else ""
@@ -545,6 +549,7 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list
         group, noiommu = _iommu_group(devfd, b"", driver, dev, warnings)
         role = "vf" if pf else "pci"
         num = 0
+        netdevs, ibdev, nodes = _functions(maps, name)
         if total != -2:
             role = "pf"
             total = max(total, 0)
@@ -559,19 +564,22 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> list
                 vf0 = _virtfns(devfd, dev, maps.vf_map, warnings)
             parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
             if parentfd >= 0:
-                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0), group >= 0)
+                pf_netdev = netdevs[0] if netdevs else ""
+                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0), group >= 0, numa, pf_netdev)
         else:
             total = 0
-        netdevs, ibdev, nodes = _functions(maps, name)
         link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
         # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
         uios = _listdir(devfd, b"uio") if "uio" in driver else []
         vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
-        return [
-            dev, role, ids[0], ids[1], ids[2], subsys[0], subsys[1], driver, numa, group, noiommu, acpi,
-            total, num, pf, -1, "", netdevs, link_type, os.fsdecode(ibdev), nodes,
-            os.fsdecode(uios[0]) if uios else "", vdpa_name, vdpa_driver, pcie_root, "",
-        ]  # fmt: skip
+        return Device(
+            id=dev, role=role, vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=subsys[0],
+            subsystem_device=subsys[1], driver=driver, numa_node=numa, iommu_group=group, noiommu=noiommu,
+            acpi_index=acpi, total_vfs=total, num_vfs=num, pf=pf, vf_index=-1, pf_netdev="",
+            netdevs=netdevs, link_type=link_type, rdma_device=os.fsdecode(ibdev), rdma_nodes=nodes,
+            uio=os.fsdecode(uios[0]) if uios else "", vdpa=vdpa_name, vdpa_driver=vdpa_driver,
+            pcie_root=pcie_root, aux_type="",
+        )  # fmt: skip
     finally:
         os.close(devfd)
 
@@ -591,11 +599,9 @@ def _pf_facts(busfd: int, pf: str, maps: _Maps, warnings: list[str]) -> tuple[tu
         os.close(devfd)
 
 
-def _scan_sfs(
-    rootfd: int, by_id: dict[str, list[object]], maps: _Maps, warnings: list[str]
-) -> list[list[object]]:
+def _scan_sfs(rootfd: int, by_id: dict[str, Device], maps: _Maps, warnings: list[str]) -> list[Device]:
     """Auxiliary-bus subfunctions (``*.sf.<n>``) whose parent PF is among the scanned devices."""
-    out: list[list[object]] = []
+    out: list[Device] = []
     try:
         afd = os.open(b"bus/auxiliary/devices", _O_DIR, dir_fd=rootfd)
     except OSError:
@@ -637,14 +643,17 @@ def _scan_sfs(
                 link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), sf, warnings) if netdevs else ""
             finally:
                 os.close(devfd)
-            pf_netdevs: tuple[str, ...] = parent[_NETDEVS]  # type: ignore[assignment]
             vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
-            out.append([
-                sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6],
-                os.fsdecode(_basename(drv)) if status == 0 else "", parent[_NUMA], -1, False, -1, 0, 0,
-                parent[_ID], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs, link_type,
-                os.fsdecode(ibdev), nodes, "", vdpa_name, vdpa_driver, _pcie_root(link), "sf",
-            ])  # fmt: skip
+            # An SF shares its parent function's ids and NUMA node; its sfnum goes where a VF's index does.
+            out.append(Device(
+                id=sf, role="sf", vendor=parent.vendor, device=parent.device, pci_class=parent.pci_class,
+                subsystem_vendor=parent.subsystem_vendor, subsystem_device=parent.subsystem_device,
+                driver=os.fsdecode(_basename(drv)) if status == 0 else "", numa_node=parent.numa_node,
+                iommu_group=-1, noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf=parent.id,
+                vf_index=sfnum, pf_netdev=parent.netdevs[0] if parent.netdevs else "", netdevs=netdevs,
+                link_type=link_type, rdma_device=os.fsdecode(ibdev), rdma_nodes=nodes, uio="",
+                vdpa=vdpa_name, vdpa_driver=vdpa_driver, pcie_root=_pcie_root(link), aux_type="sf",
+            ))  # fmt: skip
     finally:
         os.close(afd)
     return out
@@ -652,12 +661,12 @@ def _scan_sfs(
 
 def scan_sysfs(
     root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True
-) -> tuple[tuple[tuple[object, ...], ...], tuple[str, ...]]:
+) -> tuple[tuple[Device, ...], tuple[str, ...]]:
     """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root.
 
-    Returns ``(devices, warnings)``: device tuples in ``Device`` field order sorted by id, and one
-    string per skipped device or field left empty.  ``threads`` lets the extension share the reads
-    with helper threads (less time, a little more CPU); the twin reads on this thread either way.
+    Returns ``(devices, warnings)``: ``Device``s sorted by id, and one string per skipped device or
+    field left empty.  ``threads`` lets the extension share the reads with helper threads (less time,
+    a little more CPU); the twin reads on this thread either way.
     """
     warnings: list[str] = []
     try:
@@ -674,7 +683,7 @@ def scan_sysfs(
             names = _entries(busfd) if addresses is None else sorted(set(addresses))
             if addresses is None:
                 maps.present = set(names)
-            rows: list[list[object]] = []
+            rows: list[Device] = []
             for name in names:
                 hit = maps.vf_map.get(name)
                 row = _scan_vf(maps, name, warnings) if hit is not None and hit[0] in maps.pfs else None
@@ -682,32 +691,35 @@ def scan_sysfs(
                     row = _scan_pci(busfd, name, maps, warnings)
                 if row is not None:
                     rows.append(row)
-            by_id: dict[str, list[object]] = {row[_ID]: row for row in rows}  # type: ignore[misc]
+            by_id = {row.id: row for row in rows}
             pf_facts: dict[str, tuple[tuple[str, ...], int]] = {}
-            for row in rows:
-                if row[_ROLE] != "vf":
-                    continue
-                pf: str = row[_PF]  # type: ignore[assignment]
+            for i, row in enumerate(rows):
+                if row.role != "vf" or row.vf_index >= 0:
+                    continue  # not a VF, or one read beside its PF: complete already
+                pf = row.pf
                 parent = by_id.get(pf)
                 if parent is not None:
-                    facts = (parent[_NETDEVS], parent[_NUMA])
+                    facts = (parent.netdevs, parent.numa_node)
                 elif pf in pf_facts:
                     facts = pf_facts[pf]
                 else:
                     facts = pf_facts[pf] = _pf_facts(busfd, pf, maps, warnings)
-                netdevs: tuple[str, ...] = facts[0]  # type: ignore[assignment]
-                row[_PF_NETDEV] = netdevs[0] if netdevs else ""
-                row[_NUMA] = facts[1]
-                hit = maps.vf_map.get(os.fsencode(row[_ID]))  # type: ignore[arg-type]
-                row[_VF_INDEX] = hit[1] if hit is not None and hit[0] == pf else -1
+                netdevs, numa = facts
+                hit = maps.vf_map.get(os.fsencode(row.id))
+                # by_id too: an SF on a VF (below) takes the VF's NUMA node and PF netdev.
+                rows[i] = by_id[row.id] = row._replace(
+                    pf_netdev=netdevs[0] if netdevs else "",
+                    numa_node=numa,
+                    vf_index=hit[1] if hit is not None and hit[0] == pf else -1,
+                )
             rows.extend(_scan_sfs(rootfd, by_id, maps, warnings))
         finally:
             maps.close()
             os.close(busfd)
     finally:
         os.close(rootfd)
-    rows.sort(key=lambda r: r[_ID])  # type: ignore[arg-type,return-value]
-    return tuple(tuple(r) for r in rows), tuple(warnings)
+    rows.sort(key=lambda r: r.id)
+    return tuple(rows), tuple(warnings)
 
 
 def _leading_int(data: bytes) -> int:

@@ -40,13 +40,13 @@ cdef struct alloc_topo:
     int32_t pf     # dense id of the parent PF; a device without one is its own group
 
 
-cdef int _alloc_cmp_u64(const void* a, const void* b) noexcept nogil:
+cdef int cmp_u64(const void* a, const void* b) noexcept nogil:
     cdef uint64_t x = (<const uint64_t*>a)[0]
     cdef uint64_t y = (<const uint64_t*>b)[0]
     return (x > y) - (x < y)
 
 
-cdef inline void _alloc_sift_up(uint64_t* heap, Py_ssize_t i) noexcept nogil:
+cdef inline void sift_up(uint64_t* heap, Py_ssize_t i) noexcept nogil:
     cdef Py_ssize_t parent
     cdef uint64_t v = heap[i]
     while i > 0:
@@ -58,7 +58,7 @@ cdef inline void _alloc_sift_up(uint64_t* heap, Py_ssize_t i) noexcept nogil:
     heap[i] = v
 
 
-cdef inline void _alloc_sift_down(uint64_t* heap, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
+cdef inline void sift_down(uint64_t* heap, Py_ssize_t n, Py_ssize_t i) noexcept nogil:
     # Max-heap: the root is the worst of the best `n` keys kept so far.
     cdef Py_ssize_t child
     cdef uint64_t v = heap[i]
@@ -75,7 +75,7 @@ cdef inline void _alloc_sift_down(uint64_t* heap, Py_ssize_t n, Py_ssize_t i) no
     heap[i] = v
 
 
-cdef inline int _alloc_hex(unsigned char c) noexcept nogil:
+cdef inline int hex_digit(unsigned char c) noexcept nogil:
     # Lower-case only: the kernel names PCI functions with "%04x:%02x:%02x.%d".
     if 48 <= c <= 57:
         return c - 48
@@ -84,7 +84,7 @@ cdef inline int _alloc_hex(unsigned char c) noexcept nogil:
     return -1
 
 
-cdef long _alloc_bdf(object dev_id):
+cdef long parse_bdf(object dev_id):
     # domain << 16 | bus << 8 | device << 3 | function of a canonical PCI address, else -1.
     if not PyUnicode_CheckExact(dev_id) or PyUnicode_GET_LENGTH(dev_id) != 12:
         return -1
@@ -96,17 +96,17 @@ cdef long _alloc_bdf(object dev_id):
     cdef int i, h
     cdef long domain = 0, bus = 0, device = 0
     for i in range(4):
-        h = _alloc_hex(p[i])
+        h = hex_digit(p[i])
         if h < 0:
             return -1
         domain = domain * 16 + h
     for i in range(5, 7):
-        h = _alloc_hex(p[i])
+        h = hex_digit(p[i])
         if h < 0:
             return -1
         bus = bus * 16 + h
     for i in range(8, 10):
-        h = _alloc_hex(p[i])
+        h = hex_digit(p[i])
         if h < 0:
             return -1
         device = device * 16 + h
@@ -115,11 +115,11 @@ cdef long _alloc_bdf(object dev_id):
     return domain << 16 | bus << 8 | device << 3 | (p[11] - 48)
 
 
-cdef Py_ssize_t _alloc_member(dict index, object dev_id, Py_ssize_t members,
+cdef Py_ssize_t member_of(dict index, object dev_id, Py_ssize_t members,
                               const char* lookup, Py_ssize_t nblocks) except -2:
     cdef PyObject* hit
     cdef Py_ssize_t m, b
-    cdef long bdf = _alloc_bdf(dev_id) if nblocks else -1
+    cdef long bdf = parse_bdf(dev_id) if nblocks else -1
     cdef uint32_t domain
     cdef int32_t v
     m = -1
@@ -143,7 +143,7 @@ cdef Py_ssize_t _alloc_member(dict index, object dev_id, Py_ssize_t members,
     return -1 if m < 0 else m
 
 
-cdef int _alloc_target(const Py_ssize_t* counts) noexcept nogil:
+cdef int target_numa(const Py_ssize_t* counts) noexcept nogil:
     # counts[n + 1] for NUMA node n (-1 .. 1023); the highest wins, the lowest id on ties; -2: none.
     cdef int best = -2
     cdef Py_ssize_t best_count = 0, i
@@ -199,7 +199,7 @@ def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology
                 raise ValueError(f"root {topo[i].root} / pf {topo[i].pf} out of range [0, {members})")
 
         for dev_id in must_include:
-            m = _alloc_member(index, dev_id, members, lk, nblocks)
+            m = member_of(index, dev_id, members, lk, nblocks)
             if m < 0:
                 if dev_id in seen_unknown:
                     continue
@@ -217,7 +217,7 @@ def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology
 
         for i in range(navail):
             dev_id = available[i]
-            m = _alloc_member(index, dev_id, members, lk, nblocks)
+            m = member_of(index, dev_id, members, lk, nblocks)
             if m < 0:
                 if dev_id not in seen_unknown:
                     seen_unknown.add(dev_id)
@@ -232,7 +232,7 @@ def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology
             for i in range(min(need, nfree)):
                 chosen.append(available[free_pos[i]])
         else:
-            picked = _alloc_rank(topo, members, free_pos, free_m, nfree, must, nmust, need, policy)
+            picked = rank_members(topo, members, free_pos, free_m, nfree, must, nmust, need, policy)
             for i in picked:
                 chosen.append(available[i])
         if size - len(chosen) > 0:
@@ -242,7 +242,7 @@ def pick_devices(available, must_include, Py_ssize_t size, index, bytes topology
         free(topo); free(taken); free(free_pos); free(free_m); free(must)
 
 
-cdef tuple _alloc_rank(const alloc_topo* topo, Py_ssize_t members, const Py_ssize_t* free_pos,
+cdef tuple rank_members(const alloc_topo* topo, Py_ssize_t members, const Py_ssize_t* free_pos,
                        const Py_ssize_t* free_m, Py_ssize_t nfree, const Py_ssize_t* must, Py_ssize_t nmust,
                        Py_ssize_t need, int policy):
     # Positions (in `available`) of the `need` smallest device keys, best first.
@@ -275,7 +275,7 @@ cdef tuple _alloc_rank(const alloc_topo* topo, Py_ssize_t members, const Py_ssiz
             else:
                 for i in range(nfree):
                     numa_counts[topo[free_m[i]].numa + 1] += 1
-            target = _alloc_target(numa_counts)
+            target = target_numa(numa_counts)
             for i in range(members):
                 pf_count[i] = -1
             for i in range(nmust):
@@ -307,7 +307,7 @@ cdef tuple _alloc_rank(const alloc_topo* topo, Py_ssize_t members, const Py_ssiz
                            | (<uint64_t>root << ALLOC_F20) | <uint64_t>pf)
                 pf_keys[npf] = key
                 npf += 1
-            qsort(pf_keys, npf, sizeof(uint64_t), _alloc_cmp_u64)
+            qsort(pf_keys, npf, sizeof(uint64_t), cmp_u64)
             for i in range(npf):
                 rank[pf_keys[i] & ALLOC_MAX_MEMBERS] = i
 
@@ -329,11 +329,11 @@ cdef tuple _alloc_rank(const alloc_topo* topo, Py_ssize_t members, const Py_ssiz
                     # Grow the max-heap: sift the new key up.
                     heap[nheap] = key
                     nheap += 1
-                    _alloc_sift_up(heap, nheap - 1)
+                    sift_up(heap, nheap - 1)
                 elif kheap and key < heap[0]:
                     heap[0] = key
-                    _alloc_sift_down(heap, nheap, 0)
-            qsort(heap, nheap, sizeof(uint64_t), _alloc_cmp_u64)
+                    sift_down(heap, nheap, 0)
+            qsort(heap, nheap, sizeof(uint64_t), cmp_u64)
         out = [None] * nheap
         for i in range(nheap):
             out[i] = <Py_ssize_t>(heap[i] & ALLOC_MAX_MEMBERS)

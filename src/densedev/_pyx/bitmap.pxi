@@ -11,10 +11,9 @@ from cpython.mem cimport PyMem_Malloc, PyMem_Free
 
 cdef extern from *:
     int __builtin_ctzll(unsigned long long x) nogil
-    int __builtin_popcountll(unsigned long long x) nogil
 
 
-cdef inline uint64_t _bm_word(const uint8_t* p, Py_ssize_t nbytes, Py_ssize_t w) noexcept nogil:
+cdef inline uint64_t load_word(const uint8_t* p, Py_ssize_t nbytes, Py_ssize_t w) noexcept nogil:
     # The last word of a bitmap whose length is not a multiple of 8 is zero-padded.
     cdef uint64_t v = 0
     cdef Py_ssize_t off = w * 8
@@ -26,7 +25,7 @@ cdef inline uint64_t _bm_word(const uint8_t* p, Py_ssize_t nbytes, Py_ssize_t w)
     return v
 
 
-cdef Py_ssize_t _bm_check(dict named) except -1:
+cdef Py_ssize_t check_lengths(dict named) except -1:
     cdef Py_ssize_t size = -1
     cdef bint differ = False
     for b in named.values():
@@ -40,16 +39,16 @@ cdef Py_ssize_t _bm_check(dict named) except -1:
     return 0 if size == -1 else size
 
 
-cdef tuple _bm_indexes(const uint8_t* a, const uint8_t* b, const uint8_t* m, Py_ssize_t nbytes):
+cdef tuple set_indexes(const uint8_t* a, const uint8_t* b, const uint8_t* m, Py_ssize_t nbytes):
     # Indexes of set bits of (a ^ b) & m, or of a & m when b is NULL, ascending.
     cdef list out = []
     cdef Py_ssize_t w, nwords = (nbytes + 7) // 8
     cdef uint64_t x
     for w in range(nwords):
-        x = _bm_word(a, nbytes, w)
+        x = load_word(a, nbytes, w)
         if b != NULL:
-            x ^= _bm_word(b, nbytes, w)
-        x &= _bm_word(m, nbytes, w)
+            x ^= load_word(b, nbytes, w)
+        x &= load_word(m, nbytes, w)
         while x:
             out.append(w * 64 + __builtin_ctzll(x))
             x &= x - 1
@@ -58,28 +57,16 @@ cdef tuple _bm_indexes(const uint8_t* a, const uint8_t* b, const uint8_t* m, Py_
 
 def diff_bitmaps(bytes old, bytes new, bytes mask):
     """Return the ascending indexes of bits that differ between ``old`` and ``new`` within ``mask``."""
-    cdef Py_ssize_t n = _bm_check({"old": old, "new": new, "mask": mask})
-    return _bm_indexes(<const uint8_t*>PyBytes_AS_STRING(old), <const uint8_t*>PyBytes_AS_STRING(new),
+    cdef Py_ssize_t n = check_lengths({"old": old, "new": new, "mask": mask})
+    return set_indexes(<const uint8_t*>PyBytes_AS_STRING(old), <const uint8_t*>PyBytes_AS_STRING(new),
                        <const uint8_t*>PyBytes_AS_STRING(mask), n)
 
 
 def select_bits(bytes bitmap, bytes mask):
     """Return the ascending indexes of bits set in ``bitmap`` within ``mask``."""
-    cdef Py_ssize_t n = _bm_check({"bitmap": bitmap, "mask": mask})
-    return _bm_indexes(<const uint8_t*>PyBytes_AS_STRING(bitmap), NULL,
+    cdef Py_ssize_t n = check_lengths({"bitmap": bitmap, "mask": mask})
+    return set_indexes(<const uint8_t*>PyBytes_AS_STRING(bitmap), NULL,
                        <const uint8_t*>PyBytes_AS_STRING(mask), n)
-
-
-def count_bits(bytes bitmap, bytes mask):
-    """Return how many bits are set in ``bitmap`` within ``mask``."""
-    cdef Py_ssize_t n = _bm_check({"bitmap": bitmap, "mask": mask})
-    cdef const uint8_t* a = <const uint8_t*>PyBytes_AS_STRING(bitmap)
-    cdef const uint8_t* m = <const uint8_t*>PyBytes_AS_STRING(mask)
-    cdef Py_ssize_t w, nwords = (n + 7) // 8
-    cdef long long total = 0
-    for w in range(nwords):
-        total += __builtin_popcountll(_bm_word(a, n, w) & _bm_word(m, n, w))
-    return total
 
 
 def or_bitmaps(bitmaps, bytes mask):
@@ -92,7 +79,7 @@ def or_bitmaps(bitmaps, bytes mask):
         if not isinstance(b, bytes):
             raise TypeError(f"bitmaps[{i}] must be bytes, not {type(b).__name__}")
         named[f"bitmaps[{i}]"] = b
-    cdef Py_ssize_t n = _bm_check(named)
+    cdef Py_ssize_t n = check_lengths(named)
     # A fresh object (NULL source), never CPython's shared empty or 1-byte bytes, so writing is safe.
     cdef bytes out = PyBytes_FromStringAndSize(NULL, n)
     cdef uint8_t* o = <uint8_t*>PyBytes_AS_STRING(out)

@@ -1,107 +1,59 @@
 # rtnetlink link messages and kernel uevents; twin and spec: densedev/_fast_py/netlink.py.
 # Pure decoders: bytes in, tuples out; never read past the buffer, never raise on hostile input.
+# The kernel structs (nlmsghdr, ifinfomsg, rtattr) and constants are declared in _fast.pxd.
 
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, int32_t
 from libc.string cimport memcpy, memchr
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 
 
-# <linux/netlink.h>
-#   struct nlmsghdr {
-#       __u32 nlmsg_len;    /* Length of message including header */
-#       __u16 nlmsg_type;   /* Message content */
-#       __u16 nlmsg_flags;  /* Additional flags */
-#       __u32 nlmsg_seq;    /* Sequence number */
-#       __u32 nlmsg_pid;    /* Sending process port ID */
-#   };
-cdef struct dd_nlmsghdr:
-    uint32_t nlmsg_len
-    uint16_t nlmsg_type
-    uint16_t nlmsg_flags
-    uint32_t nlmsg_seq
-    uint32_t nlmsg_pid
-
-# <linux/rtnetlink.h>
-#   struct ifinfomsg {
-#       unsigned char  ifi_family;
-#       unsigned char  __ifi_pad;
-#       unsigned short ifi_type;    /* ARPHRD_* */
-#       int            ifi_index;   /* Link index */
-#       unsigned       ifi_flags;   /* IFF_* flags */
-#       unsigned       ifi_change;  /* IFF_* change mask */
-#   };
-cdef struct dd_ifinfomsg:
-    uint8_t ifi_family
-    uint8_t ifi_pad
-    uint16_t ifi_type
-    int32_t ifi_index
-    uint32_t ifi_flags
-    uint32_t ifi_change
-
-#   struct rtattr {
-#       unsigned short rta_len;
-#       unsigned short rta_type;
-#   };
-cdef struct dd_rtattr:
-    uint16_t rta_len
-    uint16_t rta_type
-
-cdef enum:
-    DD_RTM_NEWLINK = 16
-    DD_RTM_DELLINK = 17
-    DD_IFLA_IFNAME = 3
-    DD_IFLA_LINK = 5
-    DD_IFLA_OPERSTATE = 16
-    DD_IFLA_CARRIER = 33
-
-
-cdef inline Py_ssize_t _nl_align4(Py_ssize_t n) noexcept nogil:
+cdef inline Py_ssize_t align4(Py_ssize_t n) noexcept nogil:
     # NLMSG_ALIGN / RTA_ALIGN: messages and attributes start on 4-byte boundaries.
     return (n + 3) & ~3
 
 
-cdef object _nl_decode_link(const uint8_t* buf, Py_ssize_t start, Py_ssize_t end, int msg_type):
+cdef object decode_link(const uint8_t* buf, Py_ssize_t start, Py_ssize_t end, int msg_type):
     # One RTM_NEWLINK/RTM_DELLINK body between start and end; None when malformed.
-    cdef dd_ifinfomsg ifi
-    cdef dd_rtattr rta
+    cdef ifinfomsg ifi
+    cdef rtattr rta
     cdef uint32_t u32
     cdef Py_ssize_t pos, payload, size, namelen
     cdef const uint8_t* nul
     cdef long long operstate = -1, carrier = -1, parent = -1
     cdef object name = None
-    if end - start < <Py_ssize_t>sizeof(dd_ifinfomsg):
+    if end - start < <Py_ssize_t>sizeof(ifinfomsg):
         return None
-    memcpy(&ifi, buf + start, sizeof(dd_ifinfomsg))
-    pos = start + _nl_align4(sizeof(dd_ifinfomsg))
-    while pos + <Py_ssize_t>sizeof(dd_rtattr) <= end:
-        memcpy(&rta, buf + pos, sizeof(dd_rtattr))
-        if rta.rta_len < sizeof(dd_rtattr) or pos + rta.rta_len > end:
+    memcpy(&ifi, buf + start, sizeof(ifinfomsg))
+    pos = start + align4(sizeof(ifinfomsg))
+    while pos + <Py_ssize_t>sizeof(rtattr) <= end:
+        memcpy(&rta, buf + pos, sizeof(rtattr))
+        if rta.rta_len < sizeof(rtattr) or pos + rta.rta_len > end:
             return None
-        payload = pos + sizeof(dd_rtattr)
-        size = rta.rta_len - sizeof(dd_rtattr)
+        payload = pos + sizeof(rtattr)
+        size = rta.rta_len - sizeof(rtattr)
         # The kernel emits each attribute once; a forged repeat keeps the first (as pyroute2 does).
-        if rta.rta_type == DD_IFLA_IFNAME:
+        if rta.rta_type == IFLA_IFNAME:
             if name is None:
                 nul = <const uint8_t*>memchr(buf + payload, 0, size)
                 namelen = size if nul == NULL else nul - (buf + payload)
                 name = (<const char*>buf)[payload:payload + namelen].decode("utf-8", "surrogateescape")
-        elif rta.rta_type == DD_IFLA_OPERSTATE:
+        elif rta.rta_type == IFLA_OPERSTATE:
             if size < 1:
                 return None
             if operstate == -1:
                 operstate = buf[payload]
-        elif rta.rta_type == DD_IFLA_CARRIER:
+        elif rta.rta_type == IFLA_CARRIER:
             if size < 1:
                 return None
             if carrier == -1:
                 carrier = buf[payload]
-        elif rta.rta_type == DD_IFLA_LINK:
+        elif rta.rta_type == IFLA_LINK:
             if size < 4:
                 return None
             if parent == -1:
                 memcpy(&u32, buf + payload, 4)
                 parent = u32
-        pos += _nl_align4(rta.rta_len)
+        pos += align4(rta.rta_len)
     return (msg_type, ifi.ifi_index, name if name is not None else "", ifi.ifi_flags,
             operstate, carrier, parent)
 
@@ -113,19 +65,19 @@ def parse_links(bytes buf):
     cdef const uint8_t* p = <const uint8_t*>PyBytes_AS_STRING(buf)
     cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
     cdef Py_ssize_t pos = 0
-    cdef dd_nlmsghdr hdr
+    cdef nlmsghdr hdr
     cdef list out = []
-    while pos + <Py_ssize_t>sizeof(dd_nlmsghdr) <= n:
-        memcpy(&hdr, p + pos, sizeof(dd_nlmsghdr))
-        if hdr.nlmsg_len < sizeof(dd_nlmsghdr) or <Py_ssize_t>hdr.nlmsg_len > n - pos:
+    while pos + <Py_ssize_t>sizeof(nlmsghdr) <= n:
+        memcpy(&hdr, p + pos, sizeof(nlmsghdr))
+        if hdr.nlmsg_len < sizeof(nlmsghdr) or <Py_ssize_t>hdr.nlmsg_len > n - pos:
             break  # malformed or truncated: keep what decoded before it
-        if hdr.nlmsg_type == DD_RTM_NEWLINK or hdr.nlmsg_type == DD_RTM_DELLINK:
-            link = _nl_decode_link(p, pos + sizeof(dd_nlmsghdr), pos + hdr.nlmsg_len, hdr.nlmsg_type)
+        if hdr.nlmsg_type == RTM_NEWLINK or hdr.nlmsg_type == RTM_DELLINK:
+            link = decode_link(p, pos + sizeof(nlmsghdr), pos + hdr.nlmsg_len, hdr.nlmsg_type)
             if link is None:
                 break
             out.append(link)
         # NLMSG_DONE, NLMSG_ERROR, NLMSG_NOOP and other families' messages are skipped.
-        pos += _nl_align4(hdr.nlmsg_len)
+        pos += align4(hdr.nlmsg_len)
     return tuple(out)
 
 
@@ -137,7 +89,7 @@ def parse_uevent(bytes buf):
     cdef Py_ssize_t n = PyBytes_GET_SIZE(buf)
     cdef Py_ssize_t start = 0, end, at, eq, k
     # udev's re-broadcast (group 2) starts with a binary "libudev\0" header: not ours.
-    if n >= 8 and _ue_has_prefix(p, b"libudev\0", 8):
+    if n >= 8 and has_prefix(p, b"libudev\0", 8):
         return None
     end = 0
     while end < n and p[end] != 0:
@@ -169,7 +121,7 @@ def parse_uevent(bytes buf):
     return (action, devpath, tuple(pairs))
 
 
-cdef inline bint _ue_has_prefix(const char* p, const char* prefix, Py_ssize_t n) noexcept:
+cdef inline bint has_prefix(const char* p, const char* prefix, Py_ssize_t n) noexcept:
     cdef Py_ssize_t k
     for k in range(n):
         if p[k] != prefix[k]:

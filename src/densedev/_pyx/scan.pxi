@@ -6,8 +6,8 @@
 # there are many independent ones, on more than one thread: the big directory listings (the bus and
 # each class), the class links (one per netdev, RDMA device and RDMA node), a PF's virtfn links and
 # runs of VFs are read ahead by this thread and up to three helper pthreads taking the next item each
-# (_sc_list_dirs, _sc_read_classes, _sc_rl_run, _ScVfReader), while this thread turns what is read
-# into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
+# (the one work queue of workq.pxi, used by list_dirs, read_classes, virtfns and _VfReader), while
+# this thread turns what is read into maps and rows in order with the GIL.  The daemon runs the full scan in a worker thread
 # (asyncio.to_thread), so the event loop keeps running meanwhile.  Warnings are built with the same
 # Python expressions as the twin so both return identical strings.
 
@@ -16,337 +16,136 @@ from libc.string cimport strlen, memchr, memcmp, memcpy, memset, strcmp
 from libc.stdlib cimport calloc, malloc, realloc, free, qsort
 from libc.stdio cimport snprintf
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.ref cimport Py_INCREF
 from cpython.unicode cimport PyUnicode_DecodeUTF8, PyUnicode_DecodeASCII
 
-cdef extern from "<fcntl.h>" nogil:
-    int sc_openat "openat"(int dirfd, const char *path, int flags, ...)
-    enum:
-        SC_O_RDONLY "O_RDONLY"
-        SC_O_DIRECTORY "O_DIRECTORY"
-        SC_O_CLOEXEC "O_CLOEXEC"
 
-cdef extern from "<unistd.h>" nogil:
-    ssize_t sc_read "read"(int fd, void *buf, size_t count)
-    int sc_close "close"(int fd)
-    ssize_t sc_readlinkat "readlinkat"(int dirfd, const char *path, char *buf, size_t size)
-    int sc_dup "dup"(int fd)
+from .model import Device as _Device
 
-cdef extern from "<sys/syscall.h>" nogil:
-    long sc_syscall "syscall"(long number, ...)
-    enum:
-        SC_SYS_getdents64 "SYS_getdents64"
+cdef extern from "Python.h":
+    int PyGC_Disable()
+    int PyGC_Enable()
+    void PyObject_GC_UnTrack(object op)
 
-# include/linux/dirent.h:
-#   struct linux_dirent64 { u64 d_ino; s64 d_off; unsigned short d_reclen; unsigned char d_type;
-#                            char d_name[]; };
-cdef struct sc_dirent64:
-    unsigned long long d_ino
-    long long d_off
-    unsigned short d_reclen
-    unsigned char d_type
-    char d_name[1]
-
-cdef enum:
-    SC_DIR_FLAGS = SC_O_RDONLY | SC_O_DIRECTORY | SC_O_CLOEXEC
-    SC_FILE_FLAGS = SC_O_RDONLY | SC_O_CLOEXEC
-    SC_READ_MAX = 255      # one short attribute line, as the twin's os.read(fd, 255)
-    SC_LINK_MAX = 4096     # PATH_MAX: sysfs link targets are far shorter
-    SC_EMPTY = -2          # status of an attribute that exists but holds only whitespace
-    SC_UNREAD = -3         # status of an attribute this device does not need read
-    SC_MAX_PARTS = 128
-    SC_UEVENT_MAX = 1023   # a PCI device's uevent is ~150 bytes (DRIVER, PCI_*, MODALIAS)
-    SC_DENTS_BUF = 32768   # one getdents64 call returns a whole device directory
-    SC_DIRENT_MAX = 280    # largest linux_dirent64: 19-byte header + 255-byte name + NUL, 8-aligned
-    SC_NAME_MAX = 255
-    SC_YIELD_ROWS = 1023   # a GIL hand-over point every 1,024 rows of the whole-table loops
-    # include/uapi/linux/if_arp.h
-    SC_ARPHRD_ETHER = 1
-    SC_ARPHRD_INFINIBAND = 32
-
-import os as _sc_os
-
-_SC_RDMA_CLASSES = (b"infiniband_verbs", b"infiniband_mad", b"infiniband_cm")
-_SC_CLASSES = _SC_RDMA_CLASSES + (b"net", b"infiniband")  # the order of SC_CLS_*
-cdef const char *_SC_HEX = b"0123456789abcdef"
+cdef const char *HEX_DIGITS = b"0123456789abcdef"
 
 
-# ------------------------------------------------------------------ C primitives (no GIL needed)
+# ------------------------------------------------------------------ rows: densedev.model.Device
 
-cdef inline bint _sc_space(char c) noexcept nogil:
-    # bytes.strip() whitespace: space \t \n \r \v \f
-    return c == 32 or (9 <= c <= 13)
-
-
-cdef inline int _sc_read(int dirfd, const char *name, char *buf, Py_ssize_t *n) noexcept nogil:
-    return _sc_read_cap(dirfd, name, buf, n, SC_READ_MAX)
-
-
-cdef int _sc_read_cap(int dirfd, const char *name, char *buf, Py_ssize_t *n, Py_ssize_t cap) noexcept nogil:
-    """Read and strip a small attribute into buf (at least cap + 1 bytes); 0, an errno, or SC_EMPTY."""
-    cdef int fd = sc_openat(dirfd, name, SC_FILE_FLAGS)
-    cdef ssize_t got
-    cdef Py_ssize_t start = 0, end
-    n[0] = 0
-    if fd < 0:
-        return errno if errno else 1
-    got = sc_read(fd, buf, cap)
-    if got < 0:
-        end = errno
-        sc_close(fd)
-        return end if end else 1
-    sc_close(fd)
-    end = got
-    while end > 0 and _sc_space(buf[end - 1]):
-        end -= 1
-    while start < end and _sc_space(buf[start]):
-        start += 1
-    if start == end:
-        return SC_EMPTY
-    if start:
-        memcpy(buf, buf + start, end - start)
-    n[0] = end - start
-    buf[n[0]] = 0
-    return 0
+cdef object _DEVICE = _Device  # a C global: no module dict lookup per row
+# Where each field of a Device is, looked up by name: the field order is the model's alone.
+cdef Py_ssize_t DEV_FIELDS = len(_Device._fields)
+cdef Py_ssize_t DEV_ID = _Device._fields.index("id")
+cdef Py_ssize_t DEV_ROLE = _Device._fields.index("role")
+cdef Py_ssize_t DEV_VENDOR = _Device._fields.index("vendor")
+cdef Py_ssize_t DEV_DEVICE = _Device._fields.index("device")
+cdef Py_ssize_t DEV_PCI_CLASS = _Device._fields.index("pci_class")
+cdef Py_ssize_t DEV_SUBSYSTEM_VENDOR = _Device._fields.index("subsystem_vendor")
+cdef Py_ssize_t DEV_SUBSYSTEM_DEVICE = _Device._fields.index("subsystem_device")
+cdef Py_ssize_t DEV_DRIVER = _Device._fields.index("driver")
+cdef Py_ssize_t DEV_NUMA_NODE = _Device._fields.index("numa_node")
+cdef Py_ssize_t DEV_IOMMU_GROUP = _Device._fields.index("iommu_group")
+cdef Py_ssize_t DEV_NOIOMMU = _Device._fields.index("noiommu")
+cdef Py_ssize_t DEV_ACPI_INDEX = _Device._fields.index("acpi_index")
+cdef Py_ssize_t DEV_TOTAL_VFS = _Device._fields.index("total_vfs")
+cdef Py_ssize_t DEV_NUM_VFS = _Device._fields.index("num_vfs")
+cdef Py_ssize_t DEV_PF = _Device._fields.index("pf")
+cdef Py_ssize_t DEV_VF_INDEX = _Device._fields.index("vf_index")
+cdef Py_ssize_t DEV_PF_NETDEV = _Device._fields.index("pf_netdev")
+cdef Py_ssize_t DEV_NETDEVS = _Device._fields.index("netdevs")
+cdef Py_ssize_t DEV_LINK_TYPE = _Device._fields.index("link_type")
+cdef Py_ssize_t DEV_RDMA_DEVICE = _Device._fields.index("rdma_device")
+cdef Py_ssize_t DEV_RDMA_NODES = _Device._fields.index("rdma_nodes")
+cdef Py_ssize_t DEV_UIO = _Device._fields.index("uio")
+cdef Py_ssize_t DEV_VDPA = _Device._fields.index("vdpa")
+cdef Py_ssize_t DEV_VDPA_DRIVER = _Device._fields.index("vdpa_driver")
+cdef Py_ssize_t DEV_PCIE_ROOT = _Device._fields.index("pcie_root")
+cdef Py_ssize_t DEV_AUX_TYPE = _Device._fields.index("aux_type")
+if DEV_FIELDS != 26:
+    # new_row fills the 26 fields above: a field the model gained would be a NULL slot.
+    raise ImportError(f"densedev.model.Device has {DEV_FIELDS} fields; the scan fills 26: update new_row")
 
 
-cdef int _sc_readlink(int dirfd, const char *name, char *buf, Py_ssize_t *n) noexcept nogil:
-    cdef ssize_t got = sc_readlinkat(dirfd, name, buf, SC_LINK_MAX - 1)
-    n[0] = 0
-    if got < 0:
-        return errno if errno else 1
-    buf[got] = 0
-    n[0] = got
-    return 0
+cdef inline void put_item(list row, Py_ssize_t i, object value):
+    Py_INCREF(value)  # PyList_SET_ITEM steals a reference
+    PyList_SET_ITEM(row, i, value)
 
 
-cdef inline Py_ssize_t _sc_base(const char *buf, Py_ssize_t n) noexcept nogil:
-    """Offset of the basename (after the last '/')."""
-    cdef Py_ssize_t i = n
-    while i > 0 and buf[i - 1] != 47:
-        i -= 1
-    return i
+cdef list new_row(object id, object role, object vendor, object device, object pci_class,
+                  object subsystem_vendor, object subsystem_device, object driver, object numa_node,
+                  object iommu_group, object noiommu, object acpi_index, object total_vfs, object num_vfs,
+                  object pf, object vf_index, object pf_netdev, object netdevs, object link_type,
+                  object rdma_device, object rdma_nodes, object uio, object vdpa, object vdpa_driver,
+                  object pcie_root, object aux_type):
+    """One device's fields, by name, as a list in Device field order (the twin's Device(...)).
 
-
-cdef bint _sc_int(const char *buf, Py_ssize_t n, long *out) noexcept nogil:
-    """Optional '-' then 1..9 decimal digits, as the twin's _int."""
-    cdef Py_ssize_t i = 0
-    cdef long v = 0
-    cdef bint neg = False
-    if n > 0 and buf[0] == 45:
-        neg = True
-        i = 1
-    if n - i < 1 or n - i > 9:
-        return False
-    while i < n:
-        if not (48 <= buf[i] <= 57):
-            return False
-        v = v * 10 + (buf[i] - 48)
-        i += 1
-    out[0] = -v if neg else v
-    return True
-
-
-cdef bint _sc_hex(char *buf, Py_ssize_t n, int digits) noexcept nogil:
-    """0x + exactly ``digits`` hex digits; lower-cases them in place."""
-    cdef Py_ssize_t i
-    cdef char c
-    if n != digits + 2 or buf[0] != 48 or (buf[1] != 120 and buf[1] != 88):
-        return False
-    for i in range(2, n):
-        c = buf[i]
-        if 65 <= c <= 70:
-            buf[i] = c + 32
-        elif not (48 <= c <= 57 or 97 <= c <= 102):
-            return False
-    return True
-
-
-cdef inline bint _sc_is_hex(char *buf, Py_ssize_t n) noexcept nogil:
-    """All hex digits (and at least one); lower-cases them in place."""
-    cdef Py_ssize_t i
-    cdef char c
-    if n < 1:
-        return False
-    for i in range(n):
-        c = buf[i]
-        if 65 <= c <= 70:
-            buf[i] = c + 32
-        elif not (48 <= c <= 57 or 97 <= c <= 102):
-            return False
-    return True
-
-
-cdef inline bint _sc_pair(char *buf, Py_ssize_t n) noexcept nogil:
-    """``15B3:101E``: two groups of four hex digits around a colon (lower-cased in place)."""
-    return n == 9 and buf[4] == 58 and _sc_is_hex(buf, 4) and _sc_is_hex(buf + 5, 4)
-
-
-cdef bint _sc_contains(const char *buf, Py_ssize_t n, const char *sub, Py_ssize_t m) noexcept nogil:
-    """``sub in buf`` over lengths (a driver name read from a file may hold any byte)."""
-    cdef Py_ssize_t i
-    for i in range(n - m + 1):
-        if memcmp(buf + i, sub, m) == 0:
-            return True
-    return False
-
-
-# ------------------------------------------------------------------ directory listings without the GIL
-
-cdef struct sc_names:
-    # A sorted directory listing as C strings.
-    char *data            # the names, NUL-terminated, back to back
-    Py_ssize_t used
-    Py_ssize_t cap
-    Py_ssize_t *offs      # where each name starts in data (data moves while it grows)
-    char **names          # count pointers into data, sorted once the listing is complete
-    Py_ssize_t count
-    Py_ssize_t ncap
-    bint oom
-    bint unsorted         # set before listing: leave the names in directory order
-
-
-cdef int _sc_cmp(const void *a, const void *b) noexcept nogil:
-    # Directory entries hold no NUL, and strcmp compares as unsigned char: the order of sorted(bytes).
-    return strcmp((<const char **>a)[0], (<const char **>b)[0])
-
-
-cdef bint _sc_names_add(sc_names *l, const char *nm, Py_ssize_t ln) noexcept nogil:
-    cdef Py_ssize_t cap
-    cdef char *d
-    cdef Py_ssize_t *o
-    cdef char **p
-    if l.used + ln + 1 > l.cap:
-        cap = 2 * l.cap
-        if cap < l.used + ln + 1:
-            cap = l.used + ln + 1 + 4096
-        d = <char *>realloc(l.data, cap)
-        if d == NULL:
-            l.oom = True
-            return False
-        l.data = d
-        l.cap = cap
-    if l.count == l.ncap:
-        cap = 2 * l.ncap if l.ncap else 64
-        o = <Py_ssize_t *>realloc(l.offs, cap * sizeof(Py_ssize_t))
-        if o == NULL:
-            l.oom = True
-            return False
-        l.offs = o
-        p = <char **>realloc(l.names, cap * sizeof(char *))
-        if p == NULL:
-            l.oom = True
-            return False
-        l.names = p
-        l.ncap = cap
-    memcpy(l.data + l.used, nm, ln + 1)
-    l.offs[l.count] = l.used
-    l.used += ln + 1
-    l.count += 1
-    return True
-
-
-cdef void _sc_names_fill(sc_names *l, int fd) noexcept nogil:
-    """List an open directory (fd is consumed) into l, sorted; '.' and '..' left out.
-
-    getdents64 straight into a stack buffer: no DIR allocation and no fcntl as fdopendir would cost.
+    A list so the pass after the scan can fill in what a VF takes from its PF; as_device makes it a
+    Device once complete.
     """
-    cdef char buf[SC_DENTS_BUF]
-    cdef long got, pos
-    cdef Py_ssize_t i
-    cdef sc_dirent64 *e
-    cdef const char *nm
-    l.used = 0
-    l.count = 0
-    while True:
-        got = sc_syscall(SC_SYS_getdents64, fd, buf, SC_DENTS_BUF)
-        if got <= 0:
-            break
-        pos = 0
-        while pos < got:
-            e = <sc_dirent64 *>(buf + pos)
-            pos += e.d_reclen
-            nm = e.d_name
-            if nm[0] == 46 and (nm[1] == 0 or (nm[1] == 46 and nm[2] == 0)):
-                continue
-            if not _sc_names_add(l, nm, strlen(nm)):
-                break
-        # fs/readdir.c: getdents64 fills the buffer until the next record does not fit or the
-        # directory ends (kernfs, ext4 and tmpfs all emit until full), so a reply with room left
-        # for a maximal record is the end: skip the extra call that would return 0.
-        if l.oom or got < SC_DENTS_BUF - SC_DIRENT_MAX:
-            break
-    sc_close(fd)
-    for i in range(l.count):
-        l.names[i] = l.data + l.offs[i]
-    if l.count > 1 and not l.unsorted:
-        qsort(l.names, l.count, sizeof(char *), _sc_cmp)
+    cdef list row = PyList_New(DEV_FIELDS)
+    put_item(row, DEV_ID, id)
+    put_item(row, DEV_ROLE, role)
+    put_item(row, DEV_VENDOR, vendor)
+    put_item(row, DEV_DEVICE, device)
+    put_item(row, DEV_PCI_CLASS, pci_class)
+    put_item(row, DEV_SUBSYSTEM_VENDOR, subsystem_vendor)
+    put_item(row, DEV_SUBSYSTEM_DEVICE, subsystem_device)
+    put_item(row, DEV_DRIVER, driver)
+    put_item(row, DEV_NUMA_NODE, numa_node)
+    put_item(row, DEV_IOMMU_GROUP, iommu_group)
+    put_item(row, DEV_NOIOMMU, noiommu)
+    put_item(row, DEV_ACPI_INDEX, acpi_index)
+    put_item(row, DEV_TOTAL_VFS, total_vfs)
+    put_item(row, DEV_NUM_VFS, num_vfs)
+    put_item(row, DEV_PF, pf)
+    put_item(row, DEV_VF_INDEX, vf_index)
+    put_item(row, DEV_PF_NETDEV, pf_netdev)
+    put_item(row, DEV_NETDEVS, netdevs)
+    put_item(row, DEV_LINK_TYPE, link_type)
+    put_item(row, DEV_RDMA_DEVICE, rdma_device)
+    put_item(row, DEV_RDMA_NODES, rdma_nodes)
+    put_item(row, DEV_UIO, uio)
+    put_item(row, DEV_VDPA, vdpa)
+    put_item(row, DEV_VDPA_DRIVER, vdpa_driver)
+    put_item(row, DEV_PCIE_ROOT, pcie_root)
+    put_item(row, DEV_AUX_TYPE, aux_type)
+    return row
 
 
-cdef void _sc_names_open(sc_names *l, int dirfd, const char *name) noexcept nogil:
-    """List a subdirectory into l; empty when it is absent or unreadable."""
-    cdef int fd = sc_openat(dirfd, name, SC_DIR_FLAGS)
-    l.used = 0
-    l.count = 0
-    if fd >= 0:
-        _sc_names_fill(l, fd)
+cdef extern from *:
+    """
+    /* tuple.__new__(Device, row) without the argument tuple and the copy in between: a Device is a
+       tuple subclass (a NamedTuple, no __dict__), laid out as a tuple, so its items are set in place. */
+    static PyObject *tuple_subtype_from_list(PyObject *cls, PyObject *list) {
+        PyTypeObject *type = (PyTypeObject *)cls;
+        Py_ssize_t i, n = PyList_GET_SIZE(list);
+        PyObject *out = type->tp_alloc(type, n);
+        if (out == NULL)
+            return NULL;
+        for (i = 0; i < n; i++) {
+            PyObject *item = PyList_GET_ITEM(list, i);
+            Py_INCREF(item);
+            PyTuple_SET_ITEM(out, i, item);
+        }
+        return out;
+    }
+    """
+    object tuple_subtype_from_list(object type, list row)
 
 
-cdef void _sc_names_free(sc_names *l) noexcept nogil:
-    free(l.data)
-    free(l.offs)
-    free(l.names)
-    memset(l, 0, sizeof(sc_names))
+cdef inline object as_device(list row):
+    """A complete row as a densedev.model.Device."""
+    return tuple_subtype_from_list(_DEVICE, row)
 
 
-cdef list _sc_names_list(sc_names *l):
-    """The listing as a list of bytes; raises MemoryError if it could not be held."""
-    cdef Py_ssize_t i
-    if l.oom:
-        raise MemoryError("sysfs scan: out of memory listing a directory")
-    return [PyBytes_FromStringAndSize(l.names[i], strlen(l.names[i])) for i in range(l.count)]
-
-
-cdef list _sc_entries_fd(int fd):
-    """Sorted entries of an open directory (fd is consumed); '.' and '..' left out."""
-    cdef sc_names l
-    memset(&l, 0, sizeof(sc_names))
-    try:
-        with nogil:
-            _sc_names_fill(&l, fd)
-        return _sc_names_list(&l)
-    finally:
-        _sc_names_free(&l)
-
-
-cdef list _sc_listdir(int dirfd, const char *name):
-    cdef sc_names l
-    memset(&l, 0, sizeof(sc_names))
-    try:
-        with nogil:
-            _sc_names_open(&l, dirfd, name)
-        return _sc_names_list(&l)
-    finally:
-        _sc_names_free(&l)
-
-
-cdef int _sc_open_dir(int dirfd, const char *name) noexcept nogil:
-    return sc_openat(dirfd, name, SC_DIR_FLAGS)
-
-
-# ------------------------------------------------------------------ Python objects (GIL held)
-
-cdef inline str _sc_str(const char *buf, Py_ssize_t n):
-    # os.fsdecode on Linux: UTF-8 with surrogateescape
-    return PyUnicode_DecodeUTF8(buf, n, "surrogateescape")
-
-
-cdef str _sc_pcie_root(const char *buf, Py_ssize_t n):
+cdef str pcie_root_of(const char *buf, Py_ssize_t n):
     """First component after ``devices/`` of a link target, ignoring '', '.' and '..' components."""
-    cdef Py_ssize_t starts[SC_MAX_PARTS]
-    cdef Py_ssize_t lens[SC_MAX_PARTS]
+    cdef Py_ssize_t starts[MAX_PARTS]
+    cdef Py_ssize_t lens[MAX_PARTS]
     cdef int count = 0, k
     cdef Py_ssize_t i = 0, j, ln
-    while i <= n and count < SC_MAX_PARTS:
+    while i <= n and count < MAX_PARTS:
         j = i
         while j < n and buf[j] != 47:
             j += 1
@@ -358,11 +157,11 @@ cdef str _sc_pcie_root(const char *buf, Py_ssize_t n):
         i = j + 1
     for k in range(count - 1):
         if lens[k] == 7 and memcmp(buf + starts[k], b"devices", 7) == 0:
-            return _sc_str(buf + starts[k + 1], lens[k + 1])
+            return fs_str(buf + starts[k + 1], lens[k + 1])
     return ""
 
 
-cdef bytes _sc_parent(const char *buf, Py_ssize_t n):
+cdef bytes parent_of(const char *buf, Py_ssize_t n):
     """The component before the last of a link target (the twin's _parent)."""
     cdef Py_ssize_t end = n, i
     while end > 0 and buf[end - 1] == 47:
@@ -379,289 +178,14 @@ cdef bytes _sc_parent(const char *buf, Py_ssize_t n):
     return PyBytes_FromStringAndSize(buf + i, end - i)
 
 
-def _sc_why(int status):
-    if status == SC_EMPTY:
-        return "empty"
-    if status == ENOENT:
-        return "missing"
-    return f"unreadable ({_sc_os.strerror(status)})"
-
-
-cdef bint _sc_class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t cn,
-                          Py_ssize_t *at, Py_ssize_t *ln) noexcept nogil:
-    """``../../devices/.../<function>/<cls>/<node>`` → where ``<function>`` is; False for other shapes."""
-    cdef Py_ssize_t end = n, i, j, k, e2, e3
-    while end > 0 and buf[end - 1] == 47:
-        end -= 1
-    i = end
-    while i > 0 and buf[i - 1] != 47:
-        i -= 1
-    if i == 0:
-        return False
-    e2 = i - 1
-    j = e2
-    while j > 0 and buf[j - 1] != 47:
-        j -= 1
-    if j == 0 or e2 - j != cn or memcmp(buf + j, c, cn) != 0:
-        return False
-    e3 = j - 1
-    k = e3
-    while k > 0 and buf[k - 1] != 47:
-        k -= 1
-    at[0] = k
-    ln[0] = e3 - k
-    return e3 > k
-
-
-# ------------------------------------------------------------------ class maps, in C
-
-cdef enum:
-    SC_CLS_VERBS = 0       # the order of _SC_CLASSES
-    SC_CLS_MAD = 1
-    SC_CLS_CM = 2
-    SC_CLS_NET = 3
-    SC_CLS_IB = 4
-    SC_CLS_COUNT = 5
-    SC_DRIVERS = 5         # after the classes: (device address, driver) from the driver directories
-    SC_MAP_COUNT = 6
-
-
-cdef struct sc_centry:
-    # One class device: the function that owns it and its name, NUL-terminated in the map's arena
-    # (offsets while the arena grows, pointers once sealed).
-    Py_ssize_t owner_at
-    Py_ssize_t name_at
-    const char *owner
-    const char *name
-    unsigned long long k0  # the owner's first 16 bytes, big-endian and NUL-padded: most comparisons
-    unsigned long long k1  # while sorting end here (a PCI address is 12 bytes)
-
-
-cdef struct sc_cmap:
-    # One class directory as (owner, name) pairs sorted by owner then name: the twin's _class_map,
-    # looked up by binary search instead of a dict of lists (no Python object per class device).
-    sc_centry *e
-    Py_ssize_t n
-    Py_ssize_t cap
-    char *arena
-    Py_ssize_t used
-    Py_ssize_t acap
-    Py_ssize_t hint        # where the last lookup ended: rows are built in the map's (address) order
-
-
-cdef bint _sc_cmap_add(sc_cmap *m, const char *owner, Py_ssize_t on, const char *name,
-                       Py_ssize_t nn) noexcept nogil:
-    """Record one class device; False when out of memory."""
-    cdef Py_ssize_t cap, need = on + nn + 2
-    cdef void *p
-    if m.n == m.cap:
-        cap = 2 * m.cap if m.cap else 1024
-        p = realloc(m.e, cap * sizeof(sc_centry))
-        if p == NULL:
-            return False
-        m.e = <sc_centry *>p
-        m.cap = cap
-    if m.used + need > m.acap:
-        cap = 2 * m.acap if m.acap else 65536
-        while cap < m.used + need:
-            cap *= 2
-        p = realloc(m.arena, cap)
-        if p == NULL:
-            return False
-        m.arena = <char *>p
-        m.acap = cap
-    m.e[m.n].owner_at = m.used
-    memcpy(m.arena + m.used, owner, on)
-    m.arena[m.used + on] = 0
-    m.used += on + 1
-    m.e[m.n].name_at = m.used
-    memcpy(m.arena + m.used, name, nn)
-    m.arena[m.used + nn] = 0
-    m.used += nn + 1
-    m.n += 1
-    return True
-
-
-cdef int _sc_centry_cmp(const void *a, const void *b) noexcept nogil:
-    # strcmp order of (owner, name): NUL-padded big-endian prefixes compare as strcmp does, and when
-    # both are equal either both owners end within them (equal) or the rest decides.
-    cdef const sc_centry *x = <const sc_centry *>a
-    cdef const sc_centry *y = <const sc_centry *>b
-    cdef int c
-    if x.k0 != y.k0:
-        return -1 if x.k0 < y.k0 else 1
-    if x.k1 != y.k1:
-        return -1 if x.k1 < y.k1 else 1
-    c = strcmp(x.owner + 16, y.owner + 16) if x.k1 & 0xFF else 0
-    return c if c != 0 else strcmp(x.name, y.name)
-
-
-cdef void _sc_centry_key(sc_centry *e) noexcept nogil:
-    cdef unsigned long long k0 = 0, k1 = 0
-    cdef int j = 0
-    cdef const unsigned char *o = <const unsigned char *>e.owner
-    while j < 8 and o[j] != 0:
-        k0 |= (<unsigned long long>o[j]) << (56 - 8 * j)
-        j += 1
-    if j == 8:
-        while j < 16 and o[j] != 0:
-            k1 |= (<unsigned long long>o[j]) << (120 - 8 * j)
-            j += 1
-    e.k0 = k0
-    e.k1 = k1
-
-
-cdef void _sc_cmap_seal(sc_cmap *m) noexcept nogil:
-    """Turn offsets into pointers and sort: owners together, each one's names in bytes order."""
-    cdef Py_ssize_t i
-    for i in range(m.n):
-        m.e[i].owner = m.arena + m.e[i].owner_at
-        m.e[i].name = m.arena + m.e[i].name_at
-        _sc_centry_key(&m.e[i])
-    if m.n > 1:
-        qsort(m.e, m.n, sizeof(sc_centry), _sc_centry_cmp)
-
-
-cdef struct sc_seals:
-    # Class maps sealed at once by this thread and helpers, each taking the next one.
-    sc_cmap *maps
-    Py_ssize_t n
-    Py_ssize_t next
-
-
-cdef void *_sc_seal_reader(void *arg) noexcept nogil:
-    cdef sc_seals *b = <sc_seals *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = sc_fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        _sc_cmap_seal(&b.maps[i])
-
-
-cdef Py_ssize_t _sc_cmap_find(sc_cmap *m, const char *owner, Py_ssize_t *end) noexcept nogil:
-    """The first entry of ``owner`` in a sealed map (-1 if none); ``end`` gets one past its last.
-
-    Lookups come in address order while rows are built, so the search starts where the last one
-    ended when the owner sorts after it, and within the next few entries when it sorts before them.
-    Not thread-safe (the hint): the scanning thread alone looks up.
-    """
-    cdef Py_ssize_t lo = 0, hi = m.n, mid, h = m.hint
-    if 0 < h <= m.n and strcmp(m.e[h - 1].owner, owner) < 0:
-        lo = h
-        if h + 8 < m.n and strcmp(m.e[h + 8].owner, owner) >= 0:
-            hi = h + 8
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if strcmp(m.e[mid].owner, owner) < 0:
-            lo = mid + 1
-        else:
-            hi = mid
-    if lo == m.n or strcmp(m.e[lo].owner, owner) != 0:
-        m.hint = lo
-        return -1
-    hi = lo + 1
-    while hi < m.n and strcmp(m.e[hi].owner, owner) == 0:
-        hi += 1
-    end[0] = hi
-    m.hint = hi
-    return lo
-
-
-cdef void _sc_cmap_free(sc_cmap *m) noexcept nogil:
-    free(m.e)
-    free(m.arena)
-    memset(m, 0, sizeof(sc_cmap))
-
-
-cdef dict _sc_vdpa_map(int rootfd):
-    cdef dict out = {}
-    cdef int bfd
-    cdef char buf[SC_LINK_MAX]
-    cdef Py_ssize_t n, b
-    cdef int status
-    cdef bytes entry, parent, path
-    cdef const char *cpath
-    with nogil:
-        bfd = _sc_open_dir(rootfd, "bus/vdpa/devices")
-    if bfd < 0:
-        return out
-    try:
-        for entry in _sc_entries_fd(sc_dup(bfd)):
-            cpath = entry
-            with nogil:
-                status = _sc_readlink(bfd, cpath, buf, &n)
-            if status != 0:
-                continue
-            parent = _sc_parent(buf, n)
-            if parent in out:
-                continue
-            path = entry + b"/driver"
-            cpath = path
-            with nogil:
-                status = _sc_readlink(bfd, cpath, buf, &n)
-            if status == 0:
-                b = _sc_base(buf, n)
-                drv = _sc_str(buf + b, n - b)
-            else:
-                drv = ""
-            out[parent] = (_sc_os.fsdecode(entry), drv)
-    finally:
-        sc_close(bfd)
-    return out
-
-
-cdef extern from "<pthread.h>" nogil:
-    ctypedef unsigned long sc_pthread_t "pthread_t"
-    int sc_pthread_create "pthread_create"(sc_pthread_t *t, const void *attr, void *(*start)(void *) noexcept nogil, void *arg)
-    int sc_pthread_join "pthread_join"(sc_pthread_t t, void **ret)
-
-cdef extern from "Python.h":
-    int PyGC_Disable()
-    int PyGC_Enable()
-    void PyObject_GC_UnTrack(object op)
-
-cdef extern from "<sched.h>" nogil:
-    int sc_sched_yield "sched_yield"()
-
-cdef extern from *:
-    """
-    static inline Py_ssize_t sc_fetch_add(Py_ssize_t *p) { return __atomic_fetch_add(p, 1, __ATOMIC_RELAXED); }
-    static inline void sc_set_done(int *p) { __atomic_store_n(p, 1, __ATOMIC_RELEASE); }
-    static inline int sc_is_done(int *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
-    static inline void sc_store(Py_ssize_t *p, Py_ssize_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-    """
-    Py_ssize_t sc_fetch_add(Py_ssize_t *p) nogil
-    void sc_set_done(int *p) nogil
-    int sc_is_done(int *p) nogil
-    void sc_store(Py_ssize_t *p, Py_ssize_t v) nogil
-
-
-cdef int _sc_spawn(void *(*reader)(void *) noexcept nogil, void *arg, int helpers,
-                   sc_pthread_t *threads) noexcept nogil:
-    """Start up to ``helpers`` threads running ``reader(arg)``; return how many started."""
-    cdef int started = 0, t
-    for t in range(helpers):
-        if sc_pthread_create(&threads[t], NULL, reader, arg) != 0:
-            break
-        started += 1
-    return started
-
-
-cdef void _sc_join(sc_pthread_t *threads, int started) noexcept nogil:
-    cdef int t
-    for t in range(started):
-        sc_pthread_join(threads[t], NULL)
-
-
 # ------------------------------------------------------------------ what one scan reads once
 
-cdef class _ScMaps:
+cdef class _ScanMaps:
     """Class maps, vDPA parents and the PFs read so far: looked up by every function (the twin's _Maps)."""
 
     cdef dict vdpa
-    cdef sc_cmap cmaps[SC_MAP_COUNT]  # each class directory's (owner, name) pairs in _SC_CLASSES order,
-                                      # then SC_DRIVERS: (address, driver) from each driver's directory
+    cdef cmap cmaps[MAP_COUNT]  # each class directory's (owner, name) pairs in _CLASSES order,
+                                      # then MAP_DRIVERS: (address, driver) from each driver's directory
     cdef dict vf_map      # VF address (bytes, as listed) → (PF, index), from virtfn links
     cdef dict pfs         # PF read in this scan (str) → (parent dir fd, PCIe root, its VFs' ids or None,
                           # whether it has an IOMMU group)
@@ -684,7 +208,7 @@ cdef class _ScMaps:
             return ""
         if n == self.drv_len and memcmp(drv, self.drv_buf, n) == 0:
             return self.drv_str
-        self.drv_str = _sc_str(drv, n)
+        self.drv_str = fs_str(drv, n)
         if n <= <Py_ssize_t>sizeof(self.drv_buf):
             memcpy(self.drv_buf, drv, n)
             self.drv_len = n
@@ -694,7 +218,7 @@ cdef class _ScMaps:
 
     cdef int parent_fd(self, int busfd, const char *link, Py_ssize_t n) except? -2:
         """An open fd of the directory holding a function's real directory (-1 if it will not open)."""
-        cdef Py_ssize_t b = _sc_base(link, n)
+        cdef Py_ssize_t b = basename_at(link, n)
         cdef bytes parent = PyBytes_FromStringAndSize(link, b - 1) if b > 0 else b"."
         cdef const char *cparent = parent
         cdef int fd
@@ -702,7 +226,7 @@ cdef class _ScMaps:
         if got is not None:
             return got
         with nogil:
-            fd = sc_openat(busfd, cparent, SC_DIR_FLAGS)
+            fd = openat(busfd, cparent, DIR_FLAGS)
         if fd < 0:
             fd = -1
         self.parents[parent] = fd
@@ -711,367 +235,88 @@ cdef class _ScMaps:
     cdef void close(self) noexcept:
         for fd in self.parents.values():
             if fd >= 0:
-                sc_close(fd)
+                close(fd)
         self.parents.clear()
 
     def __dealloc__(self):
         cdef int k
-        for k in range(SC_MAP_COUNT):
-            _sc_cmap_free(&self.cmaps[k])
+        for k in range(MAP_COUNT):
+            cmap_free(&self.cmaps[k])
 
 
-cdef enum:
-    SC_RL_MAX = 256        # a class link target read ahead ("../../devices/.../uverbs3"); longer: re-read
-    SC_RL_BATCH = 4096     # class links read ahead at once (~270 bytes each)
-    SC_RL_LONG = -4        # status of a link longer than SC_RL_MAX: read again with room for PATH_MAX
-
-
-cdef struct sc_rl:
-    # One class link to read: where, and what it says (done: set once status, n and buf are final).
-    int dirfd
-    const char *name
-    int status
-    int done
-    Py_ssize_t n
-    char buf[SC_RL_MAX]
-
-
-cdef struct sc_rl_batch:
-    sc_rl *items
-    Py_ssize_t n
-    Py_ssize_t next
-
-
-cdef void _sc_rl_read(sc_rl *r) noexcept nogil:
-    cdef ssize_t got = sc_readlinkat(r.dirfd, r.name, r.buf, SC_RL_MAX)
-    if got < 0:
-        r.status = errno if errno else 1
-    elif got >= SC_RL_MAX:
-        r.status = SC_RL_LONG
-    else:
-        r.status = 0
-        r.n = got
-
-
-cdef void *_sc_rl_reader(void *arg) noexcept nogil:
-    cdef sc_rl_batch *b = <sc_rl_batch *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = sc_fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        _sc_rl_read(&b.items[i])
-        sc_set_done(&b.items[i].done)
-
-
-cdef void _sc_rl_wait(sc_rl_batch *b, Py_ssize_t k) noexcept nogil:
-    """Until link k is read: read links ourselves while any are left, then wait for the helpers'."""
-    cdef Py_ssize_t i
-    while not sc_is_done(&b.items[k].done):
-        i = sc_fetch_add(&b.next)
-        if i < b.n:
-            _sc_rl_read(&b.items[i])
-            sc_set_done(&b.items[i].done)
-        else:
-            sc_sched_yield()
-
-
-cdef int _sc_rl_start(sc_rl_batch *b, int helpers, sc_pthread_t *threads) noexcept nogil:
-    """Start up to ``helpers`` threads reading the batch ahead; return how many started."""
-    b.next = 0
-    return _sc_spawn(_sc_rl_reader, b, helpers, threads) if b.n >= 64 else 0
-
-
-cdef void _sc_rl_stop(sc_rl_batch *b, int started, sc_pthread_t *threads) noexcept nogil:
-    sc_store(&b.next, b.n)  # helpers stop after their current link
-    _sc_join(threads, started)
-
-
-cdef void _sc_rl_run(sc_rl_batch *b, int helpers) noexcept nogil:
-    """Read every link of the batch, this thread and up to ``helpers`` more taking the next one each."""
-    cdef sc_pthread_t threads[3]
-    cdef int started = _sc_rl_start(b, helpers, threads)
-    _sc_rl_reader(b)
-    _sc_rl_stop(b, started, threads)
-
-
-cdef struct sc_lists:
-    # Directories listed at once by this thread and helpers, each taking the next one.
-    int *fds               # each path is opened relative to its fd
-    const char **paths
-    sc_names *out
-    Py_ssize_t n
-    Py_ssize_t next
-
-
-cdef void *_sc_lists_reader(void *arg) noexcept nogil:
-    cdef sc_lists *b = <sc_lists *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = sc_fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        _sc_names_open(&b.out[i], b.fds[i], b.paths[i])
-
-
-cdef void _sc_list_dirs(list dirs, int helpers, sc_names *out) except *:
-    """List several directories, each ``(dirfd, path, sort)``, into ``out`` (one each, freed by the
-    caller), by this thread and helpers.
-
-    The big listings of a scan (the bus, each class and each driver: one entry per device) cost a
-    getdents64 pass over thousands of dentries each; listed side by side they take half the time.
-    They stay C strings: a class's or driver's entries are only read back in C (16k Python bytes per
-    listing would hold the GIL for milliseconds).  An absent or unreadable directory lists as empty.
-    """
-    cdef sc_lists b
-    cdef sc_pthread_t threads[3]
-    cdef int started
-    cdef Py_ssize_t i
-    b.n = len(dirs)
-    b.next = 0
-    b.out = out
-    b.fds = <int *>malloc((b.n + 1) * sizeof(int))
-    b.paths = <const char **>malloc((b.n + 1) * sizeof(char *))
-    try:
-        if b.fds == NULL or b.paths == NULL:
-            raise MemoryError("sysfs scan: out of memory")
-        for i in range(b.n):
-            b.fds[i] = <int>dirs[i][0]
-            b.paths[i] = <bytes>dirs[i][1]  # kept alive by ``dirs``
-            b.out[i].unsorted = not dirs[i][2]
-        with nogil:
-            started = _sc_spawn(_sc_lists_reader, &b, helpers if helpers < b.n - 1 else b.n - 1, threads)
-            _sc_lists_reader(&b)
-            _sc_join(threads, started)
-        for i in range(b.n):
-            if b.out[i].oom:
-                raise MemoryError("sysfs scan: out of memory listing a directory")
-    finally:
-        free(b.paths)
-        free(b.fds)
-
-
-cdef void _sc_driver_map(sc_cmap *m, list drivers, sc_names *lists) except *:
-    """(address, driver) for every device link in each driver's listing into ``m`` (the twin's
-    _driver_map, where two drivers claiming one device make it b"": here it has two entries)."""
-    cdef Py_ssize_t i, e, n, dn
-    cdef const char *driver
-    cdef const char *name
-    cdef bint ok = True
-    for i in range(len(drivers)):
-        driver = <bytes>drivers[i]
-        dn = len(<bytes>drivers[i])
-        with nogil:
-            for e in range(lists[i].count):
-                name = lists[i].names[e]
-                n = strlen(name)
-                # ':' – a device link, not one of the driver core's bind/unbind/new_id/uevent/module
-                if memchr(name, 58, n) != NULL and not _sc_cmap_add(m, name, n, driver, dn):
-                    ok = False
-                    break
-        if not ok:
-            raise MemoryError("sysfs scan: out of memory")
-
-
-cdef str _sc_dev_node(const char *entry):
+cdef str dev_node(const char *entry):
     """``uverbs3`` → ``/dev/infiniband/uverbs3`` in one decode (the twin's "/dev/infiniband/" + name)."""
-    cdef char buf[SC_NAME_MAX + 32]
+    cdef char buf[FILE_NAME_MAX + 32]
     cdef Py_ssize_t n = strlen(entry)
-    if n > SC_NAME_MAX:
-        return "/dev/infiniband/" + _sc_str(entry, n)
+    if n > FILE_NAME_MAX:
+        return "/dev/infiniband/" + fs_str(entry, n)
     memcpy(buf, b"/dev/infiniband/", 16)
     memcpy(buf + 16, entry, n)
-    return _sc_str(buf, 16 + n)
+    return fs_str(buf, 16 + n)
 
 
-cdef list _sc_read_classes(int rootfd, _ScMaps maps, int busfd):
-    """Every class map of the scan (the twin's _rdma_map and _class_map), their links read in parallel.
-
-    One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
-    (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
-    while this thread adds each one read to its class's C map (sealed, that is sorted, at the end),
-    and reads too whenever the next one it needs is not ready; all of it without the GIL.  The class
-    directories are listed side by side with the bus and every driver (``busfd``, unless it is -1 for
-    a partial scan): the bus's sorted entries are returned (None without it) and the drivers' device
-    links fill the SC_DRIVERS map (the twin's _driver_map).
-    """
-    cdef char big[SC_LINK_MAX]
-    cdef Py_ssize_t n, i, total = 0, pos, fill_e, entry_i, nlists = 0
-    cdef int fill_j, job_i, njobs = 0
-    cdef int cfd = -1, started
-    cdef bint ok, oom = False
-    cdef bytes cls_path
-    cdef const char *cpath
-    cdef const char *buf
-    cdef Py_ssize_t at, ln
-    cdef int k
-    cdef sc_rl_batch b
-    cdef sc_rl *r
-    cdef sc_seals seals
-    cdef sc_pthread_t threads[3]
-    # Each class directory that opened: its fd, its SC_CLS_* and its name (for _sc_class_owner).
-    cdef int job_fd[SC_CLS_COUNT]
-    cdef int job_kind[SC_CLS_COUNT]
-    cdef const char *job_cls[SC_CLS_COUNT]
-    cdef Py_ssize_t job_cn[SC_CLS_COUNT]
-    cdef sc_names *lists = NULL  # the listings: one per class job, then the bus, then each driver
-    cdef list bus_names = None
-    cdef int helpers = maps.helpers
-    b.items = NULL
-    try:
-        for k in range(SC_CLS_COUNT):
-            cls_path = b"class/" + _SC_CLASSES[k]
-            cpath = cls_path
-            with nogil:
-                cfd = _sc_open_dir(rootfd, cpath)
-            if cfd >= 0:
-                job_fd[njobs] = cfd
-                job_kind[njobs] = k
-                job_cls[njobs] = <bytes>_SC_CLASSES[k]  # module-level constants: alive for good
-                job_cn[njobs] = len(<bytes>_SC_CLASSES[k])
-                njobs += 1
-        # Only the bus is needed in order (a PF before its VFs); the class and driver maps sort their
-        # own pairs.
-        dirs = [(job_fd[j], b".", False) for j in range(njobs)]
-        drivers = []
-        if busfd >= 0:
-            dirs.append((busfd, b".", True))
-            drivers = _sc_listdir(rootfd, "bus/pci/drivers")
-            dirs.extend([(rootfd, b"bus/pci/drivers/" + d, False) for d in drivers])
-        lists = <sc_names *>calloc(len(dirs) + 1, sizeof(sc_names))
-        if lists == NULL:
-            raise MemoryError("sysfs scan: out of memory")
-        nlists = len(dirs)
-        _sc_list_dirs(dirs, helpers, lists)
-        if busfd >= 0:
-            bus_names = _sc_names_list(&lists[njobs])
-            _sc_driver_map(&maps.cmaps[SC_DRIVERS], drivers, lists + njobs + 1)
-        for j in range(njobs):
-            total += lists[j].count
-        b.items = <sc_rl *>malloc((total if total < SC_RL_BATCH else SC_RL_BATCH) * sizeof(sc_rl) + 1)
-        if b.items == NULL:
-            raise MemoryError("sysfs scan: out of memory")
-        with nogil:
-            # All classes' links in one sequence, in chunks; (fill_j, fill_e) fills, (job_i, entry_i)
-            # adds to the maps.  The names point into the listings, which outlive the loop.
-            fill_j = job_i = 0
-            fill_e = entry_i = 0
-            pos = 0
-            while pos < total and not oom:
-                b.n = total - pos if total - pos < SC_RL_BATCH else SC_RL_BATCH
-                for i in range(b.n):
-                    while fill_e >= lists[fill_j].count:
-                        fill_j += 1
-                        fill_e = 0
-                    b.items[i].dirfd = job_fd[fill_j]
-                    b.items[i].name = lists[fill_j].names[fill_e]
-                    b.items[i].done = 0
-                    fill_e += 1
-                started = _sc_rl_start(&b, helpers, threads)
-                for i in range(b.n):
-                    while entry_i >= lists[job_i].count:
-                        job_i += 1
-                        entry_i = 0
-                    entry_i += 1
-                    r = &b.items[i]
-                    if not sc_is_done(&r.done):
-                        _sc_rl_wait(&b, i)
-                    buf = r.buf
-                    n = r.n
-                    if r.status == SC_RL_LONG:
-                        r.status = _sc_readlink(job_fd[job_i], r.name, big, &n)
-                        buf = big
-                    # A uverbs/umad/issm/ucm class device's parent is its ib_device's parent, the
-                    # function itself (uverbs_main.c ib_uverbs_add_one, user_mad.c, ucma).
-                    ok = r.status == 0 and _sc_class_owner(buf, n, job_cls[job_i], job_cn[job_i], &at, &ln)
-                    if ok and not _sc_cmap_add(&maps.cmaps[job_kind[job_i]], buf + at, ln, r.name, strlen(r.name)):
-                        oom = True
-                        break
-                _sc_rl_stop(&b, started, threads)
-                pos += b.n
-        if oom:
-            raise MemoryError("sysfs scan: out of memory")
-        seals.maps = maps.cmaps
-        seals.n = SC_MAP_COUNT
-        seals.next = 0
-        with nogil:
-            # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
-            started = _sc_spawn(_sc_seal_reader, &seals, helpers, threads)
-            _sc_seal_reader(&seals)
-            _sc_join(threads, started)
-    finally:
-        free(b.items)
-        if lists != NULL:
-            for i in range(nlists):
-                _sc_names_free(&lists[i])
-            free(lists)
-        for j in range(njobs):
-            sc_close(job_fd[j])
-    return bus_names
-
-
-cdef bytes _sc_virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
+cdef bytes virtfns(int devfd, str pf, dict vf_map, list warnings, int helpers):
     """Record VF address → (PF, index) from a PF's ``virtfn<k>`` links, read in parallel without the GIL.
 
     Returns VF 0's address (b"" without one), whose uevent gives the ids all the PF's VFs share.
     """
     cdef bytes first = b""
-    cdef char big[SC_LINK_MAX]
+    cdef char big[LINK_MAX]
     cdef Py_ssize_t n, b, i, ln, count = 0
     cdef long k
     cdef bint ok
     cdef const char *e
     cdef const char *buf
-    cdef sc_names l
-    cdef sc_rl_batch batch
-    cdef sc_rl *r
-    memset(&l, 0, sizeof(sc_names))
-    batch.items = NULL
+    cdef dirlist l
+    cdef link_ahead *items = NULL
+    cdef link_ahead *r
+    cdef workq q
+    memset(&l, 0, sizeof(dirlist))
     try:
         with nogil:
-            _sc_names_open(&l, devfd, ".")
+            dirlist_open(&l, devfd, ".")
         if l.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
-        batch.items = <sc_rl *>malloc((l.count or 1) * sizeof(sc_rl))
-        if batch.items == NULL:
+        items = <link_ahead *>malloc((l.count or 1) * sizeof(link_ahead))
+        if items == NULL:
             raise MemoryError("sysfs scan: out of memory")
         for i in range(l.count):
             e = l.names[i]
             if strlen(e) >= 6 and memcmp(e, b"virtfn", 6) == 0:
-                batch.items[count].dirfd = devfd
-                batch.items[count].name = e
+                items[count].dirfd = devfd
+                items[count].name = e
                 count += 1
-        batch.n = count
         with nogil:
-            _sc_rl_run(&batch, helpers)
+            workq_init(&q, link_ahead_item, items, count, NULL)
+            workq_run(&q, helpers if count >= AHEAD_SHARED else 0)
         for i in range(count):
-            r = &batch.items[i]
+            r = &items[i]
             e = r.name
             ln = strlen(e)
-            ok = _sc_int(e + 6, ln - 6, &k)
+            ok = parse_int(e + 6, ln - 6, &k)
             buf = r.buf
             n = r.n
-            if r.status == SC_RL_LONG:
+            if r.status == LINK_LONG:
                 with nogil:
-                    r.status = _sc_readlink(devfd, e, big, &n)
+                    r.status = read_link(devfd, e, big, &n)
                 buf = big
             if not ok or k < 0 or r.status != 0:
                 entry = PyBytes_FromStringAndSize(e, ln)
                 warnings.append(
-                    f"{pf}: {_sc_os.fsdecode(entry)}: {_sc_why(r.status) if r.status else 'not a VF link'}"
+                    f"{pf}: {_os.fsdecode(entry)}: {_why(r.status) if r.status else 'not a VF link'}"
                 )
                 continue
-            b = _sc_base(buf, n)
+            b = basename_at(buf, n)
             vf_map[PyBytes_FromStringAndSize(buf + b, n - b)] = (pf, k)
             if k == 0:
                 first = PyBytes_FromStringAndSize(buf + b, n - b)
     finally:
-        free(batch.items)
-        _sc_names_free(&l)
+        free(items)
+        dirlist_free(&l)
     return first
 
 
-cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
+cdef long routing_id(const char *a, Py_ssize_t n) noexcept nogil:
     """``0000:3b:00.1`` → bus << 8 | device << 3 | function; -1 for anything else (twin: _routing_id)."""
     cdef Py_ssize_t colon = 0
     cdef long bus, dev, fn
@@ -1079,20 +324,20 @@ cdef long _sc_routing_id(const char *a, Py_ssize_t n) noexcept nogil:
         colon += 1
     if colon == 0 or colon == n or n - colon != 8 or a[colon + 3] != 58 or a[colon + 6] != 46:
         return -1
-    if not _sc_is_hex(<char *>a, colon) or not _sc_is_hex(<char *>a + colon + 1, 2):
+    if not all_hex(<char *>a, colon) or not all_hex(<char *>a + colon + 1, 2):
         return -1
-    if not _sc_is_hex(<char *>a + colon + 4, 2) or not (48 <= a[colon + 7] <= 57):
+    if not all_hex(<char *>a + colon + 4, 2) or not (48 <= a[colon + 7] <= 57):
         return -1
-    bus = _sc_hex_value(a + colon + 1, 2)
-    dev = _sc_hex_value(a + colon + 4, 2)
+    bus = hex_value(a + colon + 1, 2)
+    dev = hex_value(a + colon + 4, 2)
     fn = a[colon + 7] - 48
     if dev > 0x1F or fn > 7:
         return -1
     return bus << 8 | dev << 3 | fn
 
 
-cdef inline long _sc_hex_value(const char *a, Py_ssize_t n) noexcept nogil:
-    # n hex digits, already checked by _sc_is_hex
+cdef inline long hex_value(const char *a, Py_ssize_t n) noexcept nogil:
+    # n hex digits, already checked by all_hex
     cdef long v = 0
     cdef Py_ssize_t i
     cdef char c
@@ -1102,7 +347,7 @@ cdef inline long _sc_hex_value(const char *a, Py_ssize_t n) noexcept nogil:
     return v
 
 
-cdef bint _sc_cat(char *out, size_t cap, const char *a, const char *b, const char *c,
+cdef bint cat_path(char *out, size_t cap, const char *a, const char *b, const char *c,
                   const char *d) noexcept nogil:
     """``a`` + ``b`` + ``c`` + ``d`` (c, d may be NULL) into out, cut to fit as snprintf would; False if cut.
 
@@ -1129,13 +374,13 @@ cdef bint _sc_cat(char *out, size_t cap, const char *a, const char *b, const cha
     return True
 
 
-cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, object present, dict vf_map):
+cdef object computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, object present, dict vf_map):
     """Record a PF's VFs from its routing ID, sriov_offset and sriov_stride (the twin's _computed_virtfns).
 
     ``pfb`` is the PF's bus entry (``pf`` as bytes).  Returns VF 0's address, or None when the
     ``virtfn<k>`` links must be read instead.
     """
-    cdef char buf[SC_READ_MAX + 1]
+    cdef char buf[READ_MAX + 1]
     cdef char addr[64]
     cdef Py_ssize_t n, dn
     cdef long offset, stride, rid, r, k
@@ -1147,13 +392,13 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
     if present is None or numvfs <= 0:
         return None
     with nogil:
-        status = _sc_read(devfd, "sriov_offset", buf, &n)
-        ok = status == 0 and _sc_int(buf, n, &offset)
+        status = read_attr(devfd, "sriov_offset", buf, &n)
+        ok = status == 0 and parse_int(buf, n, &offset)
         if ok:
-            status = _sc_read(devfd, "sriov_stride", buf, &n)
-            ok = status == 0 and _sc_int(buf, n, &stride)
+            status = read_attr(devfd, "sriov_stride", buf, &n)
+            ok = status == 0 and parse_int(buf, n, &stride)
     cpf = pfb
-    rid = _sc_routing_id(cpf, len(pfb))
+    rid = routing_id(cpf, len(pfb))
     if not ok or rid < 0 or offset <= 0 or stride < 0 or (stride == 0 and numvfs > 1):
         return None
     dn = pfb.index(b":")
@@ -1167,11 +412,11 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
         # "%s:%02x:%02x.%d" % (domain, bus, device, function), as the kernel names a PCI device
         memcpy(addr, cpf, dn)
         addr[dn] = 58
-        addr[dn + 1] = _SC_HEX[(r >> 12) & 15]
-        addr[dn + 2] = _SC_HEX[(r >> 8) & 15]
+        addr[dn + 1] = HEX_DIGITS[(r >> 12) & 15]
+        addr[dn + 2] = HEX_DIGITS[(r >> 8) & 15]
         addr[dn + 3] = 58
-        addr[dn + 4] = _SC_HEX[(r >> 7) & 1]
-        addr[dn + 5] = _SC_HEX[(r >> 3) & 15]
+        addr[dn + 4] = HEX_DIGITS[(r >> 7) & 1]
+        addr[dn + 5] = HEX_DIGITS[(r >> 3) & 15]
         addr[dn + 6] = 46
         addr[dn + 7] = 48 + (r & 7)
         name = PyBytes_FromStringAndSize(addr, dn + 8)
@@ -1184,12 +429,12 @@ cdef object _sc_computed_virtfns(int devfd, str pf, bytes pfb, long numvfs, obje
     return found[0]
 
 
-cdef object _sc_vf_ids(int parentfd, bytes vf0):
+cdef object read_vf_ids(int parentfd, bytes vf0):
     """The ids every VF of a PF shares, from its VF 0's uevent; None if unusable (the twin's _vf_ids)."""
-    cdef char buf[SC_UEVENT_MAX + 1]
+    cdef char buf[UEVENT_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
-    cdef sc_uev u
+    cdef uevent_at u
     cdef bytes path
     cdef const char *cpath
     if not vf0:
@@ -1197,83 +442,83 @@ cdef object _sc_vf_ids(int parentfd, bytes vf0):
     path = vf0 + b"/uevent"
     cpath = path
     with nogil:
-        status = _sc_read_cap(parentfd, cpath, buf, &n, SC_UEVENT_MAX)
-    if status != 0 or not _sc_uevent_parse(buf, n, &u):
+        status = read_file(parentfd, cpath, buf, &n, UEVENT_MAX)
+    if status != 0 or not uevent_fields(buf, n, &u):
         return None
-    return _sc_uevent_ids(buf, &u)
+    return uevent_ids(buf, &u)
 
 
-cdef tuple _sc_netdevs(_ScMaps maps, const char *name):
+cdef tuple netdevs_of(_ScanMaps maps, const char *name):
     """A function's netdev names in bytes order (the twin's ``maps.nets``)."""
-    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cmaps[SC_CLS_NET], name, &end)
-    cdef sc_centry *e = maps.cmaps[SC_CLS_NET].e
+    cdef Py_ssize_t end, i = cmap_find(&maps.cmaps[CLS_NET], name, &end)
+    cdef centry *e = maps.cmaps[CLS_NET].e
     if i < 0:
         return ()
-    return tuple([_sc_str(e[k].name, strlen(e[k].name)) for k in range(i, end)])
+    return tuple([fs_str(e[k].name, strlen(e[k].name)) for k in range(i, end)])
 
 
-cdef tuple _sc_functions(_ScMaps maps, bytes name):
+cdef tuple functions_of(_ScanMaps maps, bytes name):
     """A function's netdevs, first RDMA device and its /dev/infiniband nodes, from the class maps."""
     cdef const char *c = name
     cdef Py_ssize_t end, i, k
     cdef int m
-    cdef sc_centry *e
-    netdevs = _sc_netdevs(maps, c)
-    i = _sc_cmap_find(&maps.cmaps[SC_CLS_IB], c, &end)
+    cdef centry *e
+    netdevs = netdevs_of(maps, c)
+    i = cmap_find(&maps.cmaps[CLS_IB], c, &end)
     if i < 0:
         return netdevs, "", ()
-    e = maps.cmaps[SC_CLS_IB].e
-    ibdev = _sc_str(e[i].name, strlen(e[i].name))
+    e = maps.cmaps[CLS_IB].e
+    ibdev = fs_str(e[i].name, strlen(e[i].name))
     nodes = []
-    for m in range(SC_CLS_VERBS, SC_CLS_CM + 1):
-        i = _sc_cmap_find(&maps.cmaps[m], c, &end)
+    for m in range(CLS_VERBS, CLS_CM + 1):
+        i = cmap_find(&maps.cmaps[m], c, &end)
         e = maps.cmaps[m].e
         for k in range(i, end if i >= 0 else i):
-            nodes.append(_sc_dev_node(e[k].name))
+            nodes.append(dev_node(e[k].name))
     nodes.sort()
     return netdevs, ibdev, tuple(nodes)
 
 
-cdef const char *_sc_first_netdev(_ScMaps maps, bytes name) noexcept:
+cdef const char *first_netdev(_ScanMaps maps, bytes name) noexcept:
     """The first netdev's name as a C string (kept alive by the map), or NULL."""
-    cdef Py_ssize_t end, i = _sc_cmap_find(&maps.cmaps[SC_CLS_NET], name, &end)
-    return maps.cmaps[SC_CLS_NET].e[i].name if i >= 0 else NULL
+    cdef Py_ssize_t end, i = cmap_find(&maps.cmaps[CLS_NET], name, &end)
+    return maps.cmaps[CLS_NET].e[i].name if i >= 0 else NULL
 
 
-cdef str _sc_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
+cdef str link_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
     """The link type of a ``net/<if>/type`` read (the twin's _link_type)."""
     cdef long v
     if status != 0:
         return ""  # the interface left the host namespace between listing and reading
-    if not _sc_int(buf, n, &v):
+    if not parse_int(buf, n, &v):
         warnings.append(f"{dev}: net/{ifname}/type: not an integer")
         return ""
-    if v == SC_ARPHRD_ETHER:
+    if v == ARPHRD_ETHER:
         return "ether"
-    if v == SC_ARPHRD_INFINIBAND:
+    if v == ARPHRD_INFINIBAND:
         return "infiniband"
     return ""
 
 
-cdef str _sc_link_type(int devfd, str ifname, str dev, list warnings):
-    cdef char buf[SC_READ_MAX + 1]
+cdef str read_link_type(int devfd, str ifname, str dev, list warnings):
+    cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
-    cdef bytes path = b"net/" + _sc_os.fsencode(ifname) + b"/type"
+    cdef bytes path = b"net/" + _os.fsencode(ifname) + b"/type"
     cdef const char *cpath = path
     with nogil:
-        status = _sc_read(devfd, cpath, buf, &n)
-    return _sc_type_name(status, buf, n, ifname, dev, warnings)
+        status = read_attr(devfd, cpath, buf, &n)
+    return link_type_name(status, buf, n, ifname, dev, warnings)
 
 
 # ------------------------------------------------------------------ uevent
 
-cdef struct sc_uev:
+cdef struct uevent_at:
     # Where a PCI uevent's fields start in its buffer (-1: absent) and how long the class and driver are.
     Py_ssize_t id_at, sub_at, cls_at, cls_n, drv_at, drv_n
 
 
-cdef bint _sc_uevent_parse(char *buf, Py_ssize_t n, sc_uev *u) noexcept nogil:
+cdef bint uevent_fields(char *buf, Py_ssize_t n, uevent_at *u) noexcept nogil:
     """Ids (and the bound driver) from a PCI device's uevent; False if the ids are incomplete.
 
     drivers/pci/pci-driver.c pci_uevent() writes PCI_CLASS=%04X, PCI_ID=%04X:%04X and
@@ -1309,12 +554,12 @@ cdef bint _sc_uevent_parse(char *buf, Py_ssize_t n, sc_uev *u) noexcept nogil:
         pos = end + 1
     if u.id_at < 0 or u.sub_at < 0 or u.cls_at < 0:
         return False
-    if not _sc_pair(buf + u.id_at, id_n) or not _sc_pair(buf + u.sub_at, sub_n):
+    if not hex_pair(buf + u.id_at, id_n) or not hex_pair(buf + u.sub_at, sub_n):
         return False
-    return 1 <= u.cls_n <= 6 and _sc_is_hex(buf + u.cls_at, u.cls_n)
+    return 1 <= u.cls_n <= 6 and all_hex(buf + u.cls_at, u.cls_n)
 
 
-cdef list _sc_uevent_ids(const char *u, sc_uev *e):
+cdef list uevent_ids(const char *u, uevent_at *e):
     """vendor, device, class (6 digits), subsystem vendor and device from a parsed uevent."""
     return [
         PyUnicode_DecodeASCII(u + e.id_at, 4, NULL),
@@ -1327,64 +572,64 @@ cdef list _sc_uevent_ids(const char *u, sc_uev *e):
 
 # ------------------------------------------------------------------ one PCI function, read in full
 
-cdef struct sc_attr:
-    # One small attribute file: status 0, an errno, SC_EMPTY or SC_UNREAD; its stripped text.
+cdef struct small_file:
+    # One small attribute file: status 0, an errno, EMPTY or UNREAD; its stripped text.
     int status
     Py_ssize_t n
-    char buf[SC_READ_MAX + 1]
+    char buf[READ_MAX + 1]
 
 
-cdef struct sc_link:
+cdef struct link_read:
     # One symlink: status 0 or an errno; the target and where its basename starts.
     int status
     Py_ssize_t n
     Py_ssize_t base
-    char buf[SC_LINK_MAX]
+    char buf[LINK_MAX]
 
 
-cdef struct sc_pci:
-    # Everything the scan reads of one PCI function, filled without the GIL by _sc_read_pci.
-    sc_link bus            # bus/pci/devices/<name> → the device's path (its PCIe root)
+cdef struct pci_read:
+    # Everything the scan reads of one PCI function, filled without the GIL by read_pci.
+    link_read bus            # bus/pci/devices/<name> → the device's path (its PCIe root)
     int devfd              # the device directory; -1 when it would not open (open_err says why)
     int open_err
     int uevent_status
     Py_ssize_t uevent_n
-    char uevent[SC_UEVENT_MAX + 1]
+    char uevent[UEVENT_MAX + 1]
     bint from_uevent       # ids (and maybe the driver) came from uevent; ue points into it
-    sc_uev ue
-    sc_attr ids[5]         # vendor, device, class, subsystem_vendor, subsystem_device: without uevent
-    sc_link physfn
+    uevent_at ue
+    small_file ids[5]         # vendor, device, class, subsystem_vendor, subsystem_device: without uevent
+    link_read physfn
     bint is_vf
-    sc_attr numa, acpi, total
+    small_file numa, acpi, total
     long numa_v, acpi_v, total_v
-    sc_link driver
+    link_read driver
     const char *drv        # the driver name: into uevent or driver.buf; drv_len 0 when unbound
     Py_ssize_t drv_len
-    sc_link group
+    link_read group
     long group_v
     bint group_bad
     bint noiommu
-    sc_attr numvfs
-    sc_attr net_type
-    sc_names uio
+    small_file numvfs
+    small_file net_type
+    dirlist uio
 
 
-cdef inline void _sc_get_link(int dirfd, const char *name, sc_link *l) noexcept nogil:
-    l.status = _sc_readlink(dirfd, name, l.buf, &l.n)
-    l.base = _sc_base(l.buf, l.n) if l.status == 0 else 0
+cdef inline void get_link(int dirfd, const char *name, link_read *l) noexcept nogil:
+    l.status = read_link(dirfd, name, l.buf, &l.n)
+    l.base = basename_at(l.buf, l.n) if l.status == 0 else 0
 
 
-cdef inline long _sc_int_value(sc_attr *a, long default) noexcept nogil:
+cdef inline long int_value(small_file *a, long default) noexcept nogil:
     """An integer attribute; ``default`` when absent, max(default, -1) when bad (the twin's rule)."""
     cdef long value
-    if a.status == 0 and _sc_int(a.buf, a.n, &value):
+    if a.status == 0 and parse_int(a.buf, a.n, &value):
         return value
     if a.status == ENOENT:
         return default
     return default if default > -1 else -1
 
 
-cdef inline const char *_sc_id_attr(int i) noexcept nogil:
+cdef inline const char *id_attr_name(int i) noexcept nogil:
     if i == 0:
         return "vendor"
     if i == 1:
@@ -1396,11 +641,11 @@ cdef inline const char *_sc_id_attr(int i) noexcept nogil:
     return "subsystem_device"
 
 
-cdef void _sc_read_pci(int busfd, const char *name, const char *ifname, sc_pci *d) noexcept nogil:
-    """Read one PCI function into d without the GIL; d.devfd is left open for _sc_build_pci."""
+cdef void read_pci(int busfd, const char *name, const char *ifname, pci_read *d) noexcept nogil:
+    """Read one PCI function into d without the GIL; d.devfd is left open for build_pci."""
     cdef int i
     cdef long v
-    cdef char path[SC_NAME_MAX + 16]
+    cdef char path[FILE_NAME_MAX + 16]
     d.devfd = -1
     d.from_uevent = False
     d.is_vf = False
@@ -1409,144 +654,144 @@ cdef void _sc_read_pci(int busfd, const char *name, const char *ifname, sc_pci *
     d.group_v = -1
     d.group_bad = False
     d.noiommu = False
-    d.numa.status = d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = SC_UNREAD
+    d.numa.status = d.acpi.status = d.total.status = d.numvfs.status = d.net_type.status = UNREAD
     d.numa_v = d.acpi_v = -1
     d.total_v = -2
     d.uio.count = 0
     for i in range(5):
-        d.ids[i].status = SC_UNREAD
-    _sc_get_link(busfd, name, &d.bus)
-    d.devfd = sc_openat(busfd, name, SC_DIR_FLAGS)
+        d.ids[i].status = UNREAD
+    get_link(busfd, name, &d.bus)
+    d.devfd = openat(busfd, name, DIR_FLAGS)
     if d.devfd < 0:
         d.open_err = errno if errno else 1
         return
-    d.uevent_status = _sc_read_cap(d.devfd, "uevent", d.uevent, &d.uevent_n, SC_UEVENT_MAX)
+    d.uevent_status = read_file(d.devfd, "uevent", d.uevent, &d.uevent_n, UEVENT_MAX)
     if d.uevent_status == 0:
-        d.from_uevent = _sc_uevent_parse(d.uevent, d.uevent_n, &d.ue)
+        d.from_uevent = uevent_fields(d.uevent, d.uevent_n, &d.ue)
     if not d.from_uevent:
         # No usable uevent (half-written or odd tree): the individual attribute files decide, and a
         # bad identity file skips the device (so nothing more is read).
         for i in range(5):
-            d.ids[i].status = _sc_read(d.devfd, _sc_id_attr(i), d.ids[i].buf, &d.ids[i].n)
-            if i < 3 and (d.ids[i].status != 0 or not _sc_hex(d.ids[i].buf, d.ids[i].n, 6 if i == 2 else 4)):
+            d.ids[i].status = read_attr(d.devfd, id_attr_name(i), d.ids[i].buf, &d.ids[i].n)
+            if i < 3 and (d.ids[i].status != 0 or not parse_hex_id(d.ids[i].buf, d.ids[i].n, 6 if i == 2 else 4)):
                 return
     # A VF has no SR-IOV capability of its own (PCIe SR-IOV spec) and no ACPI companion, so the
     # kernel shows neither sriov_* nor acpi_index on it, and its NUMA node is its PF's (see the
     # twin's module docstring): once physfn is found, skip those probes.
-    _sc_get_link(d.devfd, "physfn", &d.physfn)
+    get_link(d.devfd, "physfn", &d.physfn)
     d.is_vf = d.physfn.status == 0 and d.physfn.n > d.physfn.base
     if not d.is_vf:
-        d.numa.status = _sc_read(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
-        d.numa_v = _sc_int_value(&d.numa, -1)
-        d.acpi.status = _sc_read(d.devfd, "acpi_index", d.acpi.buf, &d.acpi.n)
-        d.acpi_v = _sc_int_value(&d.acpi, -1)
-        d.total.status = _sc_read(d.devfd, "sriov_totalvfs", d.total.buf, &d.total.n)
-        d.total_v = _sc_int_value(&d.total, -2)
+        d.numa.status = read_attr(d.devfd, "numa_node", d.numa.buf, &d.numa.n)
+        d.numa_v = int_value(&d.numa, -1)
+        d.acpi.status = read_attr(d.devfd, "acpi_index", d.acpi.buf, &d.acpi.n)
+        d.acpi_v = int_value(&d.acpi, -1)
+        d.total.status = read_attr(d.devfd, "sriov_totalvfs", d.total.buf, &d.total.n)
+        d.total_v = int_value(&d.total, -2)
     if d.from_uevent and d.ue.drv_n > 0:
         d.drv = d.uevent + d.ue.drv_at
         d.drv_len = d.ue.drv_n
     else:
         # No DRIVER= line (unbound, or the attribute files decided): the driver link says.
-        _sc_get_link(d.devfd, "driver", &d.driver)
+        get_link(d.devfd, "driver", &d.driver)
         if d.driver.status == 0:
             d.drv = d.driver.buf + d.driver.base
             d.drv_len = d.driver.n - d.driver.base
-    _sc_get_link(d.devfd, "iommu_group", &d.group)
+    get_link(d.devfd, "iommu_group", &d.group)
     if d.group.status == 0:
-        if not _sc_int(d.group.buf + d.group.base, d.group.n - d.group.base, &v) or v < 0:
+        if not parse_int(d.group.buf + d.group.base, d.group.n - d.group.base, &v) or v < 0:
             d.group_bad = True
         else:
             d.group_v = v
             # drivers/vfio/group.c makes a no-IOMMU group (named "vfio-noiommu") only for a device a
             # vfio driver binds, so only those are asked.
             if d.drv_len >= 4 and memcmp(d.drv, b"vfio", 4) == 0:
-                i = _sc_read(d.devfd, "iommu_group/name", d.net_type.buf, &d.net_type.n)
+                i = read_attr(d.devfd, "iommu_group/name", d.net_type.buf, &d.net_type.n)
                 d.noiommu = i == 0 and d.net_type.n == 12 and memcmp(d.net_type.buf, b"vfio-noiommu", 12) == 0
     if d.total_v != -2:
-        d.numvfs.status = _sc_read(d.devfd, "sriov_numvfs", d.numvfs.buf, &d.numvfs.n)
-    d.net_type.status = SC_UNREAD
+        d.numvfs.status = read_attr(d.devfd, "sriov_numvfs", d.numvfs.buf, &d.numvfs.n)
+    d.net_type.status = UNREAD
     if ifname != NULL and snprintf(path, sizeof(path), "net/%s/type", ifname) < <int>sizeof(path):
-        d.net_type.status = _sc_read(d.devfd, path, d.net_type.buf, &d.net_type.n)
+        d.net_type.status = read_attr(d.devfd, path, d.net_type.buf, &d.net_type.n)
     # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
-    if _sc_contains(d.drv, d.drv_len, "uio", 3):
-        _sc_names_open(&d.uio, d.devfd, "uio")
+    if contains(d.drv, d.drv_len, "uio", 3):
+        dirlist_open(&d.uio, d.devfd, "uio")
 
 
-cdef inline str _sc_attr_why(sc_attr *a, str what):
-    return _sc_why(a.status) if a.status else what
+cdef inline str attr_why(small_file *a, str what):
+    return _why(a.status) if a.status else what
 
 
-cdef void _sc_int_warn(sc_attr *a, str attr, str dev, list warnings) except *:
+cdef void warn_int(small_file *a, str attr, str dev, list warnings) except *:
     """The twin's warning for an integer attribute that is present but unreadable or not a number."""
     cdef long value
-    if a.status == SC_UNREAD or a.status == ENOENT:
+    if a.status == UNREAD or a.status == ENOENT:
         return
-    if a.status == 0 and _sc_int(a.buf, a.n, &value):
+    if a.status == 0 and parse_int(a.buf, a.n, &value):
         return
-    warnings.append(f"{dev}: {attr}: {_sc_attr_why(a, 'not an integer')}")
+    warnings.append(f"{dev}: {attr}: {attr_why(a, 'not an integer')}")
 
 
-cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list warnings):
-    """One PCI function in Device field order from what _sc_read_pci read (closes d.devfd).
+cdef list build_pci(pci_read *d, int busfd, bytes name, _ScanMaps maps, list warnings):
+    """One PCI function as a row (new_row) from what read_pci read (closes d.devfd).
 
     A VF's PF netdev, index and NUMA node are filled in afterwards; a PF leaves its own for the VFs
     read after it.  Warnings come in the twin's order.
     """
-    cdef str dev = _sc_str(name, len(name))
-    cdef str pcie_root = _sc_pcie_root(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
+    cdef str dev = fs_str(name, len(name))
+    cdef str pcie_root = pcie_root_of(d.bus.buf, d.bus.n) if d.bus.status == 0 else ""
     cdef int i, parentfd
     cdef long num, total
-    cdef sc_attr *a
+    cdef small_file *a
     if d.devfd < 0:
-        warnings.append(f"{dev}: skipped: {_sc_os.strerror(d.open_err)}")
+        warnings.append(f"{dev}: skipped: {_os.strerror(d.open_err)}")
         return None
     try:
         if d.from_uevent:
-            ids = _sc_uevent_ids(d.uevent, &d.ue)
+            ids = uevent_ids(d.uevent, &d.ue)
         else:
             ids = ["", "", "", "", ""]
             for i in range(5):
                 a = &d.ids[i]
-                if a.status == 0 and _sc_hex(a.buf, a.n, 6 if i == 2 else 4):
+                if a.status == 0 and parse_hex_id(a.buf, a.n, 6 if i == 2 else 4):
                     ids[i] = PyUnicode_DecodeASCII(a.buf + 2, a.n - 2, NULL)
                 elif i < 3:
-                    why = _sc_attr_why(a, "not a hex id")
-                    warnings.append(f"{dev}: skipped: {_sc_id_attr(i).decode()}: {why}")
+                    why = attr_why(a, "not a hex id")
+                    warnings.append(f"{dev}: skipped: {id_attr_name(i).decode()}: {why}")
                     return None
                 elif a.status != ENOENT:
-                    why = _sc_attr_why(a, "not a hex id")
-                    warnings.append(f"{dev}: {_sc_id_attr(i).decode()}: {why}")
+                    why = attr_why(a, "not a hex id")
+                    warnings.append(f"{dev}: {id_attr_name(i).decode()}: {why}")
         if d.physfn.status == 0:
-            pf = _sc_str(d.physfn.buf + d.physfn.base, d.physfn.n - d.physfn.base)
+            pf = fs_str(d.physfn.buf + d.physfn.base, d.physfn.n - d.physfn.base)
         else:
             pf = ""
             if d.physfn.status != ENOENT:
-                warnings.append(f"{dev}: physfn: {_sc_why(d.physfn.status)}")
-        _sc_int_warn(&d.numa, "numa_node", dev, warnings)
-        _sc_int_warn(&d.acpi, "acpi_index", dev, warnings)
-        _sc_int_warn(&d.total, "sriov_totalvfs", dev, warnings)
-        driver = _sc_str(d.drv, d.drv_len) if d.drv_len else ""
+                warnings.append(f"{dev}: physfn: {_why(d.physfn.status)}")
+        warn_int(&d.numa, "numa_node", dev, warnings)
+        warn_int(&d.acpi, "acpi_index", dev, warnings)
+        warn_int(&d.total, "sriov_totalvfs", dev, warnings)
+        driver = fs_str(d.drv, d.drv_len) if d.drv_len else ""
         if d.group_bad:
             warnings.append(f"{dev}: iommu_group: not a group number")
         role = "vf" if pf else "pci"
         num = 0
         total = d.total_v
-        netdevs, ibdev, nodes = _sc_functions(maps, name)
+        netdevs, ibdev, nodes = functions_of(maps, name)
         if total != -2:
             role = "pf"
             if total < 0:
                 total = 0
             a = &d.numvfs
-            if a.status != 0 or not _sc_int(a.buf, a.n, &num):
-                warnings.append(f"{dev}: sriov_numvfs: {_sc_attr_why(a, 'not an integer')}")
+            if a.status != 0 or not parse_int(a.buf, a.n, &num):
+                warnings.append(f"{dev}: sriov_numvfs: {attr_why(a, 'not an integer')}")
                 num = 0
-            vf0 = _sc_computed_virtfns(d.devfd, dev, name, num, maps.present, maps.vf_map)
+            vf0 = computed_virtfns(d.devfd, dev, name, num, maps.present, maps.vf_map)
             if vf0 is None:
-                vf0 = _sc_virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
+                vf0 = virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
-                    vf_ids = _sc_vf_ids(parentfd, vf0)
+                    vf_ids = read_vf_ids(parentfd, vf0)
                     maps.pfs[dev] = (
                         parentfd, pcie_root, vf_ids, d.group_v >= 0, d.numa_v, netdevs[0] if netdevs else ""
                     )
@@ -1554,32 +799,34 @@ cdef list _sc_build_pci(sc_pci *d, int busfd, bytes name, _ScMaps maps, list war
             total = 0
         if netdevs:
             a = &d.net_type
-            link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
+            link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
         else:
             link_type = ""
         if d.uio.oom:
             raise MemoryError("sysfs scan: out of memory listing a directory")
-        uio = _sc_str(d.uio.names[0], strlen(d.uio.names[0])) if d.uio.count else ""
+        uio = fs_str(d.uio.names[0], strlen(d.uio.names[0])) if d.uio.count else ""
         vd = maps.vdpa.get(name)
         vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
-        return [
-            dev, role, ids[0], ids[1], ids[2], ids[3], ids[4], driver, d.numa_v, d.group_v, d.noiommu,
-            d.acpi_v, total, num, pf, -1, "", netdevs, link_type, ibdev, nodes, uio,
-            vdpa_name, vdpa_driver, pcie_root, "",
-        ]
+        return new_row(
+            id=dev, role=role, vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=ids[3],
+            subsystem_device=ids[4], driver=driver, numa_node=d.numa_v, iommu_group=d.group_v,
+            noiommu=d.noiommu, acpi_index=d.acpi_v, total_vfs=total, num_vfs=num, pf=pf, vf_index=-1,
+            pf_netdev="", netdevs=netdevs, link_type=link_type, rdma_device=ibdev, rdma_nodes=nodes,
+            uio=uio, vdpa=vdpa_name, vdpa_driver=vdpa_driver, pcie_root=pcie_root, aux_type="",
+        )
     finally:
-        sc_close(d.devfd)
+        close(d.devfd)
         d.devfd = -1
 
 
 # ------------------------------------------------------------------ a VF beside its PF, read in batches
 
 cdef enum:
-    SC_VF_LINK = 256       # a VF's driver link target; longer ones take the full read
-    SC_VF_BATCH = 512      # VFs read ahead at once (~1.6 KB each)
+    VF_LINK_MAX = 256       # a VF's driver link target; longer ones take the full read
+    VF_BATCH = 512      # VFs read ahead at once (~1.6 KB each)
 
 
-cdef struct sc_vf:
+cdef struct vf_read:
     # What the fast read of one VF needs and finds; filled without the GIL, by any reader thread.
     int parentfd           # the PF's parent directory: the VF's directory is in it
     const char *name       # the VF's address (kept alive by the scan's name list)
@@ -1590,21 +837,21 @@ cdef struct sc_vf:
     bint pf_grouped        # its PF has an IOMMU group (so should it)
     bint full              # this VF needs the full read (no usable uevent, or an odd link)
     int uevent_n
-    char uevent[SC_UEVENT_MAX + 1]
-    sc_uev ue
+    char uevent[UEVENT_MAX + 1]
+    uevent_at ue
     const char *drv
     Py_ssize_t drv_len
-    char drvlink[SC_VF_LINK]
+    char drvlink[VF_LINK_MAX]
     long group_v
     bint group_bad
     bint noiommu
-    sc_attr net_type
-    sc_names uio
+    small_file net_type
+    dirlist uio
 
 
-cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
+cdef void read_vf(vf_read *v) noexcept nogil:
     """The fast read of a VF relative to its PF's parent: uevent, driver, IOMMU group, link type, uio."""
-    cdef char path[SC_NAME_MAX * 2 + 32]
+    cdef char path[FILE_NAME_MAX * 2 + 32]
     cdef Py_ssize_t n, b
     cdef ssize_t got
     cdef size_t cap = sizeof(path)
@@ -1613,7 +860,7 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     v.drv_len = 0
     v.group_v = -1
     v.group_bad = v.noiommu = False
-    v.net_type.status = SC_UNREAD
+    v.net_type.status = UNREAD
     v.uio.count = 0
     v.uio.oom = False
     if v.have_ids and v.listed != NULL:
@@ -1623,26 +870,26 @@ cdef void _sc_read_vf(sc_vf *v) noexcept nogil:
     elif v.have_ids:
         # The ids are its PF's VFs': only the driver link is its own.  Unbound (or gone) takes the
         # full read, which tells the two apart.
-        if not _sc_cat(path, cap, v.name, "/driver", NULL, NULL):
+        if not cat_path(path, cap, v.name, "/driver", NULL, NULL):
             return
-        got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
-        if got < 0 or got >= SC_VF_LINK:
+        got = readlinkat(v.parentfd, path, v.drvlink, VF_LINK_MAX)
+        if got < 0 or got >= VF_LINK_MAX:
             return
-        b = _sc_base(v.drvlink, got)
+        b = basename_at(v.drvlink, got)
         v.drv = v.drvlink + b
         v.drv_len = got - b
-    elif not _sc_cat(path, cap, v.name, "/uevent", NULL, NULL):
+    elif not cat_path(path, cap, v.name, "/uevent", NULL, NULL):
         return
-    elif _sc_read_cap(v.parentfd, path, v.uevent, &n, SC_UEVENT_MAX) != 0:
+    elif read_file(v.parentfd, path, v.uevent, &n, UEVENT_MAX) != 0:
         return
     else:
         v.uevent_n = n
-        if not _sc_uevent_parse(v.uevent, n, &v.ue) or not _sc_vf_driver(v, path, cap):
+        if not uevent_fields(v.uevent, n, &v.ue) or not vf_driver(v, path, cap):
             return
-    _sc_read_vf_rest(v, path, cap)
+    read_vf_rest(v, path, cap)
 
 
-cdef bint _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
+cdef bint vf_driver(vf_read *v, char *path, size_t cap) noexcept nogil:
     """The driver of a VF read by its uevent: the DRIVER= line, else its driver link.
 
     False when the link is longer than the slot holds (the full read has room for it).
@@ -1653,367 +900,341 @@ cdef bint _sc_vf_driver(sc_vf *v, char *path, size_t cap) noexcept nogil:
         v.drv = v.uevent + v.ue.drv_at
         v.drv_len = v.ue.drv_n
         return True
-    _sc_cat(path, cap, v.name, "/driver", NULL, NULL)
-    got = sc_readlinkat(v.parentfd, path, v.drvlink, SC_VF_LINK)
-    if got >= SC_VF_LINK:
+    cat_path(path, cap, v.name, "/driver", NULL, NULL)
+    got = readlinkat(v.parentfd, path, v.drvlink, VF_LINK_MAX)
+    if got >= VF_LINK_MAX:
         return False
     if got >= 0:
-        b = _sc_base(v.drvlink, got)
+        b = basename_at(v.drvlink, got)
         v.drv = v.drvlink + b
         v.drv_len = got - b
     return True
 
 
-cdef void _sc_read_vf_rest(sc_vf *v, char *path, size_t cap) noexcept nogil:
+cdef void read_vf_rest(vf_read *v, char *path, size_t cap) noexcept nogil:
     """IOMMU group, link type and uio node of a VF whose ids and driver are read."""
-    cdef char link[SC_LINK_MAX]
+    cdef char link[LINK_MAX]
     cdef Py_ssize_t n, b
     cdef long g
     cdef int status
-    _sc_cat(path, cap, v.name, "/iommu_group", NULL, NULL)
-    status = _sc_readlink(v.parentfd, path, link, &n)
+    cat_path(path, cap, v.name, "/iommu_group", NULL, NULL)
+    status = read_link(v.parentfd, path, link, &n)
     if status != 0 and v.listed != NULL and v.pf_grouped:
         # Nothing of its own read yet: no group where its PF has one may be a VF that is gone (the
         # IOMMU puts every VF in a group when it does its PF), which the full read tells.
         return
     if status == 0:
-        b = _sc_base(link, n)
-        if not _sc_int(link + b, n - b, &g) or g < 0:
+        b = basename_at(link, n)
+        if not parse_int(link + b, n - b, &g) or g < 0:
             v.group_bad = True
         else:
             v.group_v = g
             if v.drv_len >= 4 and memcmp(v.drv, b"vfio", 4) == 0:
-                _sc_cat(path, cap, v.name, "/iommu_group/name", NULL, NULL)
-                status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
+                cat_path(path, cap, v.name, "/iommu_group/name", NULL, NULL)
+                status = read_attr(v.parentfd, path, v.net_type.buf, &v.net_type.n)
                 v.noiommu = status == 0 and v.net_type.n == 12 and memcmp(v.net_type.buf, b"vfio-noiommu", 12) == 0
     if v.ifname != NULL:
-        if not _sc_cat(path, cap, v.name, "/net/", v.ifname, "/type"):
+        if not cat_path(path, cap, v.name, "/net/", v.ifname, "/type"):
             return
-        v.net_type.status = _sc_read(v.parentfd, path, v.net_type.buf, &v.net_type.n)
-    if _sc_contains(v.drv, v.drv_len, "uio", 3):
-        _sc_cat(path, cap, v.name, "/uio", NULL, NULL)
-        _sc_names_open(&v.uio, v.parentfd, path)
+        v.net_type.status = read_attr(v.parentfd, path, v.net_type.buf, &v.net_type.n)
+    if contains(v.drv, v.drv_len, "uio", 3):
+        cat_path(path, cap, v.name, "/uio", NULL, NULL)
+        dirlist_open(&v.uio, v.parentfd, path)
     v.full = False
 
 
-cdef tuple _sc_build_vf(sc_vf *v, bytes name, str pf, long index, _ScMaps maps, list warnings):
-    """A fast-read VF of a PF this scan read, complete, in Device field order; warnings in the twin's order.
+cdef object build_vf(vf_read *v, bytes name, str pf, long index, _ScanMaps maps, list warnings):
+    """A fast-read VF of a PF this scan read, complete, as a Device; warnings in the twin's order.
 
-    A tuple: nothing is filled in later (the full read's rows are lists for that).
+    A Device: nothing is filled in later (the full read's rows are lists for that).
     Its ids are the ones its PF's VFs share, or its own uevent's when those are not known; its NUMA
     node, PCIe root and PF netdev are its PF's (the twin's _scan_vf and the pass after it).
     """
     _parentfd, pcie_root, ids, _grouped, numa, pf_netdev = maps.pfs[pf]
-    cdef str dev = _sc_str(name, len(name))
+    cdef str dev = fs_str(name, len(name))
     cdef str driver = maps.driver_name(v.drv, v.drv_len)
-    cdef sc_attr *a = &v.net_type
+    cdef small_file *a = &v.net_type
     if v.group_bad:
         warnings.append(f"{dev}: iommu_group: not a group number")
-    netdevs, ibdev, nodes = _sc_functions(maps, name)
-    link_type = _sc_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings) if netdevs else ""
+    netdevs, ibdev, nodes = functions_of(maps, name)
+    link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings) if netdevs else ""
     if v.uio.oom:
         raise MemoryError("sysfs scan: out of memory listing a directory")
-    uio = _sc_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
+    uio = fs_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
     if ids is None:
-        ids = _sc_uevent_ids(v.uevent, &v.ue)
+        ids = uevent_ids(v.uevent, &v.ue)
     vd = maps.vdpa.get(name)
     vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
-    return (
-        dev, "vf", ids[0], ids[1], ids[2], ids[3], ids[4], driver, numa, v.group_v, v.noiommu, -1, 0, 0,
-        pf, index, pf_netdev, netdevs, link_type, ibdev, nodes, uio, vdpa_name, vdpa_driver, pcie_root, "",
-    )
+    return as_device(new_row(
+        id=dev, role="vf", vendor=ids[0], device=ids[1], pci_class=ids[2], subsystem_vendor=ids[3],
+        subsystem_device=ids[4], driver=driver, numa_node=numa, iommu_group=v.group_v, noiommu=v.noiommu,
+        acpi_index=-1, total_vfs=0, num_vfs=0, pf=pf, vf_index=index, pf_netdev=pf_netdev,
+        netdevs=netdevs, link_type=link_type, rdma_device=ibdev, rdma_nodes=nodes, uio=uio,
+        vdpa=vdpa_name, vdpa_driver=vdpa_driver, pcie_root=pcie_root, aux_type="",
+    ))
 
 
-cdef void _sc_vf_slot(sc_vf *v, _ScMaps maps, str pf, bytes name) except *:
+cdef void vf_slot(vf_read *v, _ScanMaps maps, str pf, bytes name) except *:
     """Point a slot at a VF of ``pf`` (``name`` must outlive the read)."""
     cdef Py_ssize_t at, end
     parentfd, pcie_root, ids, pf_grouped, _numa, _netdev = maps.pfs[pf]
     v.parentfd = parentfd
     v.name = name
-    v.ifname = _sc_first_netdev(maps, name)
+    v.ifname = first_netdev(maps, name)
     v.have_ids = ids is not None
     v.pf_grouped = pf_grouped
     v.listed = NULL
     v.listed_len = 0
     if v.have_ids:
         # Listed by exactly one driver; by two (a torn bind) it reads its own link, as the twin does.
-        at = _sc_cmap_find(&maps.cmaps[SC_DRIVERS], name, &end)
+        at = cmap_find(&maps.cmaps[MAP_DRIVERS], name, &end)
         if at >= 0 and end - at == 1:
-            v.listed = maps.cmaps[SC_DRIVERS].e[at].name
+            v.listed = maps.cmaps[MAP_DRIVERS].e[at].name
             v.listed_len = strlen(v.listed)
 
 
-cdef struct sc_batch:
-    # VFs read ahead by this thread and helpers: each takes the next index, marks the slot done.
-    sc_vf *slots
-    int *done
-    Py_ssize_t n
-    Py_ssize_t next
+cdef enum:
+    VF_SHARED = 32         # fewer VFs than this are read by this thread alone (a thread costs more)
 
 
-cdef void *_sc_batch_reader(void *arg) noexcept nogil:
-    cdef sc_batch *b = <sc_batch *>arg
-    cdef Py_ssize_t i
-    while True:
-        i = sc_fetch_add(&b.next)
-        if i >= b.n:
-            return NULL
-        _sc_read_vf(&b.slots[i])
-        sc_set_done(&b.done[i])
+cdef void read_vf_item(void *slots, Py_ssize_t i) noexcept nogil:
+    """Work queue item: the fast read of VF slot i."""
+    read_vf(&(<vf_read *>slots)[i])
 
 
-cdef inline void _sc_batch_wait(sc_batch *b, Py_ssize_t k) noexcept nogil:
-    """Until slot k is read: read slots ourselves while any are left, then wait for the helper's."""
-    cdef Py_ssize_t i
-    while not sc_is_done(&b.done[k]):
-        i = sc_fetch_add(&b.next)
-        if i < b.n:
-            _sc_read_vf(&b.slots[i])
-            sc_set_done(&b.done[i])
-        else:
-            sc_sched_yield()
-
-
-# One helper reader thread beside the scanning one: the scan is syscall-bound and its syscalls on
-# different files scale across cores (path walks are RCU-lookups, no shared lock); more helpers
-# than cores would only queue.
-_SC_HELPERS = max(0, min(3, (_sc_os.cpu_count() or 1) - 1))
-
-
-cdef class _ScVfReader:
+cdef class _VfReader:
     """Slots for a run of VFs read ahead in parallel; the scanning thread builds rows in order."""
 
-    cdef sc_batch b
+    cdef vf_read *slots
+    cdef int *done
     cdef Py_ssize_t cap
 
     def __cinit__(self):
-        self.cap = SC_VF_BATCH
-        self.b.slots = <sc_vf *>malloc(self.cap * sizeof(sc_vf))
-        self.b.done = <int *>malloc(self.cap * sizeof(int))
-        if self.b.slots == NULL or self.b.done == NULL:
+        self.cap = VF_BATCH
+        self.slots = <vf_read *>malloc(self.cap * sizeof(vf_read))
+        self.done = <int *>malloc(self.cap * sizeof(int))
+        if self.slots == NULL or self.done == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        memset(self.b.slots, 0, self.cap * sizeof(sc_vf))
+        memset(self.slots, 0, self.cap * sizeof(vf_read))
 
     def __dealloc__(self):
         cdef Py_ssize_t i
-        if self.b.slots != NULL:
+        if self.slots != NULL:
             for i in range(self.cap):
-                _sc_names_free(&self.b.slots[i].uio)
-            free(self.b.slots)
-        free(self.b.done)
+                dirlist_free(&self.slots[i].uio)
+            free(self.slots)
+        free(self.done)
 
-    cdef list run(self, list names, Py_ssize_t start, Py_ssize_t stop, int busfd, _ScMaps maps,
+    cdef list run(self, list names, Py_ssize_t start, Py_ssize_t stop, int busfd, _ScanMaps maps,
                   list warnings, list rows):
         """Read names[start:stop] (VFs whose PF this scan read) and append their rows in order."""
-        cdef sc_batch *b = &self.b
+        cdef workq q
         cdef Py_ssize_t k, n = stop - start
-        cdef sc_pthread_t threads[3]
-        cdef int started = 0, helpers = maps.helpers
         cdef bytes name
-        cdef sc_vf *v
+        cdef vf_read *v
         pfs = []
         for k in range(n):
             name = names[start + k]
             pf, _index = maps.vf_map[name]
-            _sc_vf_slot(&b.slots[k], maps, pf, name)
+            vf_slot(&self.slots[k], maps, pf, name)
             pfs.append(pf)
-            b.done[k] = 0
-        b.n = n
-        b.next = 0
-        if n < 32:
-            helpers = 0  # a thread costs more than it saves on a handful
         with nogil:
-            started = _sc_spawn(_sc_batch_reader, b, helpers, threads)
+            workq_init(&q, read_vf_item, self.slots, n, self.done)
+            workq_start(&q, maps.helpers if n >= VF_SHARED else 0)
         try:
             for k in range(n):
                 with nogil:
-                    _sc_batch_wait(b, k)
-                v = &b.slots[k]
+                    workq_wait(&q, k)
+                v = &self.slots[k]
                 name = names[start + k]
                 pf = pfs[k]
                 hit = maps.vf_map.get(name)
                 if v.full or hit is None or hit[0] != pf:
                     # An odd VF (or one an odd PF claimed meanwhile): the one-at-a-time path decides.
-                    row = _sc_scan_one(busfd, name, maps, warnings)
+                    row = scan_one(busfd, name, maps, warnings)
                 else:
-                    row = _sc_build_vf(v, name, pf, hit[1], maps, warnings)
+                    row = build_vf(v, name, pf, hit[1], maps, warnings)
                 if row is not None:
                     rows.append(row)
                 if not (k + 1) & 255:
-                    _sc_yield()
+                    yield_gil()
         finally:
             with nogil:
-                sc_store(&b.next, b.n)  # helpers stop after their current slot
-                _sc_join(threads, started)
+                workq_stop(&q)  # helpers stop after their current slot
 
 
-cdef object _sc_scan_one(int busfd, bytes name, _ScMaps maps, list warnings):
+cdef object scan_one(int busfd, bytes name, _ScanMaps maps, list warnings):
     """One function on its own: the fast read if it is a VF of a PF this scan read, else the full read."""
-    cdef sc_vf *v
-    cdef sc_pci *d
+    cdef vf_read *v
+    cdef pci_read *d
     cdef const char *cname = name
     cdef const char *ifname
     hit = maps.vf_map.get(name)
     if hit is not None and hit[0] in maps.pfs:
-        v = <sc_vf *>malloc(sizeof(sc_vf))
+        v = <vf_read *>malloc(sizeof(vf_read))
         if v == NULL:
             raise MemoryError("sysfs scan: out of memory")
-        memset(v, 0, sizeof(sc_vf))
+        memset(v, 0, sizeof(vf_read))
         try:
-            _sc_vf_slot(v, maps, hit[0], name)
+            vf_slot(v, maps, hit[0], name)
             with nogil:
-                _sc_read_vf(v)
+                read_vf(v)
             if not v.full:
-                return _sc_build_vf(v, name, hit[0], hit[1], maps, warnings)
+                return build_vf(v, name, hit[0], hit[1], maps, warnings)
         finally:
-            _sc_names_free(&v.uio)
+            dirlist_free(&v.uio)
             free(v)
-    d = <sc_pci *>malloc(sizeof(sc_pci))
+    d = <pci_read *>malloc(sizeof(pci_read))
     if d == NULL:
         raise MemoryError("sysfs scan: out of memory")
-    memset(d, 0, sizeof(sc_pci))
+    memset(d, 0, sizeof(pci_read))
     d.devfd = -1
-    ifname = _sc_first_netdev(maps, name)
+    ifname = first_netdev(maps, name)
     try:
         with nogil:
-            _sc_read_pci(busfd, cname, ifname, d)
-        return _sc_build_pci(d, busfd, name, maps, warnings)
+            read_pci(busfd, cname, ifname, d)
+        return build_pci(d, busfd, name, maps, warnings)
     finally:
         if d.devfd >= 0:
-            sc_close(d.devfd)
-        _sc_names_free(&d.uio)
+            close(d.devfd)
+        dirlist_free(&d.uio)
         free(d)
 
 
-cdef tuple _sc_pf_facts(int busfd, str pf, _ScMaps maps, list warnings):
+cdef tuple pf_facts_of(int busfd, str pf, _ScanMaps maps, list warnings):
     """For a partial scan: a PF outside the set still gives its VFs their index, netdev and NUMA node."""
-    cdef bytes name = _sc_os.fsencode(pf)
+    cdef bytes name = _os.fsencode(pf)
     cdef const char *cname = name
     cdef int devfd, status
-    cdef char buf[SC_READ_MAX + 1]
+    cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef long numa
     with nogil:
-        devfd = _sc_open_dir(busfd, cname)
+        devfd = open_dir(busfd, cname)
     if devfd < 0:
         return (), -1
     try:
-        _sc_virtfns(devfd, pf, maps.vf_map, warnings, maps.helpers)
+        virtfns(devfd, pf, maps.vf_map, warnings, maps.helpers)
         with nogil:
-            status = _sc_read(devfd, "numa_node", buf, &n)
-        if status != 0 or not _sc_int(buf, n, &numa):
+            status = read_attr(devfd, "numa_node", buf, &n)
+        if status != 0 or not parse_int(buf, n, &numa):
             numa = -1
-        return _sc_netdevs(maps, cname), numa
+        return netdevs_of(maps, cname), numa
     finally:
-        sc_close(devfd)
+        close(devfd)
 
 
-cdef list _sc_scan_sfs(int rootfd, dict by_id, list rows, _ScMaps maps, list warnings):
+cdef list scan_sfs(int rootfd, dict by_id, list rows, _ScanMaps maps, list warnings):
     """Every auxiliary-bus subfunction whose parent function is among ``rows`` (``by_id``: the rows
     that are not VFs, where SFs are made; a VF parent is found among all of them)."""
     cdef list out = []
     cdef dict every = None
-    cdef char buf[SC_LINK_MAX]
+    cdef char buf[LINK_MAX]
     cdef Py_ssize_t n, b
     cdef int status, devfd, afd
     cdef long sfnum
     cdef bytes name
     cdef const char *cname
     with nogil:
-        afd = _sc_open_dir(rootfd, "bus/auxiliary/devices")
+        afd = open_dir(rootfd, "bus/auxiliary/devices")
     if afd < 0:
         return out
     try:
-        for name in _sc_entries_fd(sc_dup(afd)):
+        for name in entries_fd(dup(afd)):
             # mlx5 also puts .eth/.rdma/.eth-rep devices on the auxiliary bus; only .sf. are subfunctions.
             if b".sf." not in name:
                 continue
-            sf = _sc_os.fsdecode(name)
+            sf = _os.fsdecode(name)
             cname = name
             with nogil:
-                status = _sc_readlink(afd, cname, buf, &n)
+                status = read_link(afd, cname, buf, &n)
             if status != 0:
-                warnings.append(f"{sf}: skipped: {_sc_why(status)}")
+                warnings.append(f"{sf}: skipped: {_why(status)}")
                 continue
-            owner = _sc_os.fsdecode(_sc_parent(buf, n))
+            owner = _os.fsdecode(parent_of(buf, n))
             parent = by_id.get(owner)
             if parent is None:
                 if every is None:
-                    every = {r[0]: r for r in rows}
+                    every = {r[DEV_ID]: r for r in rows}
                 parent = every.get(owner)
             if parent is None:
                 continue
-            pcie_root = _sc_pcie_root(buf, n)
+            pcie_root = pcie_root_of(buf, n)
             with nogil:
-                devfd = _sc_open_dir(afd, cname)
+                devfd = open_dir(afd, cname)
                 status = (errno if errno else 1) if devfd < 0 else 0
             if devfd < 0:
-                warnings.append(f"{sf}: skipped: {_sc_os.strerror(status)}")
+                warnings.append(f"{sf}: skipped: {_os.strerror(status)}")
                 continue
-            netdevs, ibdev, nodes = _sc_functions(maps, name)
+            netdevs, ibdev, nodes = functions_of(maps, name)
             try:
                 with nogil:
-                    status = _sc_readlink(devfd, "driver", buf, &n)
+                    status = read_link(devfd, "driver", buf, &n)
                 if status == 0:
-                    b = _sc_base(buf, n)
-                    driver = _sc_str(buf + b, n - b)
+                    b = basename_at(buf, n)
+                    driver = fs_str(buf + b, n - b)
                 else:
                     driver = ""
                 # mlx5's SF device shows its SF number (sf/dev/dev.c sfnum_show); ranged pfNames
                 # select SFs by it, so it goes where a VF keeps its index.
                 with nogil:
-                    status = _sc_read(devfd, "sfnum", buf, &n)
-                if status != 0 or not _sc_int(buf, n, &sfnum) or sfnum < 0:
+                    status = read_attr(devfd, "sfnum", buf, &n)
+                if status != 0 or not parse_int(buf, n, &sfnum) or sfnum < 0:
                     if status != ENOENT:
-                        why = _sc_why(status) if status else "not an integer"
+                        why = _why(status) if status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                link_type = _sc_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
+                link_type = read_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
             finally:
-                sc_close(devfd)
-            pf_netdevs = parent[17]
+                close(devfd)
+            pf_netdevs = parent[DEV_NETDEVS]
             vd = maps.vdpa.get(name)
             vdpa_name, vdpa_driver = vd if vd is not None else ("", "")
-            out.append([
-                sf, "sf", parent[2], parent[3], parent[4], parent[5], parent[6], driver, parent[8],
-                -1, False, -1, 0, 0, parent[0], sfnum, pf_netdevs[0] if pf_netdevs else "", netdevs,
-                link_type, ibdev, nodes, "", vdpa_name, vdpa_driver, pcie_root, "sf",
-            ])
+            # An SF shares its parent function's ids and NUMA node; its sfnum goes where a VF's index does.
+            out.append(new_row(
+                id=sf, role="sf", vendor=parent[DEV_VENDOR], device=parent[DEV_DEVICE],
+                pci_class=parent[DEV_PCI_CLASS], subsystem_vendor=parent[DEV_SUBSYSTEM_VENDOR],
+                subsystem_device=parent[DEV_SUBSYSTEM_DEVICE], driver=driver,
+                numa_node=parent[DEV_NUMA_NODE], iommu_group=-1, noiommu=False, acpi_index=-1, total_vfs=0,
+                num_vfs=0, pf=parent[DEV_ID], vf_index=sfnum, pf_netdev=pf_netdevs[0] if pf_netdevs else "",
+                netdevs=netdevs, link_type=link_type, rdma_device=ibdev, rdma_nodes=nodes, uio="",
+                vdpa=vdpa_name, vdpa_driver=vdpa_driver, pcie_root=pcie_root, aux_type="sf",
+            ))
     finally:
-        sc_close(afd)
+        close(afd)
     return out
 
 
-cdef void _sc_drain(object table) except *:
-    """Empty a big dict or list entry by entry, with GIL hand-over points (see _sc_yield)."""
+cdef void drain(object table) except *:
+    """Empty a big dict or list entry by entry, with GIL hand-over points (see yield_gil)."""
     cdef Py_ssize_t i = 0
     while table:
         table.popitem() if type(table) is dict else table.pop()
         i += 1
-        if not i & SC_YIELD_ROWS:
-            _sc_yield()
+        if not i & YIELD_ROWS:
+            yield_gil()
 
 
-cdef inline void _sc_yield() noexcept:
+cdef inline void yield_gil() noexcept:
     # A point where a thread waiting for the GIL (the event loop) can take it: CPython hands the GIL
     # over here once the waiter has asked for it (after sys.getswitchinterval()), as between bytecodes.
     with nogil:
         pass
 
 
-def _sc_row_id(row):
-    return row[0]
+def _row_id(row):
+    return row[DEV_ID]
 
 
-cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
+cdef list scan_pcis(int busfd, list names, _ScanMaps maps, list warnings):
     """Every named PCI function in order; runs of VFs whose PF was read are read ahead in parallel."""
     cdef list rows = []
     cdef Py_ssize_t i = 0, j, count = len(names)
-    cdef _ScVfReader reader = None
+    cdef _VfReader reader = None
     cdef bytes name
     while i < count:
         j = i
-        while j < count and j - i < SC_VF_BATCH:
+        while j < count and j - i < VF_BATCH:
             name = names[j]
             hit = maps.vf_map.get(name)
             if hit is None or hit[0] not in maps.pfs:
@@ -2021,11 +1242,11 @@ cdef list _sc_scan_pcis(int busfd, list names, _ScMaps maps, list warnings):
             j += 1
         if j > i:
             if reader is None:
-                reader = _ScVfReader()
+                reader = _VfReader()
             reader.run(names, i, j, busfd, maps, warnings, rows)
             i = j
             continue
-        row = _sc_scan_one(busfd, names[i], maps, warnings)
+        row = scan_one(busfd, names[i], maps, warnings)
         if row is not None:
             rows.append(row)
         i += 1
@@ -2038,13 +1259,13 @@ def scan_sysfs(bytes root, tuple addresses=None, bint threads=True):
     # traverse them in vain (tens of thousands per scan): the collector waits until the end.
     cdef int gc_was = PyGC_Disable()
     try:
-        return _sc_scan(root, addresses, threads)
+        return scan_tree(root, addresses, threads)
     finally:
         if gc_was:
             PyGC_Enable()
 
 
-cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
+cdef tuple scan_tree(bytes root, tuple addresses, bint threads):
     cdef list warnings = []
     cdef int rootfd, busfd
     cdef list rows
@@ -2054,95 +1275,96 @@ cdef tuple _sc_scan(bytes root, tuple addresses, bint threads):
     cdef int err
     cdef Py_ssize_t i
     cdef const char *croot = root
-    cdef _ScMaps maps
+    cdef _ScanMaps maps
     with nogil:
-        rootfd = sc_openat(-100, croot, SC_DIR_FLAGS)  # AT_FDCWD
+        rootfd = openat(-100, croot, DIR_FLAGS)  # AT_FDCWD
         err = (errno if errno else 1) if rootfd < 0 else 0
     if rootfd < 0:
-        return (), (f"{_sc_os.fsdecode(root)}: cannot open sysfs root: {_sc_os.strerror(err)}",)
+        return (), (f"{_os.fsdecode(root)}: cannot open sysfs root: {_os.strerror(err)}",)
     try:
         with nogil:
-            busfd = _sc_open_dir(rootfd, "bus/pci/devices")
+            busfd = open_dir(rootfd, "bus/pci/devices")
             err = (errno if errno else 1) if busfd < 0 else 0
         if busfd < 0:
-            return (), (f"{_sc_os.fsdecode(root)}/bus/pci/devices: {_sc_os.strerror(err)}",)
-        maps = _ScMaps()
+            return (), (f"{_os.fsdecode(root)}/bus/pci/devices: {_os.strerror(err)}",)
+        maps = _ScanMaps()
         maps.rootfd = rootfd
-        maps.helpers = _SC_HELPERS if threads else 0
+        maps.helpers = _HELPERS if threads else 0
         try:
-            names = _sc_read_classes(rootfd, maps, busfd if addresses is None else -1)
-            maps.vdpa = _sc_vdpa_map(rootfd)
+            names = read_classes(rootfd, maps.cmaps, maps.helpers, busfd if addresses is None else -1)
+            maps.vdpa = vdpa_map(rootfd)
             if addresses is not None:
                 names = sorted(set(addresses))
             maps.present = set(names) if addresses is None else None
-            rows = _sc_scan_pcis(busfd, names, maps, warnings)
+            rows = scan_pcis(busfd, names, maps, warnings)
             # The rows VFs and SFs hang off: PFs (and the other functions), a few dozen, not every VF.
-            by_id = {r[0]: r for r in rows if r[1] != "vf"}
+            by_id = {r[DEV_ID]: r for r in rows if r[DEV_ROLE] != "vf"}
             i = 0
             for row in rows:
                 i += 1
-                if not i & SC_YIELD_ROWS:
-                    _sc_yield()
-                if row[1] != "vf" or row[15] >= 0:
-                    continue  # not a VF, or one read beside its PF: complete already
-                pf = row[14]
+                if not i & YIELD_ROWS:
+                    yield_gil()
+                if row[DEV_ROLE] != "vf" or row[DEV_VF_INDEX] >= 0:
+                    continue  # not a VF, or one read beside its PF: complete already (a Device)
+                pf = row[DEV_PF]
                 parent = by_id.get(pf)
                 if parent is not None:
-                    facts = (parent[17], parent[8])
+                    facts = (parent[DEV_NETDEVS], parent[DEV_NUMA_NODE])
                 else:
                     facts = pf_facts.get(pf)
                     if facts is None:
-                        facts = pf_facts[pf] = _sc_pf_facts(busfd, pf, maps, warnings)
+                        facts = pf_facts[pf] = pf_facts_of(busfd, pf, maps, warnings)
                 netdevs = facts[0]
-                row[16] = netdevs[0] if netdevs else ""
-                row[8] = facts[1]
-                hit = maps.vf_map.get(_sc_os.fsencode(row[0]))
-                row[15] = hit[1] if hit is not None and hit[0] == pf else -1
-            rows.extend(_sc_scan_sfs(rootfd, by_id, rows, maps, warnings))
+                row[DEV_PF_NETDEV] = netdevs[0] if netdevs else ""
+                row[DEV_NUMA_NODE] = facts[1]
+                hit = maps.vf_map.get(_os.fsencode(row[DEV_ID]))
+                row[DEV_VF_INDEX] = hit[1] if hit is not None and hit[0] == pf else -1
+            rows.extend(scan_sfs(rootfd, by_id, rows, maps, warnings))
         finally:
             maps.close()
-            sc_close(busfd)
+            close(busfd)
     finally:
-        sc_close(rootfd)
-    rows.sort(key=_sc_row_id)
-    # Working tables are emptied piecemeal and each row list is freed as its tuple is made (by_id
+        close(rootfd)
+    rows.sort(key=_row_id)
+    # Working tables are emptied piecemeal and each row list is freed as its Device is made (by_id
     # first lets go of them): one dealloc of 16k entries would hold the GIL for milliseconds.
     by_id = None
-    _sc_drain(maps.vf_map)
-    _sc_drain(names)
+    drain(maps.vf_map)
+    drain(names)
     out = []
     for i in range(len(rows)):
-        if not (i + 1) & SC_YIELD_ROWS:
-            _sc_yield()
+        if not (i + 1) & YIELD_ROWS:
+            yield_gil()
         row = rows[i]
-        if type(row) is not tuple:
-            row = tuple(<list>row)
-        _sc_untrack(row)
+        if type(row) is list:
+            row = as_device(<list>row)
+        untrack(row)
         out.append(row)
         rows[i] = None
     return tuple(out), tuple(warnings)
 
 
-cdef inline void _sc_untrack(tuple row) noexcept:
-    # A row holds only str, int, bool and tuples of str: it can never be part of a reference cycle,
-    # so the collector need not traverse it (CPython untracks such tuples itself, but only once a
-    # collection has walked them: ~40k per 4k-VF scan, a millisecond of the first collection after).
-    PyObject_GC_UnTrack(row[17])  # netdevs
-    PyObject_GC_UnTrack(row[20])  # rdma_nodes
+cdef inline void untrack(object row) noexcept:
+    # A Device holds only str, int, bool and tuples of str (and, a NamedTuple, no __dict__): it can
+    # never be part of a reference cycle, so the collector need not traverse it (CPython untracks such
+    # tuples itself, but only once a collection has walked them: ~40k per 4k-VF scan, a millisecond of
+    # the first collection after, and never a tuple subclass).
+    PyObject_GC_UnTrack(row[DEV_NETDEVS])
+    PyObject_GC_UnTrack(row[DEV_RDMA_NODES])
     PyObject_GC_UnTrack(row)
 
 
-cdef long _sc_leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
+cdef long leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
     """``4: ACTIVE`` → 4; -1 when the text before ':' (stripped) is not a number."""
     cdef Py_ssize_t end = 0, start = 0
     cdef long v
     while end < n and buf[end] != 58:
         end += 1
-    while end > 0 and _sc_space(buf[end - 1]):
+    while end > 0 and is_space(buf[end - 1]):
         end -= 1
-    while start < end and _sc_space(buf[start]):
+    while start < end and is_space(buf[start]):
         start += 1
-    if _sc_int(buf + start, end - start, &v):
+    if parse_int(buf + start, end - start, &v):
         return v
     return -1
 
@@ -2150,10 +1372,10 @@ cdef long _sc_leading_int(const char *buf, Py_ssize_t n) noexcept nogil:
 def read_rdma_ports(bytes root, tuple ibdevs):
     """Read ``(ibdev, port, state, phys_state)`` for every port of each RDMA device (absent ones skipped)."""
     cdef list out = []
-    cdef char buf[SC_READ_MAX + 1]
+    cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef long port_n, state, phys
-    cdef int cfd = sc_openat(-100, _sc_os.path.join(root, b"class/infiniband"), SC_DIR_FLAGS)
+    cdef int cfd = openat(-100, _os.path.join(root, b"class/infiniband"), DIR_FLAGS)
     cdef bytes pdir, base, state_path, phys_path
     cdef const char *state_c
     cdef const char *phys_c
@@ -2163,8 +1385,8 @@ def read_rdma_ports(bytes root, tuple ibdevs):
     try:
         for ibdev in ibdevs:
             pdir = ibdev + b"/ports"
-            for port in _sc_listdir(cfd, pdir):
-                if not _sc_int(port, len(port), &port_n):
+            for port in listdir_at(cfd, pdir):
+                if not parse_int(port, len(port), &port_n):
                     continue
                 base = pdir + b"/" + port
                 state_path = base + b"/state"
@@ -2174,13 +1396,13 @@ def read_rdma_ports(bytes root, tuple ibdevs):
                 # The poll reads two files per port for every RDMA device in a pool, every second: the
                 # reads run without the GIL so a poll in a worker thread leaves the event loop free.
                 with nogil:
-                    rc = _sc_read(cfd, state_c, buf, &n)
+                    rc = read_attr(cfd, state_c, buf, &n)
                     if rc == 0:
-                        state = _sc_leading_int(buf, n)
-                        phys = _sc_leading_int(buf, n) if _sc_read(cfd, phys_c, buf, &n) == 0 else -1
+                        state = leading_int(buf, n)
+                        phys = leading_int(buf, n) if read_attr(cfd, phys_c, buf, &n) == 0 else -1
                 if rc != 0:
                     continue
-                out.append((_sc_os.fsdecode(ibdev), port_n, state, phys))
+                out.append((_os.fsdecode(ibdev), port_n, state, phys))
     finally:
-        sc_close(cfd)
+        close(cfd)
     return tuple(out)

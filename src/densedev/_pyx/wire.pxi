@@ -20,7 +20,7 @@ cdef enum WireTag:
     WIRE_TAG_DEVICES = 0x0A   # ListAndWatchResponse.devices = 1
 
 
-cdef inline Py_ssize_t _wire_varint_len(unsigned long long value) noexcept nogil:
+cdef inline Py_ssize_t varint_len(unsigned long long value) noexcept nogil:
     cdef Py_ssize_t n = 1
     while value > 0x7F:
         value >>= 7
@@ -28,7 +28,7 @@ cdef inline Py_ssize_t _wire_varint_len(unsigned long long value) noexcept nogil
     return n
 
 
-cdef inline char* _wire_put_varint(char* out, unsigned long long value) noexcept nogil:
+cdef inline char* put_varint(char* out, unsigned long long value) noexcept nogil:
     while value > 0x7F:
         out[0] = <char>((value & 0x7F) | 0x80)
         out += 1
@@ -44,18 +44,18 @@ def encode_device(bytes device_id not None, bint healthy, long long numa):
     cdef Py_ssize_t id_len = PyBytes_GET_SIZE(device_id)
     cdef Py_ssize_t node_len = 0, topology_len = 0, total = 0
     if id_len:
-        total += 1 + _wire_varint_len(id_len) + id_len
+        total += 1 + varint_len(id_len) + id_len
     total += 1 + 1 + health_len
     if numa >= 0:
         if numa:
-            node_len = 1 + _wire_varint_len(<unsigned long long>numa)
-        topology_len = 1 + _wire_varint_len(node_len) + node_len
-        total += 1 + _wire_varint_len(topology_len) + topology_len
+            node_len = 1 + varint_len(<unsigned long long>numa)
+        topology_len = 1 + varint_len(node_len) + node_len
+        total += 1 + varint_len(topology_len) + topology_len
     cdef bytes result = PyBytes_FromStringAndSize(NULL, total)
     cdef char* out = PyBytes_AS_STRING(result)
     if id_len:
         out[0] = WIRE_TAG_ID
-        out = _wire_put_varint(out + 1, id_len)
+        out = put_varint(out + 1, id_len)
         memcpy(out, PyBytes_AS_STRING(device_id), id_len)
         out += id_len
     out[0] = WIRE_TAG_HEALTH
@@ -64,12 +64,12 @@ def encode_device(bytes device_id not None, bint healthy, long long numa):
     out += 2 + health_len
     if numa >= 0:
         out[0] = WIRE_TAG_TOPOLOGY
-        out = _wire_put_varint(out + 1, topology_len)
+        out = put_varint(out + 1, topology_len)
         out[0] = WIRE_TAG_NODES
-        out = _wire_put_varint(out + 1, node_len)
+        out = put_varint(out + 1, node_len)
         if numa:
             out[0] = WIRE_TAG_NODE_ID
-            _wire_put_varint(out + 1, <unsigned long long>numa)
+            put_varint(out + 1, <unsigned long long>numa)
     return result
 
 
@@ -82,14 +82,14 @@ def encode_list(list parts not None):
         if type(part) is not bytes:
             raise TypeError(f"encode_list: part {i} is {type(part).__name__}, not bytes")
         size = PyBytes_GET_SIZE(part)
-        total += 1 + _wire_varint_len(size) + size
+        total += 1 + varint_len(size) + size
     cdef bytes result = PyBytes_FromStringAndSize(NULL, total)
     cdef char* out = PyBytes_AS_STRING(result)
     for i in range(n):
         part = parts[i]
         size = PyBytes_GET_SIZE(part)
         out[0] = WIRE_TAG_DEVICES
-        out = _wire_put_varint(out + 1, size)
+        out = put_varint(out + 1, size)
         memcpy(out, PyBytes_AS_STRING(part), size)
         out += size
     return result

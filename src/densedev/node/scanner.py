@@ -1,18 +1,16 @@
 """Discovery: scan a sysfs root into one device table that every resource pool selects from.
 
-The scan itself is the accelerator's ``scan_sysfs`` (Cython, or its plain-Python twin); this module
-turns its tuples into ``Device`` named tuples, offers partial rescans for the event path (one PF and
-its VFs after a ``sriov_numvfs`` write or a driver bind) and the cheap RDMA port poll, and looks up
-optional human-readable names in ``pci.ids``.
+The scan itself is the accelerator's ``scan_sysfs`` (Cython, or its plain-Python twin), which returns
+``Device`` named tuples; this module holds them in a ``DeviceTable``, offers partial rescans for the
+event path (one PF and its VFs after a ``sriov_numvfs`` write or a driver bind) and the cheap RDMA port
+poll, and looks up optional human-readable names in ``pci.ids``.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Collection, Iterable
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -50,15 +48,12 @@ log = logging.getLogger(__name__)
 PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/share/pci.ids")
 
 
-_make_device = partial(tuple.__new__, Device)
-
-
 def _root(sysfs_root: str | Path) -> bytes:
     return os.fsencode(sysfs_root)
 
 
 def _table(
-    result: tuple[tuple[tuple[object, ...], ...], tuple[str, ...]], previous: DeviceTable | None = None
+    result: tuple[tuple[Device, ...], tuple[str, ...]], previous: DeviceTable | None = None
 ) -> DeviceTable:
     rows, warnings = result
     for w in warnings:
@@ -66,43 +61,25 @@ def _table(
         # report the warnings (summarised); here they are only traced.
         log.debug("discovery: %s", w)
     if previous is not None and _same(rows, previous.devices):
-        # Nothing changed (a Device is a tuple and compares equal to its row): keep the table the
-        # daemon already holds instead of making 16k new objects for the collector to walk.
+        # Nothing changed: give back the table the daemon already holds (its pools were built from
+        # it, and gc.freeze may hold its devices by now) and let the scan's equal Devices go.
         if warnings == previous.warnings:
             return previous
         return DeviceTable(previous.devices, warnings)
-    return DeviceTable(_devices(rows), warnings)
+    return DeviceTable(rows, warnings)
 
 
-# Rows compared or converted per C call: one call over a 16k-row table holds the GIL for ~10 ms (a
+# Devices compared per C call: one call over a 16k-row table holds the GIL for ~10 ms (a
 # compare walks ~400k fields), so the event loop's thread, waiting for it, could not run meanwhile.
 # Between slices CPython may hand the GIL over (sys.getswitchinterval()).
 _SLICE = 512
 
 
-def _same(rows: tuple[tuple[object, ...], ...], devices: tuple[Device, ...]) -> bool:
-    """Return whether a scan's rows equal a table's devices (a Device is a tuple), a slice at a time."""
+def _same(rows: tuple[Device, ...], devices: tuple[Device, ...]) -> bool:
+    """Return whether a scan's devices equal a table's, a slice at a time."""
     if len(rows) != len(devices):
         return False
     return all(rows[i : i + _SLICE] == devices[i : i + _SLICE] for i in range(0, len(rows), _SLICE))
-
-
-def _devices(rows: tuple[tuple[object, ...], ...]) -> tuple[Device, ...]:
-    # Device._make is a Python-level call per row; the scan's rows have exactly Device's fields (the
-    # accelerator's tests hold both scans to that), so the tuple constructor alone makes them.
-    # Each Device is a new tuple the cyclic collector tracks: with it running, every 700 of them set
-    # off a young collection that walks them (half the time of making 4k).  They live as long as the
-    # table, and the daemon freezes them (gc.freeze) once its pools are built, so it waits till then.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        out: list[Device] = []
-        for i in range(0, len(rows), _SLICE):
-            out.extend(map(_make_device, rows[i : i + _SLICE]))
-        return tuple(out)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def scan(
