@@ -385,24 +385,43 @@ def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str
     assert prepared >= 1, summary
 
 
-async def test_no_api_server_leaves_dra_unserved_and_the_rest_served(node: Node) -> None:
-    async def refused() -> ResourceClient:
-        return ResourceClient.for_url("http://127.0.0.1:9")  # nothing listens on the discard port
+async def test_without_the_api_server_the_kubelet_is_served_and_claims_unprepared(node: Node) -> None:
+    # A claim prepared, then the daemon restarted while the API server cannot be reached: the kubelet
+    # must still be able to unprepare it (it retries until that succeeds), and the rest of the node
+    # is served; once the API server answers, the slices follow without a restart.
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+        ref = node.claim(pf1[0])
+        assert (await c.dra_kubelet.prepare(DRIVER, [ref]))[ref[2]].error == ""
+        await c.stop_daemon()
+        c.api.wipe_node(NODE)
+        await c.until(lambda: DRIVER not in c.dra_kubelet.plugins, "the stopped plugin dropped")
 
-    kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket)
-    await kubelet.start()
-    api = ApiServerStandIn()
-    await api.start()
-    node.api = api
-    daemon = node.daemon(refused)  # the API server cannot be reached
-    try:
-        await daemon.start()  # does not raise: DRA is retried in the background
-        await kubelet.wait_for(lambda: set(kubelet.devices(DP)) == set(node.pf0.vf_addresses), GUARD_S)
+        reachable = False
+        api_url = c.api.url
+
+        async def flaky() -> ResourceClient:
+            return ResourceClient.for_url(api_url if reachable else "http://127.0.0.1:9")  # discard port
+
+        daemon = c.daemon = node.daemon(flaky)
+        await daemon.start()  # does not raise: the API side is retried in the background
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(node.pf0.vf_addresses), GUARD_S)
         ready, why = daemon.registered()
         assert not ready and "DRA driver" in why
-        assert daemon.dra is not None and not daemon.dra.started
-        assert not node.registry_dir.joinpath(f"{DRIVER}-reg.sock").exists()
-    finally:
-        await daemon.stop()
-        await kubelet.stop()
-        await api.stop()
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "registered again, the API server away")
+        assert daemon.ownership.held.get(pf1[0]) == frozenset({DRA_CLAIMS})
+        # A new claim cannot be read: refused per claim, nothing written.
+        other = node.claim(pf1[1])
+        refused = (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]].error
+        assert "API server" in refused and not node.spec(other[2]).exists(), refused
+        # The recovered claim is unprepared from the checkpoint alone.
+        assert (await c.dra_kubelet.unprepare(DRIVER, [ref])) == {ref[2]: ""}
+        assert not node.spec(ref[2]).exists() and pf1[0] not in daemon.ownership.held
+        assert node.published() == {}
+
+        reachable = True
+        await c.until(lambda: node.published() == by_name(pf1), "published once the API server answers")
+        await c.until(lambda: daemon.registered()[0], "ready")
+        assert (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]].error == ""

@@ -10,7 +10,8 @@ Order matters and is the daemon's to keep (see ``Daemon.start``), through ``DraH
    they hold count as held in the ownership map and the device-plugin side never lists them;
 2. ``take_pools`` / ``take_health`` after every pool change, ``take_changes`` after every health flush
    (health itself stays in the daemon's tracker: the gate and the slices read it there);
-3. ``start()`` connects to the API server, publishes, and serves the kubelet.
+3. ``start()`` serves the kubelet (at once: claims prepared before stay unpreparable while the API
+   server is away), then connects to the API server and publishes; retried until it can.
 
 The kubelet plugin is served as long as the daemon runs once started, even when a reload leaves no
 DRA pool: the kubelet still has to unprepare the claims prepared before (kubelet
@@ -19,6 +20,7 @@ DRA pool: the kubelet still has to unprepare the claims prepared before (kubelet
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -99,7 +101,8 @@ class DraDriver:
         self.pools: tuple[Pool, ...] = ()  # the DRA pools as configured (nothing withheld)
         self.withheld: frozenset[str] = frozenset()  # their devices held through the other API
         self._listed: tuple[Pool, ...] = ()  # the DRA pools as listed (withheld devices taken out)
-        self.started = False
+        self.started = False  # publishing and serving the kubelet
+        self.serving = False  # serving the kubelet (before the API server answers, too)
 
     # ------------------------------------------------------------------------------------- state
     def recover(self) -> frozenset[str]:
@@ -180,12 +183,22 @@ class DraDriver:
 
     # ------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        """Connect to the API server, start publishing, then serve the kubelet; DraUnavailable if not."""
+        """Serve the kubelet, then connect to the API server and publish; DraUnavailable if it cannot.
+
+        The kubelet side comes first and stays up whatever the API server does: claims prepared before
+        a restart must be unpreparable even while the API server cannot be reached (the kubelet retries
+        NodeUnprepareResources until it succeeds, pkg/kubelet/cm/dra/manager.go), and a Prepare then
+        fails per claim (its ResourceClaim cannot be read) rather than the plugin being absent.  Called
+        again (the daemon retries with backoff), it only connects and publishes.
+        """
         if self.started:
             return
         node = self.settings.node_name
         if not node:
             raise DraUnavailable("serving DRA pools needs the node's name: --node-name or $NODE_NAME")
+        if not self.serving:
+            await self.plugin.start()
+            self.serving = True
         if self.client is None:
             try:
                 if self._factory is not None:
@@ -198,6 +211,10 @@ class DraDriver:
         try:
             await self.client.discover()
         except Exception as exc:
+            # The next attempt builds the client anew: a kubeconfig or token fixed meanwhile is read.
+            client, self.client = self.client, None
+            with contextlib.suppress(Exception):
+                await client.close()
             raise DraUnavailable(f"the API server does not answer: {type(exc).__name__}: {exc}") from None
         self._reader.reader = HttpClaimReader(self.client)
         settings = PublisherSettings(
@@ -213,12 +230,6 @@ class DraDriver:
         # The kubelet deletes the node's slices of a driver it (re)registers; publish again then
         # (the reflector sees the deletions too, this is the prompt path).
         self.plugin.on_registered = publisher.poke
-        try:
-            await self.plugin.start()
-        except Exception:
-            await publisher.stop()
-            self.publisher = None
-            raise
         self.started = True
         log_event(
             log,
@@ -234,6 +245,7 @@ class DraDriver:
     async def stop(self) -> None:
         """Stop serving the kubelet and publishing (the slices stay: the kubelet owns their cleanup)."""
         await self.plugin.stop()
+        self.serving = False
         if self.publisher is not None:
             await self.publisher.stop()
             self.publisher = None
