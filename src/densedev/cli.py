@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from . import __version__, accel
 from .dra import commands as dra_commands
@@ -487,7 +487,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
     except OSError as exc:
         raise CommandError(f"cannot write {out}: {exc.strerror}") from None
-    progress = _Progress(sys.stderr, "building the simulated node")
+    progress = simnode.BuildProgress(sys.stderr, "building the simulated node")
     try:
         with _sigterm_interrupts():
             layout = simnode.simulate(
@@ -534,38 +534,6 @@ def _check_simulate_target(out: Path, force: bool) -> bool:
     if not force:
         raise CommandError(f"--out {out} already holds a simulated node; add --force to replace it")
     return True
-
-
-class _Progress:
-    """A progress callback for long builds: a redrawn bar on a terminal, a line per quarter otherwise."""
-
-    def __init__(self, stream: TextIO, what: str) -> None:
-        self.stream = stream
-        self.what = what
-        self.tty = stream.isatty()
-        self._shown = -1
-        self._drawn = False
-
-    def __call__(self, done: int, total: int) -> None:
-        """Report that ``done`` of ``total`` steps are finished."""
-        pct = 100 * done // total if total else 100
-        if self.tty:
-            if pct != self._shown:
-                bar = "#" * (pct // 4)
-                self.stream.write(f"\r{self.what} [{bar:<25}] {pct:3d}% ({done}/{total})")
-                self.stream.flush()
-                self._drawn = True
-        elif pct // 25 != self._shown // 25 or done == total:
-            self.stream.write(f"{self.what}: {pct}% ({done}/{total})\n")
-            self.stream.flush()
-        self._shown = pct
-
-    def done(self) -> None:
-        """End the bar's line."""
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
 
 
 class _Interrupted(BaseException):
