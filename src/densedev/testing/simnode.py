@@ -565,9 +565,10 @@ def _unlink(path: str) -> None:
 class BuildProgress:
     """A progress callback for long builds: a redrawn bar on a terminal, a line per quarter otherwise."""
 
-    def __init__(self, stream: TextIO, what: str) -> None:
+    def __init__(self, stream: TextIO, what: str, unit: str = "") -> None:
         self.stream = stream
         self.what = what
+        self.unit = unit  # after the count: " PFs" shows "(3/16 PFs)"
         self.tty = stream.isatty()
         self._shown = -1
         self._drawn = False
@@ -575,14 +576,15 @@ class BuildProgress:
     def __call__(self, done: int, total: int) -> None:
         """Report that ``done`` of ``total`` steps are finished."""
         pct = 100 * done // total if total else 100
+        count = f"({done}/{total}{self.unit})"
         if self.tty:
-            if pct != self._shown:
-                bar = "#" * (pct // 4)
-                self.stream.write(f"\r{self.what} [{bar:<25}] {pct:3d}% ({done}/{total})")
-                self.stream.flush()
-                self._drawn = True
+            # Redrawn at every step, not only when the percentage moves: the count changes each time.
+            bar = "#" * (pct // 4)
+            self.stream.write(f"\r{self.what} [{bar:<25}] {pct:3d}% {count}")
+            self.stream.flush()
+            self._drawn = True
         elif pct // 25 != self._shown // 25 or done == total:
-            self.stream.write(f"{self.what}: {pct}% ({done}/{total})\n")
+            self.stream.write(f"{self.what}: {pct}% {count}\n")
             self.stream.flush()
         self._shown = pct
 
