@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -57,6 +62,30 @@ def kept(workdir: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def scratch(prefix: str, parent: str | Path | None = None) -> Iterator[Path]:
+    """Yield a new directory under ``parent`` (default: the system's temp dir), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def workdir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """Yield where to build simulated nodes: ``--dir`` if given (kept, and said so), else a scratch dir."""
+    if given is None:
+        with scratch(prefix) as path:
+            yield path
+        return
+    given.mkdir(parents=True, exist_ok=True)
+    try:
+        yield given
+    finally:
+        kept(given)
+
+
 # --------------------------------------------------------------------------- the daemon as a process
 # Shared by the benchmarks that start ``densedev run`` as its own process (bench_e2e, bench_startup):
 # the same command line and environment a DaemonSet would run, pointed at a simulated node.
@@ -66,6 +95,16 @@ def percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values`` by nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Return the median seconds of ``repeat`` calls (median: the machine is shared and noisy)."""
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def rss_mib(pid: int) -> float:

@@ -43,16 +43,6 @@ def per_call(fn: Callable[[int], object], calls: int, repeat: int) -> float:
     return statistics.median(samples)
 
 
-def timed(fn: Callable[[], object], repeat: int) -> float:
-    """Return the median seconds of ``repeat`` calls."""
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
 def filled(pools: int) -> tuple[Metrics, list[str]]:
     """Return metrics with every series a busy node of ``pools`` pools would have."""
     m = Metrics()
@@ -128,7 +118,7 @@ def main() -> int:
             repeat,
         ),
         "observe_allocate_s": per_call(lambda i: m.observe_allocate(names[i % n], 0.0003), calls, repeat),
-        "render_s": timed(m.render, repeat),
+        "render_s": _impl.timed(m.render, repeat),
         "exposition_bytes": len(body),
     }
     results["scrape_s"], results["loop_stall_s"] = uvloop.run(scrape_times(m, repeat))
