@@ -8,6 +8,7 @@ So a benchmark refuses to run without the extension unless the twin was asked fo
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import shutil
@@ -56,6 +57,15 @@ def announce(script: str) -> None:
         f"plain-Python twin's. Build it in place from the repository root: {BUILD} "
         "(or set DENSEDEV_NO_EXTENSIONS=1 to measure the twin on purpose)"
     )
+
+
+def arguments(script: str, doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """Announce what ``script`` measures; return its parser with the shared ``--quick`` and ``--json``."""
+    announce(script)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
 
 
 def kept(workdir: Path) -> None:

@@ -14,7 +14,6 @@ share of the event loop a scrape takes.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -96,12 +95,7 @@ async def scrape_times(m: Metrics, repeat: int) -> tuple[float, float]:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer repetitions (a smoke run)")
     parser.add_argument("--pools", type=int, default=64)
     args = parser.parse_args()
     repeat, calls = (3, 2000) if args.quick else (15, 20000)

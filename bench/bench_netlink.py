@@ -17,7 +17,6 @@ collect that returns the pool update with that PF's 256 VFs Unhealthy (window in
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib
@@ -241,12 +240,7 @@ def percentile(samples: list[float], q: float) -> float:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer links and repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer links and repetitions (a smoke run)")
     parser.add_argument(
         "--links", type=int, default=None, help="links in the dump (default 16384; quick 1024)"
     )

@@ -14,7 +14,6 @@ The ratios printed are protobuf/cached and twin/extension.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
@@ -68,12 +67,7 @@ def bench_impl(mod: ModuleType, ids: list[bytes], numa: list[int], repeat: int) 
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer repetitions (a smoke run)")
     parser.add_argument("--devices", type=int, default=16384)
     args = parser.parse_args()
     repeat = 5 if args.quick else 40
