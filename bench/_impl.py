@@ -8,9 +8,15 @@ So a benchmark refuses to run without the extension unless the twin was asked fo
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
+import shutil
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -18,6 +24,17 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from densedev import accel  # noqa: E402
+from densedev.model import ROLE_VF, Device  # noqa: E402
+
+# A ConnectX VF bound to mlx5_core with every per-device field blank: benches _replace() what they vary.
+MLX5_VF = Device(
+    id="", role=ROLE_VF, vendor="15b3", device="101e", pci_class="020000", subsystem_vendor="15b3",
+    subsystem_device="0000", driver="mlx5_core", numa_node=0, iommu_group=-1, noiommu=False,
+    acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=0, pf_netdev="", netdevs=(),
+    link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="", pcie_root="",
+    aux_type="",
+)  # fmt: skip
+
 
 BUILD = f"{sys.executable} -m pip install 'cython>=3.0' && {sys.executable} setup.py build_ext --inplace"
 
@@ -42,6 +59,15 @@ def announce(script: str) -> None:
     )
 
 
+def arguments(script: str, doc: str | None, quick: str) -> argparse.ArgumentParser:
+    """Announce what ``script`` measures; return its parser with the shared ``--quick`` and ``--json``."""
+    announce(script)
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
 def kept(workdir: Path) -> None:
     """Say on stderr that ``--dir`` kept the simulated nodes, how much they hold and how to free it."""
     total = 0
@@ -57,6 +83,30 @@ def kept(workdir: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def scratch(prefix: str, parent: str | Path | None = None) -> Iterator[Path]:
+    """Yield a new directory under ``parent`` (default: the system's temp dir), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def workdir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """Yield where to build simulated nodes: ``--dir`` if given (kept, and said so), else a scratch dir."""
+    if given is None:
+        with scratch(prefix) as path:
+            yield path
+        return
+    given.mkdir(parents=True, exist_ok=True)
+    try:
+        yield given
+    finally:
+        kept(given)
+
+
 # --------------------------------------------------------------------------- the daemon as a process
 # Shared by the benchmarks that start ``densedev run`` as its own process (bench_e2e, bench_startup):
 # the same command line and environment a DaemonSet would run, pointed at a simulated node.
@@ -66,6 +116,16 @@ def percentile(values: list[float], q: float) -> float:
     """The ``q`` quantile (0..1) of ``values`` by nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Return the median seconds of ``repeat`` calls (median: the machine is shared and noisy)."""
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
 
 
 def rss_mib(pid: int) -> float:

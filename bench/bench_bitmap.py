@@ -133,12 +133,7 @@ def bench_tracker(rounds: int) -> dict[str, object]:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer repetitions (a smoke run)")
     parser.add_argument("--tracker-only", action="store_true", help=argparse.SUPPRESS)  # child mode
     args = parser.parse_args()
     calls, rounds = (200, 3) if args.quick else (2000, 7)

@@ -28,12 +28,14 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
+
 from densedev.dra import names
 from densedev.dra.claims import ClaimRef, PoolGate
 from densedev.dra.health import HealthStream
 from densedev.dra.node import NodeService, NodeSettings, handlers
 from densedev.dra.registration import DraPlugin
-from densedev.model import ROLE_VF, Device, Pool, PoolConfig, PoolMember
+from densedev.model import Device, Pool, PoolConfig, PoolMember
 from densedev.testing.dra_kubelet import ClaimStore, DraKubelet, allocated_claim
 
 DRIVER = "net.densedev.io"
@@ -43,18 +45,11 @@ PFS, VFS_PER_PF = 16, 256
 
 def make_devices() -> list[Device]:
     """Build 4,096 kernel-netdev VFs under 16 PFs."""
-    template = Device(
-        id="", role=ROLE_VF, vendor="15b3", device="101e", pci_class="020000", subsystem_vendor="15b3",
-        subsystem_device="0000", driver="mlx5_core", numa_node=0, iommu_group=-1, noiommu=False,
-        acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=0, pf_netdev="", netdevs=(),
-        link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="", pcie_root="",
-        aux_type="",
-    )  # fmt: skip
     out = []
     for p in range(PFS):
         for v in range(VFS_PER_PF):
             out.append(
-                template._replace(
+                _impl.MLX5_VF._replace(
                     id=f"0000:{p * 2 + 0x10 + v // 128:02x}:{v % 128 // 8:02x}.{v % 8}",
                     pf=f"0000:{p:02x}:00.0",
                     vf_index=v,

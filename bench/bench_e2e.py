@@ -180,12 +180,9 @@ def main() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("bench_e2e: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
         return 0
-    work = Path(tempfile.mkdtemp(prefix="densedev-bench-", dir=args.dir or _impl.tmpfs_dir()))
-    try:
-        with namespace("densedev-b") as ns:
-            result = uvloop.run(measure(args, work, ns))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    parent = args.dir or _impl.tmpfs_dir()
+    with _impl.scratch("densedev-bench-", parent) as work, namespace("densedev-b") as ns:
+        result = uvloop.run(measure(args, work, ns))
     if args.json:
         print(json.dumps(result))
     else:

@@ -14,7 +14,6 @@ share of the event loop a scrape takes.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -40,16 +39,6 @@ def per_call(fn: Callable[[int], object], calls: int, repeat: int) -> float:
         for i in range(calls):
             fn(i)
         samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples)
-
-
-def timed(fn: Callable[[], object], repeat: int) -> float:
-    """Return the median seconds of ``repeat`` calls."""
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
 
@@ -106,12 +95,7 @@ async def scrape_times(m: Metrics, repeat: int) -> tuple[float, float]:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer repetitions (a smoke run)")
     parser.add_argument("--pools", type=int, default=64)
     args = parser.parse_args()
     repeat, calls = (3, 2000) if args.quick else (15, 20000)
@@ -128,7 +112,7 @@ def main() -> int:
             repeat,
         ),
         "observe_allocate_s": per_call(lambda i: m.observe_allocate(names[i % n], 0.0003), calls, repeat),
-        "render_s": timed(m.render, repeat),
+        "render_s": _impl.timed(m.render, repeat),
         "exposition_bytes": len(body),
     }
     results["scrape_s"], results["loop_stall_s"] = uvloop.run(scrape_times(m, repeat))

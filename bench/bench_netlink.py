@@ -17,13 +17,11 @@ collect that returns the pool update with that PF's 256 VFs Unhealthy (window in
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib
 import json
 import math
-import statistics
 import struct
 import subprocess
 import sys
@@ -49,16 +47,6 @@ from densedev.testing.reference import pyroute2_links
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "netlink" / "dump_veth.hex"
 DATAGRAM = 32 * 1024  # netlink_dump() fills skbs of up to 32 KiB for a large enough receive buffer
-
-
-def timed(fn: Callable[[], object], rounds: int) -> float:
-    """Return the median seconds of ``rounds`` calls (the machine is shared and noisy)."""
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def template() -> tuple[bytes, int]:
@@ -252,12 +240,7 @@ def percentile(samples: list[float], q: float) -> float:
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer links and repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer links and repetitions (a smoke run)")
     parser.add_argument(
         "--links", type=int, default=None, help="links in the dump (default 16384; quick 1024)"
     )
@@ -286,8 +269,8 @@ def main() -> int:
         "message_bytes": len(template()[0]),
     }
     for name, mod in impls.items():
-        results[f"{name}_s"] = timed(lambda mod=mod: decode_with(mod, datagrams), rounds)  # type: ignore[misc]
-    results["pyroute2_s"] = timed(lambda: pyroute2_decode(datagrams), max(1, rounds // 3))
+        results[f"{name}_s"] = _impl.timed(lambda mod=mod: decode_with(mod, datagrams), rounds)  # type: ignore[misc]
+    results["pyroute2_s"] = _impl.timed(lambda: pyroute2_decode(datagrams), max(1, rounds // 3))
     if args.live:
         pfs, vfs = (8, 256) if args.quick else (64, 256)
         live = run_live(pfs, vfs, args.flips or (20 if args.quick else 100), args.window_ms / 1e3)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
 import uvloop
 
 from densedev import accel
@@ -40,11 +41,6 @@ from densedev.model import HEALTHY, UNHEALTHY
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 from densedev.testing.netns import namespace
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def free_port() -> int:
@@ -162,7 +158,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         "flood_requests": len(flips) + 1,
         "cycles": args.cycles,
         "cycles_without_overrun": missed,
-        "recovery_p50_ms": round(percentile(recoveries, 0.5) * 1e3, 1),
+        "recovery_p50_ms": round(_impl.percentile(recoveries, 0.5) * 1e3, 1),
         "recovery_max_ms": round(max(recoveries) * 1e3, 1),
         "overruns": metrics.get('overruns_total{source="link"}', 0.0),
         "reopens": metrics.get('reopens_total{reason="overrun",source="link"}', 0.0),
@@ -190,12 +186,8 @@ def main() -> int:
         print("bench_overrun: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
         return 0
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    work = Path(tempfile.mkdtemp(prefix="densedev-bench-", dir=args.dir or shm))
-    try:
-        with namespace("densedev-o") as ns:
-            result = uvloop.run(measure(args, work, ns))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with _impl.scratch("densedev-bench-", args.dir or shm) as work, namespace("densedev-o") as ns:
+        result = uvloop.run(measure(args, work, ns))
     if args.json:
         print(json.dumps(result))
     else:

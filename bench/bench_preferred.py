@@ -28,26 +28,19 @@ import _impl
 
 from densedev import _fast_py
 from densedev.alloc.respond import POLICIES, build_lookup, topology_of
-from densedev.model import ROLE_VF, Device
+from densedev.model import Device
 
 PFS, VFS_PER_PF = 128, 128
 
 
 def make_devices() -> list[Device]:
     """Build 16,384 VFs: PF p on NUMA p // 64 and root p // 16, VFs on buses after their PF's."""
-    template = Device(
-        id="", role=ROLE_VF, vendor="15b3", device="101e", pci_class="020000", subsystem_vendor="15b3",
-        subsystem_device="0000", driver="mlx5_core", numa_node=0, iommu_group=-1, noiommu=False,
-        acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=0, pf_netdev="", netdevs=(),
-        link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="", pcie_root="",
-        aux_type="",
-    )  # fmt: skip
     out: list[Device] = []
     for p in range(PFS):
         for v in range(VFS_PER_PF):
             address = f"{p // 64 + 1:04x}:{p % 64 * 4 + 1 + v // 64:02x}:{v % 64 // 8:02x}.{v % 8}"
             out.append(
-                template._replace(
+                _impl.MLX5_VF._replace(
                     id=address,
                     numa_node=p // 64,
                     pf=f"0000:{p:02x}:00.0",

@@ -307,15 +307,8 @@ def main() -> int:
         if unknown:
             parser.error(f"--sizes {unknown}: choose from {sorted(SIZES)}")
     repeat = args.repeat or (3 if args.quick else 5)
-    workdir = args.dir or Path(tempfile.mkdtemp(prefix="densedev-bench-scan-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
+    with _impl.workdir(args.dir, "densedev-bench-scan-") as workdir:
         results = run(sizes, repeat, workdir, rdma=not args.no_rdma, strace=not args.no_strace)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            _impl.kept(workdir)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

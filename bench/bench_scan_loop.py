@@ -25,11 +25,9 @@ import asyncio
 import gc
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -219,15 +217,8 @@ def main() -> int:
         _child(args.child, args.repeat, args.idle, args.no_gc, args.switch_interval)
         return 0
     vfs = 2048 if args.quick else 16384
-    workdir = args.dir or Path(tempfile.mkdtemp(prefix="densedev-bench-loop-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    try:
+    with _impl.workdir(args.dir, "densedev-bench-loop-") as workdir:
         results = run(vfs, args.repeat, args.idle, workdir, args.no_gc, args.switch_interval)
-    finally:
-        if args.dir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-        else:
-            _impl.kept(workdir)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

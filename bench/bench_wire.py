@@ -14,14 +14,10 @@ The ratios printed are protobuf/cached and twin/extension.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -33,16 +29,6 @@ from densedev import _fast_py as twin
 from densedev import accel
 from densedev._proto import api_pb2
 from densedev.kubelet.wire import ListEncoder
-
-
-def timed(fn: Callable[[], object], repeat: int) -> float:
-    """Return the median seconds of ``repeat`` calls (median: the machine is shared and noisy)."""
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def pci_ids(count: int) -> list[str]:
@@ -71,22 +57,17 @@ def bench_impl(mod: ModuleType, ids: list[bytes], numa: list[int], repeat: int) 
         return mod.encode_list([mod.encode_device(i, True, n) for i, n in zip(ids, numa, strict=True)])
 
     return {
-        "cold_s": timed(cold, max(3, repeat // 4)),
-        "one_change_s": timed(one_change, repeat),
-        "pf_change_s": timed(pf_change, repeat),
-        "join_only_s": timed(lambda: mod.encode_list(parts), repeat),
+        "cold_s": _impl.timed(cold, max(3, repeat // 4)),
+        "one_change_s": _impl.timed(one_change, repeat),
+        "pf_change_s": _impl.timed(pf_change, repeat),
+        "join_only_s": _impl.timed(lambda: mod.encode_list(parts), repeat),
         "devices": count,
     }
 
 
 def main() -> int:
     """Run the benchmark and print figures (or JSON)."""
-    _impl.announce(__file__)
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser = _impl.arguments(__file__, __doc__, "fewer repetitions (a smoke run)")
     parser.add_argument("--devices", type=int, default=16384)
     args = parser.parse_args()
     repeat = 5 if args.quick else 40
@@ -105,7 +86,7 @@ def main() -> int:
         return message.SerializeToString()
 
     results: dict[str, object] = {"devices": args.devices, "implementation": accel.IMPLEMENTATION}
-    results["protobuf_s"] = timed(protobuf, max(3, repeat // 4))
+    results["protobuf_s"] = _impl.timed(protobuf, max(3, repeat // 4))
     impls: dict[str, ModuleType] = {"python": twin}
     with contextlib.suppress(ImportError):  # a missing build: report the twin alone
         impls["cython"] = importlib.import_module("densedev._fast")
@@ -120,7 +101,7 @@ def main() -> int:
         healthy[77] = not healthy[77]
         return encoder.encode(healthy, changed=[77])
 
-    results["list_encoder_one_change_s"] = timed(encoder_one, repeat)
+    results["list_encoder_one_change_s"] = _impl.timed(encoder_one, repeat)
     pf = range(4096, 4352)  # one PF's 256 VFs flip, named as the health tracker names them
 
     def encoder_pf() -> bytes:
@@ -129,7 +110,7 @@ def main() -> int:
             healthy[index] = not down
         return encoder.encode(healthy, changed=pf)
 
-    results["list_encoder_pf_s"] = timed(encoder_pf, repeat)
+    results["list_encoder_pf_s"] = _impl.timed(encoder_pf, repeat)
     # Proof the fast path makes the same message as protobuf.
     check = ListEncoder(str_ids, numa).encode([h == "Healthy" for h in health])
     message = api_pb2.ListAndWatchResponse()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import shutil
 import tempfile
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -402,7 +401,9 @@ def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
 # -- through the kubelet emulator: the gRPC server, registration and the wire in between -----------
 
 
-def test_through_the_kubelet_emulator(run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Path) -> None:
+def test_through_the_kubelet_emulator(
+    run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Path, sock_dir: Path
+) -> None:
     import grpc
 
     from densedev.kubelet.feed import PoolFeed
@@ -410,7 +411,6 @@ def test_through_the_kubelet_emulator(run: Callable[[Coroutine[Any, Any, Any]], 
     from densedev.kubelet.wire import ListEncoder
     from densedev.testing.kubelet import KubeletEmulator
 
-    sock_dir = Path(tempfile.mkdtemp(prefix="dd-alloc-", dir="/tmp"))  # sun_path is 108 bytes at most
     dev_root = tmp_path / "dev"
     touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/83", "/dev/vfio/noiommu-84", "/dev/infiniband/uverbs3")
     vfs = [
@@ -459,7 +459,6 @@ def test_through_the_kubelet_emulator(run: Callable[[Coroutine[Any, Any, Any]], 
             await runner.stop()
             await kubelet.stop()
             alloc.close()
-            shutil.rmtree(sock_dir, ignore_errors=True)
 
     run(main())
     assert (tmp_path / "cdi" / "densedev-intel.com-dpdk.json").exists()

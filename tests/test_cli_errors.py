@@ -3,13 +3,11 @@ one clear line on stderr, the right exit code, never a traceback."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -161,7 +159,7 @@ def test_an_interrupted_simulate_leaves_no_partial_tree(
 
 
 def test_run_reports_a_busy_metrics_port_in_one_line(
-    tmp_path: Path, child_env: dict[str, str], kubelet_dir: Path
+    tmp_path: Path, child_env: dict[str, str], sock_dir: Path
 ) -> None:
     node = tmp_path / "node"
     assert (
@@ -173,14 +171,14 @@ def test_run_reports_a_busy_metrics_port_in_one_line(
         busy.listen()
         port = busy.getsockname()[1]
         args = ["run", "--config", str(node / "config.json"), "--sysfs-root", str(node), "--no-netlink"]
-        args += ["--kubelet-dir", str(kubelet_dir), "--metrics-addr", f"127.0.0.1:{port}"]
+        args += ["--kubelet-dir", str(sock_dir), "--metrics-addr", f"127.0.0.1:{port}"]
         args += ["--devinfo-dir", "", "--log-level", "error"]
         proc = densedev(args, child_env)
     assert proc.returncode == 1
     line = one_line(proc.stderr)
     assert line.startswith("ts=") and "level=error" in line and "cannot start:" in line
     assert "address already in use" in line
-    assert sorted(p.name for p in kubelet_dir.iterdir()) == []  # its sockets and lock are gone
+    assert sorted(p.name for p in sock_dir.iterdir()) == []  # its sockets and lock are gone
 
 
 def test_run_refuses_a_missing_kubelet_dir(tmp_path: Path, child_env: dict[str, str]) -> None:
@@ -189,14 +187,6 @@ def test_run_refuses_a_missing_kubelet_dir(tmp_path: Path, child_env: dict[str, 
     assert proc.returncode == 2
     assert f"--kubelet-dir {missing} does not exist: the kubelet creates it" in one_line(proc.stderr)
     assert not missing.exists()
-
-
-@pytest.fixture
-def kubelet_dir() -> Iterator[Path]:
-    """A short directory for unix sockets (sun_path holds 108 bytes; tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_bad_config_and_missing_files_are_one_line(tmp_path: Path, child_env: dict[str, str]) -> None:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import stat
-import tempfile
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +28,9 @@ ALL_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth
 
 
 @pytest.fixture
-def root() -> Iterator[Path]:
-    """A short temp dir for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def root(sock_dir: Path) -> Path:
+    """The root of the registry and plugin dirs: conftest's short ``sock_dir`` (unix socket paths)."""
+    return sock_dir
 
 
 @dataclass

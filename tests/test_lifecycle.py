@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import os
 import random
-import shutil
 import socket
 import stat
-import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +29,6 @@ from densedev.kubelet.lifecycle import SocketServer
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD = 10.0  # hang guards only: nothing here asserts on speed
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short directory for unix sockets (sun_path holds 108 bytes; pytest's tmp_path can be longer)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def ping_handler(name: str) -> grpc.GenericRpcHandler:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -360,31 +358,28 @@ async def test_pod_resources_client_lists_what_running_pods_hold(
     await client.close()
 
 
-def test_stale_sockets_of_removed_pools_go_and_nothing_else(tmp_path: Path) -> None:
-    d = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    try:
-        keep = socket_name_for(P1, d)
-        dead = socket_name_for(f"{PREFIX}/gone", d)
-        socks = []
-        for name in (keep, dead, "densedev-live.sock", "other-plugin.sock"):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.bind(str(d / name))
-            if name == "densedev-live.sock":
-                s.listen()  # someone serves it: not ours to remove
-            socks.append(s)
-        for s in socks:
-            if s.fileno() >= 0 and not s.getsockname().endswith("live.sock"):
-                s.close()  # the killed run's sockets: nobody listens any more
-        (d / "densedev-file.sock").write_text("not a socket")
-        (d / "densedev-link.sock").symlink_to(d / dead)
-        assert remove_stale_sockets(d, {keep}) == [dead]
-        assert sorted(os.listdir(d)) == sorted(
-            [keep, "densedev-live.sock", "other-plugin.sock", "densedev-file.sock", "densedev-link.sock"]
-        )
-        for s in socks:
-            s.close()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+def test_stale_sockets_of_removed_pools_go_and_nothing_else(sock_dir: Path) -> None:
+    d = sock_dir
+    keep = socket_name_for(P1, d)
+    dead = socket_name_for(f"{PREFIX}/gone", d)
+    socks = []
+    for name in (keep, dead, "densedev-live.sock", "other-plugin.sock"):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(str(d / name))
+        if name == "densedev-live.sock":
+            s.listen()  # someone serves it: not ours to remove
+        socks.append(s)
+    for s in socks:
+        if s.fileno() >= 0 and not s.getsockname().endswith("live.sock"):
+            s.close()  # the killed run's sockets: nobody listens any more
+    (d / "densedev-file.sock").write_text("not a socket")
+    (d / "densedev-link.sock").symlink_to(d / dead)
+    assert remove_stale_sockets(d, {keep}) == [dead]
+    assert sorted(os.listdir(d)) == sorted(
+        [keep, "densedev-live.sock", "other-plugin.sock", "densedev-file.sock", "densedev-link.sock"]
+    )
+    for s in socks:
+        s.close()
 
 
 async def test_start_removes_the_socket_of_a_pool_removed_meanwhile(

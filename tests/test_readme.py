@@ -5,16 +5,11 @@ from __future__ import annotations
 import queue
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 GUARD = 60.0  # hang guard only
@@ -28,15 +23,7 @@ def walkthrough() -> list[list[str]]:
     return [shlex.split(line) for line in block.group(1).splitlines() if line.strip()]
 
 
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A short directory (unix socket paths hold 107 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_the_readme_walkthrough_works_as_written(short_tmp: Path, child_env: dict[str, str]) -> None:
+def test_the_readme_walkthrough_works_as_written(sock_dir: Path, child_env: dict[str, str]) -> None:
     commands = walkthrough()
     assert [c[:2] for c in commands] == [
         ["densedev", "simulate"],
@@ -45,7 +32,7 @@ def test_the_readme_walkthrough_works_as_written(short_tmp: Path, child_env: dic
     ]
 
     def local(cmd: list[str]) -> list[str]:
-        args = [a.replace("/tmp/densedev-try", str(short_tmp)) for a in cmd[1:]]
+        args = [a.replace("/tmp/densedev-try", str(sock_dir)) for a in cmd[1:]]
         return [sys.executable, "-m", "densedev.cli", *args]
 
     simulate = subprocess.run(

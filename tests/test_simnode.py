@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 from pathlib import Path
@@ -287,3 +288,37 @@ def test_bad_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="do not fit"):
         build_node(tmp_path, pfs=64, vfs_per_pf=2000)
     assert simnode.__all__
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_build_progress_prints_a_line_per_quarter_off_a_terminal() -> None:
+    out = io.StringIO()
+    bar = simnode.BuildProgress(out, "building", " PFs")
+    for done in range(9):
+        bar(done, 8)
+    bar.done()
+    assert out.getvalue().splitlines() == [
+        "building: 0% (0/8 PFs)",
+        "building: 25% (2/8 PFs)",
+        "building: 50% (4/8 PFs)",
+        "building: 75% (6/8 PFs)",
+        "building: 100% (8/8 PFs)",
+    ]
+
+
+def test_build_progress_redraws_one_line_on_a_terminal_and_ends_it() -> None:
+    out = _Tty()
+    bar = simnode.BuildProgress(out, "building")
+    bar(0, 2)
+    bar(1, 2)
+    bar(2, 2)
+    bar.done()
+    bar.done()  # a second done adds no empty line
+    assert out.getvalue() == (
+        f"\rbuilding [{'':<25}]   0% (0/2)\rbuilding [{'#' * 12:<25}]  50% (1/2)"
+        f"\rbuilding [{'#' * 25}] 100% (2/2)\n"
+    )

@@ -14,14 +14,13 @@ import asyncio
 import gc
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -54,14 +53,6 @@ _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", re.MULTILINE)
 
 
 @pytest.fixture
-def kdir() -> Iterator[Path]:
-    """A short kubelet directory for unix sockets (sun_path holds 108 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def node(tmp_path: Path) -> tuple[Path, Path]:
     """A node of 2 PFs x 8 VFs and a config of one device-plugin pool holding all 16; (sysfs, config)."""
     layout = simnode.build_node(tmp_path / "sys", pfs=2, vfs_per_pf=8)
@@ -72,17 +63,17 @@ def node(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def imported_by_run(
-    run: Run, node: tuple[Path, Path], kdir: Path, env: dict[str, str], *extra: str, scrape: int = 0
+    run: Run, node: tuple[Path, Path], sock_dir: Path, env: dict[str, str], *extra: str, scrape: int = 0
 ) -> set[str]:
     """Every module ``densedev run`` imported from its start until it stopped, its full list sent (and
     ``/metrics`` scraped on port ``scrape`` when given)."""
     sysfs, config = node
     argv = [sys.executable, "-X", "importtime", "-m", "densedev.cli", "run", "--config", str(config)]
-    argv += ["--sysfs-root", str(sysfs), "--kubelet-dir", str(kdir), "--no-netlink", "--devinfo-dir", ""]
+    argv += ["--sysfs-root", str(sysfs), "--kubelet-dir", str(sock_dir), "--no-netlink", "--devinfo-dir", ""]
     argv += ["--log-level", "error", *extra]
 
     async def main() -> str:
-        emulator = KubeletEmulator(kdir)
+        emulator = KubeletEmulator(sock_dir)
         await emulator.start()
         try:
             with tempfile.TemporaryFile() as err:
@@ -127,21 +118,23 @@ def unwanted(modules: set[str]) -> list[str]:
 
 
 def test_a_device_plugin_only_run_imports_neither_metrics_nor_dra_nor_test_helpers(
-    run: Run, node: tuple[Path, Path], kdir: Path, child_env: dict[str, str]
+    run: Run, node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
 ) -> None:
-    modules = imported_by_run(run, node, kdir, child_env)
+    modules = imported_by_run(run, node, sock_dir, child_env)
     assert unwanted(modules) == []
     if accel.IMPLEMENTATION == "cython":  # the child runs what this process runs (same environment)
         assert "densedev._fast_py" not in modules  # the twin is the fallback, not a dependency
 
 
 def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need(
-    run: Run, node: tuple[Path, Path], kdir: Path, child_env: dict[str, str]
+    run: Run, node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
 ) -> None:
     # The other side of the test above: the same run serving /metrics imports prometheus-client once
     # scraped (so the parse of -X importtime sees lazy imports), and still none of the rest.
     port = _free_port()
-    modules = imported_by_run(run, node, kdir, child_env, "--metrics-addr", f"127.0.0.1:{port}", scrape=port)
+    modules = imported_by_run(
+        run, node, sock_dir, child_env, "--metrics-addr", f"127.0.0.1:{port}", scrape=port
+    )
     assert "prometheus_client" in modules
     assert [m for m in unwanted(modules) if not m.startswith("prometheus_client")] == []
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from . import __version__, accel
 from .dra import commands as dra_commands
@@ -150,6 +150,35 @@ def _sub(sub: Any, name: str, summary: str, example: str, level: str = "info") -
     return p
 
 
+def _add_sysfs_root(p: argparse.ArgumentParser) -> None:
+    """Add ``--sysfs-root``, checked like every flag: a tree without the PCI devices is refused."""
+    p.add_argument(
+        "--sysfs-root",
+        type=_sysfs_root,
+        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
+        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
+    )
+
+
+def _add_resource_prefix(p: argparse.ArgumentParser) -> None:
+    """Add ``--resource-prefix``, the prefix of every pool that does not set its own."""
+    p.add_argument(
+        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
+    )
+
+
+def _add_node_shape(p: argparse.ArgumentParser, least: int) -> None:
+    """Add the simulated node's shape: --pfs, --vfs-per-pf (each at least ``least``) and --vendor."""
+    p.add_argument("--pfs", type=_int_at_least(least), default=16, help="physical functions")
+    p.add_argument("--vfs-per-pf", type=_int_at_least(least), default=256, help="virtual functions per PF")
+    p.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
+
+
+def _add_seconds(p: argparse.ArgumentParser) -> None:
+    """Add ``--seconds``, how long a foreground command runs."""
+    p.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
+
+
 DESCRIPTION = """\
 densedev: a Kubernetes device plugin for SR-IOV VFs and RDMA devices at high density.
 
@@ -191,12 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
         "densedev run --config /etc/pcidp/config.json --metrics-addr :9477",
     )
     run.add_argument("--config", type=Path, default=Path("/etc/pcidp/config.json"), help="the config file")
-    run.add_argument(
-        "--sysfs-root",
-        type=_sysfs_root,
-        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
-        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
-    )
+    _add_sysfs_root(run)
     run.add_argument(
         "--kubelet-dir",
         type=Path,
@@ -218,9 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("/var/run/k8s.cni.cncf.io/devinfo/dp"),
         help="device-info files for Multus/SR-IOV CNI ('' disables)",
     )
-    run.add_argument(
-        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
-    )
+    _add_resource_prefix(run)
     run.add_argument(
         "--node-name",
         default=os.environ.get("NODE_NAME") or None,
@@ -286,16 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
         "print the devices discovery finds (and pools with --config)",
         "densedev scan --config /etc/pcidp/config.json",
     )
-    scan.add_argument(
-        "--sysfs-root",
-        type=_sysfs_root,
-        default=SYSFS_ROOT,  # a string, so argparse runs the check on the default too
-        help=f"sysfs to scan (refused unless it has {PCI_DEVICES})",
-    )
+    _add_sysfs_root(scan)
     scan.add_argument("--config", type=Path, default=None, help="also show each pool's selection")
-    scan.add_argument(
-        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
-    )
+    _add_resource_prefix(scan)
     scan.add_argument("--json", action="store_true", help="print JSON (schema in docs/config.md)")
     scan.add_argument(
         "--verbose",
@@ -315,9 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="treat warnings as errors (e.g. what the SR-IOV network device plugin would refuse)",
     )
-    check.add_argument(
-        "--resource-prefix", default=DEFAULT_PREFIX, help="prefix of pools that do not set resourcePrefix"
-    )
+    _add_resource_prefix(check)
 
     sim = _sub(
         sub,
@@ -327,9 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--out", type=Path, required=True, help="directory to create (refused if it exists)")
     sim.add_argument("--force", action="store_true", help="replace an existing simulated node at --out")
-    sim.add_argument("--pfs", type=_int_at_least(0), default=16, help="physical functions")
-    sim.add_argument("--vfs-per-pf", type=_int_at_least(0), default=256, help="virtual functions per PF")
-    sim.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
+    _add_node_shape(sim, least=0)
     sim.add_argument("--rdma", action="store_true", help="give every function an RDMA device")
     sim.add_argument("--numa-nodes", type=_int_at_least(1), default=2, help="NUMA nodes to spread NICs on")
 
@@ -341,10 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         "densedev demo --seconds 20",
         level="error",
     )
-    demo.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
-    demo.add_argument("--pfs", type=_int_at_least(1), default=16, help="physical functions")
-    demo.add_argument("--vfs-per-pf", type=_int_at_least(1), default=256, help="virtual functions per PF")
-    demo.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
+    _add_seconds(demo)
+    _add_node_shape(demo, least=1)
     demo.add_argument("--flip-interval", type=_seconds, default=0.5, help="seconds between health flips")
     demo.add_argument(
         "--dra",
@@ -375,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RESOURCE=COUNT",
         help="once listed, allocate COUNT healthy devices of RESOURCE and print the env (repeatable)",
     )
-    emu.add_argument("--seconds", type=_seconds, default=0.0, help="stop after N seconds (0: until Ctrl-C)")
+    _add_seconds(emu)
     dra_commands.add_parsers(sub, _add_common, DEFAULT_PREFIX)  # dra-slices, dra-manifests
     return parser
 
@@ -478,7 +487,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
     except OSError as exc:
         raise CommandError(f"cannot write {out}: {exc.strerror}") from None
-    progress = _Progress(sys.stderr, "building the simulated node")
+    progress = simnode.BuildProgress(sys.stderr, "building the simulated node")
     try:
         with _sigterm_interrupts():
             layout = simnode.simulate(
@@ -525,38 +534,6 @@ def _check_simulate_target(out: Path, force: bool) -> bool:
     if not force:
         raise CommandError(f"--out {out} already holds a simulated node; add --force to replace it")
     return True
-
-
-class _Progress:
-    """A progress callback for long builds: a redrawn bar on a terminal, a line per quarter otherwise."""
-
-    def __init__(self, stream: TextIO, what: str) -> None:
-        self.stream = stream
-        self.what = what
-        self.tty = stream.isatty()
-        self._shown = -1
-        self._drawn = False
-
-    def __call__(self, done: int, total: int) -> None:
-        """Report that ``done`` of ``total`` steps are finished."""
-        pct = 100 * done // total if total else 100
-        if self.tty:
-            if pct != self._shown:
-                bar = "#" * (pct // 4)
-                self.stream.write(f"\r{self.what} [{bar:<25}] {pct:3d}% ({done}/{total})")
-                self.stream.flush()
-                self._drawn = True
-        elif pct // 25 != self._shown // 25 or done == total:
-            self.stream.write(f"{self.what}: {pct}% ({done}/{total})\n")
-            self.stream.flush()
-        self._shown = pct
-
-    def done(self) -> None:
-        """End the bar's line."""
-        if self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = False
 
 
 class _Interrupted(BaseException):

@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TextIO
 
 import grpc
 
@@ -164,7 +163,7 @@ async def _build(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> s
     _layout_file(work).unlink(missing_ok=True)
     # Built beside its final place and renamed there: a build stopped half-way leaves nothing behind.
     partial = Path(tempfile.mkdtemp(prefix=".sys.partial-", dir=work))
-    bar = _BuildProgress(sys.stdout)
+    bar = simnode.BuildProgress(sys.stdout, "building the simulated node", " PFs")
 
     def progress(done: int, total: int) -> None:
         if stop.is_set():
@@ -193,36 +192,6 @@ async def _build(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> s
     if args.workdir is not None:
         _keep(work, args, layout)
     return layout
-
-
-class _BuildProgress:
-    """A bar redrawn in place on a terminal; otherwise a plain line at each quarter."""
-
-    def __init__(self, out: TextIO) -> None:
-        self.out = out
-        self.tty = out.isatty()
-        self.quarter = -1
-        self.drawn = False
-
-    def __call__(self, done: int, total: int) -> None:
-        """Show that ``done`` of ``total`` PFs (with their VFs) are written."""
-        pct = 100 * done // total if total else 100
-        if self.tty:
-            self.out.write(
-                f"\rbuilding the simulated node [{'#' * (pct // 4):<25}] {pct:3d}% ({done}/{total} PFs)"
-            )
-            self.drawn = True
-        elif pct // 25 != self.quarter:
-            self.quarter = pct // 25
-            self.out.write(f"building the simulated node: {pct}% ({done}/{total} PFs)\n")
-        self.out.flush()
-
-    def done(self) -> None:
-        """End the bar's line."""
-        if self.drawn:
-            self.out.write("\n")
-            self.out.flush()
-            self.drawn = False
 
 
 def _reset(sysfs: Path, layout: simnode.NodeLayout) -> None:

@@ -35,6 +35,7 @@ from .. import files
 from .._proto import dra_v1_pb2, dra_v1beta1_pb2
 from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
+from ..kubelet.lifecycle import unary
 from ..model import DeviceType, PoolConfig, RequestError
 from ..printable import clip, listing
 from . import names
@@ -513,11 +514,6 @@ def _handler(service: NodeService, name: str, pb: ModuleType) -> grpc.GenericRpc
         for uid, error in errors.items():
             response.claims[uid].error = error  # an entry for every claim, even an empty one
         return response
-
-    def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
-        )
 
     return grpc.method_handlers_generic_handler(
         name,

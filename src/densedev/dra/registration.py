@@ -25,7 +25,7 @@ import grpc
 
 from .. import files
 from .._proto import pluginregistration_pb2 as reg_pb
-from ..kubelet.lifecycle import SocketServer
+from ..kubelet.lifecycle import SocketServer, unary
 from ..kubelet.watch import DirectoryWatch
 from ..printable import clip
 from . import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
@@ -169,11 +169,6 @@ class DraPlugin:
     # -- pluginregistration.Registration ------------------------------------------------------------
 
     def _reg_handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn: Callable[..., Any], req: Any, resp: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=req.FromString, response_serializer=resp.SerializeToString
-            )
-
         return grpc.method_handlers_generic_handler(
             REGISTRATION_SERVICE,
             {

@@ -137,6 +137,13 @@ def lifecycle() -> Lifecycle:
     return owner
 
 
+def unary(fn: Callable[..., Any], request: Any, response: Any) -> grpc.RpcMethodHandler:
+    """Return the handler of a unary method: ``fn`` answers a ``request`` message with a ``response``."""
+    return grpc.unary_unary_rpc_method_handler(
+        fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
+    )
+
+
 class SocketServer:
     """One grpc.aio server on one unix socket (mode 0600 whatever the umask), removed on stop.
 

@@ -15,7 +15,7 @@ from .._proto import api_pb2
 from ..model import RequestError
 from ..printable import clip
 from .feed import PoolFeed
-from .lifecycle import SocketServer
+from .lifecycle import SocketServer, unary
 from .sockets import MAX_UNIX_PATH as MAX_UNIX_PATH  # where daemon.py has long looked for it
 
 log = logging.getLogger(__name__)
@@ -112,11 +112,6 @@ class PluginServer:
             log.info("%s: stopped serving on %s", self.resource, self.socket_path)
 
     def _handler(self) -> grpc.GenericRpcHandler:
-        def unary(fn: Callable[..., Any], request: Any, response: Any) -> grpc.RpcMethodHandler:
-            return grpc.unary_unary_rpc_method_handler(
-                fn, request_deserializer=request.FromString, response_serializer=response.SerializeToString
-            )
-
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypedDict, Unpack
 
 from .. import accel
 from ..backoff import Backoff
@@ -237,6 +237,17 @@ def dump_progress(data: bytes, seq: int) -> DumpProgress:
     return DumpProgress(False, interrupted, error, malformed)
 
 
+class MonitorOptions(TypedDict, total=False):
+    """What a monitor may be given by keyword besides its callbacks (defaults: :class:`_Monitor`'s)."""
+
+    netns: str | None  # a name from ``ip netns add`` or a path; None: the daemon's own namespace
+    rcvbuf: int
+    netns_dir: Path
+    observer: NetlinkObserver | None
+    stall_timeout_s: float  # 0: no watchdog
+    probe_interval_s: float  # 0: no probes
+
+
 class _Monitor:
     """Shared reader: a netlink socket on the loop, reopened whenever it may have lost or stopped.
 
@@ -255,12 +266,12 @@ class _Monitor:
         protocol: int,
         groups: int,
         on_overrun: Callable[[], None],
-        netns: str | None,
-        rcvbuf: int,
-        netns_dir: Path,
-        observer: NetlinkObserver | None,
-        stall_timeout_s: float,
-        probe_interval_s: float,
+        netns: str | None = None,
+        rcvbuf: int = DEFAULT_RCVBUF,
+        netns_dir: Path = DEFAULT_NETNS_DIR,
+        observer: NetlinkObserver | None = None,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
     ) -> None:
         self._protocol = protocol
         self._groups = groups
@@ -554,24 +565,9 @@ class LinkMonitor(_Monitor):
         self,
         on_links: Callable[[tuple[LinkTuple, ...]], None],
         on_overrun: Callable[[], None],
-        netns: str | None = None,
-        rcvbuf: int = DEFAULT_RCVBUF,
-        netns_dir: Path = DEFAULT_NETNS_DIR,
-        observer: NetlinkObserver | None = None,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+        **options: Unpack[MonitorOptions],
     ) -> None:
-        super().__init__(
-            NETLINK_ROUTE,
-            RTMGRP_LINK,
-            on_overrun,
-            netns,
-            rcvbuf,
-            netns_dir,
-            observer,
-            stall_timeout_s,
-            probe_interval_s,
-        )
+        super().__init__(NETLINK_ROUTE, RTMGRP_LINK, on_overrun, **options)
         self._on_links = on_links
         self._pending: list[LinkTuple] = []
         self._seq = 0
@@ -684,24 +680,9 @@ class UeventMonitor(_Monitor):
         self,
         on_event: Callable[[UeventTuple], None],
         on_overrun: Callable[[], None],
-        netns: str | None = None,
-        rcvbuf: int = DEFAULT_RCVBUF,
-        netns_dir: Path = DEFAULT_NETNS_DIR,
-        observer: NetlinkObserver | None = None,
-        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
-        probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
+        **options: Unpack[MonitorOptions],
     ) -> None:
-        super().__init__(
-            NETLINK_KOBJECT_UEVENT,
-            UEVENT_GROUP_KERNEL,
-            on_overrun,
-            netns,
-            rcvbuf,
-            netns_dir,
-            observer,
-            stall_timeout_s,
-            probe_interval_s,
-        )
+        super().__init__(NETLINK_KOBJECT_UEVENT, UEVENT_GROUP_KERNEL, on_overrun, **options)
         self._on_event = on_event
 
     async def start(self) -> None:

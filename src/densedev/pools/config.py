@@ -16,7 +16,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -348,6 +348,18 @@ class _Reader:
         self.problem(where, f"expected a string, got {_type_name(value)}")
         return None
 
+    def string_items(self, value: Any, where: str) -> Iterator[tuple[str, str]]:
+        """Yield ``(where, item)`` for each string of a list; report a non-list and each non-string."""
+        if not isinstance(value, list):
+            self.problem(where, f"expected a list of strings, got {_type_name(value)}")
+            return
+        for i, item in enumerate(value):
+            at = f"{where}[{i}]"
+            if isinstance(item, str):
+                yield at, item
+            else:
+                self.problem(at, f"expected a string, got {_type_name(item)}")
+
     def strings(
         self,
         value: Any,
@@ -356,15 +368,9 @@ class _Reader:
         what: str = "",
     ) -> tuple[str, ...]:
         """Read a list of non-empty strings, each passed through ``convert`` (None from it = invalid)."""
-        if not isinstance(value, list):
-            self.problem(where, f"expected a list of strings, got {_type_name(value)}")
-            return ()
         out: list[str] = []
-        for i, item in enumerate(value):
-            at = f"{where}[{i}]"
-            if not isinstance(item, str):
-                self.problem(at, f"expected a string, got {_type_name(item)}")
-            elif not item:
+        for at, item in self.string_items(value, where):
+            if not item:
                 self.problem(at, "empty string")
             elif not self.printable(item, at):
                 continue
@@ -566,15 +572,8 @@ def _compat_selector_warnings(
 
 
 def _parse_ranges(r: _Reader, value: Any, where: str, is_pci: bool) -> tuple[IndexRange, ...]:
-    if not isinstance(value, list):
-        r.problem(where, f"expected a list of strings, got {_type_name(value)}")
-        return ()
     out: list[IndexRange] = []
-    for i, text in enumerate(value):
-        at = f"{where}[{i}]"
-        if not isinstance(text, str):
-            r.problem(at, f"expected a string, got {_type_name(text)}")
-            continue
+    for at, text in r.string_items(value, where):
         try:
             rng = parse_index_range(text)
         except ValueError as exc:

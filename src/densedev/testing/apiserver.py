@@ -53,6 +53,11 @@ def _status(code: int, reason: str, message: str) -> web.Response:
     return web.json_response({**body, "code": code}, status=code)
 
 
+def _not_found(resource: str, name: str) -> web.Response:
+    """Return the API server's 404 for a missing object: ``resourceslices.resource.k8s.io "x" not found``."""
+    return _status(404, "NotFound", f'{resource} "{name}" not found')
+
+
 class SchemaChecker:
     """Validates objects against kubernetes-validate's OpenAPI schemas, one compiled validator per kind."""
 
@@ -478,7 +483,7 @@ class ApiServerStandIn:
         self.requests["GET resourceslices"] += 1
         name = request.match_info["name"]
         if name not in self.slices:
-            return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
+            return _not_found(f"resourceslices.{GROUP}", name)
         return web.json_response(self.slices[name])
 
     async def _replace(self, request: web.Request) -> web.Response:
@@ -490,7 +495,7 @@ class ApiServerStandIn:
             return fault
         old = self.slices.get(name)
         if old is None:
-            return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
+            return _not_found(f"resourceslices.{GROUP}", name)
         try:
             if (obj.get("metadata") or {}).get("name") != name:
                 raise _Invalid("metadata.name: does not match the URL")
@@ -518,7 +523,7 @@ class ApiServerStandIn:
             return fault
         old = self.slices.get(name)
         if old is None:
-            return _status(404, "NotFound", f'resourceslices.{GROUP} "{name}" not found')
+            return _not_found(f"resourceslices.{GROUP}", name)
         body = await request.json() if request.can_read_body else {}
         pre = (body or {}).get("preconditions") or {}
         if pre.get("uid") and pre["uid"] != old["metadata"]["uid"]:
@@ -550,7 +555,7 @@ class ApiServerStandIn:
         key = (request.match_info["ns"], request.match_info["name"])
         claim = self.claims.get(key)
         if claim is None:
-            return _status(404, "NotFound", f'resourceclaims.{GROUP} "{key[1]}" not found')
+            return _not_found(f"resourceclaims.{GROUP}", key[1])
         return web.json_response(claim)
 
     async def _node(self, request: web.Request) -> web.Response:
@@ -558,7 +563,7 @@ class ApiServerStandIn:
         name = request.match_info["name"]
         node = self.nodes.get(name)
         if node is None:
-            return _status(404, "NotFound", f'nodes "{name}" not found')
+            return _not_found("nodes", name)
         return web.json_response(node)
 
 

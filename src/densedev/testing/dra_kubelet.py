@@ -341,6 +341,23 @@ class DraKubelet:
             raise KeyError(f"DRA driver {driver} is not registered")
         return record
 
+    async def _call_claims(
+        self, driver: str, method: str, claims: Sequence[tuple[str, str, str]], timeout: float
+    ) -> Any:
+        """Call ``method`` (NodePrepareResources or NodeUnprepareResources) for (namespace, name, uid)."""
+        record = self._plugin(driver)
+        pb = _PB[record.version]
+        request_type, response_type = getattr(pb, f"{method}Request"), getattr(pb, f"{method}Response")
+        call = record.channel.unary_unary(
+            f"/{SERVICES[record.version]}/{method}",
+            request_serializer=request_type.SerializeToString,
+            response_deserializer=response_type.FromString,
+        )
+        request = request_type(
+            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
+        )
+        return await call(request, timeout=timeout)
+
     async def prepare(
         self, driver: str, claims: Sequence[tuple[str, str, str]], timeout: float = CALL_TIMEOUT
     ) -> dict[str, PreparedAnswer]:
@@ -349,17 +366,7 @@ class DraKubelet:
         Raises AssertionError for an answer the kubelet would reject as a whole (a UID it did not ask
         about, claims left out, a malformed CDI ID), and grpc.aio.AioRpcError for a failed call.
         """
-        record = self._plugin(driver)
-        pb = _PB[record.version]
-        call = record.channel.unary_unary(
-            f"/{SERVICES[record.version]}/NodePrepareResources",
-            request_serializer=pb.NodePrepareResourcesRequest.SerializeToString,
-            response_deserializer=pb.NodePrepareResourcesResponse.FromString,
-        )
-        request = pb.NodePrepareResourcesRequest(
-            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
-        )
-        response = await call(request, timeout=timeout)
+        response = await self._call_claims(driver, "NodePrepareResources", claims, timeout)
         asked = {uid for _ns, _name, uid in claims}
         extra = set(response.claims) - asked
         assert not extra, f"NodePrepareResources answered claims it was not asked about: {sorted(extra)}"
@@ -387,17 +394,7 @@ class DraKubelet:
         self, driver: str, claims: Sequence[tuple[str, str, str]], timeout: float = CALL_TIMEOUT
     ) -> dict[str, str]:
         """Call NodeUnprepareResources; return the error ("" for success) per claim UID."""
-        record = self._plugin(driver)
-        pb = _PB[record.version]
-        call = record.channel.unary_unary(
-            f"/{SERVICES[record.version]}/NodeUnprepareResources",
-            request_serializer=pb.NodeUnprepareResourcesRequest.SerializeToString,
-            response_deserializer=pb.NodeUnprepareResourcesResponse.FromString,
-        )
-        request = pb.NodeUnprepareResourcesRequest(
-            claims=[pb.Claim(namespace=ns, name=name, uid=uid) for ns, name, uid in claims]
-        )
-        response = await call(request, timeout=timeout)
+        response = await self._call_claims(driver, "NodeUnprepareResources", claims, timeout)
         asked = {uid for _ns, _name, uid in claims}
         assert set(response.claims) == asked, "NodeUnprepareResources must answer every claim, and only those"
         return {uid: answer.error for uid, answer in response.claims.items()}

@@ -214,25 +214,17 @@ class KubeletEmulator:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self._load_checkpoint()
         self._delete_sockets()
-        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
-        server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "v1beta1.Registration",
-                    {
-                        "Register": grpc.unary_unary_rpc_method_handler(
-                            self._register,
-                            request_deserializer=api_pb2.RegisterRequest.FromString,
-                            response_serializer=api_pb2.Empty.SerializeToString,
-                        )
-                    },
-                ),
-            )
+        self._server = await _serve(
+            self.socket_path,
+            "v1beta1.Registration",
+            {
+                "Register": grpc.unary_unary_rpc_method_handler(
+                    self._register,
+                    request_deserializer=api_pb2.RegisterRequest.FromString,
+                    response_serializer=api_pb2.Empty.SerializeToString,
+                )
+            },
         )
-        if server.add_insecure_port(f"unix:{self.socket_path}") == 0:
-            raise OSError(f"kubelet emulator: cannot listen on {self.socket_path}")
-        await server.start()
-        self._server = server
         log.info("kubelet emulator: listening on %s", self.socket_path)
         if self.pod_resources_socket is not None:
             await self._serve_pod_resources(self.pod_resources_socket)
@@ -537,31 +529,23 @@ class KubeletEmulator:
     async def _serve_pod_resources(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
-        server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
         pr = podresources_pb2
-        server.add_generic_rpc_handlers(
-            (
-                grpc.method_handlers_generic_handler(
-                    "v1.PodResourcesLister",
-                    {
-                        "List": grpc.unary_unary_rpc_method_handler(
-                            self._pr_list,
-                            request_deserializer=pr.ListPodResourcesRequest.FromString,
-                            response_serializer=pr.ListPodResourcesResponse.SerializeToString,
-                        ),
-                        "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
-                            self._pr_allocatable,
-                            request_deserializer=pr.AllocatableResourcesRequest.FromString,
-                            response_serializer=pr.AllocatableResourcesResponse.SerializeToString,
-                        ),
-                    },
+        self._pr_server = await _serve(
+            path,
+            "v1.PodResourcesLister",
+            {
+                "List": grpc.unary_unary_rpc_method_handler(
+                    self._pr_list,
+                    request_deserializer=pr.ListPodResourcesRequest.FromString,
+                    response_serializer=pr.ListPodResourcesResponse.SerializeToString,
                 ),
-            )
+                "GetAllocatableResources": grpc.unary_unary_rpc_method_handler(
+                    self._pr_allocatable,
+                    request_deserializer=pr.AllocatableResourcesRequest.FromString,
+                    response_serializer=pr.AllocatableResourcesResponse.SerializeToString,
+                ),
+            },
         )
-        if server.add_insecure_port(f"unix:{path}") == 0:
-            raise OSError(f"kubelet emulator: cannot listen on {path}")
-        await server.start()
-        self._pr_server = server
 
     def _container_devices(self, resource: str, ids: Sequence[str]) -> podresources_pb2.ContainerDevices:
         endpoint = self._endpoints.get(resource)
@@ -794,3 +778,13 @@ class _DevicePluginStub:
 
 def _serialize(message: Any) -> bytes:
     return bytes(message.SerializeToString())
+
+
+async def _serve(path: Path, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> grpc.aio.Server:
+    """Start a gRPC server answering ``service``'s ``methods`` on the unix socket ``path``."""
+    server = grpc.aio.server(options=(("grpc.so_reuseport", 0),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, methods),))
+    if server.add_insecure_port(f"unix:{path}") == 0:
+        raise OSError(f"kubelet emulator: cannot listen on {path}")
+    await server.start()
+    return server

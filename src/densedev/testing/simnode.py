@@ -20,6 +20,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from ..model import DEFAULT_PREFIX
 from ..node import layout
@@ -559,6 +560,40 @@ def _listdir(path: str) -> list[str]:
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+class BuildProgress:
+    """A progress callback for long builds: a redrawn bar on a terminal, a line per quarter otherwise."""
+
+    def __init__(self, stream: TextIO, what: str, unit: str = "") -> None:
+        self.stream = stream
+        self.what = what
+        self.unit = unit  # after the count: " PFs" shows "(3/16 PFs)"
+        self.tty = stream.isatty()
+        self._shown = -1
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        """Report that ``done`` of ``total`` steps are finished."""
+        pct = 100 * done // total if total else 100
+        count = f"({done}/{total}{self.unit})"
+        if self.tty:
+            # Redrawn at every step, not only when the percentage moves: the count changes each time.
+            bar = "#" * (pct // 4)
+            self.stream.write(f"\r{self.what} [{bar:<25}] {pct:3d}% {count}")
+            self.stream.flush()
+            self._drawn = True
+        elif pct // 25 != self._shown // 25 or done == total:
+            self.stream.write(f"{self.what}: {pct}% {count}\n")
+            self.stream.flush()
+        self._shown = pct
+
+    def done(self) -> None:
+        """End the bar's line."""
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
 
 
 def build_node(
