@@ -16,34 +16,31 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import accel, poolset
 from .alloc import leftovers
-from .alloc.respond import AllocationSettings, PoolAllocator
 from .backoff import Backoff, backoff_delay
 from .dra import DraSettings
 from .dra.hooks import DraHooks
 from .health.coalesce import Coalescer
 from .health.tracker import HealthTracker, PoolUpdate
-from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
-from .kubelet.registration import PluginRunner, announce_kubelet
-from .kubelet.server import PoolService
+from .kubelet.pools import PoolRuntime
+from .kubelet.registration import announce_kubelet
 from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
-from .kubelet.wire import ListEncoder
 from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .node.layout import SYSFS_ROOT
 from .ops.logs import log_event, summarise
-from .ops.metrics import MeteredService, Metrics, MetricsServer, parse_addr
+from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
-from .pools.ownership import GuardedService, Ownership
+from .pools.ownership import Ownership
 from .reload import ConfigReloader
 
 if TYPE_CHECKING:
@@ -82,82 +79,6 @@ class DaemonSettings:
 
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
-
-
-class PoolRuntime:
-    """Everything that runs for one pool: its feed, encoder, allocator and kubelet-facing runner."""
-
-    def __init__(
-        self,
-        pool: Pool,
-        settings: DaemonSettings,
-        metrics: Metrics,
-        watch: DirectoryWatch | None = None,
-        ownership: Ownership | None = None,
-        *,
-        health: HealthTracker,
-    ) -> None:
-        self.pool = pool
-        self.feed = PoolFeed()
-        self._health = health  # the only holder of the members' health; the allocator asks it
-        self.encoder = self._new_encoder(pool)
-        self.allocator = PoolAllocator(
-            pool,
-            AllocationSettings(
-                cdi_dir=settings.cdi_dir,
-                devinfo_dir=settings.devinfo_dir,
-                dev_root=settings.dev_root,
-                cdi_annotations=settings.cdi_annotations,
-            ),
-            self.is_healthy,
-        )
-        name = pool.config.full_name
-        socket_name = socket_name_for(name, settings.kubelet_dir)
-        inner: PoolService = self.allocator
-        if ownership is not None:
-            inner = GuardedService(name, inner, ownership)  # one pod per device across resources
-        service = MeteredService(name, inner, metrics)
-        # Each pool watches kubelet.sock and its own socket: woken by the daemon's inotify watch of the
-        # kubelet's directory, or (without one) looking 5 times a second, well within the 1 s the
-        # kubelet allows a plugin to come back after its restart.
-        self.runner = PluginRunner(
-            name,
-            settings.kubelet_dir,
-            socket_name,
-            self.feed,
-            service,
-            poll=settings.registration_poll_s,
-            watch=watch,
-        )
-        self.registrations_seen = 0
-
-    @staticmethod
-    def _new_encoder(pool: Pool) -> ListEncoder:
-        numa = [-1 if pool.config.exclude_topology else m.device.numa_node for m in pool.members]
-        return ListEncoder([m.id for m in pool.members], numa, name=pool.config.full_name)
-
-    @property
-    def name(self) -> str:
-        """Return the pool's extended resource name."""
-        return self.pool.config.full_name
-
-    def is_healthy(self, device_id: str) -> bool:
-        """Return whether the ID is a member the health tracker advertises Healthy."""
-        return self._health.is_healthy(self.name, device_id)
-
-    def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
-        """Encode the health the tracker handed over, hand the message to the streams, return its size."""
-        # ``changed``: the members the tracker says changed since its last report (None: all of them).
-        message = self.encoder.encode(healthy, changed)
-        self.feed.publish(message)
-        return len(message)
-
-    def replace(self, pool: Pool, healthy: Sequence[bool]) -> int:
-        """Adopt a new membership (rescan or reload) and publish the whole list once."""
-        self.pool = pool
-        self.encoder = self._new_encoder(pool)
-        self.allocator.update(pool)
-        return self.publish(healthy, None)
 
 
 class Daemon:
