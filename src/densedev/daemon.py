@@ -14,7 +14,6 @@ import contextlib
 import functools
 import gc
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -23,17 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from . import accel, poolset
 from .alloc import leftovers
-from .backoff import Backoff, backoff_delay
+from .backoff import Backoff
 from .dra import DraSettings
 from .dra.hooks import DraHooks
 from .health.coalesce import Coalescer
 from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
-from .kubelet.pools import PoolRuntime
+from .kubelet.pools import PoolRuntime, PoolSet
 from .kubelet.registration import announce_kubelet
 from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
-from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi
+from .model import DEFAULT_PREFIX, Config, Device, Pool
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .node.layout import SYSFS_ROOT
@@ -101,9 +100,10 @@ class Daemon:
         self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
         self._full_rescan = False
         self._ibdev_cache: list[str] | None = None
-        self.pools: dict[str, PoolRuntime] = {}
         self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
-        self.tracker: HealthTracker | None = None
+        # Empty until start() gives it the first table and pools (replace() on an empty tracker builds
+        # exactly what the constructor would).
+        self.tracker = HealthTracker((), (), clock=clock)
         self.started = False
         self._tasks: list[asyncio.Task[None]] = []
         # Coalescing: the first event of a burst arms one flush `coalesce_ms` later; later events in the
@@ -143,8 +143,15 @@ class Daemon:
             dev_root=settings.dev_root,
             client_factory=dra_client,
         )
-        self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
-        self._all_failed_since: float | None = None  # since when no configured pool is served
+        self.pools = PoolSet(
+            settings,
+            self.metrics,
+            self._kubelet_watch,
+            self.ownership,
+            self.tracker,
+            clock=clock,
+            spawn=self._spawn,
+        )
         self._reconcile = False  # the next full rescan is the periodic reconcile
 
     # ----------------------------------------------------------------------------------- lifecycle
@@ -168,27 +175,22 @@ class Daemon:
         self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
-        self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
+        self.tracker.replace(self.devices, pools)
         if not self.settings.netlink:
             self._read_sysfs_links()
         self._poll_rdma()
-        initial = self.tracker.collect()
-        for pool in pools:
-            if pool.config.api is PoolApi.DRA:
-                continue  # published as ResourceSlices and served by the DRA driver
-            name = pool.config.full_name
-            upd = initial.get(name)
-            healthy = upd.healthy if upd is not None else self.tracker.healthy(name)
-            self._set_up(pool, healthy)
+        # Each pool's first list carries its whole health: nothing of it is news for the first flush.
+        self.tracker.collect()
+        started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
         self._pools = pools
         self._dra.take(raw, pools, self.tracker)
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
-        self._leftovers.reconcile([r.allocator for r in self.pools.values()], self.ownership.by_resource())
+        self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
         self._remove_stale_sockets()
         await self._dra.start(self.config)
-        await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
+        await self.pools.start(started)
         if self.settings.netlink:
             await self._start_netlink()
         self._spawn_loop(self._rdma_loop, "rdma-poll")
@@ -258,125 +260,16 @@ class Daemon:
             if mon is not None:
                 with contextlib.suppress(Exception):
                     mon.stop()
-        await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
+        await self.pools.close()
         await self._dra.stop()
         self._kubelet_watch.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         log_event(log, "daemon stopped")
 
-    def _set_up(self, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
-        """Build a pool's runtime and publish its first list; None (logged) if it cannot be set up."""
-        name = pool.config.full_name
-        assert self.tracker is not None
-        try:
-            runtime = PoolRuntime(
-                pool, self.settings, self.metrics, self._kubelet_watch, self.ownership, health=self.tracker
-            )
-        except Exception:
-            # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
-            log.exception("pool %s could not be set up; the other pools go on", name)
-            return None
-        runtime.publish(healthy, None)
-        self.pools[name] = runtime
-        self._report_counts(name, healthy)
-        return runtime
-
-    async def _start_runner(self, runtime: PoolRuntime) -> None:
-        if await self._try_start(runtime):
-            return
-        self._spawn(self._retry_start(runtime), f"start-retry {runtime.name}")
-
-    async def _try_start(self, runtime: PoolRuntime, attempt: int = 1) -> bool:
-        """Start the pool's server and registration; on failure note why (for /readyz) in one line."""
-        name = runtime.name
-        try:
-            await runtime.runner.start()
-        except Exception as exc:
-            # A planted file at the socket path, a full or read-only kubelet dir: the environment, which
-            # may heal, so one line and a retry (never a traceback, never a pool given up for good).
-            error = self._start_error_text(exc)
-            previous = self._start_errors.get(name)
-            self._start_errors[name] = error
-            self._note_failing()
-            delay = backoff_delay(attempt, self.settings.start_retry_s)
-            # The first failure, a new reason, and then every 10th retry: visible, but no flood.
-            if error != previous or attempt % 10 == 0:
-                log_event(
-                    log,
-                    "pool failed to start; retrying",
-                    level=logging.WARNING,
-                    pool=name,
-                    attempt=attempt,
-                    retry_in_s=round(delay, 2),
-                    error=error,
-                )
-            return False
-        if self._start_errors.pop(name, None) is not None:
-            log_event(log, "pool started", pool=name, attempt=attempt)
-        self._note_failing()
-        return True
-
-    async def _retry_start(self, runtime: PoolRuntime) -> None:
-        attempt = 1
-        while self.pools.get(runtime.name) is runtime:
-            await asyncio.sleep(backoff_delay(attempt, self.settings.start_retry_s))
-            if self.pools.get(runtime.name) is not runtime:
-                break  # removed or replaced by a reload meanwhile
-            attempt += 1
-            if await self._try_start(runtime, attempt):
-                return
-            if self.start_failed() and attempt % 4 == 0:  # a reminder now and then, not every retry
-                log_event(
-                    log,
-                    "no pool could start",
-                    level=logging.ERROR,
-                    seconds=round(self._clock() - (self._all_failed_since or self._clock())),
-                    reasons=self._failure_text(),
-                )
-        if runtime.name not in self.pools:  # removed by a reload: its failure no longer counts
-            self._start_errors.pop(runtime.name, None)
-        self._note_failing()
-
-    def _start_error_text(self, exc: Exception) -> str:
-        """Say why a pool's server could not start, naming an unwritable kubelet dir plainly."""
-        kubelet_dir = self.settings.kubelet_dir
-        # bind(2) of a unix socket needs write access to the directory (EACCES, or EROFS on a read-only
-        # mount); gRPC reports either as "Failed to bind" without the errno, so look for ourselves.
-        if kubelet_dir.is_dir() and not os.access(kubelet_dir, os.W_OK):
-            return f"{kubelet_dir} is not writable"
-        return f"{type(exc).__name__}: {exc}"
-
-    def _note_failing(self) -> None:
-        failing = bool(self.pools) and all(n in self._start_errors for n in self.pools)
-        if not failing:
-            self._all_failed_since = None
-        elif self._all_failed_since is None:
-            self._all_failed_since = self._clock()
-
-    def _failure_text(self) -> str:
-        return "; ".join(f"{n}: {e}" for n, e in sorted(self._start_errors.items()))
-
-    def start_failed(self) -> bool:
-        """Return whether no configured pool has been served for ``start_timeout_s`` seconds."""
-        since = self._all_failed_since
-        return since is not None and self._clock() - since >= self.settings.start_timeout_s
-
     def exit_code(self) -> int:
         """Return the process exit code after a stop: 1 when no pool could start in time, else 0."""
-        return 1 if self.start_failed() else 0
-
-    async def _stop_runtime(self, runtime: PoolRuntime, deleted: bool = False) -> None:
-        try:
-            await runtime.runner.stop()
-        except Exception:
-            log.exception("pool %s failed to stop cleanly", runtime.name)
-        try:
-            # A daemon restart keeps the CDI spec (the kubelet restarts containers from its checkpointed
-            # response, which names our CDI devices); a pool deleted from the config takes it along.
-            runtime.allocator.close(remove_cdi=deleted)
-        except Exception:
-            log.exception("pool %s: cleaning up its files failed", runtime.name)
+        return 1 if self.pools.start_failed() else 0
 
     def _remove_stale_sockets(self) -> None:
         """Delete dead sockets of pools an earlier run served and the config no longer has."""
@@ -393,12 +286,11 @@ class Daemon:
                 self._note_event(0)
             else:
                 self._retain_held()
-            self._leftovers.prune([r.allocator for r in self.pools.values()], self.ownership.by_resource())
+            self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
 
     def _retain_held(self) -> None:
         """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
-        allocators = {n: r.allocator for n, r in self.pools.items()}
-        self._leftovers.retain(allocators, self.ownership.by_resource(), self.table.by_id)
+        self._leftovers.retain(self.pools.allocators(), self.ownership.by_resource(), self.table.by_id)
 
     @property
     def dra(self) -> DraDriver | None:
@@ -414,27 +306,19 @@ class Daemon:
         """Return whether every pool is registered with the kubelet, and which are not (for /readyz)."""
         if not self.started:
             return False, "starting"
-        if self.start_failed():
-            return (
-                False,
-                f"no pool could start for {self.settings.start_timeout_s:g} s: {self._failure_text()}",
-            )
-        if self._start_errors:
-            return False, "not serving: " + self._failure_text()
+        problem = self.pools.not_serving()
+        if problem is not None:
+            return False, problem
         if self._dra.waiting():
             return False, "the DRA driver has not started (see the log)"
-        missing = [n for n, r in self.pools.items() if not r.runner.registered]
+        missing = self.pools.unregistered()
         if missing:
             return False, "not registered: " + ", ".join(missing)
         return True, f"{len(self.pools)} pools registered"
 
     async def _housekeeping_loop(self) -> None:
         while True:
-            for name, r in self.pools.items():
-                self.metrics.set_registered(name, r.runner.registered)
-                while r.registrations_seen < r.runner.registrations:
-                    r.registrations_seen += 1
-                    self.metrics.record_registration(name, True)
+            self.pools.record_registrations()
             await asyncio.sleep(self.settings.housekeeping_s)
 
     # ----------------------------------------------------------------------------------- scanning
@@ -533,7 +417,6 @@ class Daemon:
 
     def _read_sysfs_links(self) -> None:
         """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
-        assert self.tracker is not None
         self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self.devices)))
 
     async def _apply(self, config: Config) -> poolset.PoolChanges:
@@ -548,52 +431,15 @@ class Daemon:
         raw = selectors.build_pools(config, devices)
         pools = self.ownership.filter(raw)
         changes = poolset.diff(self._pools, pools)
-        for n in changes.stopped:
-            runtime = self.pools.pop(n, None)
-            if runtime is not None:
-                deleted = n in changes.removed and n not in self.ownership.resources_held()
-                await self._stop_runtime(runtime, deleted=deleted)
-            if n in changes.removed:
-                self.metrics.remove_pool(n)
+        await self.pools.stop_changed(changes)
         self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
-        assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._dra.take(raw, pools, self.tracker)
-        replaced = frozenset(changes.replaced)
-        started: list[PoolRuntime] = []
-        for pool in pools:
-            runtime = self.pools.get(pool.config.full_name)
-            if runtime is None:
-                # New, re-registering, back from DRA, or one whose set-up failed before: set it up now.
-                if pool.config.api is not PoolApi.DRA:
-                    healthy = self.tracker.healthy(pool.config.full_name)
-                    new = self._set_up(pool, healthy)
-                    if new is not None:
-                        started.append(new)
-                continue
-            if pool.config.full_name in replaced:
-                before = {m.id for m in runtime.pool.members}
-                after = {m.id for m in pool.members}
-                healthy = self.tracker.healthy(runtime.name)
-                try:
-                    nbytes = runtime.replace(pool, healthy)
-                except Exception:
-                    log.exception("pool %s: applying the new membership failed", runtime.name)
-                    continue
-                self.metrics.record_send(runtime.name, nbytes, None)
-                self._report_counts(runtime.name, healthy)
-                log_event(
-                    log,
-                    "pool membership changed",
-                    pool=runtime.name,
-                    devices=len(pool.members),
-                    added=summarise(sorted(after - before)),
-                    removed=summarise(sorted(before - after)),
-                )
+        started = self.pools.take(pools, changes.replaced)
         self._retain_held()
         # Last: should anything above fail, the next apply diffs from the set before and redoes it.
         self._pools = pools
-        await asyncio.gather(*(self._start_runner(r) for r in started))
+        await self.pools.start(started)
         return changes
 
     # ----------------------------------------------------------------------------------- health
@@ -607,7 +453,7 @@ class Daemon:
         """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
         states, gone = link_states(links)
         self.metrics.record_netlink("link", len(links))
-        if self.tracker is None or not (states or gone):
+        if not (states or gone):
             return
         self.tracker.set_links(states)
         # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
@@ -616,7 +462,6 @@ class Daemon:
 
     def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
         """Take link states by interface name (the demo's and tests' way in)."""
-        assert self.tracker is not None
         self.tracker.set_links(states)
         self._note_event(len(states))
 
@@ -645,8 +490,7 @@ class Daemon:
             self._take_ports(self.scanner.rdma_ports(ibdevs))
 
     def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
-        if self.tracker is not None:
-            self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
+        self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
 
     async def _refresh_ports(self) -> None:
         """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
@@ -667,8 +511,6 @@ class Daemon:
 
     def flush(self) -> None:
         """Send one message to every pool whose advertised health changed, and arm the hold-down timer."""
-        if self.tracker is None:
-            return
         updates = self.tracker.collect()
         latency = None if self._burst_start is None else time.monotonic() - self._burst_start
         events, self._burst_start, self._burst_events = self._burst_events, None, 0
@@ -704,7 +546,6 @@ class Daemon:
         up = [members[p].id for p in upd.changed if upd.healthy[p]]
         self.metrics.record_transitions(runtime.name, len(down), len(up))
         if down:
-            assert self.tracker is not None
             # Reasons of a sample are enough for the log line; the metrics count every device.
             why = sorted({r for p in down_pos[:64] for r in self.tracker.reasons(members[p].device.id)})
             log_event(
@@ -718,18 +559,7 @@ class Daemon:
             )
         if up:
             log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
-        self._report_counts(runtime.name, upd.healthy)
-
-    def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
-        bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
-        reasons: dict[str, int] = {}
-        if bad and self.tracker is not None and name in self.pools:
-            members = self.pools[name].pool.members
-            for pos, ok in enumerate(healthy):
-                if not ok:
-                    for r in self.tracker.reasons(members[pos].device.id):
-                        reasons[r] = reasons.get(r, 0) + 1
-        self.metrics.set_pool_devices(name, len(healthy) - bad, bad, reasons)
+        self.pools._report_counts(runtime.name, upd.healthy)
 
     async def _start_netlink(self) -> None:
         try:
