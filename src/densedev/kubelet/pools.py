@@ -1,4 +1,9 @@
-"""One device-plugin pool's runtime at the kubelet: its feed, encoder, allocator and registration runner."""
+"""The device-plugin pools at the kubelet: one runtime per pool, and the set of them the daemon applies.
+
+A ``PoolRuntime`` is what runs for one pool (feed, encoder, allocator, registration runner); the
+``PoolSet`` owns them by name, applies a ``poolset.PoolChanges`` to them, retries a server that could
+not start and says why none is serving.  The pool selection and the diff stay outside (``poolset``).
+"""
 
 from __future__ import annotations
 
@@ -124,49 +129,49 @@ class PoolSet(Mapping[str, PoolRuntime]):
         clock: Callable[[], float],
         spawn: Callable[[Coroutine[Any, Any, None], str], None],
     ) -> None:
-        self.settings = settings
-        self.metrics = metrics
+        self._settings = settings
+        self._metrics = metrics
         self._kubelet_watch = watch
-        self.ownership = ownership
-        self.tracker = health
+        self._ownership = ownership
+        self._health = health
         self._clock = clock
         self._spawn = spawn  # the daemon's tasks: a retry is cancelled with them at stop
-        self.pools: dict[str, PoolRuntime] = {}
+        self._runtimes: dict[str, PoolRuntime] = {}
         self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
         self._all_failed_since: float | None = None  # since when no configured pool is served
 
     def __getitem__(self, name: str) -> PoolRuntime:
-        return self.pools[name]
+        return self._runtimes[name]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.pools)
+        return iter(self._runtimes)
 
     def __len__(self) -> int:
-        return len(self.pools)
+        return len(self._runtimes)
 
     def not_serving(self) -> str | None:
         """Return why some pool's server is not serving (for /readyz), or None when every one started."""
         if self.start_failed():
-            return f"no pool could start for {self.settings.start_timeout_s:g} s: {self._failure_text()}"
+            return f"no pool could start for {self._settings.start_timeout_s:g} s: {self._failure_text()}"
         if self._start_errors:
             return "not serving: " + self._failure_text()
         return None
 
     def unregistered(self) -> list[str]:
         """Return the pools the kubelet has not registered (yet, or again since its restart)."""
-        return [n for n, r in self.pools.items() if not r.runner.registered]
+        return [n for n, r in self._runtimes.items() if not r.runner.registered]
 
     def record_registrations(self) -> None:
         """Copy each pool's registration state and count into the metrics (the housekeeping loop's job)."""
-        for name, r in self.pools.items():
-            self.metrics.set_registered(name, r.runner.registered)
+        for name, r in self._runtimes.items():
+            self._metrics.set_registered(name, r.runner.registered)
             while r.registrations_seen < r.runner.registrations:
                 r.registrations_seen += 1
-                self.metrics.record_registration(name, True)
+                self._metrics.record_registration(name, True)
 
     def allocators(self) -> dict[str, PoolAllocator]:
         """Return every pool's allocator by name (whose files the leftovers keep or prune)."""
-        return {n: r.allocator for n, r in self.pools.items()}
+        return {n: r.allocator for n, r in self._runtimes.items()}
 
     def take(self, pools: Sequence[Pool], replaced: Collection[str]) -> list[PoolRuntime]:
         """Set up every device-plugin pool without a runtime, give ``replaced`` ones their new membership.
@@ -175,11 +180,11 @@ class PoolSet(Mapping[str, PoolRuntime]):
         """
         started: list[PoolRuntime] = []
         for pool in pools:
-            runtime = self.pools.get(pool.config.full_name)
+            runtime = self._runtimes.get(pool.config.full_name)
             if runtime is None:
                 # New, re-registering, back from DRA, or one whose set-up failed before: set it up now.
                 if pool.config.api is not PoolApi.DRA:
-                    healthy = self.tracker.healthy(pool.config.full_name)
+                    healthy = self._health.healthy(pool.config.full_name)
                     new = self._set_up(pool, healthy)
                     if new is not None:
                         started.append(new)
@@ -187,13 +192,13 @@ class PoolSet(Mapping[str, PoolRuntime]):
             if pool.config.full_name in replaced:
                 before = {m.id for m in runtime.pool.members}
                 after = {m.id for m in pool.members}
-                healthy = self.tracker.healthy(runtime.name)
+                healthy = self._health.healthy(runtime.name)
                 try:
                     nbytes = runtime.replace(pool, healthy)
                 except Exception:
                     log.exception("pool %s: applying the new membership failed", runtime.name)
                     continue
-                self.metrics.record_send(runtime.name, nbytes, None)
+                self._metrics.record_send(runtime.name, nbytes, None)
                 self._report_counts(runtime.name, healthy)
                 log_event(
                     log,
@@ -208,12 +213,12 @@ class PoolSet(Mapping[str, PoolRuntime]):
     async def stop_changed(self, changes: PoolChanges) -> None:
         """Stop the servers of removed, re-registering and DRA-bound pools; forget removed ones' series."""
         for n in changes.stopped:
-            runtime = self.pools.pop(n, None)
+            runtime = self._runtimes.pop(n, None)
             if runtime is not None:
-                deleted = n in changes.removed and n not in self.ownership.resources_held()
+                deleted = n in changes.removed and n not in self._ownership.resources_held()
                 await self._stop_runtime(runtime, deleted=deleted)
             if n in changes.removed:
-                self.metrics.remove_pool(n)
+                self._metrics.remove_pool(n)
 
     async def start(self, runtimes: Iterable[PoolRuntime]) -> None:
         """Start each runtime's server and registration; one that fails is retried with backoff."""
@@ -221,21 +226,21 @@ class PoolSet(Mapping[str, PoolRuntime]):
 
     async def close(self) -> None:
         """Stop every pool's server (the daemon stops): CDI specs stay for the containers that use them."""
-        await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
+        await asyncio.gather(*(self._stop_runtime(r) for r in self._runtimes.values()))
 
     def _set_up(self, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
         """Build a pool's runtime and publish its first list; None (logged) if it cannot be set up."""
         name = pool.config.full_name
         try:
             runtime = PoolRuntime(
-                pool, self.settings, self.metrics, self._kubelet_watch, self.ownership, health=self.tracker
+                pool, self._settings, self._metrics, self._kubelet_watch, self._ownership, health=self._health
             )
         except Exception:
             # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
             log.exception("pool %s could not be set up; the other pools go on", name)
             return None
         runtime.publish(healthy, None)
-        self.pools[name] = runtime
+        self._runtimes[name] = runtime
         self._report_counts(name, healthy)
         return runtime
 
@@ -256,7 +261,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
             previous = self._start_errors.get(name)
             self._start_errors[name] = error
             self._note_failing()
-            delay = backoff_delay(attempt, self.settings.start_retry_s)
+            delay = backoff_delay(attempt, self._settings.start_retry_s)
             # The first failure, a new reason, and then every 10th retry: visible, but no flood.
             if error != previous or attempt % 10 == 0:
                 log_event(
@@ -276,9 +281,9 @@ class PoolSet(Mapping[str, PoolRuntime]):
 
     async def _retry_start(self, runtime: PoolRuntime) -> None:
         attempt = 1
-        while self.pools.get(runtime.name) is runtime:
-            await asyncio.sleep(backoff_delay(attempt, self.settings.start_retry_s))
-            if self.pools.get(runtime.name) is not runtime:
+        while self._runtimes.get(runtime.name) is runtime:
+            await asyncio.sleep(backoff_delay(attempt, self._settings.start_retry_s))
+            if self._runtimes.get(runtime.name) is not runtime:
                 break  # removed or replaced by a reload meanwhile
             attempt += 1
             if await self._try_start(runtime, attempt):
@@ -291,13 +296,13 @@ class PoolSet(Mapping[str, PoolRuntime]):
                     seconds=round(self._clock() - (self._all_failed_since or self._clock())),
                     reasons=self._failure_text(),
                 )
-        if runtime.name not in self.pools:  # removed by a reload: its failure no longer counts
+        if runtime.name not in self._runtimes:  # removed by a reload: its failure no longer counts
             self._start_errors.pop(runtime.name, None)
         self._note_failing()
 
     def _start_error_text(self, exc: Exception) -> str:
         """Say why a pool's server could not start, naming an unwritable kubelet dir plainly."""
-        kubelet_dir = self.settings.kubelet_dir
+        kubelet_dir = self._settings.kubelet_dir
         # bind(2) of a unix socket needs write access to the directory (EACCES, or EROFS on a read-only
         # mount); gRPC reports either as "Failed to bind" without the errno, so look for ourselves.
         if kubelet_dir.is_dir() and not os.access(kubelet_dir, os.W_OK):
@@ -305,7 +310,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
         return f"{type(exc).__name__}: {exc}"
 
     def _note_failing(self) -> None:
-        failing = bool(self.pools) and all(n in self._start_errors for n in self.pools)
+        failing = bool(self._runtimes) and all(n in self._start_errors for n in self._runtimes)
         if not failing:
             self._all_failed_since = None
         elif self._all_failed_since is None:
@@ -317,7 +322,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
     def start_failed(self) -> bool:
         """Return whether no configured pool has been served for ``start_timeout_s`` seconds."""
         since = self._all_failed_since
-        return since is not None and self._clock() - since >= self.settings.start_timeout_s
+        return since is not None and self._clock() - since >= self._settings.start_timeout_s
 
     async def _stop_runtime(self, runtime: PoolRuntime, deleted: bool = False) -> None:
         try:
@@ -334,10 +339,10 @@ class PoolSet(Mapping[str, PoolRuntime]):
     def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
         bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
         reasons: dict[str, int] = {}
-        if bad and name in self.pools:
-            members = self.pools[name].pool.members
+        if bad and name in self._runtimes:
+            members = self._runtimes[name].pool.members
             for pos, ok in enumerate(healthy):
                 if not ok:
-                    for r in self.tracker.reasons(members[pos].device.id):
+                    for r in self._health.reasons(members[pos].device.id):
                         reasons[r] = reasons.get(r, 0) + 1
-        self.metrics.set_pool_devices(name, len(healthy) - bad, bad, reasons)
+        self._metrics.set_pool_devices(name, len(healthy) - bad, bad, reasons)
