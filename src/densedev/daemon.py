@@ -26,9 +26,9 @@ from .backoff import Backoff
 from .dra import DraSettings
 from .dra.hooks import DraHooks
 from .health.coalesce import Coalescer
-from .health.tracker import HealthTracker, PoolUpdate
+from .health.tracker import HealthTracker
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
-from .kubelet.pools import PoolRuntime, PoolSet
+from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
 from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
@@ -514,17 +514,7 @@ class Daemon:
         updates = self.tracker.collect()
         latency = None if self._burst_start is None else time.monotonic() - self._burst_start
         events, self._burst_start, self._burst_events = self._burst_events, None, 0
-        for name, upd in updates.items():
-            runtime = self.pools.get(name)
-            if runtime is None:
-                continue
-            try:
-                nbytes = runtime.publish(upd.healthy, upd.changed)
-            except Exception:
-                log.exception("pool %s: publishing failed", runtime.name)
-                continue
-            self.metrics.record_send(runtime.name, nbytes, latency, events)
-            self._report_change(runtime, upd)
+        self.pools.publish(updates, latency, events)
         if self.dra is not None:
             try:
                 self.dra.take_changes(updates)
@@ -537,29 +527,6 @@ class Daemon:
         if deadline is not None:
             loop = asyncio.get_running_loop()
             self._deadline_handle = loop.call_later(max(0.0, deadline - self._clock()), self.flush)
-
-    def _report_change(self, runtime: PoolRuntime, upd: PoolUpdate) -> None:
-        """One log line per pool and direction, and the per-pool gauges; never a line per device."""
-        members = runtime.pool.members
-        down_pos = [p for p in upd.changed if not upd.healthy[p]]
-        down = [members[p].id for p in down_pos]
-        up = [members[p].id for p in upd.changed if upd.healthy[p]]
-        self.metrics.record_transitions(runtime.name, len(down), len(up))
-        if down:
-            # Reasons of a sample are enough for the log line; the metrics count every device.
-            why = sorted({r for p in down_pos[:64] for r in self.tracker.reasons(members[p].device.id)})
-            log_event(
-                log,
-                "devices unhealthy",
-                level=logging.WARNING,
-                pool=runtime.name,
-                count=len(down),
-                reason=",".join(why) or "unknown",
-                devices=summarise(down),
-            )
-        if up:
-            log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
-        self.pools._report_counts(runtime.name, upd.healthy)
 
     async def _start_netlink(self) -> None:
         try:

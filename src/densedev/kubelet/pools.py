@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..alloc.respond import AllocationSettings, PoolAllocator
 from ..backoff import backoff_delay
-from ..health.tracker import HealthTracker
+from ..health.tracker import HealthTracker, PoolUpdate
 from ..model import Pool, PoolApi
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import MeteredService, Metrics
@@ -335,6 +335,47 @@ class PoolSet(Mapping[str, PoolRuntime]):
             runtime.allocator.close(remove_cdi=deleted)
         except Exception:
             log.exception("pool %s: cleaning up its files failed", runtime.name)
+
+    def publish(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
+        """Publish a health flush to the pools it names: one message, one log line per direction, the gauges.
+
+        ``latency``: seconds since the burst's first event (None: a hold-down ended); ``events``: how
+        many the burst folded.  A pool without a runtime (DRA, or not set up) is skipped.
+        """
+        for name, upd in updates.items():
+            runtime = self._runtimes.get(name)
+            if runtime is None:
+                continue
+            try:
+                nbytes = runtime.publish(upd.healthy, upd.changed)
+            except Exception:
+                log.exception("pool %s: publishing failed", runtime.name)
+                continue
+            self._metrics.record_send(runtime.name, nbytes, latency, events)
+            self._report_change(runtime, upd)
+
+    def _report_change(self, runtime: PoolRuntime, upd: PoolUpdate) -> None:
+        """One log line per pool and direction, and the per-pool gauges; never a line per device."""
+        members = runtime.pool.members
+        down_pos = [p for p in upd.changed if not upd.healthy[p]]
+        down = [members[p].id for p in down_pos]
+        up = [members[p].id for p in upd.changed if upd.healthy[p]]
+        self._metrics.record_transitions(runtime.name, len(down), len(up))
+        if down:
+            # Reasons of a sample are enough for the log line; the metrics count every device.
+            why = sorted({r for p in down_pos[:64] for r in self._health.reasons(members[p].device.id)})
+            log_event(
+                log,
+                "devices unhealthy",
+                level=logging.WARNING,
+                pool=runtime.name,
+                count=len(down),
+                reason=",".join(why) or "unknown",
+                devices=summarise(down),
+            )
+        if up:
+            log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
+        self._report_counts(runtime.name, upd.healthy)
 
     def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
         bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
