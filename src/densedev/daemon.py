@@ -15,7 +15,7 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +25,8 @@ from .alloc import leftovers
 from .backoff import Backoff
 from .dra import DraSettings
 from .dra.hooks import DraHooks
-from .health.coalesce import Coalescer
-from .health.tracker import HealthTracker
+from .health.handoff import Handoff
+from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
@@ -106,12 +106,8 @@ class Daemon:
         self.tracker = HealthTracker((), (), clock=clock)
         self.started = False
         self._tasks: list[asyncio.Task[None]] = []
-        # Coalescing: the first event of a burst arms one flush `coalesce_ms` later; later events in the
-        # window ride along, so a PF taking 256 VFs down becomes one message per pool.
-        self._coalescer = Coalescer(self.flush, config.coalesce_ms / 1e3)
-        self._burst_start: float | None = None  # when the first event of the pending burst arrived
-        self._burst_events = 0
-        self._deadline_handle: asyncio.TimerHandle | None = None
+        # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
+        self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
         self._rescan_requested = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
@@ -253,9 +249,7 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        self._coalescer.cancel()
-        if self._deadline_handle is not None:
-            self._deadline_handle.cancel()
+        self.handoff.cancel()
         for mon in (self._link_monitor, self._uevent_monitor):
             if mon is not None:
                 with contextlib.suppress(Exception):
@@ -283,7 +277,7 @@ class Daemon:
         async with self._reload_lock:
             if self.ownership.would_change():
                 await self._apply(self.config)
-                self._note_event(0)
+                self.handoff.note(0)
             else:
                 self._retain_held()
             self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
@@ -410,7 +404,7 @@ class Daemon:
         if self._link_monitor is not None:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         await self._refresh_ports()
-        self._note_event(0)
+        self.handoff.note(0)
         if lost is not None and lost == self._uevent_lost_at:
             self._uevent_lost_at = None
             self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
@@ -443,12 +437,6 @@ class Daemon:
         return changes
 
     # ----------------------------------------------------------------------------------- health
-    def _note_event(self, count: int) -> None:
-        if self._burst_start is None:
-            self._burst_start = time.monotonic()
-        self._burst_events += count
-        self._coalescer.notify()
-
     def on_links(self, links: tuple[LinkTuple, ...]) -> None:
         """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
         states, gone = link_states(links)
@@ -458,12 +446,12 @@ class Daemon:
         self.tracker.set_links(states)
         # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
         self.tracker.drop_links(gone)
-        self._note_event(len(states) + len(gone))
+        self.handoff.note(len(states) + len(gone))
 
     def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
         """Take link states by interface name (the demo's and tests' way in)."""
         self.tracker.set_links(states)
-        self._note_event(len(states))
+        self.handoff.note(len(states))
 
     def on_overrun(self, source: str = "link") -> None:
         """Netlink events were lost (overrun, socket error, stall): resynchronise everything, never guess.
@@ -507,26 +495,16 @@ class Daemon:
             except Exception:
                 log.exception("RDMA port poll failed")
                 continue
-            self._note_event(0)
+            self.handoff.note(0)
 
-    def flush(self) -> None:
-        """Send one message to every pool whose advertised health changed, and arm the hold-down timer."""
-        updates = self.tracker.collect()
-        latency = None if self._burst_start is None else time.monotonic() - self._burst_start
-        events, self._burst_start, self._burst_events = self._burst_events, None, 0
+    def _deliver(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
+        """Hand a health flush to the device-plugin pools and to the DRA driver."""
         self.pools.publish(updates, latency, events)
         if self.dra is not None:
             try:
                 self.dra.take_changes(updates)
             except Exception:
                 log.exception("DRA: publishing health failed")
-        deadline = self.tracker.next_deadline()
-        if self._deadline_handle is not None:
-            self._deadline_handle.cancel()
-            self._deadline_handle = None
-        if deadline is not None:
-            loop = asyncio.get_running_loop()
-            self._deadline_handle = loop.call_later(max(0.0, deadline - self._clock()), self.flush)
 
     async def _start_netlink(self) -> None:
         try:
@@ -582,13 +560,7 @@ class Daemon:
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
             self._dra.recover(new)  # the first DRA pool of this run
-            # The window may have changed: a new coalescer, but the old one's pending flush must neither
-            # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
-            pending = self._coalescer.pending
-            self._coalescer.cancel()
-            self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
-            if pending:
-                self._coalescer.notify()
+            self.handoff.set_window(new.coalesce_ms / 1e3)
             changes = await self._apply(new)
             await self._dra.start(self.config)
             self.metrics.record_reload(True)
