@@ -30,13 +30,12 @@ from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
-from .kubelet.sockets import remove_stale_sockets, socket_name_for
 from .kubelet.watch import DirectoryWatch
 from .model import DEFAULT_PREFIX, Config, Device, Pool
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .node.layout import SYSFS_ROOT
-from .ops.logs import log_event, summarise
+from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
 from .pools.ownership import Ownership
@@ -184,7 +183,7 @@ class Daemon:
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
         self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
-        self._remove_stale_sockets()
+        self.pools.remove_stale_sockets(self.config.pools)
         await self._dra.start(self.config)
         await self.pools.start(started)
         if self.settings.netlink:
@@ -264,13 +263,6 @@ class Daemon:
     def exit_code(self) -> int:
         """Return the process exit code after a stop: 1 when no pool could start in time, else 0."""
         return 1 if self.pools.start_failed() else 0
-
-    def _remove_stale_sockets(self) -> None:
-        """Delete dead sockets of pools an earlier run served and the config no longer has."""
-        keep = {socket_name_for(p.full_name, self.settings.kubelet_dir) for p in self.config.pools}
-        removed = remove_stale_sockets(self.settings.kubelet_dir, keep)
-        if removed:
-            log_event(log, "removed stale pool sockets", files=summarise(removed, noun="file"))
 
     async def _on_ownership_change(self) -> None:
         """Held devices were released (or newly seen held): list or withhold them in their pools."""

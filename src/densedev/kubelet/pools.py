@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 from ..alloc.respond import AllocationSettings, PoolAllocator
 from ..backoff import backoff_delay
 from ..health.tracker import HealthTracker, PoolUpdate
-from ..model import Pool, PoolApi
+from ..model import Pool, PoolApi, PoolConfig
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import MeteredService, Metrics
 from ..pools.ownership import GuardedService, Ownership
 from .feed import PoolFeed
 from .registration import PluginRunner
 from .server import PoolService
-from .sockets import socket_name_for
+from .sockets import remove_stale_sockets, socket_name_for
 from .watch import DirectoryWatch
 from .wire import ListEncoder
 
@@ -227,6 +227,13 @@ class PoolSet(Mapping[str, PoolRuntime]):
     async def close(self) -> None:
         """Stop every pool's server (the daemon stops): CDI specs stay for the containers that use them."""
         await asyncio.gather(*(self._stop_runtime(r) for r in self._runtimes.values()))
+
+    def remove_stale_sockets(self, configured: Iterable[PoolConfig]) -> None:
+        """Delete dead sockets of pools an earlier run served and the config no longer has."""
+        keep = {socket_name_for(p.full_name, self._settings.kubelet_dir) for p in configured}
+        removed = remove_stale_sockets(self._settings.kubelet_dir, keep)
+        if removed:
+            log_event(log, "removed stale pool sockets", files=summarise(removed, noun="file"))
 
     def _set_up(self, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
         """Build a pool's runtime and publish its first list; None (logged) if it cannot be set up."""
