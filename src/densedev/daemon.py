@@ -35,6 +35,7 @@ from .model import DEFAULT_PREFIX, Config, Device, Pool
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .node.layout import SYSFS_ROOT
+from .node.rescans import RescanRequests
 from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
@@ -96,8 +97,7 @@ class Daemon:
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.scanner = discovery.Scanner(settings.sysfs_root)
         self.table = discovery.DeviceTable(())
-        self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
-        self._full_rescan = False
+        self._rescans = RescanRequests()
         self._ibdev_cache: list[str] | None = None
         self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
         # Empty until start() gives it the first table and pools (replace() on an empty tracker builds
@@ -107,7 +107,6 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
         self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
-        self._rescan_requested = asyncio.Event()
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
         self._uevent_monitor: UeventMonitor | None = None
@@ -147,7 +146,6 @@ class Daemon:
             clock=clock,
             spawn=self._spawn,
         )
-        self._reconcile = False  # the next full rescan is the periodic reconcile
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -340,25 +338,11 @@ class Daemon:
 
     def request_rescan(self, address: str | None = None) -> None:
         """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
-        if address is None:
-            self._full_rescan = True
-        else:
-            self._rescan_targets.add(address)
-        self._rescan_requested.set()
+        self._rescans.request(address)
 
     async def _rescan_loop(self) -> None:
         while True:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
-            # arrives as the inner wait completes (cpython gh-86296), and stop() would wait forever.
-            try:
-                async with asyncio.timeout(self.config.reconcile_s):
-                    await self._rescan_requested.wait()
-            except TimeoutError:
-                self._full_rescan = True  # the safety net: reconcile everything now and then
-                self._reconcile = True
-            # Events come in bursts (writing sriov_numvfs creates hundreds of VFs): let them settle.
-            await asyncio.sleep(0.05)
-            self._rescan_requested.clear()
+            await self._rescans.wait(self.config.reconcile_s)
             try:
                 await self.rescan()
             except Exception:
@@ -370,14 +354,11 @@ class Daemon:
         The sysfs reading runs in a worker thread so the loop keeps serving the kubelet meanwhile; the
         result is applied on the loop, and only when the device table really changed.
         """
-        targets, self._rescan_targets = self._rescan_targets, set()
-        full, self._full_rescan = self._full_rescan or not targets, False
+        targets, full, reconcile = self._rescans.take()
         lost = self._uevent_lost_at if full else None
         t0 = time.perf_counter()
         # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
         # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-        reconcile, self._reconcile = self._reconcile, False
-        targets = set() if full else targets
         result = await asyncio.to_thread(
             functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
         )
