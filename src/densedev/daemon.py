@@ -1,10 +1,11 @@
-"""The daemon: one device table, its pools, their health, one plugin server per pool, kept current.
+"""The daemon: the lifecycle and the loops that keep one device table, its pools and their health current.
 
 Data flows one way: sysfs/netlink → device table (node.scanner) → pools (pools.select) → health
-(health.tracker) → wire (kubelet.wire) → kubelet (kubelet.server/registration, or the DRA driver).
-This module holds the lifecycle and the loops (rescan, reload, RDMA poll, in-use, housekeeping) and
-the only mutable state; rescans, reloads and releases all end in one pool-set diff (``poolset``)
-applied by ``Daemon._apply``.  Each stage stays ignorant of the others.
+(health.tracker, handed on by health.handoff) → kubelet (kubelet.pools: one plugin server per pool,
+or the DRA driver).  This module starts and stops the stages, runs the loops (rescan, reload, RDMA
+poll, in-use, housekeeping) and takes the events; rescans, reloads and releases all end in one
+pool-set diff (``poolset``) that ``Daemon._apply`` hands to the stages.  Each stage stays ignorant of
+the others.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts agai
 
 
 class Daemon:
-    """Runs discovery, health and one plugin server per pool, and keeps them current."""
+    """Starts the stages, runs the loops that keep them current, and stops them."""
 
     def __init__(
         self,
@@ -409,7 +410,7 @@ class Daemon:
         await self.pools.start(started)
         return changes
 
-    # ----------------------------------------------------------------------------------- health
+    # ----------------------------------------------------------------------------------- events
     def on_links(self, links: tuple[LinkTuple, ...]) -> None:
         """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
         states, gone = link_states(links)
