@@ -94,7 +94,6 @@ class Daemon:
     ) -> None:
         self.settings = settings
         self.config = config
-        self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.scanner = discovery.Scanner(settings.sysfs_root)
         self.table = discovery.DeviceTable(())
