@@ -455,7 +455,7 @@ async def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(node
     daemon = node.daemon(**NO_FILES)
     await daemon.start()
     try:
-        old = daemon._coalescer
+        old = daemon.handoff.coalescer
         daemon.set_links([(node.layout.pfs[0].netdev, False)])
         assert old.pending
         doc = copy.deepcopy(node.doc)
@@ -466,10 +466,10 @@ async def test_a_reload_carries_the_pending_flush_over_to_the_new_coalescer(node
         # The old timer must not fire later (after a stop, or as a second flush); the burst it
         # held is the new coalescer's now.
         assert not old.pending
-        assert daemon._coalescer is not old and daemon._coalescer.pending
+        assert daemon.handoff.coalescer is not old and daemon.handoff.coalescer.pending
     finally:
         await daemon.stop()
-    assert not daemon._coalescer.pending
+    assert not daemon.handoff.coalescer.pending
 
 
 def reloads(daemon: Daemon, result: str = "success") -> float:

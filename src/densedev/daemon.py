@@ -1,10 +1,11 @@
-"""The daemon: one device table, its pools, their health, one plugin server per pool, kept current.
+"""The daemon: the lifecycle and the loops that keep one device table, its pools and their health current.
 
 Data flows one way: sysfs/netlink → device table (node.scanner) → pools (pools.select) → health
-(health.tracker) → wire (kubelet.wire) → kubelet (kubelet.server/registration, or the DRA driver).
-This module holds the lifecycle and the loops (rescan, reload, RDMA poll, in-use, housekeeping) and
-the only mutable state; rescans, reloads and releases all end in one pool-set diff (``poolset``)
-applied by ``Daemon._apply``.  Each stage stays ignorant of the others.
+(health.tracker, handed on by health.handoff) → kubelet (kubelet.pools: one plugin server per pool,
+or the DRA driver).  This module starts and stops the stages, runs the loops (rescan, reload, RDMA
+poll, in-use, housekeeping) and takes the events; rescans, reloads and releases all end in one
+pool-set diff (``poolset``) that ``Daemon._apply`` hands to the stages.  Each stage stays ignorant of
+the others.
 """
 
 from __future__ import annotations
@@ -14,36 +15,32 @@ import contextlib
 import functools
 import gc
 import logging
-import os
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import accel, poolset
 from .alloc import leftovers
-from .alloc.respond import AllocationSettings, PoolAllocator
-from .backoff import Backoff, backoff_delay
+from .backoff import Backoff
 from .dra import DraSettings
 from .dra.hooks import DraHooks
-from .health.coalesce import Coalescer
+from .health.handoff import Handoff
 from .health.tracker import HealthTracker, PoolUpdate
-from .kubelet.feed import PoolFeed
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
-from .kubelet.registration import PluginRunner, announce_kubelet
-from .kubelet.server import PoolService
-from .kubelet.sockets import remove_stale_sockets, socket_name_for
+from .kubelet.pools import PoolSet
+from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
-from .kubelet.wire import ListEncoder
-from .model import DEFAULT_PREFIX, Config, Device, Pool, PoolApi
+from .model import DEFAULT_PREFIX, Config, Device, Pool
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
 from .node.layout import SYSFS_ROOT
-from .ops.logs import log_event, summarise
-from .ops.metrics import MeteredService, Metrics, MetricsServer, parse_addr
+from .node.rescans import RescanRequests
+from .ops.logs import log_event
+from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
-from .pools.ownership import GuardedService, Ownership
+from .pools.ownership import Ownership
 from .reload import ConfigReloader
 
 if TYPE_CHECKING:
@@ -84,84 +81,8 @@ SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restart
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
 
 
-class PoolRuntime:
-    """Everything that runs for one pool: its feed, encoder, allocator and kubelet-facing runner."""
-
-    def __init__(
-        self,
-        pool: Pool,
-        settings: DaemonSettings,
-        metrics: Metrics,
-        watch: DirectoryWatch | None = None,
-        ownership: Ownership | None = None,
-        *,
-        health: HealthTracker,
-    ) -> None:
-        self.pool = pool
-        self.feed = PoolFeed()
-        self._health = health  # the only holder of the members' health; the allocator asks it
-        self.encoder = self._new_encoder(pool)
-        self.allocator = PoolAllocator(
-            pool,
-            AllocationSettings(
-                cdi_dir=settings.cdi_dir,
-                devinfo_dir=settings.devinfo_dir,
-                dev_root=settings.dev_root,
-                cdi_annotations=settings.cdi_annotations,
-            ),
-            self.is_healthy,
-        )
-        name = pool.config.full_name
-        socket_name = socket_name_for(name, settings.kubelet_dir)
-        inner: PoolService = self.allocator
-        if ownership is not None:
-            inner = GuardedService(name, inner, ownership)  # one pod per device across resources
-        service = MeteredService(name, inner, metrics)
-        # Each pool watches kubelet.sock and its own socket: woken by the daemon's inotify watch of the
-        # kubelet's directory, or (without one) looking 5 times a second, well within the 1 s the
-        # kubelet allows a plugin to come back after its restart.
-        self.runner = PluginRunner(
-            name,
-            settings.kubelet_dir,
-            socket_name,
-            self.feed,
-            service,
-            poll=settings.registration_poll_s,
-            watch=watch,
-        )
-        self.registrations_seen = 0
-
-    @staticmethod
-    def _new_encoder(pool: Pool) -> ListEncoder:
-        numa = [-1 if pool.config.exclude_topology else m.device.numa_node for m in pool.members]
-        return ListEncoder([m.id for m in pool.members], numa, name=pool.config.full_name)
-
-    @property
-    def name(self) -> str:
-        """Return the pool's extended resource name."""
-        return self.pool.config.full_name
-
-    def is_healthy(self, device_id: str) -> bool:
-        """Return whether the ID is a member the health tracker advertises Healthy."""
-        return self._health.is_healthy(self.name, device_id)
-
-    def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
-        """Encode the health the tracker handed over, hand the message to the streams, return its size."""
-        # ``changed``: the members the tracker says changed since its last report (None: all of them).
-        message = self.encoder.encode(healthy, changed)
-        self.feed.publish(message)
-        return len(message)
-
-    def replace(self, pool: Pool, healthy: Sequence[bool]) -> int:
-        """Adopt a new membership (rescan or reload) and publish the whole list once."""
-        self.pool = pool
-        self.encoder = self._new_encoder(pool)
-        self.allocator.update(pool)
-        return self.publish(healthy, None)
-
-
 class Daemon:
-    """Runs discovery, health and one plugin server per pool, and keeps them current."""
+    """Starts the stages, runs the loops that keep them current, and stops them."""
 
     def __init__(
         self,
@@ -173,25 +94,19 @@ class Daemon:
     ) -> None:
         self.settings = settings
         self.config = config
-        self._clock = clock
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.scanner = discovery.Scanner(settings.sysfs_root)
         self.table = discovery.DeviceTable(())
-        self._rescan_targets: set[str] = set()  # PCI addresses named by uevents since the last rescan
-        self._full_rescan = False
+        self._rescans = RescanRequests()
         self._ibdev_cache: list[str] | None = None
-        self.pools: dict[str, PoolRuntime] = {}
         self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
-        self.tracker: HealthTracker | None = None
+        # Empty until start() gives it the first table and pools (replace() on an empty tracker builds
+        # exactly what the constructor would).
+        self.tracker = HealthTracker((), (), clock=clock)
         self.started = False
         self._tasks: list[asyncio.Task[None]] = []
-        # Coalescing: the first event of a burst arms one flush `coalesce_ms` later; later events in the
-        # window ride along, so a PF taking 256 VFs down becomes one message per pool.
-        self._coalescer = Coalescer(self.flush, config.coalesce_ms / 1e3)
-        self._burst_start: float | None = None  # when the first event of the pending burst arrived
-        self._burst_events = 0
-        self._deadline_handle: asyncio.TimerHandle | None = None
-        self._rescan_requested = asyncio.Event()
+        # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
+        self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
         self._reload_lock = asyncio.Lock()
         self._link_monitor: LinkMonitor | None = None
         self._uevent_monitor: UeventMonitor | None = None
@@ -222,9 +137,15 @@ class Daemon:
             dev_root=settings.dev_root,
             client_factory=dra_client,
         )
-        self._start_errors: dict[str, str] = {}  # pool -> why its server could not start (retried)
-        self._all_failed_since: float | None = None  # since when no configured pool is served
-        self._reconcile = False  # the next full rescan is the periodic reconcile
+        self.pools = PoolSet(
+            settings,
+            self.metrics,
+            self._kubelet_watch,
+            self.ownership,
+            self.tracker,
+            clock=clock,
+            spawn=self._spawn,
+        )
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -247,27 +168,22 @@ class Daemon:
         self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
-        self.tracker = HealthTracker(self.devices, pools, clock=self._clock)
+        self.tracker.replace(self.devices, pools)
         if not self.settings.netlink:
             self._read_sysfs_links()
         self._poll_rdma()
-        initial = self.tracker.collect()
-        for pool in pools:
-            if pool.config.api is PoolApi.DRA:
-                continue  # published as ResourceSlices and served by the DRA driver
-            name = pool.config.full_name
-            upd = initial.get(name)
-            healthy = upd.healthy if upd is not None else self.tracker.healthy(name)
-            self._set_up(pool, healthy)
+        # Each pool's first list carries its whole health: nothing of it is news for the first flush.
+        self.tracker.collect()
+        started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
         self._pools = pools
         self._dra.take(raw, pools, self.tracker)
         self._retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
-        self._leftovers.reconcile([r.allocator for r in self.pools.values()], self.ownership.by_resource())
-        self._remove_stale_sockets()
+        self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
+        self.pools.remove_stale_sockets(self.config.pools)
         await self._dra.start(self.config)
-        await asyncio.gather(*(self._start_runner(r) for r in self.pools.values()))
+        await self.pools.start(started)
         if self.settings.netlink:
             await self._start_netlink()
         self._spawn_loop(self._rdma_loop, "rdma-poll")
@@ -330,154 +246,35 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        self._coalescer.cancel()
-        if self._deadline_handle is not None:
-            self._deadline_handle.cancel()
+        self.handoff.cancel()
         for mon in (self._link_monitor, self._uevent_monitor):
             if mon is not None:
                 with contextlib.suppress(Exception):
                     mon.stop()
-        await asyncio.gather(*(self._stop_runtime(r) for r in self.pools.values()))
+        await self.pools.close()
         await self._dra.stop()
         self._kubelet_watch.close()
         if self._metrics_server is not None:
             await self._metrics_server.stop()
         log_event(log, "daemon stopped")
 
-    def _set_up(self, pool: Pool, healthy: Sequence[bool]) -> PoolRuntime | None:
-        """Build a pool's runtime and publish its first list; None (logged) if it cannot be set up."""
-        name = pool.config.full_name
-        assert self.tracker is not None
-        try:
-            runtime = PoolRuntime(
-                pool, self.settings, self.metrics, self._kubelet_watch, self.ownership, health=self.tracker
-            )
-        except Exception:
-            # A failure in one pool (unwritable CDI dir, bad policy) must never take down another.
-            log.exception("pool %s could not be set up; the other pools go on", name)
-            return None
-        runtime.publish(healthy, None)
-        self.pools[name] = runtime
-        self._report_counts(name, healthy)
-        return runtime
-
-    async def _start_runner(self, runtime: PoolRuntime) -> None:
-        if await self._try_start(runtime):
-            return
-        self._spawn(self._retry_start(runtime), f"start-retry {runtime.name}")
-
-    async def _try_start(self, runtime: PoolRuntime, attempt: int = 1) -> bool:
-        """Start the pool's server and registration; on failure note why (for /readyz) in one line."""
-        name = runtime.name
-        try:
-            await runtime.runner.start()
-        except Exception as exc:
-            # A planted file at the socket path, a full or read-only kubelet dir: the environment, which
-            # may heal, so one line and a retry (never a traceback, never a pool given up for good).
-            error = self._start_error_text(exc)
-            previous = self._start_errors.get(name)
-            self._start_errors[name] = error
-            self._note_failing()
-            delay = backoff_delay(attempt, self.settings.start_retry_s)
-            # The first failure, a new reason, and then every 10th retry: visible, but no flood.
-            if error != previous or attempt % 10 == 0:
-                log_event(
-                    log,
-                    "pool failed to start; retrying",
-                    level=logging.WARNING,
-                    pool=name,
-                    attempt=attempt,
-                    retry_in_s=round(delay, 2),
-                    error=error,
-                )
-            return False
-        if self._start_errors.pop(name, None) is not None:
-            log_event(log, "pool started", pool=name, attempt=attempt)
-        self._note_failing()
-        return True
-
-    async def _retry_start(self, runtime: PoolRuntime) -> None:
-        attempt = 1
-        while self.pools.get(runtime.name) is runtime:
-            await asyncio.sleep(backoff_delay(attempt, self.settings.start_retry_s))
-            if self.pools.get(runtime.name) is not runtime:
-                break  # removed or replaced by a reload meanwhile
-            attempt += 1
-            if await self._try_start(runtime, attempt):
-                return
-            if self.start_failed() and attempt % 4 == 0:  # a reminder now and then, not every retry
-                log_event(
-                    log,
-                    "no pool could start",
-                    level=logging.ERROR,
-                    seconds=round(self._clock() - (self._all_failed_since or self._clock())),
-                    reasons=self._failure_text(),
-                )
-        if runtime.name not in self.pools:  # removed by a reload: its failure no longer counts
-            self._start_errors.pop(runtime.name, None)
-        self._note_failing()
-
-    def _start_error_text(self, exc: Exception) -> str:
-        """Say why a pool's server could not start, naming an unwritable kubelet dir plainly."""
-        kubelet_dir = self.settings.kubelet_dir
-        # bind(2) of a unix socket needs write access to the directory (EACCES, or EROFS on a read-only
-        # mount); gRPC reports either as "Failed to bind" without the errno, so look for ourselves.
-        if kubelet_dir.is_dir() and not os.access(kubelet_dir, os.W_OK):
-            return f"{kubelet_dir} is not writable"
-        return f"{type(exc).__name__}: {exc}"
-
-    def _note_failing(self) -> None:
-        failing = bool(self.pools) and all(n in self._start_errors for n in self.pools)
-        if not failing:
-            self._all_failed_since = None
-        elif self._all_failed_since is None:
-            self._all_failed_since = self._clock()
-
-    def _failure_text(self) -> str:
-        return "; ".join(f"{n}: {e}" for n, e in sorted(self._start_errors.items()))
-
-    def start_failed(self) -> bool:
-        """Return whether no configured pool has been served for ``start_timeout_s`` seconds."""
-        since = self._all_failed_since
-        return since is not None and self._clock() - since >= self.settings.start_timeout_s
-
     def exit_code(self) -> int:
         """Return the process exit code after a stop: 1 when no pool could start in time, else 0."""
-        return 1 if self.start_failed() else 0
-
-    async def _stop_runtime(self, runtime: PoolRuntime, deleted: bool = False) -> None:
-        try:
-            await runtime.runner.stop()
-        except Exception:
-            log.exception("pool %s failed to stop cleanly", runtime.name)
-        try:
-            # A daemon restart keeps the CDI spec (the kubelet restarts containers from its checkpointed
-            # response, which names our CDI devices); a pool deleted from the config takes it along.
-            runtime.allocator.close(remove_cdi=deleted)
-        except Exception:
-            log.exception("pool %s: cleaning up its files failed", runtime.name)
-
-    def _remove_stale_sockets(self) -> None:
-        """Delete dead sockets of pools an earlier run served and the config no longer has."""
-        keep = {socket_name_for(p.full_name, self.settings.kubelet_dir) for p in self.config.pools}
-        removed = remove_stale_sockets(self.settings.kubelet_dir, keep)
-        if removed:
-            log_event(log, "removed stale pool sockets", files=summarise(removed, noun="file"))
+        return 1 if self.pools.start_failed() else 0
 
     async def _on_ownership_change(self) -> None:
         """Held devices were released (or newly seen held): list or withhold them in their pools."""
         async with self._reload_lock:
             if self.ownership.would_change():
                 await self._apply(self.config)
-                self._note_event(0)
+                self.handoff.note(0)
             else:
                 self._retain_held()
-            self._leftovers.prune([r.allocator for r in self.pools.values()], self.ownership.by_resource())
+            self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
 
     def _retain_held(self) -> None:
         """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
-        allocators = {n: r.allocator for n, r in self.pools.items()}
-        self._leftovers.retain(allocators, self.ownership.by_resource(), self.table.by_id)
+        self._leftovers.retain(self.pools.allocators(), self.ownership.by_resource(), self.table.by_id)
 
     @property
     def dra(self) -> DraDriver | None:
@@ -493,27 +290,19 @@ class Daemon:
         """Return whether every pool is registered with the kubelet, and which are not (for /readyz)."""
         if not self.started:
             return False, "starting"
-        if self.start_failed():
-            return (
-                False,
-                f"no pool could start for {self.settings.start_timeout_s:g} s: {self._failure_text()}",
-            )
-        if self._start_errors:
-            return False, "not serving: " + self._failure_text()
+        problem = self.pools.not_serving()
+        if problem is not None:
+            return False, problem
         if self._dra.waiting():
             return False, "the DRA driver has not started (see the log)"
-        missing = [n for n, r in self.pools.items() if not r.runner.registered]
+        missing = self.pools.unregistered()
         if missing:
             return False, "not registered: " + ", ".join(missing)
         return True, f"{len(self.pools)} pools registered"
 
     async def _housekeeping_loop(self) -> None:
         while True:
-            for name, r in self.pools.items():
-                self.metrics.set_registered(name, r.runner.registered)
-                while r.registrations_seen < r.runner.registrations:
-                    r.registrations_seen += 1
-                    self.metrics.record_registration(name, True)
+            self.pools.record_registrations()
             await asyncio.sleep(self.settings.housekeeping_s)
 
     # ----------------------------------------------------------------------------------- scanning
@@ -549,25 +338,11 @@ class Daemon:
 
     def request_rescan(self, address: str | None = None) -> None:
         """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
-        if address is None:
-            self._full_rescan = True
-        else:
-            self._rescan_targets.add(address)
-        self._rescan_requested.set()
+        self._rescans.request(address)
 
     async def _rescan_loop(self) -> None:
         while True:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
-            # arrives as the inner wait completes (cpython gh-86296), and stop() would wait forever.
-            try:
-                async with asyncio.timeout(self.config.reconcile_s):
-                    await self._rescan_requested.wait()
-            except TimeoutError:
-                self._full_rescan = True  # the safety net: reconcile everything now and then
-                self._reconcile = True
-            # Events come in bursts (writing sriov_numvfs creates hundreds of VFs): let them settle.
-            await asyncio.sleep(0.05)
-            self._rescan_requested.clear()
+            await self._rescans.wait(self.config.reconcile_s)
             try:
                 await self.rescan()
             except Exception:
@@ -579,14 +354,11 @@ class Daemon:
         The sysfs reading runs in a worker thread so the loop keeps serving the kubelet meanwhile; the
         result is applied on the loop, and only when the device table really changed.
         """
-        targets, self._rescan_targets = self._rescan_targets, set()
-        full, self._full_rescan = self._full_rescan or not targets, False
+        targets, full, reconcile = self._rescans.take()
         lost = self._uevent_lost_at if full else None
         t0 = time.perf_counter()
         # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
         # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-        reconcile, self._reconcile = self._reconcile, False
-        targets = set() if full else targets
         result = await asyncio.to_thread(
             functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
         )
@@ -605,14 +377,13 @@ class Daemon:
         if self._link_monitor is not None:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         await self._refresh_ports()
-        self._note_event(0)
+        self.handoff.note(0)
         if lost is not None and lost == self._uevent_lost_at:
             self._uevent_lost_at = None
             self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
 
     def _read_sysfs_links(self) -> None:
         """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
-        assert self.tracker is not None
         self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self.devices)))
 
     async def _apply(self, config: Config) -> poolset.PoolChanges:
@@ -627,77 +398,33 @@ class Daemon:
         raw = selectors.build_pools(config, devices)
         pools = self.ownership.filter(raw)
         changes = poolset.diff(self._pools, pools)
-        for n in changes.stopped:
-            runtime = self.pools.pop(n, None)
-            if runtime is not None:
-                deleted = n in changes.removed and n not in self.ownership.resources_held()
-                await self._stop_runtime(runtime, deleted=deleted)
-            if n in changes.removed:
-                self.metrics.remove_pool(n)
+        await self.pools.stop_changed(changes)
         self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
-        assert self.tracker is not None
         self.tracker.replace(devices, pools)
         self._dra.take(raw, pools, self.tracker)
-        replaced = frozenset(changes.replaced)
-        started: list[PoolRuntime] = []
-        for pool in pools:
-            runtime = self.pools.get(pool.config.full_name)
-            if runtime is None:
-                # New, re-registering, back from DRA, or one whose set-up failed before: set it up now.
-                if pool.config.api is not PoolApi.DRA:
-                    healthy = self.tracker.healthy(pool.config.full_name)
-                    new = self._set_up(pool, healthy)
-                    if new is not None:
-                        started.append(new)
-                continue
-            if pool.config.full_name in replaced:
-                before = {m.id for m in runtime.pool.members}
-                after = {m.id for m in pool.members}
-                healthy = self.tracker.healthy(runtime.name)
-                try:
-                    nbytes = runtime.replace(pool, healthy)
-                except Exception:
-                    log.exception("pool %s: applying the new membership failed", runtime.name)
-                    continue
-                self.metrics.record_send(runtime.name, nbytes, None)
-                self._report_counts(runtime.name, healthy)
-                log_event(
-                    log,
-                    "pool membership changed",
-                    pool=runtime.name,
-                    devices=len(pool.members),
-                    added=summarise(sorted(after - before)),
-                    removed=summarise(sorted(before - after)),
-                )
+        started = self.pools.take(pools, changes.replaced)
         self._retain_held()
         # Last: should anything above fail, the next apply diffs from the set before and redoes it.
         self._pools = pools
-        await asyncio.gather(*(self._start_runner(r) for r in started))
+        await self.pools.start(started)
         return changes
 
-    # ----------------------------------------------------------------------------------- health
-    def _note_event(self, count: int) -> None:
-        if self._burst_start is None:
-            self._burst_start = time.monotonic()
-        self._burst_events += count
-        self._coalescer.notify()
-
+    # ----------------------------------------------------------------------------------- events
     def on_links(self, links: tuple[LinkTuple, ...]) -> None:
         """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
         states, gone = link_states(links)
         self.metrics.record_netlink("link", len(links))
-        if self.tracker is None or not (states or gone):
+        if not (states or gone):
             return
         self.tracker.set_links(states)
         # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
         self.tracker.drop_links(gone)
-        self._note_event(len(states) + len(gone))
+        self.handoff.note(len(states) + len(gone))
 
     def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
         """Take link states by interface name (the demo's and tests' way in)."""
-        assert self.tracker is not None
         self.tracker.set_links(states)
-        self._note_event(len(states))
+        self.handoff.note(len(states))
 
     def on_overrun(self, source: str = "link") -> None:
         """Netlink events were lost (overrun, socket error, stall): resynchronise everything, never guess.
@@ -724,8 +451,7 @@ class Daemon:
             self._take_ports(self.scanner.rdma_ports(ibdevs))
 
     def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
-        if self.tracker is not None:
-            self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
+        self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
 
     async def _refresh_ports(self) -> None:
         """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
@@ -742,73 +468,16 @@ class Daemon:
             except Exception:
                 log.exception("RDMA port poll failed")
                 continue
-            self._note_event(0)
+            self.handoff.note(0)
 
-    def flush(self) -> None:
-        """Send one message to every pool whose advertised health changed, and arm the hold-down timer."""
-        if self.tracker is None:
-            return
-        updates = self.tracker.collect()
-        latency = None if self._burst_start is None else time.monotonic() - self._burst_start
-        events, self._burst_start, self._burst_events = self._burst_events, None, 0
-        for name, upd in updates.items():
-            runtime = self.pools.get(name)
-            if runtime is None:
-                continue
-            try:
-                nbytes = runtime.publish(upd.healthy, upd.changed)
-            except Exception:
-                log.exception("pool %s: publishing failed", runtime.name)
-                continue
-            self.metrics.record_send(runtime.name, nbytes, latency, events)
-            self._report_change(runtime, upd)
+    def _deliver(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
+        """Hand a health flush to the device-plugin pools and to the DRA driver."""
+        self.pools.publish(updates, latency, events)
         if self.dra is not None:
             try:
                 self.dra.take_changes(updates)
             except Exception:
                 log.exception("DRA: publishing health failed")
-        deadline = self.tracker.next_deadline()
-        if self._deadline_handle is not None:
-            self._deadline_handle.cancel()
-            self._deadline_handle = None
-        if deadline is not None:
-            loop = asyncio.get_running_loop()
-            self._deadline_handle = loop.call_later(max(0.0, deadline - self._clock()), self.flush)
-
-    def _report_change(self, runtime: PoolRuntime, upd: PoolUpdate) -> None:
-        """One log line per pool and direction, and the per-pool gauges; never a line per device."""
-        members = runtime.pool.members
-        down_pos = [p for p in upd.changed if not upd.healthy[p]]
-        down = [members[p].id for p in down_pos]
-        up = [members[p].id for p in upd.changed if upd.healthy[p]]
-        self.metrics.record_transitions(runtime.name, len(down), len(up))
-        if down:
-            assert self.tracker is not None
-            # Reasons of a sample are enough for the log line; the metrics count every device.
-            why = sorted({r for p in down_pos[:64] for r in self.tracker.reasons(members[p].device.id)})
-            log_event(
-                log,
-                "devices unhealthy",
-                level=logging.WARNING,
-                pool=runtime.name,
-                count=len(down),
-                reason=",".join(why) or "unknown",
-                devices=summarise(down),
-            )
-        if up:
-            log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
-        self._report_counts(runtime.name, upd.healthy)
-
-    def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
-        bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
-        reasons: dict[str, int] = {}
-        if bad and self.tracker is not None and name in self.pools:
-            members = self.pools[name].pool.members
-            for pos, ok in enumerate(healthy):
-                if not ok:
-                    for r in self.tracker.reasons(members[pos].device.id):
-                        reasons[r] = reasons.get(r, 0) + 1
-        self.metrics.set_pool_devices(name, len(healthy) - bad, bad, reasons)
 
     async def _start_netlink(self) -> None:
         try:
@@ -864,13 +533,7 @@ class Daemon:
                 await self.ownership.refresh()  # devices the new config moves may be held by pods
             self.config = new
             self._dra.recover(new)  # the first DRA pool of this run
-            # The window may have changed: a new coalescer, but the old one's pending flush must neither
-            # fire later (a second flush, or one after stop()) nor be lost: the new one takes it over.
-            pending = self._coalescer.pending
-            self._coalescer.cancel()
-            self._coalescer = Coalescer(self.flush, new.coalesce_ms / 1e3)
-            if pending:
-                self._coalescer.notify()
+            self.handoff.set_window(new.coalesce_ms / 1e3)
             changes = await self._apply(new)
             await self._dra.start(self.config)
             self.metrics.record_reload(True)

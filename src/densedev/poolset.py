@@ -3,7 +3,8 @@
 A rescan (new devices, same config), a reload (same devices, new config) and a change in what pods
 hold (other devices withheld) all end in one new tuple of pools.  ``diff`` compares it with the tuple
 last applied, as the Intel device plugin framework's notifier compares device trees, and names the
-pools whose server stops, re-registers or takes a new membership in place; the daemon applies that.
+pools whose server stops, re-registers or takes a new membership in place; the daemon applies that
+through ``kubelet.pools.PoolSet``.
 """
 
 from __future__ import annotations

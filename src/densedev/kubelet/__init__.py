@@ -1,1 +1,1 @@
-"""The kubelet stage: the device plugin API's wire, servers and registration."""
+"""The kubelet stage: the device plugin API's wire, servers, registration and the pools' runtimes."""
