@@ -34,7 +34,15 @@ from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
 from .model import DEFAULT_PREFIX, Config, Device, Pool
 from .node import scanner as discovery
-from .node.events import DEFAULT_RCVBUF, LinkMonitor, LinkTuple, UeventMonitor, UeventTuple, link_states
+from .node.events import (
+    DEFAULT_RCVBUF,
+    LinkMonitor,
+    LinkTuple,
+    MonitorOptions,
+    UeventMonitor,
+    UeventTuple,
+    link_states,
+)
 from .node.layout import SYSFS_ROOT
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
@@ -479,26 +487,22 @@ class Daemon:
             except Exception:
                 log.exception("DRA: publishing health failed")
 
+    def _monitor_options(self) -> MonitorOptions:
+        """What both netlink monitors are given: the namespace, the receive buffer, the metrics."""
+        return MonitorOptions(
+            netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf, observer=self.metrics
+        )
+
     async def _start_netlink(self) -> None:
         try:
-            links = LinkMonitor(
-                self.on_links,
-                self.on_overrun,
-                netns=self.settings.netns,
-                rcvbuf=self.settings.netlink_rcvbuf,
-                observer=self.metrics,
-            )
+            links = LinkMonitor(self.on_links, self.on_overrun, **self._monitor_options())
             await links.start()
             self._link_monitor = links
         except OSError as exc:
             log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
         try:
             uevents = UeventMonitor(
-                self.on_uevent,
-                functools.partial(self.on_overrun, "uevent"),
-                netns=self.settings.netns,
-                rcvbuf=self.settings.netlink_rcvbuf,
-                observer=self.metrics,
+                self.on_uevent, functools.partial(self.on_overrun, "uevent"), **self._monitor_options()
             )
             await uevents.start()
             self._uevent_monitor = uevents
