@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from helpers.metrics import sample
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
+from helpers.waiting import until as _until
 
 from densedev.daemon import Daemon
 from densedev.model import HEALTHY, UNHEALTHY
@@ -329,8 +329,3 @@ async def test_a_daemon_loop_that_raises_is_restarted_not_lost(daemon: Daemon) -
     text = daemon.metrics.render().decode()
     assert 'densedev_task_restarts_total{task="housekeeping"} 1.0' in text
     assert all(not t.done() for t in daemon._tasks if t.get_name() == "housekeeping")
-
-
-async def _until(predicate: Callable[[], bool]) -> None:
-    while not predicate():
-        await asyncio.sleep(0.005)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.waiting import eventually
 
 from densedev.dra import names, slices
 from densedev.dra.apiclient import ApiError, HttpClaimReader, ResourceClient
@@ -68,15 +69,6 @@ def pools(node: simnode.NodeLayout) -> tuple[Pool, ...]:
 def pools4k(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pool, ...]:
     big = simnode.build_node(tmp_path_factory.mktemp("node4k"), pfs=16, vfs_per_pf=256)
     return _pools(big.root, [ALL_VFS])
-
-
-async def eventually(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None:
-    """Wait (bounded) until ``cond()`` holds: the publisher reacts to watch events asynchronously."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not cond():
-        assert loop.time() < end, f"never happened: {what}"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager

@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
+from helpers.waiting import eventually
 
 from densedev.dra import names, slices
 from densedev.dra.apiclient import ResourceClient
@@ -36,14 +37,6 @@ def pools(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pool, ...]:
     resources = [{"resourceName": "vfs", "api": "dra", "selectors": vfs}]
     cfg = config.parse(json.dumps({"resourceList": resources}))
     return slices.dra_pools(select.build_pools(cfg, scanner.scan(node.root).devices))
-
-
-async def _eventually(cond: Callable[[], bool], what: str, limit: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not cond():
-        assert loop.time() < end, f"never happened: {what}"
-        await asyncio.sleep(0.01)
 
 
 async def _deleted_slice_comes_back(
@@ -70,7 +63,7 @@ async def _deleted_slice_comes_back(
         assert published and sum(len(s["spec"]["devices"]) for s in published) == 128
         name = published[0]["metadata"]["name"]
         await kubelet.delete_slice(name)
-        await _eventually(lambda: name in srv.slices, "the deleted slice written again")
+        await eventually(lambda: name in srv.slices, "the deleted slice written again", 10.0)
     finally:
         await pub.stop()
         await client.close()

@@ -10,9 +10,9 @@ import asyncio
 import errno
 import socket
 import struct
-from collections.abc import Callable
 
 import pytest
+from helpers.waiting import until as _until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -177,8 +177,3 @@ async def test_live_dump_survives_injected_datagrams(netns: str, datagrams: list
         probe.close()
         sender.close()
         monitor.stop()
-
-
-async def _until(cond: Callable[[], bool]) -> None:
-    while not cond():
-        await asyncio.sleep(0.01)

@@ -26,7 +26,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers.metrics import sample as metric
 from helpers.node import PREFIX
+from helpers.waiting import until as _until
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.model import HEALTHY, UNHEALTHY
@@ -108,15 +110,6 @@ def make_daemon(tmp: Path, sysfs: Path, kubelet_dir: Path, ns: str) -> Daemon:
         netlink_rcvbuf=SMALL_RCVBUF,
     )
     return Daemon(settings, config_mod.load(tmp / "config.json", default_prefix=PREFIX))
-
-
-def metric(daemon: Daemon, name: str, **labels: str) -> float:
-    """Return one sample of the daemon's Prometheus registry (0 when absent)."""
-    for family in daemon.metrics.registry.collect():
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
 
 
 def resyncs(daemon: Daemon, source: str) -> float:
@@ -258,11 +251,6 @@ async def test_truncated_error_reply_during_a_dump_is_logged_and_resynced(
         sender.close()
         monitor.stop()
     assert "malformed netlink message" in caplog.text
-
-
-async def _until(cond: Callable[[], bool]) -> None:
-    while not cond():
-        await asyncio.sleep(0.01)
 
 
 async def test_watchdog_reopens_a_socket_whose_dump_is_never_read(netns: str) -> None:
