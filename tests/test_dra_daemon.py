@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from helpers import node as node_helpers
+from helpers.metrics import sample
 from helpers.node import PREFIX
 
 from densedev.alloc import devinfo
@@ -237,11 +238,19 @@ async def test_dra_and_device_plugin_pools_end_to_end(node: Node) -> None:
         down = node.claim(pf1[3])
         refused = (await c.dra_kubelet.prepare(DRIVER, [down]))[down[2]]
         assert "unhealthy" in refused.error and not node.spec(down[2]).exists()
+        # The DRA pool's device gauges follow, as a device-plugin pool's do.
+        n = len(pf1)
+        assert sample(daemon, "densedev_pool_devices", resource=DRA, health="Unhealthy") == n
+        assert sample(daemon, "densedev_pool_devices", resource=DRA, health="Healthy") == 0
+        assert sample(daemon, "densedev_pool_unhealthy_devices", resource=DRA, reason="pf-link-down") == n
+        assert sample(daemon, "densedev_pool_devices", resource=DP, health="Healthy") == len(pf0)
         daemon.set_links([(node.pf1.netdev, True)])
         await c.until(lambda: node.published() == by_name(pf1), "recovered devices published again")
         await c.until(
             lambda: set(c.dra_kubelet.health(DRIVER).values()) == {"HEALTHY"}, "health stream recovered"
         )
+        assert sample(daemon, "densedev_pool_devices", resource=DRA, health="Healthy") == n
+        assert sample(daemon, "densedev_pool_devices", resource=DRA, health="Unhealthy") == 0
 
         # A kubelet restart wipes the node's slices; the driver registers again and republishes.
         await c.dra_kubelet.restart()

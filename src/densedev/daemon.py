@@ -144,6 +144,7 @@ class Daemon:
             devinfo_dir=settings.devinfo_dir,
             dev_root=settings.dev_root,
             client_factory=dra_client,
+            metrics=self.metrics,
         )
         self.pools = PoolSet(
             settings,
@@ -481,11 +482,7 @@ class Daemon:
     def _deliver(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
         """Hand a health flush to the device-plugin pools and to the DRA driver."""
         self.pools.publish(updates, latency, events)
-        if self.dra is not None:
-            try:
-                self.dra.take_changes(updates)
-            except Exception:
-                log.exception("DRA: publishing health failed")
+        self._dra.take_changes(updates, self.tracker)
 
     def _monitor_options(self) -> MonitorOptions:
         """What both netlink monitors are given: the namespace, the receive buffer, the metrics."""

@@ -147,6 +147,11 @@ class DraDriver:
         if self.publisher is not None:
             self.publisher.update(pools=self.pools if replan else None, withheld=self.withheld)
 
+    @property
+    def listed(self) -> tuple[Pool, ...]:
+        """The DRA pools as listed (devices held through the other API taken out)."""
+        return self._listed
+
     def take_health(self, tracker: HealthTracker) -> None:
         """After a pool change: stream the DRA pools' advertised health from the tracker."""
         self._tracker = tracker

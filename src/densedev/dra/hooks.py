@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +22,8 @@ from . import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from . import DraSettings
 
 if TYPE_CHECKING:
-    from ..health.tracker import HealthTracker
+    from ..health.tracker import HealthTracker, PoolUpdate
+    from ..ops.metrics import Metrics
     from .driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.dra.driver")  # the driver's lines, wherever in the package they start
@@ -41,8 +42,10 @@ class DraHooks:
         devinfo_dir: Path | None,
         dev_root: Path,
         client_factory: ClientFactory | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings  # None: DRA is off (pools with "api": "dra" are not served)
+        self._metrics = metrics  # the DRA pools' device gauges, as the device-plugin pools have them
         self.ownership = ownership
         self._on_node = on_node
         self._cdi_dir = cdi_dir
@@ -94,6 +97,27 @@ class DraHooks:
             self.driver.take_health(health)
         except Exception:
             log.exception("DRA: taking the new pools failed")
+        self._count(health, None)
+
+    def take_changes(self, updates: Mapping[str, PoolUpdate], health: HealthTracker) -> None:
+        """Hand the driver a health flush: its stream and its slices follow what changed."""
+        if self.driver is None:
+            return
+        try:
+            self.driver.take_changes(updates)
+        except Exception:
+            log.exception("DRA: publishing health failed")
+        self._count(health, updates)
+
+    def _count(self, health: HealthTracker, only: Mapping[str, PoolUpdate] | None) -> None:
+        """Set the device gauges of the DRA pools (those in ``only`` when given) from the tracker."""
+        if self._metrics is None or self.driver is None:
+            return
+        for pool in self.driver.listed:
+            name = pool.config.full_name
+            if only is None or name in only:
+                ok, bad, reasons = health.counts(name)
+                self._metrics.set_pool_devices(name, ok, bad, reasons)
 
     def waiting(self) -> bool:
         """Return whether the driver is needed but has not started (``/readyz`` says not ready)."""

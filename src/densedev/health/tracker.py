@@ -305,6 +305,18 @@ class HealthTracker:
         i = self._index.get(device_id)
         return i is None or not any(_bit(state.advertised, i) for state in self._pools_of.get(i, ()))
 
+    def counts(self, pool: str) -> tuple[int, int, dict[str, int]]:
+        """Return a pool's members advertised healthy and unhealthy, and the unhealthy ones by reason."""
+        state = self._pools[pool]
+        bad = 0
+        reasons: dict[str, int] = {}
+        for i in accel.select_bits(state.advertised, state.mask):
+            n = len(state.positions[i])  # a shared RDMA pool advertises several member IDs per device
+            bad += n
+            for r in self.reasons(self._devices[i].id):
+                reasons[r] = reasons.get(r, 0) + n
+        return len(state.ids) - bad, bad, reasons
+
     def unhealthy_devices(self, pool: str) -> tuple[str, ...]:
         """Return the IDs of the pool's devices advertised unhealthy (device IDs, not shared member IDs)."""
         state = self._pools[pool]

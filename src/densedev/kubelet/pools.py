@@ -199,7 +199,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
                     log.exception("pool %s: applying the new membership failed", runtime.name)
                     continue
                 self._metrics.record_send(runtime.name, nbytes, None)
-                self._report_counts(runtime.name, healthy)
+                self._report_counts(runtime.name)
                 log_event(
                     log,
                     "pool membership changed",
@@ -248,7 +248,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
             return None
         runtime.publish(healthy, None)
         self._runtimes[name] = runtime
-        self._report_counts(name, healthy)
+        self._report_counts(name)
         return runtime
 
     async def _start_runner(self, runtime: PoolRuntime) -> None:
@@ -382,15 +382,9 @@ class PoolSet(Mapping[str, PoolRuntime]):
             )
         if up:
             log_event(log, "devices recovered", pool=runtime.name, count=len(up), devices=summarise(up))
-        self._report_counts(runtime.name, upd.healthy)
+        self._report_counts(runtime.name)
 
-    def _report_counts(self, name: str, healthy: Sequence[bool]) -> None:
-        bad = healthy.count(False) if isinstance(healthy, list | tuple) else sum(1 for h in healthy if not h)
-        reasons: dict[str, int] = {}
-        if bad and name in self._runtimes:
-            members = self._runtimes[name].pool.members
-            for pos, ok in enumerate(healthy):
-                if not ok:
-                    for r in self._health.reasons(members[pos].device.id):
-                        reasons[r] = reasons.get(r, 0) + 1
-        self._metrics.set_pool_devices(name, len(healthy) - bad, bad, reasons)
+    def _report_counts(self, name: str) -> None:
+        """Set the pool's device gauges from the health tracker: counts by health, unhealthy by reason."""
+        ok, bad, reasons = self._health.counts(name)
+        self._metrics.set_pool_devices(name, ok, bad, reasons)
