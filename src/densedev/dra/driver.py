@@ -102,12 +102,11 @@ class DraDriver:
         self.withheld: frozenset[str] = frozenset()  # their devices held through the other API
         self._listed: tuple[Pool, ...] = ()  # the DRA pools as listed (withheld devices taken out)
         self.started = False  # publishing and serving the kubelet
-        self.serving = False  # serving the kubelet (before the API server answers, too)
 
     # ------------------------------------------------------------------------------------- state
     def recover(self) -> frozenset[str]:
         """Load the prepared claims (before anything is served); return the device IDs they hold."""
-        return self.plugin.service.recover()
+        return self.plugin.recover()
 
     def claimed(self) -> frozenset[str]:
         """Return the device IDs prepared claims hold now."""
@@ -201,9 +200,8 @@ class DraDriver:
         node = self.settings.node_name
         if not node:
             raise DraUnavailable("serving DRA pools needs the node's name: --node-name or $NODE_NAME")
-        if not self.serving:
+        if not self.plugin.started:  # the kubelet side, served before the API server answers too
             await self.plugin.start()
-            self.serving = True
         if self.client is None:
             try:
                 if self._factory is not None:
@@ -250,7 +248,6 @@ class DraDriver:
     async def stop(self) -> None:
         """Stop serving the kubelet and publishing (the slices stay: the kubelet owns their cleanup)."""
         await self.plugin.stop()
-        self.serving = False
         if self.publisher is not None:
             await self.publisher.stop()
             self.publisher = None

@@ -60,6 +60,12 @@ class KubeletPlugin:
             poll=poll,
         )
         self._started = False
+        self._recovered = False  # the checkpoint is read once: later the service's state is the truth
+
+    @property
+    def started(self) -> bool:
+        """Whether the sockets are served (from ``start`` until ``stop``)."""
+        return self._started
 
     @property
     def on_registered(self) -> Callable[[], None] | None:
@@ -70,9 +76,16 @@ class KubeletPlugin:
     def on_registered(self, hook: Callable[[], None] | None) -> None:
         self.plugin.on_registered = hook
 
+    def recover(self) -> frozenset[str]:
+        """Load the prepared claims' checkpoint (once, before serving); return the device IDs they hold."""
+        if not self._recovered:
+            self.service.recover()
+            self._recovered = True
+        return frozenset(self.service.held())
+
     async def start(self) -> frozenset[str]:
-        """Recover prepared claims, then serve; return the device IDs those claims hold."""
-        held = self.service.recover()
+        """Recover prepared claims (unless done already), then serve; return the device IDs they hold."""
+        held = self.recover()
         await self.plugin.start()
         self._started = True
         return held
