@@ -16,7 +16,6 @@ from ..model import RequestError
 from ..printable import clip
 from .feed import PoolFeed
 from .lifecycle import SocketServer, unary
-from .sockets import MAX_UNIX_PATH as MAX_UNIX_PATH  # where daemon.py has long looked for it
 
 log = logging.getLogger(__name__)
 
