@@ -141,6 +141,28 @@ async def test_two_devices_of_one_request_share_one_request_entry(node: Node) ->
     assert set(json.loads(env["PCIDEVICE_EXAMPLE_COM_VF_POOL_INFO"])) == {VF, VF2}
 
 
+async def test_two_requests_of_one_pool_get_one_warning_naming_the_remedy(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A container naming both requests sees one request's PCIDEVICE_* (CDI env of one name is set by
+    # the last device applied): the operator is told, once per claim, and how to ask instead.
+    ref = node.claim(("a", VF), ("b", VF2))
+    with caplog.at_level(logging.WARNING, logger="densedev"):
+        result = (await prepare(node.service, ref))[ref.uid]
+        assert result.error == ""
+        await prepare(node.service, ref)  # a repeat returns the recorded result: no second line
+    lines = [r for r in caplog.records if "share one pool" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "count: N" in lines[0].getMessage()
+    assert lines[0].fields == {"claim": ref.uid, "pool": "example.com/vf_pool", "requests": "a,b"}
+    await node.service.unprepare([ref])
+    caplog.clear()
+    one = node.claim(("vfs", VF), ("vfs", VF2), name="one")
+    with caplog.at_level(logging.WARNING, logger="densedev"):
+        assert (await prepare(node.service, one))[one.uid].error == ""
+    assert not [r for r in caplog.records if "share one pool" in r.getMessage()]
+
+
 async def test_subrequest_names_are_reported_as_their_base_request(node: Node) -> None:
     ref = node.claim(("nic/fast", VF))
     (d,) = (await prepare(node.service, ref))[ref.uid].devices

@@ -9,7 +9,7 @@ Prepare gives a container what ``Allocate`` gives it under the device-plugin API
   named by the first device of the request only, so a container naming the request (or the whole
   claim) gets it once.  Claim UIDs have no ``_`` and request names are DNS labels, so the two kinds of
   names never collide.  A container naming two requests of one pool sees the variables of one of them:
-  CDI env edits of two devices with the same name overwrite each other.
+  CDI env edits of two devices with the same name overwrite each other (a warning says so at Prepare).
 
 The claim UID is in every CDI name, so a runtime never resolves a stale cached entry of another claim
 (kubeletplugin's DRAPlugin doc).  Calls are serialised (the kubelet calls concurrently for different
@@ -37,6 +37,7 @@ from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
 from ..kubelet.lifecycle import unary
 from ..model import DeviceType, PoolConfig, RequestError
+from ..ops.logs import log_event
 from ..printable import clip, listing
 from . import names
 from .claims import (
@@ -329,6 +330,7 @@ class NodeService:
         groups: dict[str, dict[PoolConfig, dict[str, Grant]]] = {}
         for request, _pool, _name, device_id, _admin, grant in granted:
             groups.setdefault(request, {}).setdefault(grant.config, {}).setdefault(device_id, grant)
+        _warn_shared_pools(ref, groups)
         device_names: dict[str, str] = {}
         request_names: dict[str, str] = {}
         for request, by_config in groups.items():
@@ -448,6 +450,32 @@ class NodeService:
                 return errors
             self._commit(claims)
         return errors
+
+
+def _warn_shared_pools(ref: ClaimRef, groups: Mapping[str, Mapping[PoolConfig, object]]) -> None:
+    """Warn once per claim when two of its requests take devices of one pool.
+
+    Each request's CDI entry sets the pool's ``PCIDEVICE_<RESOURCE>``; a container naming both requests
+    gets both entries and the runtime keeps the value of the last one applied (CDI env edits replace a
+    variable of the same name), so it sees one request's addresses.  Its ``_INFO`` variables and
+    device-info files still list every device.  One request with ``count: N`` gives the combined list,
+    as ``intel.com/x: N`` does under the device-plugin API.
+    """
+    requests: dict[str, list[str]] = {}
+    for request, by_config in groups.items():
+        for config in by_config:
+            requests.setdefault(config.full_name, []).append(request or "claim")
+    for pool, names_ in requests.items():
+        if len(names_) > 1:
+            log_event(
+                log,
+                "DRA claim: requests share one pool; a container naming several sees one request's "
+                "PCIDEVICE_* (ask with one request and count: N instead)",
+                level=logging.WARNING,
+                claim=ref.uid,
+                pool=pool,
+                requests=",".join(names_),
+            )
 
 
 async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
