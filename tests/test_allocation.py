@@ -5,9 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.devices import DPDK, NET, RDMA, dev, pool_of, touch
@@ -401,9 +399,7 @@ def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
 # -- through the kubelet emulator: the gRPC server, registration and the wire in between -----------
 
 
-def test_through_the_kubelet_emulator(
-    run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Path, sock_dir: Path
-) -> None:
+async def test_through_the_kubelet_emulator(tmp_path: Path, sock_dir: Path) -> None:
     import grpc
 
     from densedev.kubelet.feed import PoolFeed
@@ -427,40 +423,35 @@ def test_through_the_kubelet_emulator(
     feed = PoolFeed(encoder.encode([healthy[d.id] for d in vfs]))
     resource = config.full_name
 
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir, checkpoint=False)
-        await kubelet.start()
-        runner = PluginRunner(resource, sock_dir, "densedev-intel.com_dpdk.sock", feed, alloc)
-        await runner.start()
-        try:
-            await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 2, 10.0)
-            options = kubelet.options(resource)
-            assert (
-                options is not None
-                and options.pre_start_required
-                and options.get_preferred_allocation_available
-            )
-            ids = [d.id for d in vfs]
-            assert await kubelet.preferred(resource, ids[:2], [], 2) == ids[:2]
-            resp = await kubelet.allocate(resource, ["0000:18:02.1"])
-            assert [c.name for c in resp.cdi_devices] == ["intel.com/dpdk=0000:18:02.1"]
-            assert resp.envs["PCIDEVICE_INTEL_COM_DPDK"] == "0000:18:02.1"
-            info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_DPDK_INFO"])
-            assert info["0000:18:02.1"]["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/84"}
-            await kubelet.prestart(resource, ["0000:18:02.1"])
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await kubelet.allocate(resource, ["0000:18:0a.0"], check=False)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "0000:18:0a.0" in (e.value.details() or "")
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await kubelet.allocate(resource, ["0000:99:00.0"], check=False)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        finally:
-            await runner.stop()
-            await kubelet.stop()
-            alloc.close()
-
-    run(main())
+    kubelet = KubeletEmulator(sock_dir, checkpoint=False)
+    await kubelet.start()
+    runner = PluginRunner(resource, sock_dir, "densedev-intel.com_dpdk.sock", feed, alloc)
+    await runner.start()
+    try:
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 2, 10.0)
+        options = kubelet.options(resource)
+        assert (
+            options is not None and options.pre_start_required and options.get_preferred_allocation_available
+        )
+        ids = [d.id for d in vfs]
+        assert await kubelet.preferred(resource, ids[:2], [], 2) == ids[:2]
+        resp = await kubelet.allocate(resource, ["0000:18:02.1"])
+        assert [c.name for c in resp.cdi_devices] == ["intel.com/dpdk=0000:18:02.1"]
+        assert resp.envs["PCIDEVICE_INTEL_COM_DPDK"] == "0000:18:02.1"
+        info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_DPDK_INFO"])
+        assert info["0000:18:02.1"]["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/84"}
+        await kubelet.prestart(resource, ["0000:18:02.1"])
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await kubelet.allocate(resource, ["0000:18:0a.0"], check=False)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "0000:18:0a.0" in (e.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await kubelet.allocate(resource, ["0000:99:00.0"], check=False)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await runner.stop()
+        await kubelet.stop()
+        alloc.close()
     assert (tmp_path / "cdi" / "densedev-intel.com-dpdk.json").exists()
     assert not list((tmp_path / "devinfo").iterdir())
 

@@ -7,10 +7,9 @@ import gc
 import os
 import shutil
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
-from typing import Any, get_origin, get_type_hints
+from typing import get_origin, get_type_hints
 
 import pytest
 
@@ -438,9 +437,7 @@ def test_subfunction_of_a_vf(impl: ModuleType, tmp_path: Path) -> None:
     assert all(devs[name].pf == ex.sf_pf for name in ex.sfs)  # the PF's own are unchanged
 
 
-def test_scan_in_a_worker_thread_lets_the_event_loop_run(
-    impl: ModuleType, node: NodeLayout, run: Callable[[Coroutine[Any, Any, Any]], Any]
-) -> None:
+async def test_scan_in_a_worker_thread_lets_the_event_loop_run(impl: ModuleType, node: NodeLayout) -> None:
     # The daemon scans with asyncio.to_thread so that health messages keep flowing: that needs the
     # scan to let go of the GIL while it waits on the kernel.  CPython would also force a hand-over
     # every sys.getswitchinterval() (5 ms) from code that calls back into Python; a 60 s interval
@@ -474,7 +471,7 @@ def test_scan_in_a_worker_thread_lets_the_event_loop_run(
     old = sys.getswitchinterval()
     sys.setswitchinterval(60.0)
     try:
-        found, ticks = run(count_ticks_during_scans())
+        found, ticks = await count_ticks_during_scans()
     finally:
         sys.setswitchinterval(old)
     assert found == scans * len(_scan(impl, node.root)[0])

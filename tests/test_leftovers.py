@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import Run
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.alloc import cdi, devinfo, leftovers
@@ -178,8 +177,8 @@ def test_unreadable_directories_are_reported_not_raised(tmp_path: Path) -> None:
     assert result.removed == () and len(result.problems) == 2
 
 
-def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_restart(
-    run: Run, tmp_path: Path, child_env: dict[str, str]
+async def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_restart(
+    tmp_path: Path, child_env: dict[str, str]
 ) -> None:
     node = Node(tmp_path)
     cdi_dir, info_dir = tmp_path / "cdi", tmp_path / "devinfo"
@@ -195,7 +194,7 @@ def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_rest
     def stem(resource: str) -> str:
         return devinfo.stem(*resource.split("/"))
 
-    async def main() -> None:
+    try:
         emu = KubeletEmulator(node.kubelet_dir, pod_resources_socket=tmp_path / "pr.sock")
         await emu.start()
         procs: list[subprocess.Popen[bytes]] = []
@@ -262,8 +261,5 @@ def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_rest
                     proc.kill()
                     await asyncio.to_thread(proc.wait)
             await emu.stop()
-
-    try:
-        run(main())
     finally:
         shutil.rmtree(node.kubelet_dir, ignore_errors=True)

@@ -17,8 +17,3 @@ import mode.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Coroutine
-from typing import Any
-
-Run = Callable[[Coroutine[Any, Any, Any]], Any]  # conftest's ``run`` fixture, for tests not yet async
