@@ -26,9 +26,8 @@ from helpers.node import GUARD_S, PREFIX
 
 from densedev._proto import api_pb2
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator, KubeletError
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator, KubeletError
 
 RW = "rw"
 RDMA_CM = "/dev/infiniband/rdma_cm"

@@ -17,7 +17,7 @@ from densedev._proto import api_pb2
 from densedev.alloc.respond import AllocationSettings, PoolAllocator, build_response
 from densedev.health.tracker import HealthTracker
 from densedev.kubelet.server import PoolService
-from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
+from densedev.model import Device, Pool, PoolConfig, PoolMember, RequestError, Role, Selector
 from densedev.pools.config import env_var_name
 
 # -- hand-built device records, shaped like what discovery reads from a real node ------------------
@@ -264,7 +264,7 @@ def test_vhost_net(tmp_path: Path, dev_root: Path) -> None:
 def test_accelerator_with_extra_info(tmp_path: Path, dev_root: Path) -> None:
     touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/120")
     qat = dev(
-        "0000:b1:00.1", role=ROLE_VF, vendor="8086", device="4941", pci_class="0b4000", driver="vfio-pci",
+        "0000:b1:00.1", role=Role.VF, vendor="8086", device="4941", pci_class="0b4000", driver="vfio-pci",
         iommu_group=120, pf="0000:b1:00.0", link_type="", pf_netdev="",
     )  # fmt: skip
     config = PoolConfig(
@@ -285,7 +285,7 @@ def test_accelerator_with_extra_info(tmp_path: Path, dev_root: Path) -> None:
 
 
 def test_plain_pci_function_gets_generic_only(tmp_path: Path, dev_root: Path) -> None:
-    nic = dev("0000:af:00.0", role=ROLE_PCI, pf="", vf_index=-1, driver="ice")
+    nic = dev("0000:af:00.0", role=Role.PCI, pf="", vf_index=-1, driver="ice")
     parts, _ = build_response(NET, [nic], dev_root)
     assert json.loads(parts.envs["PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_NETDEVICE_INFO"]) == {
         "0000:af:00.0": {"generic": {"deviceID": "0000:af:00.0"}}

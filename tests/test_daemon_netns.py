@@ -16,11 +16,10 @@ import pytest
 from helpers.metrics import sample
 
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 from densedev.testing.netns import aip, ip
 
 GUARD_S = 20.0

@@ -19,7 +19,7 @@ import pytest
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.alloc import cdi, devinfo, leftovers
-from densedev.model import ROLE_VF, Device
+from densedev.model import Device, Role
 from densedev.testing.kubelet import KubeletEmulator
 
 A0, A1, A2 = "0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"
@@ -128,7 +128,7 @@ def test_one_cdi_rule_keeps_the_specs_of_configured_pools_and_of_resources_held(
 
 def device(address: str) -> Device:
     """Return a VF as a scan reports it (only its address matters here)."""
-    return Device(address, ROLE_VF, "15b3", "101e", "020000", "", "", "mlx5_core", 0, -1, False, -1, 0, 0,
+    return Device(address, Role.VF, "15b3", "101e", "020000", "", "", "mlx5_core", 0, -1, False, -1, 0, 0,
                   "", -1, "", (), "", "", (), "", "", "", "", "")  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from densedev._proto import api_pb2
 from densedev.health.tracker import HealthTracker
 from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder
-from densedev.model import ROLE_PF, ROLE_VF, Device, Pool, PoolConfig, PoolMember
+from densedev.model import Device, Pool, PoolConfig, PoolMember, Role
 
 F = descriptor_pb2.FieldDescriptorProto
 
@@ -235,13 +235,13 @@ def test_encoder_fed_by_the_tracker_lists_what_the_tracker_holds(ops: list[tuple
     # builds (flush: the update; membership change: a new encoder, the whole list) equals protobuf's
     # of the tracker's advertised health.
     now = [0.0]
-    pfs = [_device(f"0000:0{k + 1}:00.0", ROLE_PF, netdevs=(name,)) for k, name in enumerate(_PFS)]
+    pfs = [_device(f"0000:0{k + 1}:00.0", Role.PF, netdevs=(name,)) for k, name in enumerate(_PFS)]
 
     def table(vfs: int) -> tuple[list[Device], list[Pool]]:
         devices = pfs + [
-            _device(f"0000:0{k % 3 + 1}:01.{k // 3}", ROLE_VF, _PFS[k % 3], (f"v{k}",)) for k in range(vfs)
+            _device(f"0000:0{k % 3 + 1}:01.{k // 3}", Role.VF, _PFS[k % 3], (f"v{k}",)) for k in range(vfs)
         ]
-        vf_members = [d for d in devices if d.role == ROLE_VF]
+        vf_members = [d for d in devices if d.role == Role.VF]
         pools = [
             Pool(PoolConfig("vfs", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members)),
             Pool(PoolConfig("even", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members[::2])),

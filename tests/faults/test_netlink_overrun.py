@@ -31,7 +31,6 @@ from helpers.node import PREFIX
 from helpers.waiting import until as _until
 
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.node.events import (
     NETLINK_KOBJECT_UEVENT,
     NETLINK_ROUTE,
@@ -45,7 +44,7 @@ from densedev.node.events import (
 )
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 from densedev.testing.netns import aip
 
 GUARD_S = 15.0  # only turns a hang into a failure
