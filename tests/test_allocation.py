@@ -19,6 +19,7 @@ from densedev.health.tracker import HealthTracker
 from densedev.kubelet.server import PoolService
 from densedev.model import Device, Pool, PoolConfig, PoolMember, RequestError, Role, Selector
 from densedev.pools.config import env_var_name
+from densedev.testing.kubelet import KubeletEmulator
 
 # -- hand-built device records, shaped like what discovery reads from a real node ------------------
 
@@ -399,13 +400,13 @@ def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
 # -- through the kubelet emulator: the gRPC server, registration and the wire in between -----------
 
 
-async def test_through_the_kubelet_emulator(tmp_path: Path, sock_dir: Path) -> None:
+@pytest.mark.parametrize("kubelet_options", [{"checkpoint": False}])
+async def test_through_the_kubelet_emulator(tmp_path: Path, sock_dir: Path, kubelet: KubeletEmulator) -> None:
     import grpc
 
     from densedev.kubelet.feed import PoolFeed
     from densedev.kubelet.registration import PluginRunner
     from densedev.kubelet.wire import ListEncoder
-    from densedev.testing.kubelet import KubeletEmulator
 
     dev_root = tmp_path / "dev"
     touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/83", "/dev/vfio/noiommu-84", "/dev/infiniband/uverbs3")
@@ -423,8 +424,6 @@ async def test_through_the_kubelet_emulator(tmp_path: Path, sock_dir: Path) -> N
     feed = PoolFeed(encoder.encode([healthy[d.id] for d in vfs]))
     resource = config.full_name
 
-    kubelet = KubeletEmulator(sock_dir, checkpoint=False)
-    await kubelet.start()
     runner = PluginRunner(resource, sock_dir, "densedev-intel.com_dpdk.sock", feed, alloc)
     await runner.start()
     try:
@@ -450,7 +449,6 @@ async def test_through_the_kubelet_emulator(tmp_path: Path, sock_dir: Path) -> N
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await runner.stop()
-        await kubelet.stop()
         alloc.close()
     assert (tmp_path / "cdi" / "densedev-intel.com-dpdk.json").exists()
     assert not list((tmp_path / "devinfo").iterdir())

@@ -56,8 +56,21 @@ def _plugin(root: Path, node: Node, health: HealthStream) -> DraPlugin:
     )
 
 
+@pytest.fixture
+def stack_options() -> dict[str, Any]:
+    """Keyword arguments of the ``stack`` fixture (parametrize this name to change them)."""
+    return {}
+
+
+@pytest.fixture
+async def stack(root: Path, stack_options: dict[str, Any]) -> AsyncIterator[Stack]:
+    """The DRA side and a kubelet of ``release`` (1.34 unless ``stack_options`` say), both started."""
+    async with _stack(root, **stack_options) as s:
+        yield s
+
+
 @asynccontextmanager
-async def stack(
+async def _stack(
     root: Path, release: str = "1.34", *, kubelet_first: bool = False, resend: float = 5.0
 ) -> AsyncIterator[Stack]:
     node = Node(root)
@@ -81,36 +94,36 @@ async def stack(
 # -- registration per release ---------------------------------------------------------------------------
 
 
-async def test_a_1_34_kubelet_registers_v1_and_prepares_through_it(root: Path) -> None:
-    async with stack(root, "1.34", kubelet_first=True) as s:
-        await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins and s.plugin.registered, GUARD)
-        record = s.kubelet.plugins[DRIVER]
-        assert record.version == "v1.DRAPlugin" and record.versions == ALL_VERSIONS
-        assert record.endpoint == str(root / "plugins" / DRIVER / "dra.sock")
-        assert record.socket == root / "registry" / f"{DRIVER}-reg.sock"
-        assert s.plugin.notifications == [Notification(True, "")]
-        claim = s.ref(("vf", VF))
-        answer = (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]]
-        assert answer.error == ""
-        assert answer.devices[0]["device"] == names.device_name(VF)
-        assert answer.devices[0]["cdi"][0] == f"{DRIVER}/claim={claim[2]}-{names.device_name(VF)}"
-        # A repeat (kubelet retry, or restart) gets exactly the same answer.
-        assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]] == answer
-        assert await s.kubelet.unprepare(DRIVER, [claim]) == {claim[2]: ""}
-        assert s.node.service.prepared == {}
+@pytest.mark.parametrize("stack_options", [{"release": "1.34", "kubelet_first": True}])
+async def test_a_1_34_kubelet_registers_v1_and_prepares_through_it(stack: Stack, root: Path) -> None:
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins and stack.plugin.registered, GUARD)
+    record = stack.kubelet.plugins[DRIVER]
+    assert record.version == "v1.DRAPlugin" and record.versions == ALL_VERSIONS
+    assert record.endpoint == str(root / "plugins" / DRIVER / "dra.sock")
+    assert record.socket == root / "registry" / f"{DRIVER}-reg.sock"
+    assert stack.plugin.notifications == [Notification(True, "")]
+    claim = stack.ref(("vf", VF))
+    answer = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]]
+    assert answer.error == ""
+    assert answer.devices[0]["device"] == names.device_name(VF)
+    assert answer.devices[0]["cdi"][0] == f"{DRIVER}/claim={claim[2]}-{names.device_name(VF)}"
+    # A repeat (kubelet retry, or restart) gets exactly the same answer.
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]] == answer
+    assert await stack.kubelet.unprepare(DRIVER, [claim]) == {claim[2]: ""}
+    assert stack.node.service.prepared == {}
 
 
-async def test_a_1_32_kubelet_registers_v1beta1_and_opens_no_health_stream(root: Path) -> None:
-    async with stack(root, "1.32") as s:
-        await s.kubelet.wait_for(lambda: s.plugin.registered, GUARD)
-        assert s.kubelet.plugins[DRIVER].version == "v1beta1.DRAPlugin"
-        claim = s.ref(("vf", VF))
-        answer = (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]]
-        assert answer.error == "" and len(answer.devices) == 1
-        bad = ("default", "x", "not/a/uid")
-        assert "is not a Kubernetes UID" in (await s.kubelet.prepare(DRIVER, [bad]))[bad[2]].error
-        assert await s.kubelet.unprepare(DRIVER, [claim, bad]) == {claim[2]: "", bad[2]: ""}
-        assert s.health.streams_opened == 0
+@pytest.mark.parametrize("stack_options", [{"release": "1.32"}])
+async def test_a_1_32_kubelet_registers_v1beta1_and_opens_no_health_stream(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: stack.plugin.registered, GUARD)
+    assert stack.kubelet.plugins[DRIVER].version == "v1beta1.DRAPlugin"
+    claim = stack.ref(("vf", VF))
+    answer = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]]
+    assert answer.error == "" and len(answer.devices) == 1
+    bad = ("default", "x", "not/a/uid")
+    assert "is not a Kubernetes UID" in (await stack.kubelet.prepare(DRIVER, [bad]))[bad[2]].error
+    assert await stack.kubelet.unprepare(DRIVER, [claim, bad]) == {claim[2]: "", bad[2]: ""}
+    assert stack.health.streams_opened == 0
 
 
 async def test_without_v1beta1_a_1_32_kubelet_falls_back_and_calls_fail(root: Path) -> None:
@@ -213,75 +226,78 @@ async def test_stale_sockets_are_replaced_and_a_planted_file_is_left_alone(root:
     assert not plugin.registration_socket.exists()  # the DRA socket comes first: nothing else made
 
 
-async def test_deleted_sockets_are_recreated_and_registered_again(root: Path) -> None:
-    async with stack(root) as s:
-        await s.kubelet.wait_for(lambda: s.plugin.registered, GUARD)
-        s.plugin.registration_socket.unlink()
-        await s.kubelet.wait_for(lambda: s.plugin.recreated == 1 and len(s.plugin.notifications) == 2, GUARD)
-        assert s.plugin.notifications[-1].registered and s.plugin.info_calls == 2
-        s.plugin.endpoint.unlink()
-        await s.kubelet.wait_for(lambda: s.plugin.recreated == 2 and len(s.plugin.notifications) == 3, GUARD)
-        await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
-        claim = s.ref(("vf", VF))
-        assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
+async def test_deleted_sockets_are_recreated_and_registered_again(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: stack.plugin.registered, GUARD)
+    stack.plugin.registration_socket.unlink()
+    await stack.kubelet.wait_for(
+        lambda: stack.plugin.recreated == 1 and len(stack.plugin.notifications) == 2, GUARD
+    )
+    assert stack.plugin.notifications[-1].registered and stack.plugin.info_calls == 2
+    stack.plugin.endpoint.unlink()
+    await stack.kubelet.wait_for(
+        lambda: stack.plugin.recreated == 2 and len(stack.plugin.notifications) == 3, GUARD
+    )
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
+    claim = stack.ref(("vf", VF))
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
 
 
-async def test_a_kubelet_restart_registers_again_and_calls_keep_working(root: Path) -> None:
-    async with stack(root) as s:
-        await s.kubelet.wait_for(lambda: s.plugin.registered and s.health.streams == 1, GUARD)
-        claim = s.ref(("vf", VF))
-        first = (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]]
-        wiped: list[int] = []
+async def test_a_kubelet_restart_registers_again_and_calls_keep_working(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: stack.plugin.registered and stack.health.streams == 1, GUARD)
+    claim = stack.ref(("vf", VF))
+    first = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]]
+    wiped: list[int] = []
 
-        async def wipe_slices() -> None:
-            wiped.append(1)
+    async def wipe_slices() -> None:
+        wiped.append(1)
 
-        s.kubelet.on_start = wipe_slices
-        await s.kubelet.restart()
-        await s.kubelet.wait_for(lambda: len(s.plugin.notifications) == 2, GUARD)
-        assert wiped == [1] and s.plugin.info_calls == 2 and s.plugin.recreated == 0
-        # The restarted kubelet prepares its checkpointed claims again: same answer.
-        assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]] == first
-        # One health stream per kubelet: the old one ended when the new one opened.
-        await s.kubelet.wait_for(lambda: s.health.streams_opened == 2 and s.health.streams == 1, GUARD)
+    stack.kubelet.on_start = wipe_slices
+    await stack.kubelet.restart()
+    await stack.kubelet.wait_for(lambda: len(stack.plugin.notifications) == 2, GUARD)
+    assert wiped == [1] and stack.plugin.info_calls == 2 and stack.plugin.recreated == 0
+    # The restarted kubelet prepares its checkpointed claims again: same answer.
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]] == first
+    # One health stream per kubelet: the old one ended when the new one opened.
+    await stack.kubelet.wait_for(
+        lambda: stack.health.streams_opened == 2 and stack.health.streams == 1, GUARD
+    )
 
 
-async def test_stop_removes_both_sockets_and_the_kubelet_deregisters(root: Path) -> None:
-    async with stack(root) as s:
-        await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
-        await s.plugin.stop()
-        assert not s.plugin.endpoint.exists() and not s.plugin.registration_socket.exists()
-        await s.kubelet.wait_for(lambda: DRIVER not in s.kubelet.plugins, GUARD)
+async def test_stop_removes_both_sockets_and_the_kubelet_deregisters(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
+    await stack.plugin.stop()
+    assert not stack.plugin.endpoint.exists() and not stack.plugin.registration_socket.exists()
+    await stack.kubelet.wait_for(lambda: DRIVER not in stack.kubelet.plugins, GUARD)
 
 
 # -- health ----------------------------------------------------------------------------------------------
 
 
-async def test_the_health_stream_sends_the_whole_list_on_change_and_resends_it(root: Path) -> None:
+@pytest.mark.parametrize("stack_options", [{"resend": 0.1}])
+async def test_the_health_stream_sends_the_whole_list_on_change_and_resends_it(stack: Stack) -> None:
     a, b = names.device_name(VF), names.device_name(VF2)
 
-    async with stack(root, resend=0.1) as s:
-        s.health.update({VF: True, VF2: True})
-        await s.kubelet.wait_for(
-            lambda: s.kubelet.health(DRIVER) == {(NODE, a): "HEALTHY", (NODE, b): "HEALTHY"}, GUARD
-        )
-        s.health.update({VF2: False})
-        await s.kubelet.wait_for(lambda: s.kubelet.health(DRIVER).get((NODE, b)) == "UNHEALTHY", GUARD)
-        record = s.kubelet.plugins[DRIVER]
-        # Every message is the complete list, and without any change it keeps coming (resend).
-        seen = len(record.health_messages)
-        await s.kubelet.wait_for(lambda: len(record.health_messages) >= seen + 3, GUARD)
-        for _when, health in record.health_messages[seen:]:
-            assert health == {(NODE, a): "HEALTHY", (NODE, b): "UNHEALTHY"}
-        s.health.forget([VF])
-        await s.kubelet.wait_for(lambda: s.kubelet.health(DRIVER) == {(NODE, b): "UNHEALTHY"}, GUARD)
-        # stop() ends the stream cleanly: the kubelet forgets the health, then re-opens (5 s; 0.1 here).
-        opened = record.health_streams
-        s.health.stop()
-        await s.kubelet.wait_for(lambda: record.health_error == "stream ended", GUARD)
-        await s.kubelet.wait_for(
-            lambda: record.health_streams > opened and bool(s.kubelet.health(DRIVER)), GUARD
-        )
+    stack.health.update({VF: True, VF2: True})
+    await stack.kubelet.wait_for(
+        lambda: stack.kubelet.health(DRIVER) == {(NODE, a): "HEALTHY", (NODE, b): "HEALTHY"}, GUARD
+    )
+    stack.health.update({VF2: False})
+    await stack.kubelet.wait_for(lambda: stack.kubelet.health(DRIVER).get((NODE, b)) == "UNHEALTHY", GUARD)
+    record = stack.kubelet.plugins[DRIVER]
+    # Every message is the complete list, and without any change it keeps coming (resend).
+    seen = len(record.health_messages)
+    await stack.kubelet.wait_for(lambda: len(record.health_messages) >= seen + 3, GUARD)
+    for _when, health in record.health_messages[seen:]:
+        assert health == {(NODE, a): "HEALTHY", (NODE, b): "UNHEALTHY"}
+    stack.health.forget([VF])
+    await stack.kubelet.wait_for(lambda: stack.kubelet.health(DRIVER) == {(NODE, b): "UNHEALTHY"}, GUARD)
+    # stop() ends the stream cleanly: the kubelet forgets the health, then re-opens (5 s; 0.1 here).
+    opened = record.health_streams
+    stack.health.stop()
+    await stack.kubelet.wait_for(lambda: record.health_error == "stream ended", GUARD)
+    await stack.kubelet.wait_for(
+        lambda: record.health_streams > opened and bool(stack.kubelet.health(DRIVER)), GUARD
+    )
 
 
 def test_health_message_bytes_decode_to_the_full_list() -> None:
@@ -356,22 +372,21 @@ async def test_the_kubelet_plugin_recovers_claims_before_its_sockets_exist(root:
     assert not plugin.plugin.endpoint.exists() and not plugin.plugin.registration_socket.exists()
 
 
-async def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(root: Path) -> None:
-    async with stack(root) as s:
-        await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
-        healthy_gate = s.node.service.gate
+async def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
+    healthy_gate = stack.node.service.gate
 
-        def broken(device_id: str) -> Any:
-            raise RuntimeError("x" * 100_000)
+    def broken(device_id: str) -> Any:
+        raise RuntimeError("x" * 100_000)
 
-        s.node.service.gate = broken
-        claim = s.ref(("vf", VF))
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await s.kubelet.prepare(DRIVER, [claim])
-        assert e.value.code() == grpc.StatusCode.INTERNAL
-        assert len(e.value.details() or "") < 1100
-        s.node.service.gate = healthy_gate  # the server lives on: the next call works
-        assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
+    stack.node.service.gate = broken
+    claim = stack.ref(("vf", VF))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.kubelet.prepare(DRIVER, [claim])
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert len(e.value.details() or "") < 1100
+    stack.node.service.gate = healthy_gate  # the server lives on: the next call works
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
 
 
 _DAEMON = """

@@ -26,26 +26,21 @@ def _runner(sock_dir: Path, pool: FakePool, feed: PoolFeed, resource: str = RESO
 
 
 @asynccontextmanager
-async def _registered(
-    sock_dir: Path, pool: FakePool, feed: PoolFeed
-) -> AsyncIterator[tuple[KubeletEmulator, PluginRunner]]:
-    """A started kubelet emulator and a runner for ``pool`` started after it; both stopped on exit."""
-    kubelet = KubeletEmulator(sock_dir)
-    await kubelet.start()
+async def _registered(sock_dir: Path, pool: FakePool, feed: PoolFeed) -> AsyncIterator[PluginRunner]:
+    """A runner for ``pool``, started after the ``kubelet`` fixture's emulator, stopped on exit."""
     runner = _runner(sock_dir, pool, feed)
     await runner.start()
     try:
-        yield kubelet, runner
+        yield runner
     finally:
         await runner.stop()
-        await kubelet.stop()
 
 
-async def test_registers_and_the_kubelet_gets_the_full_list(sock_dir: Path) -> None:
+async def test_registers_and_the_kubelet_gets_the_full_list(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     pool = FakePool(pci_ids(1024))
     feed = PoolFeed(pool.message())
 
-    async with _registered(sock_dir, pool, feed) as (kubelet, runner):
+    async with _registered(sock_dir, pool, feed) as runner:
         await kubelet.wait_for(lambda: kubelet.capacity(RESOURCE) == 1024, GUARD)
         assert runner.registered and runner.registrations == 1
         assert kubelet.resources() == [RESOURCE]
@@ -89,11 +84,13 @@ async def test_waits_for_an_absent_kubelet(sock_dir: Path) -> None:
         await runner.stop()
 
 
-async def test_kubelet_restart_leads_to_reregistration_and_a_fresh_list(sock_dir: Path) -> None:
+async def test_kubelet_restart_leads_to_reregistration_and_a_fresh_list(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
     pool = FakePool(pci_ids(512))
     feed = PoolFeed(pool.message())
 
-    async with _registered(sock_dir, pool, feed) as (kubelet, runner):
+    async with _registered(sock_dir, pool, feed) as runner:
         await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 1, GUARD)
         first = runner.socket_path.stat()
         await kubelet.restart()
@@ -112,11 +109,11 @@ async def test_kubelet_restart_leads_to_reregistration_and_a_fresh_list(sock_dir
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 511, GUARD)
 
 
-async def test_own_socket_deleted_leads_to_a_new_server(sock_dir: Path) -> None:
+async def test_own_socket_deleted_leads_to_a_new_server(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     pool = FakePool(pci_ids(16))
     feed = PoolFeed(pool.message())
 
-    async with _registered(sock_dir, pool, feed) as (kubelet, runner):
+    async with _registered(sock_dir, pool, feed) as runner:
         await kubelet.wait_for(lambda: runner.registrations == 1, GUARD)
         runner.socket_path.unlink()
         await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
@@ -126,15 +123,13 @@ async def test_own_socket_deleted_leads_to_a_new_server(sock_dir: Path) -> None:
 
 
 async def test_refused_name_is_logged_and_other_pools_register(
-    sock_dir: Path, caplog: pytest.LogCaptureFixture
+    kubelet: KubeletEmulator, sock_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     good = FakePool(pci_ids(4))
     bad = FakePool(pci_ids(4, bus=0x5E))
     bad_name = "example.com/-bad-name"
 
     with caplog.at_level(logging.INFO):
-        kubelet = KubeletEmulator(sock_dir)
-        await kubelet.start()
         bad_runner = _runner(sock_dir, bad, PoolFeed(bad.message()), bad_name)
         good_runner = _runner(sock_dir, good, PoolFeed(good.message()))
         await bad_runner.start()
@@ -152,7 +147,6 @@ async def test_refused_name_is_logged_and_other_pools_register(
         finally:
             await bad_runner.stop()
             await good_runner.stop()
-            await kubelet.stop()
         refused = [r for r in caplog.records if r.levelno == logging.ERROR and "refused" in r.getMessage()]
         assert refused and "-bad-name" in refused[0].getMessage()
 
@@ -162,29 +156,25 @@ async def _wait_capacity(kubelet: KubeletEmulator, count: int) -> bool:
     return True
 
 
-async def test_stop_removes_socket_and_ends_the_stream(sock_dir: Path) -> None:
+async def test_stop_removes_socket_and_ends_the_stream(kubelet: KubeletEmulator, sock_dir: Path) -> None:
     pool = FakePool(pci_ids(8))
 
-    kubelet = KubeletEmulator(sock_dir)
-    await kubelet.start()
-    runner = _runner(sock_dir, pool, PoolFeed(pool.message()))
-    await runner.start()
-    try:
+    async with _registered(sock_dir, pool, PoolFeed(pool.message())) as runner:
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 8, GUARD)
         await runner.stop()
         assert not runner.socket_path.exists() and not runner.registered
         # The kubelet sees the stream end: capacity kept, nothing allocatable, no redial.
         await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
         assert kubelet.capacity(RESOURCE) == 8 and kubelet.allocatable(RESOURCE) == 0
-    finally:
-        await kubelet.stop()
 
 
-async def test_registers_again_when_the_kubelet_drops_the_stream(sock_dir: Path) -> None:
+async def test_registers_again_when_the_kubelet_drops_the_stream(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
     pool = FakePool(pci_ids(64))
     feed = PoolFeed(pool.message())
 
-    async with _registered(sock_dir, pool, feed) as (kubelet, runner):
+    async with _registered(sock_dir, pool, feed) as runner:
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 64, GUARD)
         # The kubelet ends the stream without restarting (kubelet.sock unchanged) and never redials.
         await kubelet.disconnect(RESOURCE)
@@ -195,7 +185,7 @@ async def test_registers_again_when_the_kubelet_drops_the_stream(sock_dir: Path)
 
 
 async def test_the_demo_counts_a_device_refused_before_the_kubelet_heard_it_went_unhealthy(
-    sock_dir: Path,
+    kubelet: KubeletEmulator, sock_dir: Path
 ) -> None:
     import random
 
@@ -204,7 +194,7 @@ async def test_the_demo_counts_a_device_refused_before_the_kubelet_heard_it_went
     pool = FakePool(pci_ids(1))
     feed = PoolFeed(pool.message())
 
-    async with _registered(sock_dir, pool, feed) as (kubelet, _):
+    async with _registered(sock_dir, pool, feed):
         await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 1, GUARD)
         assert await _allocate_one(kubelet, random.Random(0)) == (1, 0)
         pool.health[pool.ids[0]] = False  # the plugin knows; its update has not gone out yet

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers.plugin import RESOURCE, FakePool, pci_ids
+from helpers.plugin import RESOURCE, FakePool, pci_ids, serving
 
 from densedev._proto import api_pb2
 from densedev.kubelet.feed import PoolFeed
@@ -35,29 +35,27 @@ async def test_list_and_watch_sends_feed_bytes_unchanged(sock_dir: Path) -> None
     pool = FakePool(pci_ids(300))
     feed = PoolFeed(pool.message())
 
-    server = PluginServer(RESOURCE, sock_dir / "vf.sock", feed, pool)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix:{sock_dir / 'vf.sock'}") as channel:
-            stream = _raw_stream(channel)(api_pb2.Empty())
-            first = await stream.read()
-            assert first == feed.latest()[1]
-            decoded = api_pb2.ListAndWatchResponse.FromString(first)
-            assert [d.ID for d in decoded.devices] == pool.ids
-            assert {d.health for d in decoded.devices} == {"Healthy"}
-            # Two publishes before the reader looks: it skips straight to the newest.
-            pool.health[pool.ids[5]] = False
-            feed.publish(pool.message())
-            pool.health[pool.ids[6]] = False
-            feed.publish(pool.message())
-            second = await stream.read()
-            assert second == feed.latest()[1]
-            decoded = api_pb2.ListAndWatchResponse.FromString(second)
-            unhealthy = [d.ID for d in decoded.devices if d.health == "Unhealthy"]
-            assert unhealthy == [pool.ids[5], pool.ids[6]]
-            stream.cancel()
-    finally:
-        await server.stop()
+    async with (
+        serving(RESOURCE, sock_dir / "vf.sock", pool, feed),
+        grpc.aio.insecure_channel(f"unix:{sock_dir / 'vf.sock'}") as channel,
+    ):
+        stream = _raw_stream(channel)(api_pb2.Empty())
+        first = await stream.read()
+        assert first == feed.latest()[1]
+        decoded = api_pb2.ListAndWatchResponse.FromString(first)
+        assert [d.ID for d in decoded.devices] == pool.ids
+        assert {d.health for d in decoded.devices} == {"Healthy"}
+        # Two publishes before the reader looks: it skips straight to the newest.
+        pool.health[pool.ids[5]] = False
+        feed.publish(pool.message())
+        pool.health[pool.ids[6]] = False
+        feed.publish(pool.message())
+        second = await stream.read()
+        assert second == feed.latest()[1]
+        decoded = api_pb2.ListAndWatchResponse.FromString(second)
+        unhealthy = [d.ID for d in decoded.devices if d.health == "Unhealthy"]
+        assert unhealthy == [pool.ids[5], pool.ids[6]]
+        stream.cancel()
 
 
 async def test_unary_calls_and_status_mapping(sock_dir: Path) -> None:
@@ -65,66 +63,64 @@ async def test_unary_calls_and_status_mapping(sock_dir: Path) -> None:
     pool.health[pool.ids[3]] = False
     feed = PoolFeed(pool.message())
 
-    server = PluginServer(RESOURCE, sock_dir / "vf.sock", feed, pool)
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"unix:{sock_dir / 'vf.sock'}") as channel:
-            options = await _unary(channel, "GetDevicePluginOptions", api_pb2.DevicePluginOptions)(
-                api_pb2.Empty()
+    async with (
+        serving(RESOURCE, sock_dir / "vf.sock", pool, feed),
+        grpc.aio.insecure_channel(f"unix:{sock_dir / 'vf.sock'}") as channel,
+    ):
+        options = await _unary(channel, "GetDevicePluginOptions", api_pb2.DevicePluginOptions)(
+            api_pb2.Empty()
+        )
+        assert options.pre_start_required and options.get_preferred_allocation_available
+        allocate = _unary(channel, "Allocate", api_pb2.AllocateResponse)
+
+        def request(*groups: list[str]) -> api_pb2.AllocateRequest:
+            return api_pb2.AllocateRequest(
+                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=g) for g in groups]
             )
-            assert options.pre_start_required and options.get_preferred_allocation_available
-            allocate = _unary(channel, "Allocate", api_pb2.AllocateResponse)
 
-            def request(*groups: list[str]) -> api_pb2.AllocateRequest:
-                return api_pb2.AllocateRequest(
-                    container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=g) for g in groups]
-                )
+        ok = await allocate(request([pool.ids[0], pool.ids[1]]))
+        assert len(ok.container_responses) == 1
+        assert ok.container_responses[0].envs["PCIDEVICE_EXAMPLE_COM_VF"] == ",".join(pool.ids[:2])
 
-            ok = await allocate(request([pool.ids[0], pool.ids[1]]))
-            assert len(ok.container_responses) == 1
-            assert ok.container_responses[0].envs["PCIDEVICE_EXAMPLE_COM_VF"] == ",".join(pool.ids[:2])
-
-            async def status(req: api_pb2.AllocateRequest) -> tuple[grpc.StatusCode, str]:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await allocate(req)
-                return err.value.code(), err.value.details() or ""
-
-            code, text = await status(request([pool.ids[0], "0000:99:00.1"]))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "0000:99:00.1" in text and RESOURCE in text
-            code, text = await status(request([pool.ids[3]]))
-            assert code == grpc.StatusCode.FAILED_PRECONDITION and pool.ids[3] in text
-            code, text = await status(request([pool.ids[0]], [pool.ids[1]]))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "exactly one container request, got 2" in text
-            code, text = await status(request())
-            assert code == grpc.StatusCode.INVALID_ARGUMENT and "got 0" in text
-            code, text = await status(request(["explode"]))
-            assert code == grpc.StatusCode.INTERNAL and "ZeroDivisionError" in text
-
-            preferred = await _unary(channel, "GetPreferredAllocation", api_pb2.PreferredAllocationResponse)(
-                api_pb2.PreferredAllocationRequest(
-                    container_requests=[
-                        api_pb2.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=pool.ids[4:10],
-                            must_include_deviceIDs=[pool.ids[7]],
-                            allocation_size=3,
-                        )
-                    ]
-                )
-            )
-            assert list(preferred.container_responses[0].deviceIDs) == [pool.ids[7], *pool.ids[4:6]]
-
-            prestart = _unary(channel, "PreStartContainer", api_pb2.PreStartContainerResponse)
-            await prestart(api_pb2.PreStartContainerRequest(devices_ids=[pool.ids[2]]))
-            assert pool.prestarted == [[pool.ids[2]]]
+        async def status(req: api_pb2.AllocateRequest) -> tuple[grpc.StatusCode, str]:
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await prestart(api_pb2.PreStartContainerRequest(devices_ids=[pool.ids[3]]))
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            # The server survived every failure: the stream still opens and sends the list.
-            stream = _raw_stream(channel)(api_pb2.Empty())
-            assert await stream.read() == feed.latest()[1]
-            stream.cancel()
-    finally:
-        await server.stop()
+                await allocate(req)
+            return err.value.code(), err.value.details() or ""
+
+        code, text = await status(request([pool.ids[0], "0000:99:00.1"]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "0000:99:00.1" in text and RESOURCE in text
+        code, text = await status(request([pool.ids[3]]))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and pool.ids[3] in text
+        code, text = await status(request([pool.ids[0]], [pool.ids[1]]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "exactly one container request, got 2" in text
+        code, text = await status(request())
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "got 0" in text
+        code, text = await status(request(["explode"]))
+        assert code == grpc.StatusCode.INTERNAL and "ZeroDivisionError" in text
+
+        preferred = await _unary(channel, "GetPreferredAllocation", api_pb2.PreferredAllocationResponse)(
+            api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=pool.ids[4:10],
+                        must_include_deviceIDs=[pool.ids[7]],
+                        allocation_size=3,
+                    )
+                ]
+            )
+        )
+        assert list(preferred.container_responses[0].deviceIDs) == [pool.ids[7], *pool.ids[4:6]]
+
+        prestart = _unary(channel, "PreStartContainer", api_pb2.PreStartContainerResponse)
+        await prestart(api_pb2.PreStartContainerRequest(devices_ids=[pool.ids[2]]))
+        assert pool.prestarted == [[pool.ids[2]]]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await prestart(api_pb2.PreStartContainerRequest(devices_ids=[pool.ids[3]]))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # The server survived every failure: the stream still opens and sends the list.
+        stream = _raw_stream(channel)(api_pb2.Empty())
+        assert await stream.read() == feed.latest()[1]
+        stream.cancel()
 
 
 async def test_stop_ends_streams_and_removes_socket(sock_dir: Path) -> None:
