@@ -16,10 +16,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from helpers.devices import dev
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.alloc import cdi, devinfo, leftovers
-from densedev.model import Device, Role
+from densedev.model import Device
 from densedev.testing.kubelet import KubeletEmulator
 
 A0, A1, A2 = "0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"
@@ -126,12 +127,6 @@ def test_one_cdi_rule_keeps_the_specs_of_configured_pools_and_of_resources_held(
     assert leftovers.prune_cdi(c, claims, {}).removed == (held,)
 
 
-def device(address: str) -> Device:
-    """Return a VF as a scan reports it (only its address matters here)."""
-    return Device(address, Role.VF, "15b3", "101e", "020000", "", "", "mlx5_core", 0, -1, False, -1, 0, 0,
-                  "", -1, "", (), "", "", (), "", "", "", "", "")  # fmt: skip
-
-
 class Owner:
     """A pool's file side as the daemon's allocators present it: records what it is asked to keep."""
 
@@ -161,7 +156,7 @@ def test_leftovers_prune_after_release_and_retain_what_is_held(dirs: tuple[Path,
     assert gone.exists()
     files_.prune(list(owners.values()), {})
     assert not gone.exists()
-    table = {i: device(i) for i in (A0, A1)}
+    table = {i: dev(i) for i in (A0, A1)}
     # A pool whose files cannot be kept is logged; the next pool still keeps its own.
     files_.retain(owners, {"intel.com/a": {A1, A2}, "intel.com/broken": {A0}}, lambda: table)
     assert owners["intel.com/a"].retained == [[A1]] and owners["intel.com/broken"].retained == [[A0]]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from helpers.devices import dev
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -205,13 +206,12 @@ def test_kubelet_limit_is_four_mebibytes() -> None:
 # -- fed by the health tracker, as the daemon feeds it ------------------------------------------------
 
 
-def _device(address: str, role: str, pf_netdev: str = "", netdevs: tuple[str, ...] = ()) -> Device:
-    return Device(
-        id=address, role=role, vendor="8086", device="1889", pci_class="020000", subsystem_vendor="8086",
-        subsystem_device="0000", driver="iavf", numa_node=address.endswith("1") - 1, iommu_group=-1,
-        noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=-1, pf_netdev=pf_netdev,
-        netdevs=netdevs, link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="",
-        pcie_root="pci0000:00", aux_type="",
+def _device(address: str, role: Role, pf_netdev: str = "", netdevs: tuple[str, ...] = ()) -> Device:
+    """An Intel E810 function linked to no PF address: the tracker follows its netdevs and PF netdev."""
+    return dev(
+        address, role, vendor="8086", device="1889", subsystem_vendor="8086", driver="iavf",
+        numa_node=address.endswith("1") - 1, pf="", vf_index=-1, pf_netdev=pf_netdev, netdevs=netdevs,
+        pcie_root="pci0000:00",
     )  # fmt: skip
 
 
