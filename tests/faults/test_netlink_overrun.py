@@ -1,6 +1,6 @@
 """Fault: a real kernel netlink overrun (ENOBUFS) under uvloop, and malformed replies on the dump path.
 
-The daemon runs in-process on the test's uvloop (the ``run`` fixture fails on any exception the loop
+The daemon runs in-process on the test's uvloop (conftest fails the test on any exception the loop
 saw); its netlink sockets get the kernel's minimum receive buffer, the loop is blocked synchronously
 while ``ip -batch`` floods the test's network namespace with link changes (or veth add/del for
 uevents), so the kernel really drops messages and reports ENOBUFS.  libuv stops a poll handle when
