@@ -58,11 +58,10 @@ import uvloop
 import yaml
 
 from densedev import cli
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.ops.metrics import parse_addr
 from densedev.testing import netns, simnode
 from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 
 PREFIX = "intel.com"  # simnode.write_config's resourcePrefix
 GUARD_S = 60.0  # turns a hang into a failure; nothing here asserts speed

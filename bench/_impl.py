@@ -24,11 +24,11 @@ if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
 
 from densedev import accel  # noqa: E402
-from densedev.model import ROLE_VF, Device  # noqa: E402
+from densedev.model import Device, Role  # noqa: E402
 
 # A ConnectX VF bound to mlx5_core with every per-device field blank: benches _replace() what they vary.
 MLX5_VF = Device(
-    id="", role=ROLE_VF, vendor="15b3", device="101e", pci_class="020000", subsystem_vendor="15b3",
+    id="", role=Role.VF, vendor="15b3", device="101e", pci_class="020000", subsystem_vendor="15b3",
     subsystem_device="0000", driver="mlx5_core", numa_node=0, iommu_group=-1, noiommu=False,
     acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=0, pf_netdev="", netdevs=(),
     link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="", pcie_root="",

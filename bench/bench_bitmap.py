@@ -72,7 +72,7 @@ def bench_tracker(rounds: int) -> dict[str, object]:
     """Time one PF flip through the tracker at 16,384 devices (the accel this process picked)."""
     from densedev import accel
     from densedev.health.tracker import HealthTracker
-    from densedev.model import ROLE_PF, ROLE_VF, Device, Pool, PoolConfig, PoolMember
+    from densedev.model import Device, Pool, PoolConfig, PoolMember, Role
 
     def dev(addr: str, role: str, pf: str, pf_netdev: str, netdevs: tuple[str, ...], k: int) -> Device:
         return Device(
@@ -83,12 +83,12 @@ def bench_tracker(rounds: int) -> dict[str, object]:
     devices = []
     for p in range(64):
         pf = f"0000:{0x18 + p:02x}:00.0"
-        devices.append(dev(pf, ROLE_PF, "", "", (f"ens{p}f0",), -1))
+        devices.append(dev(pf, Role.PF, "", "", (f"ens{p}f0",), -1))
         for k in range(256):
             devices.append(
-                dev(f"0000:{0x18 + p:02x}:{1 + (k >> 3):02x}.{k & 7}", ROLE_VF, pf, f"ens{p}f0", (), k)
+                dev(f"0000:{0x18 + p:02x}:{1 + (k >> 3):02x}.{k & 7}", Role.VF, pf, f"ens{p}f0", (), k)
             )
-    vfs = [d for d in devices if d.role == ROLE_VF]
+    vfs = [d for d in devices if d.role == Role.VF]
     pools = [
         Pool(
             PoolConfig(f"pool{k}", "intel.com"),

@@ -40,10 +40,9 @@ import _impl
 import uvloop
 
 from densedev import accel
-from densedev.model import UNHEALTHY
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import UNHEALTHY, KubeletEmulator
 from densedev.testing.netns import LinkSwitch, namespace
 
 

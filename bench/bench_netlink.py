@@ -40,7 +40,7 @@ import _impl
 from densedev import accel
 from densedev.health.coalesce import Coalescer
 from densedev.health.tracker import HealthTracker
-from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
+from densedev.model import Device, HealthPolicy, Pool, PoolConfig, PoolMember, Role
 from densedev.node.events import NETLINK_ROUTE, LinkMonitor, link_states, open_netlink_socket, resolve_netns
 from densedev.testing.reference import pyroute2_links
 
@@ -108,14 +108,14 @@ def live_devices(pfs: int, vfs: int) -> list[Device]:
         pf = f"0000:{0x18 + p:02x}:00.0"
         out.append(
             Device(
-                pf, ROLE_PF, "8086", "1592", "020000", "8086", "0000", "ice", 0, -1, False, -1, vfs, vfs, "",
+                pf, Role.PF, "8086", "1592", "020000", "8086", "0000", "ice", 0, -1, False, -1, vfs, vfs, "",
                 -1, "", (f"ens{p}f0",), "ether", "", (), "", "", "", "pci0000:00", "",
             )
         )  # fmt: skip
         for k in range(vfs):
             out.append(
                 Device(
-                    f"0000:{0x18 + p:02x}:{1 + (k >> 3):02x}.{k & 7}", ROLE_VF, "8086", "1889", "020000",
+                    f"0000:{0x18 + p:02x}:{1 + (k >> 3):02x}.{k & 7}", Role.VF, "8086", "1889", "020000",
                     "8086", "0000", "iavf", 0, -1, False, -1, 0, 0, pf, k, f"ens{p}f0", (), "", "", (), "",
                     "", "", "pci0000:00", "",
                 )
@@ -134,7 +134,7 @@ def run_live(pfs: int, vfs: int, flips: int, window: float) -> dict[str, object]
         )
         subprocess.run(["ip", "-n", ns, "-batch", "-"], input=script, text=True, check=True)
         devices = live_devices(pfs, vfs)
-        vf_list = [d for d in devices if d.role == ROLE_VF]
+        vf_list = [d for d in devices if d.role == Role.VF]
         npools = min(16, pfs)  # 16 pools of 1,024 at full size; whole PFs per pool either way
         per_pool = len(vf_list) // npools
         # Hold-down 0 so a PF can be flipped again as soon as it is reported healthy.

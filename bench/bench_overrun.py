@@ -37,9 +37,8 @@ import _impl
 import uvloop
 
 from densedev import accel
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 from densedev.testing.netns import namespace
 
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import _impl
 
-from densedev.model import ROLE_PF, ROLE_VF, Device
+from densedev.model import Device, Role
 from densedev.pools import config
 from densedev.pools import select as selectors
 
@@ -60,7 +60,7 @@ def make_devices(n_vfs: int) -> list[Device]:
         devices.append(
             Device(
                 pf_id,
-                ROLE_PF,
+                Role.PF,
                 vendor,
                 "101d",
                 "020000",
@@ -94,7 +94,7 @@ def make_devices(n_vfs: int) -> list[Device]:
             devices.append(
                 Device(
                     vf_id,
-                    ROLE_VF,
+                    Role.VF,
                     vendor,
                     "101e",
                     "020000",

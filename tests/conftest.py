@@ -3,7 +3,7 @@ the loop saw but nobody awaited (as asyncpg's test base does).
 
 Async tests and fixtures are plain ``async def`` (pytest-asyncio in auto mode, one loop per test); the loop
 comes from ``new_loop`` below, through pytest-asyncio's loop-factory hook, so the suite runs on the loop the
-daemon runs on.  The ``run`` fixture serves tests not yet written as async tests, on the same loop.
+daemon runs on.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -134,17 +134,6 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     result = yield
     _fail_on_loop_errors()
     return result
-
-
-@pytest.fixture
-def run() -> Callable[[Coroutine[Any, Any, Any]], Any]:
-    """Run a coroutine on a loop of ``new_loop`` (the hooks above fail the test on what it reported)."""
-
-    def _run(coro: Coroutine[Any, Any, Any]) -> Any:
-        with asyncio.Runner(loop_factory=new_loop) as runner:
-            return runner.run(coro)
-
-    return _run
 
 
 @pytest.fixture

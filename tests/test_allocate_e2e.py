@@ -22,13 +22,12 @@ from typing import Any
 import grpc
 import pytest
 from helpers import node as node_helpers
-from helpers.node import GUARD_S, PREFIX
+from helpers.node import GUARD_S, PREFIX, res
 
 from densedev._proto import api_pb2
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator, KubeletError
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator, KubeletError
 
 RW = "rw"
 RDMA_CM = "/dev/infiniband/rdma_cm"
@@ -36,11 +35,6 @@ VFIO = "/dev/vfio/vfio"
 DEVINFO_VERSION = "1.1.0"  # Network Plumbing WG device-info spec version the CNI side reads
 
 Node3 = tuple[str, str, str]  # (container path, host path, permissions)
-
-
-def res(name: str) -> str:
-    """Return the extended resource name of a pool of this config."""
-    return f"{PREFIX}/{name}"
 
 
 def env_of(name: str) -> str:

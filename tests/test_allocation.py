@@ -5,9 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.devices import DPDK, NET, RDMA, dev, pool_of, touch
@@ -19,8 +17,9 @@ from densedev._proto import api_pb2
 from densedev.alloc.respond import AllocationSettings, PoolAllocator, build_response
 from densedev.health.tracker import HealthTracker
 from densedev.kubelet.server import PoolService
-from densedev.model import ROLE_PCI, ROLE_VF, Device, Pool, PoolConfig, PoolMember, RequestError, Selector
+from densedev.model import Device, Pool, PoolConfig, PoolMember, RequestError, Role, Selector
 from densedev.pools.config import env_var_name
+from densedev.testing.kubelet import KubeletEmulator
 
 # -- hand-built device records, shaped like what discovery reads from a real node ------------------
 
@@ -266,7 +265,7 @@ def test_vhost_net(tmp_path: Path, dev_root: Path) -> None:
 def test_accelerator_with_extra_info(tmp_path: Path, dev_root: Path) -> None:
     touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/120")
     qat = dev(
-        "0000:b1:00.1", role=ROLE_VF, vendor="8086", device="4941", pci_class="0b4000", driver="vfio-pci",
+        "0000:b1:00.1", role=Role.VF, vendor="8086", device="4941", pci_class="0b4000", driver="vfio-pci",
         iommu_group=120, pf="0000:b1:00.0", link_type="", pf_netdev="",
     )  # fmt: skip
     config = PoolConfig(
@@ -287,7 +286,7 @@ def test_accelerator_with_extra_info(tmp_path: Path, dev_root: Path) -> None:
 
 
 def test_plain_pci_function_gets_generic_only(tmp_path: Path, dev_root: Path) -> None:
-    nic = dev("0000:af:00.0", role=ROLE_PCI, pf="", vf_index=-1, driver="ice")
+    nic = dev("0000:af:00.0", role=Role.PCI, pf="", vf_index=-1, driver="ice")
     parts, _ = build_response(NET, [nic], dev_root)
     assert json.loads(parts.envs["PCIDEVICE_NVIDIA_COM_MLNX_SRIOV_NETDEVICE_INFO"]) == {
         "0000:af:00.0": {"generic": {"deviceID": "0000:af:00.0"}}
@@ -401,15 +400,13 @@ def test_service_protocol_is_satisfied(tmp_path: Path, dev_root: Path) -> None:
 # -- through the kubelet emulator: the gRPC server, registration and the wire in between -----------
 
 
-def test_through_the_kubelet_emulator(
-    run: Callable[[Coroutine[Any, Any, Any]], Any], tmp_path: Path, sock_dir: Path
-) -> None:
+@pytest.mark.parametrize("kubelet_options", [{"checkpoint": False}])
+async def test_through_the_kubelet_emulator(tmp_path: Path, sock_dir: Path, kubelet: KubeletEmulator) -> None:
     import grpc
 
     from densedev.kubelet.feed import PoolFeed
     from densedev.kubelet.registration import PluginRunner
     from densedev.kubelet.wire import ListEncoder
-    from densedev.testing.kubelet import KubeletEmulator
 
     dev_root = tmp_path / "dev"
     touch(dev_root, "/dev/vfio/vfio", "/dev/vfio/83", "/dev/vfio/noiommu-84", "/dev/infiniband/uverbs3")
@@ -427,40 +424,32 @@ def test_through_the_kubelet_emulator(
     feed = PoolFeed(encoder.encode([healthy[d.id] for d in vfs]))
     resource = config.full_name
 
-    async def main() -> None:
-        kubelet = KubeletEmulator(sock_dir, checkpoint=False)
-        await kubelet.start()
-        runner = PluginRunner(resource, sock_dir, "densedev-intel.com_dpdk.sock", feed, alloc)
-        await runner.start()
-        try:
-            await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 2, 10.0)
-            options = kubelet.options(resource)
-            assert (
-                options is not None
-                and options.pre_start_required
-                and options.get_preferred_allocation_available
-            )
-            ids = [d.id for d in vfs]
-            assert await kubelet.preferred(resource, ids[:2], [], 2) == ids[:2]
-            resp = await kubelet.allocate(resource, ["0000:18:02.1"])
-            assert [c.name for c in resp.cdi_devices] == ["intel.com/dpdk=0000:18:02.1"]
-            assert resp.envs["PCIDEVICE_INTEL_COM_DPDK"] == "0000:18:02.1"
-            info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_DPDK_INFO"])
-            assert info["0000:18:02.1"]["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/84"}
-            await kubelet.prestart(resource, ["0000:18:02.1"])
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await kubelet.allocate(resource, ["0000:18:0a.0"], check=False)
-            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "0000:18:0a.0" in (e.value.details() or "")
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await kubelet.allocate(resource, ["0000:99:00.0"], check=False)
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        finally:
-            await runner.stop()
-            await kubelet.stop()
-            alloc.close()
-
-    run(main())
+    runner = PluginRunner(resource, sock_dir, "densedev-intel.com_dpdk.sock", feed, alloc)
+    await runner.start()
+    try:
+        await kubelet.wait_for(lambda: kubelet.allocatable(resource) == 2, 10.0)
+        options = kubelet.options(resource)
+        assert (
+            options is not None and options.pre_start_required and options.get_preferred_allocation_available
+        )
+        ids = [d.id for d in vfs]
+        assert await kubelet.preferred(resource, ids[:2], [], 2) == ids[:2]
+        resp = await kubelet.allocate(resource, ["0000:18:02.1"])
+        assert [c.name for c in resp.cdi_devices] == ["intel.com/dpdk=0000:18:02.1"]
+        assert resp.envs["PCIDEVICE_INTEL_COM_DPDK"] == "0000:18:02.1"
+        info = json.loads(resp.envs["PCIDEVICE_INTEL_COM_DPDK_INFO"])
+        assert info["0000:18:02.1"]["vfio"] == {"mount": "/dev/vfio/vfio", "dev-mount": "/dev/vfio/84"}
+        await kubelet.prestart(resource, ["0000:18:02.1"])
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await kubelet.allocate(resource, ["0000:18:0a.0"], check=False)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "0000:18:0a.0" in (e.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await kubelet.allocate(resource, ["0000:99:00.0"], check=False)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await runner.stop()
+        alloc.close()
     assert (tmp_path / "cdi" / "densedev-intel.com-dpdk.json").exists()
     assert not list((tmp_path / "devinfo").iterdir())
 

@@ -16,10 +16,9 @@ from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 from helpers.waiting import until as _until
 
 from densedev.daemon import Daemon
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 
 
 async def test_every_pool_registers_and_lists_every_device(

@@ -9,22 +9,19 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from helpers.metrics import sample
 
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 from densedev.testing.netns import aip, ip
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD_S = 20.0
 PREFIX = "example.com"
 pytestmark = pytest.mark.netns
@@ -71,91 +68,82 @@ def make_daemon(tmp: Path, sysfs: Path, kubelet_dir: Path, ns: str) -> Daemon:
     return Daemon(settings, config_mod.load(tmp / "config.json", default_prefix=PREFIX))
 
 
-def test_pf_down_and_up_on_a_real_link(run: Run, tmp_path: Path, netns: str, kubelet_dir: Path) -> None:
+async def test_pf_down_and_up_on_a_real_link(tmp_path: Path, netns: str, kubelet_dir: Path) -> None:
     layout, sysfs = start_node(tmp_path, netns)
     pf = layout.pfs[2]
     r = f"{PREFIX}/sriov_{pf.netdev}"
 
-    async def main() -> None:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
-        await daemon.start()
-        try:
-            other = f"{PREFIX}/sriov_{layout.pfs[0].netdev}"
-            await emu.wait_for(lambda: emu.allocatable(r) == 8 and bool(emu.updates(other)), GUARD_S)
-            quiet = len(emu.updates(other))
-            await aip(netns, "link", "set", pf.netdev, "down")
-            await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
-            assert daemon.tracker is not None and "pf-link-down" in daemon.tracker.reasons(pf.vf_addresses[0])
-            await aip(netns, "link", "set", pf.netdev, "up")
-            await emu.wait_for(lambda: set(emu.devices(r).values()) == {HEALTHY}, GUARD_S)
-            # The peer going down takes the carrier away too (veth reports lower-layer down).
-            await aip(netns, "link", "set", "peer2", "down")
-            await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
-            assert len(emu.updates(other)) == quiet  # other pools heard nothing
-        finally:
-            await daemon.stop()
-            await emu.stop()
-
-    run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
+    await daemon.start()
+    try:
+        other = f"{PREFIX}/sriov_{layout.pfs[0].netdev}"
+        await emu.wait_for(lambda: emu.allocatable(r) == 8 and bool(emu.updates(other)), GUARD_S)
+        quiet = len(emu.updates(other))
+        await aip(netns, "link", "set", pf.netdev, "down")
+        await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
+        assert daemon.tracker is not None and "pf-link-down" in daemon.tracker.reasons(pf.vf_addresses[0])
+        await aip(netns, "link", "set", pf.netdev, "up")
+        await emu.wait_for(lambda: set(emu.devices(r).values()) == {HEALTHY}, GUARD_S)
+        # The peer going down takes the carrier away too (veth reports lower-layer down).
+        await aip(netns, "link", "set", "peer2", "down")
+        await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
+        assert len(emu.updates(other)) == quiet  # other pools heard nothing
+    finally:
+        await daemon.stop()
+        await emu.stop()
 
 
-def test_injected_uevent_rescans_and_pools_follow(
-    run: Run, tmp_path: Path, netns: str, kubelet_dir: Path
+async def test_injected_uevent_rescans_and_pools_follow(
+    tmp_path: Path, netns: str, kubelet_dir: Path
 ) -> None:
     layout, sysfs = start_node(tmp_path, netns)
     pf = layout.pfs[1]
     r = f"{PREFIX}/sriov_{pf.netdev}"
 
-    async def main() -> None:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
-        await daemon.start()
-        sender = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(netns))
-        try:
-            await emu.wait_for(lambda: len(emu.devices(r)) == 8, GUARD_S)
-            simnode.set_num_vfs(sysfs, pf.address, 0)
-            devpath = f"/devices/pci0000:00/{pf.address}"
-            # The record the kernel sends when sriov_numvfs changes (drivers/pci/iov.c emits KOBJ_CHANGE).
-            sender.sendto(
-                f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
-                f"PCI_SLOT_NAME={pf.address}\0SEQNUM=7\0".encode(),
-                (0, 1),
-            )
-            await emu.wait_for(lambda: emu.devices(r) == {}, GUARD_S)
-            assert emu.registrations(r) == 1
-        finally:
-            sender.close()
-            await daemon.stop()
-            await emu.stop()
-
-    run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
+    await daemon.start()
+    sender = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(netns))
+    try:
+        await emu.wait_for(lambda: len(emu.devices(r)) == 8, GUARD_S)
+        simnode.set_num_vfs(sysfs, pf.address, 0)
+        devpath = f"/devices/pci0000:00/{pf.address}"
+        # The record the kernel sends when sriov_numvfs changes (drivers/pci/iov.c emits KOBJ_CHANGE).
+        sender.sendto(
+            f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
+            f"PCI_SLOT_NAME={pf.address}\0SEQNUM=7\0".encode(),
+            (0, 1),
+        )
+        await emu.wait_for(lambda: emu.devices(r) == {}, GUARD_S)
+        assert emu.registrations(r) == 1
+    finally:
+        sender.close()
+        await daemon.stop()
+        await emu.stop()
 
 
-def test_overrun_forces_a_resync(run: Run, tmp_path: Path, netns: str, kubelet_dir: Path) -> None:
+async def test_overrun_forces_a_resync(tmp_path: Path, netns: str, kubelet_dir: Path) -> None:
     layout, sysfs = start_node(tmp_path, netns)
 
-    async def main() -> None:
-        emu = KubeletEmulator(kubelet_dir)
-        await emu.start()
-        daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
-        await daemon.start()
-        try:
-            scans = sample(daemon, "densedev_scans_total")
-            full = {"reason": "rescan"}
-            rescans = sample(daemon, "densedev_resyncs_total", **full)
-            # A link that went down while we were blind (as during an overrun) is found by the resync.
-            ip(netns, "link", "set", layout.pfs[3].netdev, "down")
-            daemon.on_overrun()
-            r = f"{PREFIX}/sriov_{layout.pfs[3].netdev}"
-            await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
-            # The resync is a full rescan: a targeted one could not find what changed while blind.
-            await emu.wait_for(lambda: (sample(daemon, "densedev_resyncs_total", **full)) > rescans, GUARD_S)
-            assert sample(daemon, "densedev_scans_total") > scans
-        finally:
-            await daemon.stop()
-            await emu.stop()
-
-    run(main())
+    emu = KubeletEmulator(kubelet_dir)
+    await emu.start()
+    daemon = make_daemon(tmp_path, sysfs, kubelet_dir, netns)
+    await daemon.start()
+    try:
+        scans = sample(daemon, "densedev_scans_total")
+        full = {"reason": "rescan"}
+        rescans = sample(daemon, "densedev_resyncs_total", **full)
+        # A link that went down while we were blind (as during an overrun) is found by the resync.
+        ip(netns, "link", "set", layout.pfs[3].netdev, "down")
+        daemon.on_overrun()
+        r = f"{PREFIX}/sriov_{layout.pfs[3].netdev}"
+        await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
+        # The resync is a full rescan: a targeted one could not find what changed while blind.
+        await emu.wait_for(lambda: (sample(daemon, "densedev_resyncs_total", **full)) > rescans, GUARD_S)
+        assert sample(daemon, "densedev_scans_total") > scans
+    finally:
+        await daemon.stop()
+        await emu.stop()

@@ -17,7 +17,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import Run
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.kubelet.sockets import socket_name_for
@@ -113,51 +112,48 @@ def _run_args(node: Path, kdir: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_waits_aloud_for_the_kubelet_and_refuses_a_second_daemon(
-    run: Run, node: Path, kdir: Path, child_env: dict[str, str]
+async def test_waits_aloud_for_the_kubelet_and_refuses_a_second_daemon(
+    node: Path, kdir: Path, child_env: dict[str, str]
 ) -> None:
     child_env = dict(child_env)
     child_env.pop("GRPC_VERBOSITY", None)  # the daemon's own default must keep gRPC core quiet
     pools = {p.full_name for p in config_mod.load(node / "config.json").pools}
 
-    async def main() -> None:
-        first = Child(_run_args(node, kdir), child_env)
+    first = Child(_run_args(node, kdir), child_env)
+    try:
+        # Before, nothing was logged at any level while kubelet.sock was missing.
+        await first.line_with(f"waiting for {kdir}/kubelet.sock")
+        assert (kdir / LOCK_NAME).read_text().strip() == str(first.proc.pid)
+        # Two daemons on one directory replaced each other's sockets every ~2 s without a word.
+        second = subprocess.run(
+            [sys.executable, "-m", "densedev.cli", "run", *_run_args(node, kdir)],
+            capture_output=True,
+            text=True,
+            timeout=GUARD,
+            env=child_env,
+        )
+        assert second.returncode == 1
+        lines = second.stderr.strip().splitlines()
+        assert "level=error" in lines[-1]
+        assert f"another densedev (pid {first.proc.pid}) already serves {kdir}" in lines[-1]
+        assert "Traceback" not in second.stderr
+        emulator = KubeletEmulator(kdir)
+        await emulator.start()
         try:
-            # Before, nothing was logged at any level while kubelet.sock was missing.
+            await first.line_with(f"{kdir}/kubelet.sock appeared")
+            await emulator.wait_for(lambda: pools <= set(emulator.resources()), GUARD)
+            # A kubelet restart: the daemon's connections get GOAWAY, which gRPC core used to log raw.
+            await emulator.restart()
             await first.line_with(f"waiting for {kdir}/kubelet.sock")
-            assert (kdir / LOCK_NAME).read_text().strip() == str(first.proc.pid)
-            # Two daemons on one directory replaced each other's sockets every ~2 s without a word.
-            second = subprocess.run(
-                [sys.executable, "-m", "densedev.cli", "run", *_run_args(node, kdir)],
-                capture_output=True,
-                text=True,
-                timeout=GUARD,
-                env=child_env,
-            )
-            assert second.returncode == 1
-            lines = second.stderr.strip().splitlines()
-            assert "level=error" in lines[-1]
-            assert f"another densedev (pid {first.proc.pid}) already serves {kdir}" in lines[-1]
-            assert "Traceback" not in second.stderr
-            emulator = KubeletEmulator(kdir)
-            await emulator.start()
-            try:
-                await first.line_with(f"{kdir}/kubelet.sock appeared")
-                await emulator.wait_for(lambda: pools <= set(emulator.resources()), GUARD)
-                # A kubelet restart: the daemon's connections get GOAWAY, which gRPC core used to log raw.
-                await emulator.restart()
-                await first.line_with(f"waiting for {kdir}/kubelet.sock")
-                await emulator.wait_for(lambda: all(emulator.registrations(p) >= 2 for p in pools), GUARD)
-            finally:
-                await emulator.stop()
+            await emulator.wait_for(lambda: all(emulator.registrations(p) >= 2 for p in pools), GUARD)
         finally:
-            code = first.stop()
-        assert code == 0
-        assert not (kdir / LOCK_NAME).exists()
-        # Every line in the daemon's own format: gRPC core's "E1201 ... chttp2_transport.cc" lines are off.
-        assert first.lines and all(line.startswith("ts=") for line in first.lines), first.lines
-
-    run(main())
+            await emulator.stop()
+    finally:
+        code = first.stop()
+    assert code == 0
+    assert not (kdir / LOCK_NAME).exists()
+    # Every line in the daemon's own format: gRPC core's "E1201 ... chttp2_transport.cc" lines are off.
+    assert first.lines and all(line.startswith("ts=") for line in first.lines), first.lines
 
 
 def _plant_sockets(node: Path, kdir: Path) -> list[Path]:
@@ -170,8 +166,8 @@ def _plant_sockets(node: Path, kdir: Path) -> list[Path]:
     return planted
 
 
-def test_pools_that_cannot_start_are_retried_and_readyz_says_why(
-    run: Run, node: Path, kdir: Path, caplog: pytest.LogCaptureFixture
+async def test_pools_that_cannot_start_are_retried_and_readyz_says_why(
+    node: Path, kdir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = config_mod.load(node / "config.json")
     planted = _plant_sockets(node, kdir)
@@ -193,7 +189,7 @@ def test_pools_that_cannot_start_are_retried_and_readyz_says_why(
         head, _, body = data.decode().partition("\r\n\r\n")
         return int(head.split()[1]), body.strip()
 
-    async def main() -> None:
+    with caplog.at_level(logging.INFO, logger="densedev"):
         emulator = KubeletEmulator(kdir)
         daemon = Daemon(settings, cfg)
         await emulator.start()
@@ -216,9 +212,6 @@ def test_pools_that_cannot_start_are_retried_and_readyz_says_why(
         finally:
             await daemon.stop()
             await emulator.stop()
-
-    with caplog.at_level(logging.INFO, logger="densedev"):
-        run(main())
     failed = [r for r in caplog.records if r.getMessage() == "pool failed to start; retrying"]
     assert len(failed) >= len(planted)
     # One line each, never a traceback.
@@ -228,22 +221,17 @@ def test_pools_that_cannot_start_are_retried_and_readyz_says_why(
     assert len(started) == len(planted)
 
 
-def test_exit_code_says_no_pool_could_start(
-    run: Run, node: Path, kdir: Path, child_env: dict[str, str]
-) -> None:
+async def test_exit_code_says_no_pool_could_start(node: Path, kdir: Path, child_env: dict[str, str]) -> None:
     _plant_sockets(node, kdir)
 
-    async def main() -> None:
-        child = Child(_run_args(node, kdir, "--start-timeout", "0"), child_env)
-        try:
-            line = await child.line_with("pool failed to start; retrying")
-            assert "is not a socket; not removing it" in line
-        finally:
-            code = child.stop()
-        assert code == 1
-        assert not [line for line in child.lines if "Traceback" in line]
-
-    run(main())
+    child = Child(_run_args(node, kdir, "--start-timeout", "0"), child_env)
+    try:
+        line = await child.line_with("pool failed to start; retrying")
+        assert "is not a socket; not removing it" in line
+    finally:
+        code = child.stop()
+    assert code == 1
+    assert not [line for line in child.lines if "Traceback" in line]
 
 
 def _can_unshare_mounts() -> str | None:
@@ -254,8 +242,8 @@ def _can_unshare_mounts() -> str | None:
     return None
 
 
-def test_a_read_only_kubelet_dir_is_retried_until_it_heals(
-    run: Run, node: Path, kdir: Path, child_env: dict[str, str]
+async def test_a_read_only_kubelet_dir_is_retried_until_it_heals(
+    node: Path, kdir: Path, child_env: dict[str, str]
 ) -> None:
     why = _can_unshare_mounts()
     if why is not None:
@@ -268,27 +256,24 @@ def test_a_read_only_kubelet_dir_is_retried_until_it_heals(
     script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
     wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(kdir)]
 
-    async def main() -> None:
-        child = Child(_run_args(node, kdir), child_env, wrapper=wrapper)
-        emulator = KubeletEmulator(kdir)  # outside the namespace: the directory is writable here
-        try:
-            line = await child.line_with("cannot create the lock file")
-            assert "Read-only file system" in line and "level=warning" in line
-            failed = await child.line_with("pool failed to start; retrying")
-            assert "level=warning" in failed and f'error="{kdir} is not writable"' in failed
-            await emulator.start()
-            await child.line_with(f"{kdir}/kubelet.sock appeared")
-            # Before, the daemon never retried: it served nothing until restarted.
-            heal = ["nsenter", "-t", str(child.proc.pid), "-m", "mount", "-o", "remount,bind,rw", str(kdir)]
-            subprocess.run(heal, check=True, timeout=GUARD)
-            await emulator.wait_for(lambda: pools <= set(emulator.resources()), GUARD)
-            await child.line_with("pool started")
-        finally:
-            code = child.stop()
-            await emulator.stop()
-        assert code == 0
-        assert not [line for line in child.lines if "Traceback" in line]
-        # gRPC core's own "E1201 ... add_port.cc:83] Failed to add port" lines used to appear raw here.
-        assert all(line.startswith("ts=") for line in child.lines), child.lines
-
-    run(main())
+    child = Child(_run_args(node, kdir), child_env, wrapper=wrapper)
+    emulator = KubeletEmulator(kdir)  # outside the namespace: the directory is writable here
+    try:
+        line = await child.line_with("cannot create the lock file")
+        assert "Read-only file system" in line and "level=warning" in line
+        failed = await child.line_with("pool failed to start; retrying")
+        assert "level=warning" in failed and f'error="{kdir} is not writable"' in failed
+        await emulator.start()
+        await child.line_with(f"{kdir}/kubelet.sock appeared")
+        # Before, the daemon never retried: it served nothing until restarted.
+        heal = ["nsenter", "-t", str(child.proc.pid), "-m", "mount", "-o", "remount,bind,rw", str(kdir)]
+        subprocess.run(heal, check=True, timeout=GUARD)
+        await emulator.wait_for(lambda: pools <= set(emulator.resources()), GUARD)
+        await child.line_with("pool started")
+    finally:
+        code = child.stop()
+        await emulator.stop()
+    assert code == 0
+    assert not [line for line in child.lines if "Traceback" in line]
+    # gRPC core's own "E1201 ... add_port.cc:83] Failed to add port" lines used to appear raw here.
+    assert all(line.startswith("ts=") for line in child.lines), child.lines

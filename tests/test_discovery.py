@@ -7,14 +7,13 @@ import gc
 import os
 import shutil
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from types import ModuleType
-from typing import Any, get_origin, get_type_hints
+from typing import get_origin, get_type_hints
 
 import pytest
 
-from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Device
+from densedev.model import Device, Role
 from densedev.node import scanner as discovery
 from densedev.testing.simnode import (
     NodeLayout,
@@ -86,7 +85,7 @@ def test_pfs_and_vfs(impl: ModuleType, node: NodeLayout) -> None:
     assert warnings == ()
     for pf in node.pfs:
         d = devs[pf.address]
-        assert (d.role, d.vendor, d.device, d.pci_class) == (ROLE_PF, "15b3", "101d", "020000")
+        assert (d.role, d.vendor, d.device, d.pci_class) == (Role.PF, "15b3", "101d", "020000")
         assert (d.total_vfs, d.num_vfs, d.driver, d.netdevs) == (6, 6, "mlx5_core", (pf.netdev,))
         assert d.numa_node == pf.numa_node and d.iommu_group >= 0 and not d.noiommu
         assert d.link_type == "ether" and d.rdma_device == pf.ibdev
@@ -95,7 +94,7 @@ def test_pfs_and_vfs(impl: ModuleType, node: NodeLayout) -> None:
             zip(pf.vf_addresses, pf.vf_netdevs, pf.vf_ibdevs, strict=True)
         ):
             v = devs[vf]
-            assert (v.role, v.pf, v.vf_index, v.pf_netdev) == (ROLE_VF, pf.address, k, pf.netdev)
+            assert (v.role, v.pf, v.vf_index, v.pf_netdev) == (Role.VF, pf.address, k, pf.netdev)
             assert (v.device, v.subsystem_vendor, v.netdevs, v.rdma_device) == (
                 "101e",
                 "15b3",
@@ -114,7 +113,7 @@ def test_special_kinds(impl: ModuleType, node: NodeLayout) -> None:
     assert ex is not None
     for sf, ifname, ibdev in zip(ex.sfs, ex.sf_netdevs, ex.sf_ibdevs, strict=True):
         d = devs[sf]
-        assert (d.role, d.aux_type, d.pf, d.pf_netdev) == (ROLE_SF, "sf", ex.sf_pf, "ens90f0")
+        assert (d.role, d.aux_type, d.pf, d.pf_netdev) == (Role.SF, "sf", ex.sf_pf, "ens90f0")
         assert (d.netdevs, d.rdma_device, d.driver) == ((ifname,), ibdev, "mlx5_core.sf")
         assert d.vendor == "15b3" and d.pcie_root == devs[ex.sf_pf].pcie_root
         assert d.vf_index == int(sf.rsplit(".", 1)[1])  # the SF number (sfnum), for ranged pfNames
@@ -127,14 +126,14 @@ def test_special_kinds(impl: ModuleType, node: NodeLayout) -> None:
     n = devs[ex.noiommu_vf]
     assert n.noiommu and n.iommu_group == ex.noiommu_group
     a = devs[ex.accel_pf]
-    assert (a.role, a.pci_class, a.device, a.num_vfs) == (ROLE_PF, "120000", "4940", 4)
+    assert (a.role, a.pci_class, a.device, a.num_vfs) == (Role.PF, "120000", "4940", 4)
     assert [devs[x].device for x in ex.accel_vfs] == ["4941"] * 4
     ib = devs[ex.ib_pf]
     assert (ib.link_type, ib.pci_class, ib.rdma_device) == ("infiniband", "020700", ex.ib_ibdev)
     kinds = {x.rsplit("/", 1)[1].rstrip("0123456789") for x in ib.rdma_nodes}
     assert kinds == {"uverbs", "umad", "issm", "ucm"}
     p = devs[ex.plain]
-    assert (p.role, p.netdevs, p.acpi_index, p.pf) == (ROLE_PCI, ("eno1",), 1, "")
+    assert (p.role, p.netdevs, p.acpi_index, p.pf) == (Role.PCI, ("eno1",), 1, "")
     bridges = [d for d in devs.values() if d.pci_class == "060400"]
     assert bridges and all(d.driver == "pcieport" for d in bridges)
 
@@ -340,7 +339,7 @@ def test_device_table_and_rescan_pf(tmp_path: Path) -> None:
     layout = build_node(tmp_path, pfs=2, vfs_per_pf=4)
     table = discovery.scan(tmp_path)
     pf = layout.pfs[0]
-    assert table.by_id()[pf.address].role == ROLE_PF
+    assert table.by_id()[pf.address].role == Role.PF
     assert table.devices[table.index_of(pf.vf_addresses[3])].id == pf.vf_addresses[3]
     assert len(table.by_id()) == len(table) == 1 + 2 + 8  # one NIC: its root port, 2 PFs, 8 VFs
     with pytest.raises(KeyError, match="nosuch"):
@@ -429,7 +428,7 @@ def test_subfunction_of_a_vf(impl: ModuleType, tmp_path: Path) -> None:
     assert warnings == ()
     sf, vf = devs["mlx5_core.sf.7"], devs[ex.vdpa_vf]
     assert (sf.role, sf.pf, sf.vf_index, sf.numa_node, sf.vendor) == (
-        ROLE_SF,
+        Role.SF,
         vf.id,
         7,
         vf.numa_node,
@@ -438,9 +437,7 @@ def test_subfunction_of_a_vf(impl: ModuleType, tmp_path: Path) -> None:
     assert all(devs[name].pf == ex.sf_pf for name in ex.sfs)  # the PF's own are unchanged
 
 
-def test_scan_in_a_worker_thread_lets_the_event_loop_run(
-    impl: ModuleType, node: NodeLayout, run: Callable[[Coroutine[Any, Any, Any]], Any]
-) -> None:
+async def test_scan_in_a_worker_thread_lets_the_event_loop_run(impl: ModuleType, node: NodeLayout) -> None:
     # The daemon scans with asyncio.to_thread so that health messages keep flowing: that needs the
     # scan to let go of the GIL while it waits on the kernel.  CPython would also force a hand-over
     # every sys.getswitchinterval() (5 ms) from code that calls back into Python; a 60 s interval
@@ -474,7 +471,7 @@ def test_scan_in_a_worker_thread_lets_the_event_loop_run(
     old = sys.getswitchinterval()
     sys.setswitchinterval(60.0)
     try:
-        found, ticks = run(count_ticks_during_scans())
+        found, ticks = await count_ticks_during_scans()
     finally:
         sys.setswitchinterval(old)
     assert found == scans * len(_scan(impl, node.root)[0])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -25,7 +24,6 @@ from densedev.pools import config, select
 from densedev.testing import simnode
 from densedev.testing.apiserver import ApiServerStandIn
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 NODE = "worker-1"
 SLOW_BACKOFF = 30.0  # far beyond the test's bound: an error path that backs off cannot pass
 
@@ -73,29 +71,24 @@ async def _deleted_slice_comes_back(
 
 
 @pytest.mark.parametrize("status", [403, 405])
-def test_a_refused_watch_falls_back_to_listing(
-    run: Run, pools: tuple[Pool, ...], status: int, caplog: pytest.LogCaptureFixture
+async def test_a_refused_watch_falls_back_to_listing(
+    pools: tuple[Pool, ...], status: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def main() -> None:
+
+    with caplog.at_level(logging.WARNING, logger="densedev.dra.publisher"):
         async with ApiServerStandIn() as srv:
             srv.refuse_watch = status
             await _deleted_slice_comes_back(srv, pools, resync_s=0.05)
             assert srv.requests["WATCH resourceslices"] >= 1
             assert srv.requests["LIST resourceslices"] >= 2  # the deletion was seen by listing again
-
-    with caplog.at_level(logging.WARNING, logger="densedev.dra.publisher"):
-        run(main())
     assert f"cannot watch ResourceSlices ({status} " in caplog.text
 
 
-def test_an_expired_watch_relists_at_once(run: Run, pools: tuple[Pool, ...]) -> None:
-    async def main() -> None:
-        async with ApiServerStandIn() as srv:
-            srv.expire_watches = 1
-            # Without the fallback to listing: only a re-list and a fresh watch can see the deletion.
-            pub = await _deleted_slice_comes_back(srv, pools, resync_s=SLOW_BACKOFF)
-            assert srv.expire_watches == 0 and pub.errors == 1
-            assert srv.requests["LIST resourceslices"] >= 2
-            assert srv.requests["WATCH resourceslices"] >= 2
-
-    run(main())
+async def test_an_expired_watch_relists_at_once(pools: tuple[Pool, ...]) -> None:
+    async with ApiServerStandIn() as srv:
+        srv.expire_watches = 1
+        # Without the fallback to listing: only a re-list and a fresh watch can see the deletion.
+        pub = await _deleted_slice_comes_back(srv, pools, resync_s=SLOW_BACKOFF)
+        assert srv.expire_watches == 0 and pub.errors == 1
+        assert srv.requests["LIST resourceslices"] >= 2
+        assert srv.requests["WATCH resourceslices"] >= 2

@@ -6,7 +6,7 @@ import asyncio
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +22,6 @@ from densedev.dra.node import handlers
 from densedev.dra.registration import DraPlugin, Notification
 from densedev.testing.dra_kubelet import DraKubelet
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD = 10.0  # hang guards only: nothing here asserts on speed
 ALL_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
 
@@ -57,8 +56,21 @@ def _plugin(root: Path, node: Node, health: HealthStream) -> DraPlugin:
     )
 
 
+@pytest.fixture
+def stack_options() -> dict[str, Any]:
+    """Keyword arguments of the ``stack`` fixture (parametrize this name to change them)."""
+    return {}
+
+
+@pytest.fixture
+async def stack(root: Path, stack_options: dict[str, Any]) -> AsyncIterator[Stack]:
+    """The DRA side and a kubelet of ``release`` (1.34 unless ``stack_options`` say), both started."""
+    async with _stack(root, **stack_options) as s:
+        yield s
+
+
 @asynccontextmanager
-async def stack(
+async def _stack(
     root: Path, release: str = "1.34", *, kubelet_first: bool = False, resend: float = 5.0
 ) -> AsyncIterator[Stack]:
     node = Node(root)
@@ -82,124 +94,109 @@ async def stack(
 # -- registration per release ---------------------------------------------------------------------------
 
 
-def test_a_1_34_kubelet_registers_v1_and_prepares_through_it(run: Run, root: Path) -> None:
-    async def main() -> None:
-        async with stack(root, "1.34", kubelet_first=True) as s:
-            await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins and s.plugin.registered, GUARD)
-            record = s.kubelet.plugins[DRIVER]
-            assert record.version == "v1.DRAPlugin" and record.versions == ALL_VERSIONS
-            assert record.endpoint == str(root / "plugins" / DRIVER / "dra.sock")
-            assert record.socket == root / "registry" / f"{DRIVER}-reg.sock"
-            assert s.plugin.notifications == [Notification(True, "")]
-            claim = s.ref(("vf", VF))
-            answer = (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]]
-            assert answer.error == ""
-            assert answer.devices[0]["device"] == names.device_name(VF)
-            assert answer.devices[0]["cdi"][0] == f"{DRIVER}/claim={claim[2]}-{names.device_name(VF)}"
-            # A repeat (kubelet retry, or restart) gets exactly the same answer.
-            assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]] == answer
-            assert await s.kubelet.unprepare(DRIVER, [claim]) == {claim[2]: ""}
-            assert s.node.service.prepared == {}
-
-    run(main())
+@pytest.mark.parametrize("stack_options", [{"release": "1.34", "kubelet_first": True}])
+async def test_a_1_34_kubelet_registers_v1_and_prepares_through_it(stack: Stack, root: Path) -> None:
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins and stack.plugin.registered, GUARD)
+    record = stack.kubelet.plugins[DRIVER]
+    assert record.version == "v1.DRAPlugin" and record.versions == ALL_VERSIONS
+    assert record.endpoint == str(root / "plugins" / DRIVER / "dra.sock")
+    assert record.socket == root / "registry" / f"{DRIVER}-reg.sock"
+    assert stack.plugin.notifications == [Notification(True, "")]
+    claim = stack.ref(("vf", VF))
+    answer = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]]
+    assert answer.error == ""
+    assert answer.devices[0]["device"] == names.device_name(VF)
+    assert answer.devices[0]["cdi"][0] == f"{DRIVER}/claim={claim[2]}-{names.device_name(VF)}"
+    # A repeat (kubelet retry, or restart) gets exactly the same answer.
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]] == answer
+    assert await stack.kubelet.unprepare(DRIVER, [claim]) == {claim[2]: ""}
+    assert stack.node.service.prepared == {}
 
 
-def test_a_1_32_kubelet_registers_v1beta1_and_opens_no_health_stream(run: Run, root: Path) -> None:
-    async def main() -> None:
-        async with stack(root, "1.32") as s:
-            await s.kubelet.wait_for(lambda: s.plugin.registered, GUARD)
-            assert s.kubelet.plugins[DRIVER].version == "v1beta1.DRAPlugin"
-            claim = s.ref(("vf", VF))
-            answer = (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]]
-            assert answer.error == "" and len(answer.devices) == 1
-            bad = ("default", "x", "not/a/uid")
-            assert "is not a Kubernetes UID" in (await s.kubelet.prepare(DRIVER, [bad]))[bad[2]].error
-            assert await s.kubelet.unprepare(DRIVER, [claim, bad]) == {claim[2]: "", bad[2]: ""}
-            assert s.health.streams_opened == 0
-
-    run(main())
+@pytest.mark.parametrize("stack_options", [{"release": "1.32"}])
+async def test_a_1_32_kubelet_registers_v1beta1_and_opens_no_health_stream(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: stack.plugin.registered, GUARD)
+    assert stack.kubelet.plugins[DRIVER].version == "v1beta1.DRAPlugin"
+    claim = stack.ref(("vf", VF))
+    answer = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]]
+    assert answer.error == "" and len(answer.devices) == 1
+    bad = ("default", "x", "not/a/uid")
+    assert "is not a Kubernetes UID" in (await stack.kubelet.prepare(DRIVER, [bad]))[bad[2]].error
+    assert await stack.kubelet.unprepare(DRIVER, [claim, bad]) == {claim[2]: "", bad[2]: ""}
+    assert stack.health.streams_opened == 0
 
 
-def test_without_v1beta1_a_1_32_kubelet_falls_back_and_calls_fail(run: Run, root: Path) -> None:
+async def test_without_v1beta1_a_1_32_kubelet_falls_back_and_calls_fail(root: Path) -> None:
     # Why both versions are advertised: a 1.32 kubelet silently picks v1alpha3, which nobody serves.
-    async def main() -> None:
-        node = Node(root)
-        health = HealthStream(NODE)
-        plugin = _plugin(root, node, health)
-        plugin.versions = ("v1.DRAPlugin",)
-        kubelet = DraKubelet(root / "registry", release="1.32", poll=0.05)
-        await plugin.start()
-        await kubelet.start()
-        try:
-            await kubelet.wait_for(lambda: plugin.registered, GUARD)
-            assert kubelet.plugins[DRIVER].version == "v1alpha3.NodeService"
-            r = node.claim(("vf", VF))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await kubelet.prepare(DRIVER, [(r.namespace, r.name, r.uid)])
-            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        finally:
-            await plugin.stop()
-            await kubelet.stop()
-
-    run(main())
+    node = Node(root)
+    health = HealthStream(NODE)
+    plugin = _plugin(root, node, health)
+    plugin.versions = ("v1.DRAPlugin",)
+    kubelet = DraKubelet(root / "registry", release="1.32", poll=0.05)
+    await plugin.start()
+    await kubelet.start()
+    try:
+        await kubelet.wait_for(lambda: plugin.registered, GUARD)
+        assert kubelet.plugins[DRIVER].version == "v1alpha3.NodeService"
+        r = node.claim(("vf", VF))
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await kubelet.prepare(DRIVER, [(r.namespace, r.name, r.uid)])
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        await plugin.stop()
+        await kubelet.stop()
 
 
-def test_a_wrong_type_or_unknown_versions_are_refused_then_fixed(run: Run, root: Path) -> None:
-    async def main() -> None:
-        node = Node(root)
-        health = HealthStream(NODE)
-        plugin = _plugin(root, node, health)
-        plugin.plugin_type = "DRAplugin"  # the kubelet compares exactly
-        kubelet = DraKubelet(root / "registry", release="1.34", poll=0.05)
-        await plugin.start()
-        await kubelet.start()
-        try:
-            await kubelet.wait_for(lambda: bool(plugin.notifications), GUARD)
-            assert plugin.notifications[0] == Notification(
-                False, "no handler registered for plugin type: DRAplugin"
-            )
-            assert not plugin.registered and DRIVER not in kubelet.plugins
-            plugin.plugin_type = "DRAPlugin"
-            plugin.versions = ("v2.DRAPlugin", "v1alpha1.DRAResourceHealth")
-            await kubelet.wait_for(lambda: len(plugin.notifications) >= 2, GUARD)
-            assert not plugin.notifications[-1].registered
-            assert "none of services supported by the plugin" in plugin.notifications[-1].error
-            plugin.versions = ALL_VERSIONS
-            # The kubelet retries with backoff while the socket exists.
-            await kubelet.wait_for(lambda: plugin.registered, GUARD)
-            assert kubelet.plugins[DRIVER].version == "v1.DRAPlugin"
-            assert len(kubelet.errors) >= 2
-        finally:
-            await plugin.stop()
-            await kubelet.stop()
-
-    run(main())
+async def test_a_wrong_type_or_unknown_versions_are_refused_then_fixed(root: Path) -> None:
+    node = Node(root)
+    health = HealthStream(NODE)
+    plugin = _plugin(root, node, health)
+    plugin.plugin_type = "DRAplugin"  # the kubelet compares exactly
+    kubelet = DraKubelet(root / "registry", release="1.34", poll=0.05)
+    await plugin.start()
+    await kubelet.start()
+    try:
+        await kubelet.wait_for(lambda: bool(plugin.notifications), GUARD)
+        assert plugin.notifications[0] == Notification(
+            False, "no handler registered for plugin type: DRAplugin"
+        )
+        assert not plugin.registered and DRIVER not in kubelet.plugins
+        plugin.plugin_type = "DRAPlugin"
+        plugin.versions = ("v2.DRAPlugin", "v1alpha1.DRAResourceHealth")
+        await kubelet.wait_for(lambda: len(plugin.notifications) >= 2, GUARD)
+        assert not plugin.notifications[-1].registered
+        assert "none of services supported by the plugin" in plugin.notifications[-1].error
+        plugin.versions = ALL_VERSIONS
+        # The kubelet retries with backoff while the socket exists.
+        await kubelet.wait_for(lambda: plugin.registered, GUARD)
+        assert kubelet.plugins[DRIVER].version == "v1.DRAPlugin"
+        assert len(kubelet.errors) >= 2
+    finally:
+        await plugin.stop()
+        await kubelet.stop()
 
 
 # -- sockets ---------------------------------------------------------------------------------------------
 
 
-def test_sockets_are_0600_and_new_dirs_0755_under_umask_000(run: Run, root: Path) -> None:
-    async def main() -> None:
-        old = os.umask(0)
-        try:
-            node = Node(root)
-            health = HealthStream(NODE)
-            plugin = _plugin(root, node, health)
-            await plugin.start()
-        finally:
-            os.umask(old)
-        try:
-            for path in (plugin.endpoint, plugin.registration_socket):
-                st = path.lstat()
-                assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, path
-            for d in (plugin.registry_dir, plugin.plugin_dir, plugin.plugin_dir.parent):
-                assert stat.S_IMODE(d.stat().st_mode) == 0o755, d
-        finally:
-            await plugin.stop()
-        assert not plugin.endpoint.exists() and not plugin.registration_socket.exists()
-
-    run(main())
+async def test_sockets_are_0600_and_new_dirs_0755_under_umask_000(root: Path) -> None:
+    old = os.umask(0)
+    try:
+        node = Node(root)
+        health = HealthStream(NODE)
+        plugin = _plugin(root, node, health)
+        await plugin.start()
+    finally:
+        os.umask(old)
+    try:
+        for path in (plugin.endpoint, plugin.registration_socket):
+            st = path.lstat()
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600, path
+        for d in (plugin.registry_dir, plugin.plugin_dir, plugin.plugin_dir.parent):
+            assert stat.S_IMODE(d.stat().st_mode) == 0o755, d
+    finally:
+        await plugin.stop()
+    assert not plugin.endpoint.exists() and not plugin.registration_socket.exists()
 
 
 def _stale_socket(path: Path) -> None:
@@ -209,114 +206,98 @@ def _stale_socket(path: Path) -> None:
     s.close()  # the file stays, nobody listens: what a SIGKILLed plugin leaves
 
 
-def test_stale_sockets_are_replaced_and_a_planted_file_is_left_alone(run: Run, root: Path) -> None:
-    async def main() -> None:
-        node = Node(root)
-        plugin = _plugin(root, node, HealthStream(NODE))
-        _stale_socket(plugin.endpoint)
-        _stale_socket(plugin.registration_socket)
-        kubelet = DraKubelet(root / "registry", poll=0.05)
-        await plugin.start()
-        await kubelet.start()
-        try:
-            await kubelet.wait_for(lambda: plugin.registered, GUARD)
-        finally:
-            await plugin.stop()
-            await kubelet.stop()
-        plugin.endpoint.write_text("not a socket\n")
-        with pytest.raises(FileExistsError):
-            await _plugin(root, node, HealthStream(NODE)).start()
-        assert plugin.endpoint.read_text() == "not a socket\n"
-        assert not plugin.registration_socket.exists()  # the DRA socket comes first: nothing else made
-
-    run(main())
+async def test_stale_sockets_are_replaced_and_a_planted_file_is_left_alone(root: Path) -> None:
+    node = Node(root)
+    plugin = _plugin(root, node, HealthStream(NODE))
+    _stale_socket(plugin.endpoint)
+    _stale_socket(plugin.registration_socket)
+    kubelet = DraKubelet(root / "registry", poll=0.05)
+    await plugin.start()
+    await kubelet.start()
+    try:
+        await kubelet.wait_for(lambda: plugin.registered, GUARD)
+    finally:
+        await plugin.stop()
+        await kubelet.stop()
+    plugin.endpoint.write_text("not a socket\n")
+    with pytest.raises(FileExistsError):
+        await _plugin(root, node, HealthStream(NODE)).start()
+    assert plugin.endpoint.read_text() == "not a socket\n"
+    assert not plugin.registration_socket.exists()  # the DRA socket comes first: nothing else made
 
 
-def test_deleted_sockets_are_recreated_and_registered_again(run: Run, root: Path) -> None:
-    async def main() -> None:
-        async with stack(root) as s:
-            await s.kubelet.wait_for(lambda: s.plugin.registered, GUARD)
-            s.plugin.registration_socket.unlink()
-            await s.kubelet.wait_for(
-                lambda: s.plugin.recreated == 1 and len(s.plugin.notifications) == 2, GUARD
-            )
-            assert s.plugin.notifications[-1].registered and s.plugin.info_calls == 2
-            s.plugin.endpoint.unlink()
-            await s.kubelet.wait_for(
-                lambda: s.plugin.recreated == 2 and len(s.plugin.notifications) == 3, GUARD
-            )
-            await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
-            claim = s.ref(("vf", VF))
-            assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
-
-    run(main())
+async def test_deleted_sockets_are_recreated_and_registered_again(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: stack.plugin.registered, GUARD)
+    stack.plugin.registration_socket.unlink()
+    await stack.kubelet.wait_for(
+        lambda: stack.plugin.recreated == 1 and len(stack.plugin.notifications) == 2, GUARD
+    )
+    assert stack.plugin.notifications[-1].registered and stack.plugin.info_calls == 2
+    stack.plugin.endpoint.unlink()
+    await stack.kubelet.wait_for(
+        lambda: stack.plugin.recreated == 2 and len(stack.plugin.notifications) == 3, GUARD
+    )
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
+    claim = stack.ref(("vf", VF))
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
 
 
-def test_a_kubelet_restart_registers_again_and_calls_keep_working(run: Run, root: Path) -> None:
-    async def main() -> None:
-        async with stack(root) as s:
-            await s.kubelet.wait_for(lambda: s.plugin.registered and s.health.streams == 1, GUARD)
-            claim = s.ref(("vf", VF))
-            first = (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]]
-            wiped: list[int] = []
+async def test_a_kubelet_restart_registers_again_and_calls_keep_working(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: stack.plugin.registered and stack.health.streams == 1, GUARD)
+    claim = stack.ref(("vf", VF))
+    first = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]]
+    wiped: list[int] = []
 
-            async def wipe_slices() -> None:
-                wiped.append(1)
+    async def wipe_slices() -> None:
+        wiped.append(1)
 
-            s.kubelet.on_start = wipe_slices
-            await s.kubelet.restart()
-            await s.kubelet.wait_for(lambda: len(s.plugin.notifications) == 2, GUARD)
-            assert wiped == [1] and s.plugin.info_calls == 2 and s.plugin.recreated == 0
-            # The restarted kubelet prepares its checkpointed claims again: same answer.
-            assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]] == first
-            # One health stream per kubelet: the old one ended when the new one opened.
-            await s.kubelet.wait_for(lambda: s.health.streams_opened == 2 and s.health.streams == 1, GUARD)
-
-    run(main())
+    stack.kubelet.on_start = wipe_slices
+    await stack.kubelet.restart()
+    await stack.kubelet.wait_for(lambda: len(stack.plugin.notifications) == 2, GUARD)
+    assert wiped == [1] and stack.plugin.info_calls == 2 and stack.plugin.recreated == 0
+    # The restarted kubelet prepares its checkpointed claims again: same answer.
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]] == first
+    # One health stream per kubelet: the old one ended when the new one opened.
+    await stack.kubelet.wait_for(
+        lambda: stack.health.streams_opened == 2 and stack.health.streams == 1, GUARD
+    )
 
 
-def test_stop_removes_both_sockets_and_the_kubelet_deregisters(run: Run, root: Path) -> None:
-    async def main() -> None:
-        async with stack(root) as s:
-            await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
-            await s.plugin.stop()
-            assert not s.plugin.endpoint.exists() and not s.plugin.registration_socket.exists()
-            await s.kubelet.wait_for(lambda: DRIVER not in s.kubelet.plugins, GUARD)
-
-    run(main())
+async def test_stop_removes_both_sockets_and_the_kubelet_deregisters(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
+    await stack.plugin.stop()
+    assert not stack.plugin.endpoint.exists() and not stack.plugin.registration_socket.exists()
+    await stack.kubelet.wait_for(lambda: DRIVER not in stack.kubelet.plugins, GUARD)
 
 
 # -- health ----------------------------------------------------------------------------------------------
 
 
-def test_the_health_stream_sends_the_whole_list_on_change_and_resends_it(run: Run, root: Path) -> None:
+@pytest.mark.parametrize("stack_options", [{"resend": 0.1}])
+async def test_the_health_stream_sends_the_whole_list_on_change_and_resends_it(stack: Stack) -> None:
     a, b = names.device_name(VF), names.device_name(VF2)
 
-    async def main() -> None:
-        async with stack(root, resend=0.1) as s:
-            s.health.update({VF: True, VF2: True})
-            await s.kubelet.wait_for(
-                lambda: s.kubelet.health(DRIVER) == {(NODE, a): "HEALTHY", (NODE, b): "HEALTHY"}, GUARD
-            )
-            s.health.update({VF2: False})
-            await s.kubelet.wait_for(lambda: s.kubelet.health(DRIVER).get((NODE, b)) == "UNHEALTHY", GUARD)
-            record = s.kubelet.plugins[DRIVER]
-            # Every message is the complete list, and without any change it keeps coming (resend).
-            seen = len(record.health_messages)
-            await s.kubelet.wait_for(lambda: len(record.health_messages) >= seen + 3, GUARD)
-            for _when, health in record.health_messages[seen:]:
-                assert health == {(NODE, a): "HEALTHY", (NODE, b): "UNHEALTHY"}
-            s.health.forget([VF])
-            await s.kubelet.wait_for(lambda: s.kubelet.health(DRIVER) == {(NODE, b): "UNHEALTHY"}, GUARD)
-            # stop() ends the stream cleanly: the kubelet forgets the health, then re-opens (5 s; 0.1 here).
-            opened = record.health_streams
-            s.health.stop()
-            await s.kubelet.wait_for(lambda: record.health_error == "stream ended", GUARD)
-            await s.kubelet.wait_for(
-                lambda: record.health_streams > opened and bool(s.kubelet.health(DRIVER)), GUARD
-            )
-
-    run(main())
+    stack.health.update({VF: True, VF2: True})
+    await stack.kubelet.wait_for(
+        lambda: stack.kubelet.health(DRIVER) == {(NODE, a): "HEALTHY", (NODE, b): "HEALTHY"}, GUARD
+    )
+    stack.health.update({VF2: False})
+    await stack.kubelet.wait_for(lambda: stack.kubelet.health(DRIVER).get((NODE, b)) == "UNHEALTHY", GUARD)
+    record = stack.kubelet.plugins[DRIVER]
+    # Every message is the complete list, and without any change it keeps coming (resend).
+    seen = len(record.health_messages)
+    await stack.kubelet.wait_for(lambda: len(record.health_messages) >= seen + 3, GUARD)
+    for _when, health in record.health_messages[seen:]:
+        assert health == {(NODE, a): "HEALTHY", (NODE, b): "UNHEALTHY"}
+    stack.health.forget([VF])
+    await stack.kubelet.wait_for(lambda: stack.kubelet.health(DRIVER) == {(NODE, b): "UNHEALTHY"}, GUARD)
+    # stop() ends the stream cleanly: the kubelet forgets the health, then re-opens (5 s; 0.1 here).
+    opened = record.health_streams
+    stack.health.stop()
+    await stack.kubelet.wait_for(lambda: record.health_error == "stream ended", GUARD)
+    await stack.kubelet.wait_for(
+        lambda: record.health_streams > opened and bool(stack.kubelet.health(DRIVER)), GUARD
+    )
 
 
 def test_health_message_bytes_decode_to_the_full_list() -> None:
@@ -338,81 +319,74 @@ def test_health_message_bytes_decode_to_the_full_list() -> None:
 # -- the composed kubelet plugin ----------------------------------------------------------------------------
 
 
-def test_the_kubelet_plugin_recovers_claims_before_its_sockets_exist(run: Run, root: Path) -> None:
+async def test_the_kubelet_plugin_recovers_claims_before_its_sockets_exist(root: Path) -> None:
     from densedev.dra.plugin import KubeletPlugin
 
-    async def main() -> None:
-        node = Node(root)
-        ref = node.claim(("vf", VF))
-        assert (await node.service.prepare([ref]))[ref.uid].error == ""
-        registry = root / "registry"
-        plugin = KubeletPlugin(
-            DRIVER,
-            NODE,
-            node.store,
-            node.gate(),
-            plugins_dir=root / "plugins",
-            registry_dir=registry,
-            cdi_dir=node.settings.cdi_dir,
-            devinfo_dir=node.settings.devinfo_dir,
-            dev_root=node.dev_root,
-            poll=0.05,
+    node = Node(root)
+    ref = node.claim(("vf", VF))
+    assert (await node.service.prepare([ref]))[ref.uid].error == ""
+    registry = root / "registry"
+    plugin = KubeletPlugin(
+        DRIVER,
+        NODE,
+        node.store,
+        node.gate(),
+        plugins_dir=root / "plugins",
+        registry_dir=registry,
+        cdi_dir=node.settings.cdi_dir,
+        devinfo_dir=node.settings.devinfo_dir,
+        dev_root=node.dev_root,
+        poll=0.05,
+    )
+    registrations: list[int] = []
+    plugin.on_registered = lambda: registrations.append(1)
+    sockets_at_recovery: list[bool] = []
+    recover = plugin.service.recover
+
+    def spy() -> frozenset[str]:
+        sockets_at_recovery.append(
+            plugin.plugin.endpoint.exists() or plugin.plugin.registration_socket.exists()
         )
-        registrations: list[int] = []
-        plugin.on_registered = lambda: registrations.append(1)
-        sockets_at_recovery: list[bool] = []
-        recover = plugin.service.recover
+        return recover()
 
-        def spy() -> frozenset[str]:
-            sockets_at_recovery.append(
-                plugin.plugin.endpoint.exists() or plugin.plugin.registration_socket.exists()
-            )
-            return recover()
-
-        plugin.service.recover = spy  # type: ignore[method-assign]
-        assert await plugin.start() == {VF}
-        assert sockets_at_recovery == [False]
-        kubelet = DraKubelet(registry, poll=0.05, health_retry=0.1)
-        await kubelet.start()
-        try:
-            await kubelet.wait_for(lambda: registrations == [1] and plugin.health.streams == 1, GUARD)
-            # The restarted daemon answers the kubelet's repeat Prepare from its checkpoint, and holds VF.
-            answer = (await kubelet.prepare(DRIVER, [(ref.namespace, ref.name, ref.uid)]))[ref.uid]
-            assert answer.error == "" and answer.devices[0]["device"] == names.device_name(VF)
-            other = node.claim(("vf", VF))
-            refused = (await kubelet.prepare(DRIVER, [(other.namespace, other.name, other.uid)]))[other.uid]
-            assert "held elsewhere" in refused.error
-            plugin.health.update({VF: False})
-            await kubelet.wait_for(
-                lambda: kubelet.health(DRIVER) == {(NODE, names.device_name(VF)): "UNHEALTHY"}, GUARD
-            )
-        finally:
-            await plugin.stop()
-            await kubelet.stop()
-        assert not plugin.plugin.endpoint.exists() and not plugin.plugin.registration_socket.exists()
-
-    run(main())
+    plugin.service.recover = spy  # type: ignore[method-assign]
+    assert await plugin.start() == {VF}
+    assert sockets_at_recovery == [False]
+    kubelet = DraKubelet(registry, poll=0.05, health_retry=0.1)
+    await kubelet.start()
+    try:
+        await kubelet.wait_for(lambda: registrations == [1] and plugin.health.streams == 1, GUARD)
+        # The restarted daemon answers the kubelet's repeat Prepare from its checkpoint, and holds VF.
+        answer = (await kubelet.prepare(DRIVER, [(ref.namespace, ref.name, ref.uid)]))[ref.uid]
+        assert answer.error == "" and answer.devices[0]["device"] == names.device_name(VF)
+        other = node.claim(("vf", VF))
+        refused = (await kubelet.prepare(DRIVER, [(other.namespace, other.name, other.uid)]))[other.uid]
+        assert "held elsewhere" in refused.error
+        plugin.health.update({VF: False})
+        await kubelet.wait_for(
+            lambda: kubelet.health(DRIVER) == {(NODE, names.device_name(VF)): "UNHEALTHY"}, GUARD
+        )
+    finally:
+        await plugin.stop()
+        await kubelet.stop()
+    assert not plugin.plugin.endpoint.exists() and not plugin.plugin.registration_socket.exists()
 
 
-def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(run: Run, root: Path) -> None:
-    async def main() -> None:
-        async with stack(root) as s:
-            await s.kubelet.wait_for(lambda: DRIVER in s.kubelet.plugins, GUARD)
-            healthy_gate = s.node.service.gate
+async def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(stack: Stack) -> None:
+    await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
+    healthy_gate = stack.node.service.gate
 
-            def broken(device_id: str) -> Any:
-                raise RuntimeError("x" * 100_000)
+    def broken(device_id: str) -> Any:
+        raise RuntimeError("x" * 100_000)
 
-            s.node.service.gate = broken
-            claim = s.ref(("vf", VF))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await s.kubelet.prepare(DRIVER, [claim])
-            assert e.value.code() == grpc.StatusCode.INTERNAL
-            assert len(e.value.details() or "") < 1100
-            s.node.service.gate = healthy_gate  # the server lives on: the next call works
-            assert (await s.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
-
-    run(main())
+    stack.node.service.gate = broken
+    claim = stack.ref(("vf", VF))
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stack.kubelet.prepare(DRIVER, [claim])
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert len(e.value.details() or "") < 1100
+    stack.node.service.gate = healthy_gate  # the server lives on: the next call works
+    assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
 
 
 _DAEMON = """
@@ -440,8 +414,8 @@ uvloop.run(main())
 """
 
 
-def test_a_killed_daemon_restarts_recovers_its_claims_and_is_registered_again(
-    run: Run, root: Path, child_env: dict[str, str]
+async def test_a_killed_daemon_restarts_recovers_its_claims_and_is_registered_again(
+    root: Path, child_env: dict[str, str]
 ) -> None:
     import signal
     import sys
@@ -453,58 +427,55 @@ def test_a_killed_daemon_restarts_recovers_its_claims_and_is_registered_again(
     here = str(Path(__file__).parent)
     claim = ("default", "kept", uid)
 
-    async def main() -> None:
-        kubelet = DraKubelet(root / "registry", poll=0.05, health_retry=0.1)
-        await kubelet.start()
-        child = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            _DAEMON.format(paths=[here, *sys.path], root=str(root), uid=uid),
-            stdout=asyncio.subprocess.PIPE,
-            env=child_env,
-            cwd=here,
+    kubelet = DraKubelet(root / "registry", poll=0.05, health_retry=0.1)
+    await kubelet.start()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _DAEMON.format(paths=[here, *sys.path], root=str(root), uid=uid),
+        stdout=asyncio.subprocess.PIPE,
+        env=child_env,
+        cwd=here,
+    )
+    plugin: KubeletPlugin | None = None
+    try:
+        assert child.stdout is not None
+        assert (await asyncio.wait_for(child.stdout.readline(), GUARD)).strip() == b"serving"
+        await kubelet.wait_for(lambda: DRIVER in kubelet.plugins, GUARD)
+        first = (await kubelet.prepare(DRIVER, [claim]))[uid]
+        assert first.error == ""
+        registered = kubelet.plugins[DRIVER]
+        child.send_signal(signal.SIGKILL)  # no cleanup: both sockets stay behind, unserved
+        await child.wait()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await kubelet.prepare(DRIVER, [claim], timeout=2)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        # The restarted daemon: claims first, then fresh sockets the kubelet registers again.
+        node = Node(root)
+        plugin = KubeletPlugin(
+            DRIVER,
+            NODE,
+            node.store,
+            node.gate(),
+            plugins_dir=root / "plugins",
+            registry_dir=root / "registry",
+            cdi_dir=node.settings.cdi_dir,
+            devinfo_dir=node.settings.devinfo_dir,
+            dev_root=node.dev_root,
+            poll=0.05,
         )
-        plugin: KubeletPlugin | None = None
-        try:
-            assert child.stdout is not None
-            assert (await asyncio.wait_for(child.stdout.readline(), GUARD)).strip() == b"serving"
-            await kubelet.wait_for(lambda: DRIVER in kubelet.plugins, GUARD)
-            first = (await kubelet.prepare(DRIVER, [claim]))[uid]
-            assert first.error == ""
-            registered = kubelet.plugins[DRIVER]
-            child.send_signal(signal.SIGKILL)  # no cleanup: both sockets stay behind, unserved
+        assert await plugin.start() == {VF}
+        await kubelet.wait_for(
+            lambda: kubelet.plugins.get(DRIVER) not in (None, registered) and plugin.plugin.registered,
+            GUARD,
+        )
+        assert (await kubelet.prepare(DRIVER, [claim]))[uid] == first
+        assert await kubelet.unprepare(DRIVER, [claim]) == {uid: ""}
+        assert plugin.service.held() == {}
+    finally:
+        if child.returncode is None:
+            child.kill()
             await child.wait()
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await kubelet.prepare(DRIVER, [claim], timeout=2)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            # The restarted daemon: claims first, then fresh sockets the kubelet registers again.
-            node = Node(root)
-            plugin = KubeletPlugin(
-                DRIVER,
-                NODE,
-                node.store,
-                node.gate(),
-                plugins_dir=root / "plugins",
-                registry_dir=root / "registry",
-                cdi_dir=node.settings.cdi_dir,
-                devinfo_dir=node.settings.devinfo_dir,
-                dev_root=node.dev_root,
-                poll=0.05,
-            )
-            assert await plugin.start() == {VF}
-            await kubelet.wait_for(
-                lambda: kubelet.plugins.get(DRIVER) not in (None, registered) and plugin.plugin.registered,
-                GUARD,
-            )
-            assert (await kubelet.prepare(DRIVER, [claim]))[uid] == first
-            assert await kubelet.unprepare(DRIVER, [claim]) == {uid: ""}
-            assert plugin.service.held() == {}
-        finally:
-            if child.returncode is None:
-                child.kill()
-                await child.wait()
-            if plugin is not None:
-                await plugin.stop()
-            await kubelet.stop()
-
-    run(main())
+        if plugin is not None:
+            await plugin.stop()
+        await kubelet.stop()

@@ -10,7 +10,7 @@ from helpers.node import GUARD_S
 
 from densedev.health.handoff import Handoff
 from densedev.health.tracker import HealthTracker, PoolUpdate
-from densedev.model import ROLE_PF, PoolConfig
+from densedev.model import PoolConfig, Role
 
 POOL = "intel.com/vfs"
 
@@ -48,7 +48,7 @@ class Deliveries:
 
 def tracker(clock: FakeClock) -> HealthTracker:
     """A tracker of one pool of the four VFs of PF ens1f0 (hold-down 1 s), its first report collected."""
-    pf = dev("0000:3b:00.0", ROLE_PF, pf="", netdevs=("ens1f0",), pf_netdev="")
+    pf = dev("0000:3b:00.0", Role.PF, pf="", netdevs=("ens1f0",), pf_netdev="")
     vfs = [dev(f"0000:3b:00.{k}", pf=pf.id, pf_netdev="ens1f0") for k in range(1, 5)]
     config = PoolConfig(resource_name="vfs", resource_prefix="intel.com")
     t = HealthTracker([pf, *vfs], [pool_of(config, vfs)], clock=clock)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,11 +15,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import Run
+from helpers.devices import dev
 from helpers.node import GUARD_S, PREFIX, Node, pools_config, res
 
 from densedev.alloc import cdi, devinfo, leftovers
-from densedev.model import ROLE_VF, Device
+from densedev.model import Device
 from densedev.testing.kubelet import KubeletEmulator
 
 A0, A1, A2 = "0000:3b:02.0", "0000:3b:02.1", "0000:3b:02.2"
@@ -127,12 +126,6 @@ def test_one_cdi_rule_keeps_the_specs_of_configured_pools_and_of_resources_held(
     assert leftovers.prune_cdi(c, claims, {}).removed == (held,)
 
 
-def device(address: str) -> Device:
-    """Return a VF as a scan reports it (only its address matters here)."""
-    return Device(address, ROLE_VF, "15b3", "101e", "020000", "", "", "mlx5_core", 0, -1, False, -1, 0, 0,
-                  "", -1, "", (), "", "", (), "", "", "", "", "")  # fmt: skip
-
-
 class Owner:
     """A pool's file side as the daemon's allocators present it: records what it is asked to keep."""
 
@@ -162,7 +155,7 @@ def test_leftovers_prune_after_release_and_retain_what_is_held(dirs: tuple[Path,
     assert gone.exists()
     files_.prune(list(owners.values()), {})
     assert not gone.exists()
-    table = {i: device(i) for i in (A0, A1)}
+    table = {i: dev(i) for i in (A0, A1)}
     # A pool whose files cannot be kept is logged; the next pool still keeps its own.
     files_.retain(owners, {"intel.com/a": {A1, A2}, "intel.com/broken": {A0}}, lambda: table)
     assert owners["intel.com/a"].retained == [[A1]] and owners["intel.com/broken"].retained == [[A0]]
@@ -178,10 +171,9 @@ def test_unreadable_directories_are_reported_not_raised(tmp_path: Path) -> None:
     assert result.removed == () and len(result.problems) == 2
 
 
-def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_restart(
-    run: Run, tmp_path: Path, child_env: dict[str, str]
+async def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_restart(
+    node: Node, tmp_path: Path, child_env: dict[str, str]
 ) -> None:
-    node = Node(tmp_path)
     cdi_dir, info_dir = tmp_path / "cdi", tmp_path / "devinfo"
     pf0, pf1 = node.layout.pfs[0], node.layout.pfs[1]
     gone, stays = res(f"sriov_{pf0.netdev}"), res(f"sriov_{pf1.netdev}")
@@ -195,75 +187,67 @@ def test_a_sigkilled_daemon_leaves_nothing_behind_for_a_pool_removed_before_rest
     def stem(resource: str) -> str:
         return devinfo.stem(*resource.split("/"))
 
-    async def main() -> None:
-        emu = KubeletEmulator(node.kubelet_dir, pod_resources_socket=tmp_path / "pr.sock")
-        await emu.start()
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
-            procs.append(subprocess.Popen(argv, env=child_env, stderr=subprocess.DEVNULL))
-            await emu.wait_for(lambda: bool(emu.updates(gone)) and bool(emu.updates(stays)), GUARD_S)
-            await emu.allocate(gone, list(pf0.vf_addresses[:4]))
-            await emu.allocate(gone, list(pf0.vf_addresses[4:6]))
-            await emu.allocate(stays, list(pf1.vf_addresses[:2]))
-            ours = {p.name for p in info_dir.iterdir() if not p.name.startswith(".")}
-            assert len(ours) == 8
-            # Other programs' files, including one shaped exactly like ours for an unknown pool.
-            foreign = [
-                info(info_dir, f"{PREFIX}-not_densedev", pf0.vf_addresses[0]),
-                info(info_dir, "intel.com-sriov_netdevice", pf0.vf_addresses[1]),
-            ]
-            (cdi_dir / "othervendor.com-gpu.json").write_text("{}")
-            gone_spec = cdi_dir / cdi.spec_file_name(gone)
-            assert gone_spec.exists()
-
-            procs[0].kill()  # SIGKILL: no cleanup runs
-            await asyncio.to_thread(procs[0].wait, GUARD_S)
-            assert {p.name for p in info_dir.iterdir() if not p.name.startswith(".")} >= ours
-            # The pods of the pool about to be removed end while densedev is down: their devices are
-            # free (PodResources says so), so nothing of that pool may stay.  Files of devices pods
-            # still hold stay: tests/test_ownership.py.
-            for uid, held in emu.pods().items():
-                if gone in held:
-                    emu.delete_pod(uid)
-
-            doc = pools_config(node.layout)
-            doc["resourceList"] = [
-                r for r in doc["resourceList"] if r["resourceName"] != f"sriov_{pf0.netdev}"
-            ]  # type: ignore[attr-defined,index]
-            node.write_config(doc)
-            before = emu.registrations(stays)
-            procs.append(subprocess.Popen(argv, env=child_env, stderr=subprocess.DEVNULL))
-            await emu.wait_for(lambda: emu.registrations(stays) > before, GUARD_S)
-
-            left = visible(info_dir)
-            assert not [n for n in left if n.startswith(stem(gone) + "-")], left
-            assert sorted(left) == sorted(
-                [
-                    *(p.name for p in foreign),
-                    *(f"{stem(stays)}-{a}-device.json" for a in pf1.vf_addresses[:2]),
-                ]
-            )
-            assert all(p.read_text() == '{"type":"pci"}\n' for p in foreign)
-            assert not gone_spec.exists()
-            assert (cdi_dir / "othervendor.com-gpu.json").exists()
-            assert (cdi_dir / cdi.spec_file_name(stays)).exists()
-            record = json.loads((info_dir / devinfo.OWNED_RECORD).read_text())
-            assert record == {"stems": [stem(stays)]}
-
-            # A clean stop now removes the files the restarted daemon adopted for its pool.
-            procs[1].send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(procs[1].wait, GUARD_S) == 0
-            assert visible(info_dir) == sorted(p.name for p in foreign)
-            assert not (info_dir / devinfo.OWNED_RECORD).exists()
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    await asyncio.to_thread(proc.wait)
-            await emu.stop()
-
+    emu = KubeletEmulator(node.kubelet_dir, pod_resources_socket=tmp_path / "pr.sock")
+    await emu.start()
+    procs: list[subprocess.Popen[bytes]] = []
     try:
-        run(main())
+        # subprocess (vfork), not the loop's spawner: see densedev.testing.netns on gRPC and fork.
+        procs.append(subprocess.Popen(argv, env=child_env, stderr=subprocess.DEVNULL))
+        await emu.wait_for(lambda: bool(emu.updates(gone)) and bool(emu.updates(stays)), GUARD_S)
+        await emu.allocate(gone, list(pf0.vf_addresses[:4]))
+        await emu.allocate(gone, list(pf0.vf_addresses[4:6]))
+        await emu.allocate(stays, list(pf1.vf_addresses[:2]))
+        ours = {p.name for p in info_dir.iterdir() if not p.name.startswith(".")}
+        assert len(ours) == 8
+        # Other programs' files, including one shaped exactly like ours for an unknown pool.
+        foreign = [
+            info(info_dir, f"{PREFIX}-not_densedev", pf0.vf_addresses[0]),
+            info(info_dir, "intel.com-sriov_netdevice", pf0.vf_addresses[1]),
+        ]
+        (cdi_dir / "othervendor.com-gpu.json").write_text("{}")
+        gone_spec = cdi_dir / cdi.spec_file_name(gone)
+        assert gone_spec.exists()
+
+        procs[0].kill()  # SIGKILL: no cleanup runs
+        await asyncio.to_thread(procs[0].wait, GUARD_S)
+        assert {p.name for p in info_dir.iterdir() if not p.name.startswith(".")} >= ours
+        # The pods of the pool about to be removed end while densedev is down: their devices are
+        # free (PodResources says so), so nothing of that pool may stay.  Files of devices pods
+        # still hold stay: tests/test_ownership.py.
+        for uid, held in emu.pods().items():
+            if gone in held:
+                emu.delete_pod(uid)
+
+        doc = pools_config(node.layout)
+        doc["resourceList"] = [r for r in doc["resourceList"] if r["resourceName"] != f"sriov_{pf0.netdev}"]  # type: ignore[attr-defined,index]
+        node.write_config(doc)
+        before = emu.registrations(stays)
+        procs.append(subprocess.Popen(argv, env=child_env, stderr=subprocess.DEVNULL))
+        await emu.wait_for(lambda: emu.registrations(stays) > before, GUARD_S)
+
+        left = visible(info_dir)
+        assert not [n for n in left if n.startswith(stem(gone) + "-")], left
+        assert sorted(left) == sorted(
+            [
+                *(p.name for p in foreign),
+                *(f"{stem(stays)}-{a}-device.json" for a in pf1.vf_addresses[:2]),
+            ]
+        )
+        assert all(p.read_text() == '{"type":"pci"}\n' for p in foreign)
+        assert not gone_spec.exists()
+        assert (cdi_dir / "othervendor.com-gpu.json").exists()
+        assert (cdi_dir / cdi.spec_file_name(stays)).exists()
+        record = json.loads((info_dir / devinfo.OWNED_RECORD).read_text())
+        assert record == {"stems": [stem(stays)]}
+
+        # A clean stop now removes the files the restarted daemon adopted for its pool.
+        procs[1].send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(procs[1].wait, GUARD_S) == 0
+        assert visible(info_dir) == sorted(p.name for p in foreign)
+        assert not (info_dir / devinfo.OWNED_RECORD).exists()
     finally:
-        shutil.rmtree(node.kubelet_dir, ignore_errors=True)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                await asyncio.to_thread(proc.wait)
+        await emu.stop()

@@ -20,7 +20,7 @@ from helpers.devices import dev
 
 from densedev.health.coalesce import Coalescer
 from densedev.health.tracker import HealthTracker
-from densedev.model import ROLE_PF, ROLE_VF, Device, HealthPolicy, Pool, PoolConfig, PoolMember
+from densedev.model import Device, HealthPolicy, Pool, PoolConfig, PoolMember, Role
 from densedev.node.events import (
     DEFAULT_RCVBUF,
     NETLINK_KOBJECT_UEVENT,
@@ -263,7 +263,7 @@ async def test_pf_down_makes_its_vfs_unhealthy_end_to_end(netns: str) -> None:
         )
 
     devices = [vf(p, k) for p in range(2) for k in range(4)]
-    assert all(d.role == ROLE_VF and d.role != ROLE_PF for d in devices)
+    assert all(d.role == Role.VF and d.role != Role.PF for d in devices)
     cfg = PoolConfig("vfs", "intel.com", health=HealthPolicy(hold_down_s=0.2))
     pools = [Pool(cfg, tuple(PoolMember(d.id, d) for d in devices))]
 

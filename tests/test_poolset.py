@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.node import Node, pool, res
 
 from densedev.model import Pool
 from densedev.node import scanner
@@ -15,28 +16,18 @@ from densedev.pools import select
 from densedev.poolset import PoolChanges, diff
 from densedev.testing import simnode
 
-PREFIX = "example.com"
+
+def two_pools(layout: simnode.NodeLayout) -> dict[str, Any]:
+    """One pool per PF for PFs 0 and 1, leaving PF 2 out."""
+    return {"resourceList": [pool(f"pf{i}", [layout.pfs[i].netdev]) for i in range(2)]}
 
 
-def res(name: str) -> str:
-    return f"{PREFIX}/{name}"
+class ScannedNode(Node):
+    """A 3-PF node with 8 VFs each and the two-pool config, with its last scan to select pools from."""
 
-
-class Node:
-    """A 3-PF node with 8 VFs each, and a config of one pool per PF (PF 2 left out)."""
-
-    def __init__(self, root: Path) -> None:
-        self.sysfs = root / "sys"
-        self.layout = simnode.build_node(self.sysfs, pfs=3, vfs_per_pf=8, rdma=True)
+    def __init__(self, tmp: Path, kubelet_dir: Path) -> None:
+        super().__init__(tmp, pfs=3, vfs_per_pf=8, config=two_pools, kubelet_dir=kubelet_dir)
         self.table = scanner.scan(self.sysfs)
-        pfs = self.layout.pfs
-        self.doc: dict[str, Any] = {
-            "resourceList": [self.entry("pf0", pfs[0].netdev), self.entry("pf1", pfs[1].netdev)]
-        }
-
-    @staticmethod
-    def entry(name: str, netdev: str, **extra: Any) -> dict[str, Any]:
-        return {"resourceName": name, "resourcePrefix": PREFIX, "selectors": {"pfNames": [netdev]}, **extra}
 
     def pools(self, doc: dict[str, Any] | None = None) -> tuple[Pool, ...]:
         """Select the pools of ``doc`` (default: the node's config) from the last scan."""
@@ -51,21 +42,22 @@ class Node:
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Node:
-    return Node(tmp_path)
+def node(tmp_path: Path, sock_dir: Path) -> ScannedNode:
+    """The scanned node (in place of conftest's ``node``)."""
+    return ScannedNode(tmp_path, sock_dir)
 
 
-def test_the_same_pools_twice_change_nothing(node: Node) -> None:
+def test_the_same_pools_twice_change_nothing(node: ScannedNode) -> None:
     assert diff(node.pools(), node.pools()) == PoolChanges()
 
 
-def test_the_first_apply_adds_every_pool(node: Node) -> None:
+def test_the_first_apply_adds_every_pool(node: ScannedNode) -> None:
     changes = diff((), node.pools())
     assert changes == PoolChanges(added=(res("pf0"), res("pf1")))
     assert changes.stopped == ()
 
 
-def test_a_rescan_finding_fewer_vfs_replaces_only_that_pool(node: Node) -> None:
+def test_a_rescan_finding_fewer_vfs_replaces_only_that_pool(node: ScannedNode) -> None:
     before = node.pools()
     pf1 = node.layout.pfs[1]
     simnode.set_num_vfs(node.sysfs, pf1.address, 0)  # as the kernel wants: 0 before another count
@@ -78,7 +70,7 @@ def test_a_rescan_finding_fewer_vfs_replaces_only_that_pool(node: Node) -> None:
     assert diff(after, before) == PoolChanges(replaced=(res("pf1"),))
 
 
-def test_withheld_devices_replace_the_pool_they_leave(node: Node) -> None:
+def test_withheld_devices_replace_the_pool_they_leave(node: ScannedNode) -> None:
     before = node.pools()
     # As ownership.filter hands it over: a device a pod holds under another resource leaves the pool.
     held = Pool(before[0].config, before[0].members[1:])
@@ -86,15 +78,15 @@ def test_withheld_devices_replace_the_pool_they_leave(node: Node) -> None:
     assert changes == PoolChanges(replaced=(res("pf0"),))
 
 
-def test_a_reload_adding_and_removing_pools(node: Node) -> None:
+def test_a_reload_adding_and_removing_pools(node: ScannedNode) -> None:
     pf2 = node.layout.pfs[2]
-    doc = {"resourceList": [node.doc["resourceList"][1], node.entry("pf2", pf2.netdev)]}
+    doc = {"resourceList": [node.doc["resourceList"][1], pool("pf2", [pf2.netdev])]}
     changes = diff(node.pools(), node.pools(doc))
     assert changes == PoolChanges(added=(res("pf2"),), removed=(res("pf0"),))
     assert changes.stopped == (res("pf0"),)
 
 
-def test_a_config_change_that_keeps_the_options_is_applied_in_place(node: Node) -> None:
+def test_a_config_change_that_keeps_the_options_is_applied_in_place(node: ScannedNode) -> None:
     # Another policy of preferred allocation still offers GetPreferredAllocation: no re-registration.
     changes = diff(node.pools(), node.pools(node.with_pool(0, preferredAllocation="spread")))
     assert changes == PoolChanges(changed=(res("pf0"),), replaced=(res("pf0"),))
@@ -102,13 +94,15 @@ def test_a_config_change_that_keeps_the_options_is_applied_in_place(node: Node) 
 
 
 @pytest.mark.parametrize("option", [{"preStart": True}, {"preferredAllocation": "none"}])
-def test_an_option_change_re_registers_instead_of_replacing(node: Node, option: dict[str, Any]) -> None:
+def test_an_option_change_re_registers_instead_of_replacing(
+    node: ScannedNode, option: dict[str, Any]
+) -> None:
     changes = diff(node.pools(), node.pools(node.with_pool(1, **option)))
     assert changes == PoolChanges(changed=(res("pf1"),), reregister=(res("pf1"),))
     assert changes.stopped == (res("pf1"),)
 
 
-def test_a_pool_moving_to_dra_stops_its_server_and_back_is_set_up_anew(node: Node) -> None:
+def test_a_pool_moving_to_dra_stops_its_server_and_back_is_set_up_anew(node: ScannedNode) -> None:
     plugin, dra = node.pools(), node.pools(node.with_pool(0, api="dra"))
     to_dra = diff(plugin, dra)
     assert to_dra == PoolChanges(changed=(res("pf0"),), to_dra=(res("pf0"),))
@@ -118,16 +112,14 @@ def test_a_pool_moving_to_dra_stops_its_server_and_back_is_set_up_anew(node: Nod
     assert diff(dra, plugin) == PoolChanges(changed=(res("pf0"),))
 
 
-def test_stopped_lists_removed_then_reregistered_then_dra_bound(node: Node) -> None:
+def test_stopped_lists_removed_then_reregistered_then_dra_bound(node: ScannedNode) -> None:
     pf2 = node.layout.pfs[2]
-    old = node.pools(
-        {"resourceList": [*node.doc["resourceList"], node.entry("pf2", pf2.netdev, preStart=True)]}
-    )
+    old = node.pools({"resourceList": [*node.doc["resourceList"], pool("pf2", [pf2.netdev], preStart=True)]})
     new = node.pools(
         {
             "resourceList": [
-                node.entry("pf2", pf2.netdev),
-                node.entry("pf1", node.layout.pfs[1].netdev, api="dra"),
+                pool("pf2", [pf2.netdev]),
+                pool("pf1", [node.layout.pfs[1].netdev], api="dra"),
             ]
         }
     )

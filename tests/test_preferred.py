@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev.alloc.respond import POLICIES, AllocationSettings, PoolAllocator, build_lookup, topology_of
-from densedev.model import ROLE_PCI, Device, PoolConfig
+from densedev.model import Device, PoolConfig, Role
 
 PACK, SPREAD, NONE = POLICIES["pack"], POLICIES["spread"], POLICIES["none"]
 
@@ -58,7 +58,7 @@ def scenarios(draw: st.DrawFn, numas: tuple[int, ...] = (-1, 0, 1), musts: bool 
         devices.append(
             dev(
                 f"0000:{0x80 + s:02x}:00.0",
-                role=ROLE_PCI,
+                role=Role.PCI,
                 pf="",
                 vf_index=-1,
                 numa_node=draw(st.sampled_from(numas)),

@@ -13,7 +13,7 @@ from helpers.pools import THREE, VF_A, VF_B, VF_C, cfg, ids, select
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densedev.model import ROLE_PCI, ROLE_PF, ROLE_SF, ROLE_VF, Config, Device
+from densedev.model import Config, Device, Role
 from densedev.pools import config
 from densedev.pools import select as selectors
 
@@ -25,7 +25,7 @@ def pf_with_vfs(bus: int, netdev: str, n: int, **kw: Any) -> list[Device]:
     pf_id = f"0000:{bus:02x}:00.0"
     link = kw.pop("link_type", "ether")
     out = [
-        dev(pf_id, ROLE_PF, total_vfs=64, num_vfs=n, netdevs=(netdev,), link_type=link, driver="mlx5_core")
+        dev(pf_id, Role.PF, total_vfs=64, num_vfs=n, netdevs=(netdev,), link_type=link, driver="mlx5_core")
     ]
     for k in range(n):
         out.append(
@@ -60,8 +60,8 @@ def test_vendors_devices_drivers_or_within_and_across() -> None:
 
 def test_pci_addresses_and_acpi_indexes() -> None:
     assert select({"pciAddresses": ["0000:3b:02.1", "5e:02.0"]}, THREE) == [VF_B.id, VF_C.id]
-    nic = dev("0000:18:00.0", ROLE_PCI, acpi_index=196609, netdevs=("eno1",))
-    other = dev("0000:18:00.1", ROLE_PCI, acpi_index=196610, netdevs=("eno2",))
+    nic = dev("0000:18:00.0", Role.PCI, acpi_index=196609, netdevs=("eno1",))
+    other = dev("0000:18:00.1", Role.PCI, acpi_index=196610, netdevs=("eno2",))
     assert select({"acpiIndexes": ["196609"]}, [nic, other]) == [nic.id]
 
 
@@ -86,7 +86,7 @@ def test_root_devices_by_pf_address_with_ranges() -> None:
 
 
 def test_pf_names_and_root_devices_never_select_the_pf_itself() -> None:
-    pf = dev("0000:3b:00.0", ROLE_PF, total_vfs=8, num_vfs=0, netdevs=("ens1f0",))
+    pf = dev("0000:3b:00.0", Role.PF, total_vfs=8, num_vfs=0, netdevs=("ens1f0",))
     assert select({"pfNames": ["ens1f0"]}, [pf]) == []
     assert select({"rootDevices": ["0000:3b:00.0"]}, [pf]) == []
     assert select({"pciAddresses": ["0000:3b:00.0"]}, [pf]) == [pf.id]
@@ -106,7 +106,7 @@ def test_link_types() -> None:
     assert select({"linkTypes": ["infiniband"]}, devices) == [d.id for d in devices[4:]]
     assert select({"linkTypes": ["ether"]}, devices) == [d.id for d in devices[1:3]]
     assert select({"linkTypes": ["ether", "infiniband"]}, devices) == [
-        d.id for d in devices if d.role == ROLE_VF
+        d.id for d in devices if d.role == Role.VF
     ]
 
 
@@ -141,29 +141,29 @@ def test_unsupported_pkeys_and_ddp_profiles_select_nothing() -> None:
 
 
 def test_net_device_skips_pfs_with_vfs_enabled_and_non_network_functions() -> None:
-    busy = dev("0000:3b:00.0", ROLE_PF, total_vfs=8, num_vfs=2, netdevs=("ens1f0",))
-    idle = dev("0000:3c:00.0", ROLE_PF, total_vfs=8, num_vfs=0, netdevs=("ens2f0",))
-    plain = dev("0000:18:00.0", ROLE_PCI, netdevs=("eno1",))
-    ib = dev("0000:d8:00.0", ROLE_PCI, pci_class="020700", link_type="infiniband", netdevs=("ib0",))
-    qat = dev("0000:6b:00.0", ROLE_PF, vendor="8086", device="4940", pci_class="0b4000", driver="4xxx")
-    fpga = dev("0000:af:00.0", ROLE_PCI, vendor="8086", device="0d90", pci_class="120000", driver="vfio-pci")
-    sf = dev("mlx5_core.sf.2", ROLE_SF, pf="0000:3b:00.0", pf_netdev="ens1f0", aux_type="sf")
-    port = dev("0000:3a:00.0", ROLE_PCI, vendor="8086", device="347a", pci_class="060400", driver="pcieport")
+    busy = dev("0000:3b:00.0", Role.PF, total_vfs=8, num_vfs=2, netdevs=("ens1f0",))
+    idle = dev("0000:3c:00.0", Role.PF, total_vfs=8, num_vfs=0, netdevs=("ens2f0",))
+    plain = dev("0000:18:00.0", Role.PCI, netdevs=("eno1",))
+    ib = dev("0000:d8:00.0", Role.PCI, pci_class="020700", link_type="infiniband", netdevs=("ib0",))
+    qat = dev("0000:6b:00.0", Role.PF, vendor="8086", device="4940", pci_class="0b4000", driver="4xxx")
+    fpga = dev("0000:af:00.0", Role.PCI, vendor="8086", device="0d90", pci_class="120000", driver="vfio-pci")
+    sf = dev("mlx5_core.sf.2", Role.SF, pf="0000:3b:00.0", pf_netdev="ens1f0", aux_type="sf")
+    port = dev("0000:3a:00.0", Role.PCI, vendor="8086", device="347a", pci_class="060400", driver="pcieport")
     devices = [busy, idle, plain, ib, qat, fpga, sf, port]
     assert select({}, devices) == [plain.id, idle.id, ib.id]
     # accelerator: any PCI function that matches, PFs with VFs included; never a bridge or a subfunction.
     assert select({}, devices, deviceType="accelerator") == sorted(
-        d.id for d in devices if d.role != ROLE_SF and d is not port
+        d.id for d in devices if d.role != Role.SF and d is not port
     )
     assert select({"vendors": ["8086"]}, devices, deviceType="accelerator") == [qat.id, fpga.id]
 
 
 def test_aux_net_device_takes_subfunctions_by_type_parent_and_parent_address() -> None:
     sfs = [
-        dev(f"mlx5_core.sf.{n}", ROLE_SF, pf="0000:03:00.0", pf_netdev="p0", aux_type="sf", vf_index=-1)
+        dev(f"mlx5_core.sf.{n}", Role.SF, pf="0000:03:00.0", pf_netdev="p0", aux_type="sf", vf_index=-1)
         for n in (2, 10, 3)
     ]
-    other = dev("mlx5_core.sf.4", ROLE_SF, pf="0000:03:00.1", pf_netdev="p1", aux_type="sf")
+    other = dev("mlx5_core.sf.4", Role.SF, pf="0000:03:00.1", pf_netdev="p1", aux_type="sf")
     vf = VF_C
     devices = [*sfs, other, vf]
     aux = {"deviceType": "auxNetDevice"}
@@ -191,10 +191,10 @@ def test_aux_net_device_takes_subfunctions_by_type_parent_and_parent_address() -
 def test_dpu_subfunction_example_config() -> None:
     conf = config.load(DATA / "plugin_dpu_sf.json")
     sf0 = dev(
-        "mlx5_core.sf.2", ROLE_SF, device="a2dc", pf="0000:03:00.0", pf_netdev="p0", vf_index=1, aux_type="sf"
+        "mlx5_core.sf.2", Role.SF, device="a2dc", pf="0000:03:00.0", pf_netdev="p0", vf_index=1, aux_type="sf"
     )
     sf1 = dev(
-        "mlx5_core.sf.3", ROLE_SF, device="a2dc", pf="0000:03:00.1", pf_netdev="p1", vf_index=1, aux_type="sf"
+        "mlx5_core.sf.3", Role.SF, device="a2dc", pf="0000:03:00.1", pf_netdev="p1", vf_index=1, aux_type="sf"
     )
     p0, p1 = selectors.build_pools(conf, [sf1, sf0])
     assert (ids(p0), ids(p1)) == ([sf0.id], [sf1.id])
@@ -206,7 +206,7 @@ def test_dpu_subfunction_example_config() -> None:
 def test_members_are_in_address_order_whatever_the_input_order() -> None:
     devices = pf_with_vfs(0x3B, "ens1f0", 20)
     shuffled = devices[::-1]
-    assert select({}, shuffled) == sorted(d.id for d in devices if d.role == ROLE_VF)
+    assert select({}, shuffled) == sorted(d.id for d in devices if d.role == Role.VF)
 
 
 def test_selector_list_is_a_union_without_duplicates() -> None:
@@ -245,7 +245,7 @@ def test_current_readme_config_over_a_mixed_node() -> None:
     ib = pf_with_vfs(0x86, "ib0", 2, device="101e", driver="mlx5_core", link_type="infiniband")
     ib = [ib[0]] + [d._replace(rdma_device=f"mlx5_{9 + i}") for i, d in enumerate(ib[1:])]
     vdpa = dev("0000:af:02.0", pf="0000:af:00.0", vf_index=0, vdpa="vdpa0", vdpa_driver="virtio_vdpa")
-    fpga = dev("0000:b1:00.0", ROLE_PCI, vendor="8086", device="0d90", pci_class="120000", driver="vfio-pci")
+    fpga = dev("0000:b1:00.0", Role.PCI, vendor="8086", device="0d90", pci_class="120000", driver="vfio-pci")
     pools = {
         p.config.resource_name: ids(p) for p in selectors.build_pools(conf, [*intel, *mlx, *ib, vdpa, fpga])
     }
@@ -264,9 +264,9 @@ def test_current_readme_config_over_a_mixed_node() -> None:
 
 
 def test_shared_rdma_pool_expands_each_rdma_device_into_ids() -> None:
-    hca0 = dev("0000:5e:00.0", ROLE_PCI, rdma="mlx5_0", netdevs=("ens5f0",))
-    hca1 = dev("0000:5e:00.1", ROLE_PCI, rdma="mlx5_1", netdevs=("ens5f1",))
-    plain = dev("0000:5e:00.2", ROLE_PCI, netdevs=("ens5f2",))
+    hca0 = dev("0000:5e:00.0", Role.PCI, rdma="mlx5_0", netdevs=("ens5f0",))
+    hca1 = dev("0000:5e:00.1", Role.PCI, rdma="mlx5_1", netdevs=("ens5f1",))
+    plain = dev("0000:5e:00.2", Role.PCI, netdevs=("ens5f2",))
     conf = cfg(
         {"resourceName": "shared", "rdmaShared": 3, "selectors": {"vendors": ["15b3"]}},
         {"resourceName": "rest", "selectors": {"vendors": ["15b3"]}},
@@ -287,7 +287,7 @@ def test_shared_rdma_pool_expands_each_rdma_device_into_ids() -> None:
 
 
 def test_shared_ids_keep_numeric_order_past_ten() -> None:
-    hca = dev("0000:5e:00.0", ROLE_PCI, rdma="mlx5_0", netdevs=("ens5f0",))
+    hca = dev("0000:5e:00.0", Role.PCI, rdma="mlx5_0", netdevs=("ens5f0",))
     (pool,) = selectors.build_pools(cfg({"resourceName": "s", "rdmaShared": 12}), [hca])
     assert ids(pool) == [f"0000:5e:00.0/{k}" for k in range(12)]
 
@@ -298,8 +298,8 @@ def test_shared_ids_keep_numeric_order_past_ten() -> None:
 def test_explain_schema_and_reasons() -> None:
     devices = [
         *pf_with_vfs(0x3B, "ens1f0", 3, rdma=""),
-        dev("0000:18:00.0", ROLE_PCI, vendor="8086", driver="", netdevs=()),
-        dev("mlx5_core.sf.1", ROLE_SF, pf="0000:3b:00.0", pf_netdev="ens1f0", aux_type="sf"),
+        dev("0000:18:00.0", Role.PCI, vendor="8086", driver="", netdevs=()),
+        dev("mlx5_core.sf.1", Role.SF, pf="0000:3b:00.0", pf_netdev="ens1f0", aux_type="sf"),
     ]
     devices[2] = devices[2]._replace(rdma_device="mlx5_4", numa_node=-1)
     conf = cfg(
@@ -391,7 +391,7 @@ def device_tables(draw: st.DrawFn) -> list[Device]:
         out.append(
             dev(
                 pf_id,
-                ROLE_PF,
+                Role.PF,
                 vendor=draw(st.sampled_from(_VENDORS)),
                 num_vfs=n,
                 total_vfs=8,
@@ -422,7 +422,7 @@ def device_tables(draw: st.DrawFn) -> list[Device]:
         out.append(
             dev(
                 f"mlx5_core.sf.{n}",
-                ROLE_SF,
+                Role.SF,
                 pf="0000:10:00.0",
                 pf_netdev="ens1f0",
                 aux_type="sf",
@@ -430,7 +430,7 @@ def device_tables(draw: st.DrawFn) -> list[Device]:
             )
         )
     if draw(st.booleans()):
-        out.append(dev("0000:0f:00.0", ROLE_PCI, vendor="15b3", pci_class="060400", driver="pcieport"))
+        out.append(dev("0000:0f:00.0", Role.PCI, vendor="15b3", pci_class="060400", driver="pcieport"))
     return draw(st.permutations(out))
 
 
@@ -479,13 +479,13 @@ def configs(draw: st.DrawFn) -> Config:
 
 def reference_pools(conf: Config, devices: Sequence[Device]) -> list[list[str]]:
     """Select one device at a time with the explain path's reasons: the slow spec of build_pools."""
-    pf_link = {d.id: d.link_type for d in devices if d.link_type and d.role != ROLE_SF}
+    pf_link = {d.id: d.link_type for d in devices if d.link_type and d.role != Role.SF}
     taken: set[str] = set()
     out = []
     for pc in conf.pools:
         chosen = [d for d in devices if d.id not in taken and selectors.pool_reason(pc, d, pf_link) is None]
         chosen.sort(
-            key=lambda d: (d.role == ROLE_SF, selectors._natural(d.id) if d.role == ROLE_SF else d.id)
+            key=lambda d: (d.role == Role.SF, selectors._natural(d.id) if d.role == Role.SF else d.id)
         )
         taken.update(d.id for d in chosen)
         k = pc.rdma_shared

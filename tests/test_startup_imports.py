@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,6 @@ from densedev import accel, cli
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 GUARD = 60.0  # hang guard only
 RESOURCE = "intel.com/vfs"
 
@@ -62,8 +60,8 @@ def node(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "sys", config
 
 
-def imported_by_run(
-    run: Run, node: tuple[Path, Path], sock_dir: Path, env: dict[str, str], *extra: str, scrape: int = 0
+async def imported_by_run(
+    node: tuple[Path, Path], sock_dir: Path, env: dict[str, str], *extra: str, scrape: int = 0
 ) -> set[str]:
     """Every module ``densedev run`` imported from its start until it stopped, its full list sent (and
     ``/metrics`` scraped on port ``scrape`` when given)."""
@@ -93,7 +91,7 @@ def imported_by_run(
         finally:
             await emulator.stop()
 
-    stderr = run(main())
+    stderr = await main()
     modules = set(_IMPORTED.findall(stderr))
     assert "densedev.daemon" in modules, stderr[-3000:]  # the parse saw the run's own imports
     return modules
@@ -117,23 +115,23 @@ def unwanted(modules: set[str]) -> list[str]:
     )
 
 
-def test_a_device_plugin_only_run_imports_neither_metrics_nor_dra_nor_test_helpers(
-    run: Run, node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
+async def test_a_device_plugin_only_run_imports_neither_metrics_nor_dra_nor_test_helpers(
+    node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
 ) -> None:
-    modules = imported_by_run(run, node, sock_dir, child_env)
+    modules = await imported_by_run(node, sock_dir, child_env)
     assert unwanted(modules) == []
     if accel.IMPLEMENTATION == "cython":  # the child runs what this process runs (same environment)
         assert "densedev._fast_py" not in modules  # the twin is the fallback, not a dependency
 
 
-def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need(
-    run: Run, node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
+async def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need(
+    node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
 ) -> None:
     # The other side of the test above: the same run serving /metrics imports prometheus-client once
     # scraped (so the parse of -X importtime sees lazy imports), and still none of the rest.
     port = _free_port()
-    modules = imported_by_run(
-        run, node, sock_dir, child_env, "--metrics-addr", f"127.0.0.1:{port}", scrape=port
+    modules = await imported_by_run(
+        node, sock_dir, child_env, "--metrics-addr", f"127.0.0.1:{port}", scrape=port
     )
     assert "prometheus_client" in modules
     assert [m for m in unwanted(modules) if not m.startswith("prometheus_client")] == []

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from helpers.devices import dev
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
 from densedev.health.tracker import HealthTracker
 from densedev.kubelet.wire import KUBELET_MAX_MESSAGE, ListEncoder
-from densedev.model import ROLE_PF, ROLE_VF, Device, Pool, PoolConfig, PoolMember
+from densedev.model import Device, Pool, PoolConfig, PoolMember, Role
 
 F = descriptor_pb2.FieldDescriptorProto
 
@@ -205,13 +206,12 @@ def test_kubelet_limit_is_four_mebibytes() -> None:
 # -- fed by the health tracker, as the daemon feeds it ------------------------------------------------
 
 
-def _device(address: str, role: str, pf_netdev: str = "", netdevs: tuple[str, ...] = ()) -> Device:
-    return Device(
-        id=address, role=role, vendor="8086", device="1889", pci_class="020000", subsystem_vendor="8086",
-        subsystem_device="0000", driver="iavf", numa_node=address.endswith("1") - 1, iommu_group=-1,
-        noiommu=False, acpi_index=-1, total_vfs=0, num_vfs=0, pf="", vf_index=-1, pf_netdev=pf_netdev,
-        netdevs=netdevs, link_type="ether", rdma_device="", rdma_nodes=(), uio="", vdpa="", vdpa_driver="",
-        pcie_root="pci0000:00", aux_type="",
+def _device(address: str, role: Role, pf_netdev: str = "", netdevs: tuple[str, ...] = ()) -> Device:
+    """An Intel E810 function linked to no PF address: the tracker follows its netdevs and PF netdev."""
+    return dev(
+        address, role, vendor="8086", device="1889", subsystem_vendor="8086", driver="iavf",
+        numa_node=address.endswith("1") - 1, pf="", vf_index=-1, pf_netdev=pf_netdev, netdevs=netdevs,
+        pcie_root="pci0000:00",
     )  # fmt: skip
 
 
@@ -235,13 +235,13 @@ def test_encoder_fed_by_the_tracker_lists_what_the_tracker_holds(ops: list[tuple
     # builds (flush: the update; membership change: a new encoder, the whole list) equals protobuf's
     # of the tracker's advertised health.
     now = [0.0]
-    pfs = [_device(f"0000:0{k + 1}:00.0", ROLE_PF, netdevs=(name,)) for k, name in enumerate(_PFS)]
+    pfs = [_device(f"0000:0{k + 1}:00.0", Role.PF, netdevs=(name,)) for k, name in enumerate(_PFS)]
 
     def table(vfs: int) -> tuple[list[Device], list[Pool]]:
         devices = pfs + [
-            _device(f"0000:0{k % 3 + 1}:01.{k // 3}", ROLE_VF, _PFS[k % 3], (f"v{k}",)) for k in range(vfs)
+            _device(f"0000:0{k % 3 + 1}:01.{k // 3}", Role.VF, _PFS[k % 3], (f"v{k}",)) for k in range(vfs)
         ]
-        vf_members = [d for d in devices if d.role == ROLE_VF]
+        vf_members = [d for d in devices if d.role == Role.VF]
         pools = [
             Pool(PoolConfig("vfs", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members)),
             Pool(PoolConfig("even", "example.com"), tuple(PoolMember(d.id, d) for d in vf_members[::2])),

@@ -27,10 +27,9 @@ import grpc
 
 from . import accel
 from .daemon import Daemon, DaemonSettings
-from .model import HEALTHY
 from .pools import config as config_mod
 from .testing import simnode
-from .testing.kubelet import KubeletEmulator
+from .testing.kubelet import HEALTHY, KubeletEmulator
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -15,8 +15,7 @@ import signal
 
 import grpc
 
-from .model import HEALTHY
-from .testing.kubelet import KubeletEmulator, KubeletError
+from .testing.kubelet import HEALTHY, KubeletEmulator, KubeletError
 
 
 def parse_allocation(text: str) -> tuple[str, int]:

@@ -27,9 +27,6 @@ class Health(StrEnum):
     UNHEALTHY = "Unhealthy"
 
 
-HEALTHY, UNHEALTHY = Health.HEALTHY, Health.UNHEALTHY  # the short names the emulators and tests use
-
-
 class Role(StrEnum):
     """What a device is to SR-IOV, as the scan names it in ``Device.role`` (and ``scan --json`` prints it)."""
 
@@ -37,10 +34,6 @@ class Role(StrEnum):
     VF = "vf"  # virtual function (has physfn)
     PCI = "pci"  # plain PCI function without SR-IOV
     SF = "sf"  # auxiliary-bus subfunction (mlx5_core.sf.N)
-
-
-# The tests and benchmarks still spell roles this way; the tests' own restructuring moves them to Role.
-ROLE_PF, ROLE_VF, ROLE_PCI, ROLE_SF = Role.PF, Role.VF, Role.PCI, Role.SF
 
 
 class DeviceType(StrEnum):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import tempfile
 import tracemalloc
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ from densedev.testing import simnode
 
 pytestmark = pytest.mark.faults
 
-Run = Callable[[Coroutine[Any, Any, Any]], Any]
 FUZZ = settings(
     max_examples=120,
     deadline=None,
@@ -244,9 +243,9 @@ def test_mutated_configs_give_a_config_or_clean_problems_in_bounded_memory(
     assert lines and all(line.startswith(f"{path}: ") for line in lines)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None)
 @given(data=mutated())
-def test_a_running_daemon_reloads_any_file_without_dying(run: Run, data: bytes) -> None:
+async def test_a_running_daemon_reloads_any_file_without_dying(data: bytes) -> None:
     with tempfile.TemporaryDirectory(prefix="dd-", dir="/tmp") as tmp:
         root = Path(tmp)
         layout = simnode.build_node(root / "sys", pfs=1, vfs_per_pf=4)
@@ -268,21 +267,18 @@ def test_a_running_daemon_reloads_any_file_without_dying(run: Run, data: bytes) 
         if len(data) > MAX_CONFIG_BYTES:
             expected = None  # refused for its size before it is parsed
 
-        async def main() -> None:
-            daemon = Daemon(settings_, config_mod.load(path))
-            await daemon.start()
-            try:
-                before = (daemon.config, set(daemon.pools))
-                path.write_bytes(data)
-                ok = await daemon.reload()
-                if expected is None:
-                    assert not ok and (daemon.config, set(daemon.pools)) == before
-                    failures = {"result": "failure"}
-                    assert sample(daemon, "densedev_config_reloads_total", **failures) == 1
-                else:
-                    assert ok and daemon.config == expected
-                    assert set(daemon.pools) == {p.full_name for p in expected.pools}
-            finally:
-                await daemon.stop()
-
-        run(main())
+        daemon = Daemon(settings_, config_mod.load(path))
+        await daemon.start()
+        try:
+            before = (daemon.config, set(daemon.pools))
+            path.write_bytes(data)
+            ok = await daemon.reload()
+            if expected is None:
+                assert not ok and (daemon.config, set(daemon.pools)) == before
+                failures = {"result": "failure"}
+                assert sample(daemon, "densedev_config_reloads_total", **failures) == 1
+            else:
+                assert ok and daemon.config == expected
+                assert set(daemon.pools) == {p.full_name for p in expected.pools}
+        finally:
+            await daemon.stop()

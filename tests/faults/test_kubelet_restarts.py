@@ -17,8 +17,7 @@ import pytest
 from helpers.node import GUARD_S, Node, res
 
 from densedev.daemon import Daemon
-from densedev.model import HEALTHY
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, KubeletEmulator
 
 pytestmark = pytest.mark.faults
 

@@ -1,6 +1,6 @@
 """Fuzzing the dump-tracking path: the header walk that follows our RTM_GETLINK dump, alone against a
 model, and live — arbitrary datagrams sent by another socket into a real monitor's running dump, on
-uvloop, after which the reader must still complete a dump (the ``run`` fixture fails on any exception
+uvloop, after which the reader must still complete a dump (conftest fails the test on any exception
 the loop saw).  The link and uevent decoders themselves are fuzzed in tests/test_netlink_parse.py.
 """
 

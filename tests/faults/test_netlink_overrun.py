@@ -1,6 +1,6 @@
 """Fault: a real kernel netlink overrun (ENOBUFS) under uvloop, and malformed replies on the dump path.
 
-The daemon runs in-process on the test's uvloop (the ``run`` fixture fails on any exception the loop
+The daemon runs in-process on the test's uvloop (conftest fails the test on any exception the loop
 saw); its netlink sockets get the kernel's minimum receive buffer, the loop is blocked synchronously
 while ``ip -batch`` floods the test's network namespace with link changes (or veth add/del for
 uevents), so the kernel really drops messages and reports ENOBUFS.  libuv stops a poll handle when
@@ -31,7 +31,6 @@ from helpers.node import PREFIX
 from helpers.waiting import until as _until
 
 from densedev.daemon import Daemon, DaemonSettings
-from densedev.model import HEALTHY, UNHEALTHY
 from densedev.node.events import (
     NETLINK_KOBJECT_UEVENT,
     NETLINK_ROUTE,
@@ -45,7 +44,7 @@ from densedev.node.events import (
 )
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
 from densedev.testing.netns import aip
 
 GUARD_S = 15.0  # only turns a hang into a failure

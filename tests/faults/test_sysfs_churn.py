@@ -23,8 +23,8 @@ from helpers.metrics import sample
 from helpers.node import GUARD_S, Node, res
 
 from densedev.daemon import Daemon
-from densedev.model import HEALTHY, Device
-from densedev.testing.kubelet import KubeletEmulator
+from densedev.model import Device
+from densedev.testing.kubelet import HEALTHY, KubeletEmulator
 from densedev.testing.simnode import build_node, set_num_vfs
 
 pytestmark = pytest.mark.faults

@@ -3,8 +3,8 @@
 - ``devices``: ``dev``, the one way tests build a Device by hand (``unlinked`` is the selector tests'
   shape on it), ``pool_of``, ``touch`` and sample pool configs.
 - ``node``: ``Node``, a simulated node (densedev.testing.simnode) with its config file and daemon
-  settings, which the special nodes of test_allocate_e2e and test_dra_daemon extend; ``PREFIX``,
-  ``GUARD_S``, ``pool``, ``daemon_on``.
+  settings, which the special nodes of test modules extend; ``PREFIX``, ``res``, ``GUARD_S``, ``pool``,
+  ``daemon_on``.
 - ``pools``: pools chosen from hand-built devices by the real parser and selection.
 - ``plugin``: a fake pool service for the device-plugin server, and ``serving`` it.
 - ``cdi``: what a runtime's CDI registry checks in a spec.  ``dra``: a DRA NodeService harness.
@@ -17,8 +17,3 @@ import mode.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Coroutine
-from typing import Any
-
-Run = Callable[[Coroutine[Any, Any, Any]], Any]  # conftest's ``run`` fixture, for tests not yet async

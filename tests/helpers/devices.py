@@ -6,10 +6,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from densedev.model import ROLE_SF, ROLE_VF, Device, Pool, PoolConfig, PoolMember, Selector
+from densedev.model import Device, Pool, PoolConfig, PoolMember, Role, Selector
 
 
-def dev(address: str, role: str = ROLE_VF, **fields: Any) -> Device:
+def dev(address: str, role: Role = Role.VF, **fields: Any) -> Device:
     """Return a Device: an mlx5 VF of PF 0000:3b:00.0 on NUMA 0, with any field overridden by ``fields``.
 
     The one place tests build a Device by hand; the presets of test modules (an Intel E810 function, a
@@ -50,7 +50,7 @@ def dev(address: str, role: str = ROLE_VF, **fields: Any) -> Device:
 
 def unlinked(
     address: str,
-    role: str = ROLE_VF,
+    role: Role = Role.VF,
     *,
     vendor: str = "15b3",
     numa: int = 0,
@@ -75,7 +75,7 @@ def unlinked(
         pf_netdev="",
         netdevs=netdevs,
         link_type=link_type or ("ether" if netdevs else ""),
-        pcie_root="pci0000:" + address[5:7] if role != ROLE_SF else "",
+        pcie_root="pci0000:" + address[5:7] if role != Role.SF else "",
     )
     return dev(address, role, **{**base, **fields})
 

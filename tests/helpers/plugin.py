@@ -62,9 +62,12 @@ class FakePool:
 
 
 @contextlib.asynccontextmanager
-async def serving(resource: str, path: Path, pool: FakePool) -> AsyncIterator[PluginServer]:
-    """A PluginServer for ``pool`` on ``path``, started, and stopped afterwards."""
-    server = PluginServer(resource, path, PoolFeed(pool.message()), pool)
+async def serving(
+    resource: str, path: Path, pool: FakePool, feed: PoolFeed | None = None
+) -> AsyncIterator[PluginServer]:
+    """A PluginServer for ``pool`` on ``path`` (streaming ``feed``, or the pool's list), started, and stopped
+    afterwards."""
+    server = PluginServer(resource, path, feed if feed is not None else PoolFeed(pool.message()), pool)
     await server.start()
     try:
         yield server

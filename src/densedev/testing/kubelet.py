@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 
 from .._proto import api_pb2, podresources_pb2
-from ..model import HEALTHY, UNHEALTHY
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +48,11 @@ DIAL_TIMEOUT = 10.0  # the kubelet dials a registering plugin for up to 10 s, bl
 # Go's syscall.SockaddrUnix refuses (EINVAL) a path as long as sun_path (108 bytes on Linux) unless it is
 # abstract: the kubelet can dial at most 107 bytes.
 SUN_PATH_MAX = 107
+# A device's health as the device-plugin API spells it (k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1,
+# constants.go: Healthy, Unhealthy): the kubelet compares these strings, so the emulator holds them as
+# sent, written here rather than taken from the daemon's model.Health, which the daemon encodes from.
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
 
 # k8s.io/apimachinery/pkg/util/validation: a DNS-1123 label/subdomain, and a qualified name's name part.
 # Go's regexp matches ASCII classes on bytes; Python's on str, hence ASCII only and fullmatch for "^...$".
