@@ -27,6 +27,7 @@ from .backoff import Backoff
 from .dra import DraSettings
 from .dra.hooks import DraHooks
 from .health.handoff import Handoff
+from .health.intake import EventIntake
 from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
@@ -34,15 +35,7 @@ from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
 from .model import DEFAULT_PREFIX, Config, Device, Pool
 from .node import scanner as discovery
-from .node.events import (
-    DEFAULT_RCVBUF,
-    LinkMonitor,
-    LinkTuple,
-    MonitorOptions,
-    UeventMonitor,
-    UeventTuple,
-    link_states,
-)
+from .node.events import DEFAULT_RCVBUF, LinkTuple, MonitorOptions, UeventTuple
 from .node.layout import SYSFS_ROOT
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
@@ -116,9 +109,6 @@ class Daemon:
         # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
         self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
         self._reload_lock = asyncio.Lock()
-        self._link_monitor: LinkMonitor | None = None
-        self._uevent_monitor: UeventMonitor | None = None
-        self._uevent_lost_at: float | None = None  # uevents lost, not yet resynced by a full rescan
         self._metrics_server: MetricsServer | None = None
         self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
         self.ownership = Ownership(
@@ -155,6 +145,21 @@ class Daemon:
             clock=clock,
             spawn=self._spawn,
         )
+        self.events = EventIntake(
+            self.scanner,
+            self.tracker,
+            self.handoff,
+            self._rescans,
+            self.metrics,
+            monitors=(
+                MonitorOptions(netns=settings.netns, rcvbuf=settings.netlink_rcvbuf, observer=self.metrics)
+                if settings.netlink
+                else None
+            ),
+            devices=lambda: self.devices,
+            rdma_devices=self._ibdevs,
+            rdma_poll_s=lambda: self.config.rdma_poll_s,
+        )
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -179,8 +184,8 @@ class Daemon:
         pools = self.ownership.filter(raw)
         self.tracker.replace(self.devices, pools)
         if not self.settings.netlink:
-            self._read_sysfs_links()
-        self._poll_rdma()
+            self.events.read_sysfs_links()
+        self.events.poll_rdma()
         # Each pool's first list carries its whole health: nothing of it is news for the first flush.
         self.tracker.collect()
         started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
@@ -194,8 +199,8 @@ class Daemon:
         await self._dra.start(self.config)
         await self.pools.start(started)
         if self.settings.netlink:
-            await self._start_netlink()
-        self._spawn_loop(self._rdma_loop, "rdma-poll")
+            await self.events.start_netlink()
+        self._spawn_loop(self.events.rdma_loop, "rdma-poll")
         self._spawn_loop(
             functools.partial(self.ownership.run, self._on_ownership_change, self._kubelet_watch), "in-use"
         )
@@ -256,10 +261,7 @@ class Daemon:
                 await t
         self._tasks.clear()
         self.handoff.cancel()
-        for mon in (self._link_monitor, self._uevent_monitor):
-            if mon is not None:
-                with contextlib.suppress(Exception):
-                    mon.stop()
+        self.events.stop()
         await self.pools.close()
         await self._dra.stop()
         self._kubelet_watch.close()
@@ -364,7 +366,7 @@ class Daemon:
         result is applied on the loop, and only when the device table really changed.
         """
         targets, full, reconcile = self._rescans.take()
-        lost = self._uevent_lost_at if full else None
+        lost = self.events.uevent_lost_at if full else None
         t0 = time.perf_counter()
         # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
         # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
@@ -381,19 +383,10 @@ class Daemon:
             async with self._reload_lock:
                 await self._apply(self.config)
             gc.freeze()
-            if not self.settings.netlink:
-                self._read_sysfs_links()
-        if self._link_monitor is not None:
-            self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
-        await self._refresh_ports()
-        self.handoff.note(0)
-        if lost is not None and lost == self._uevent_lost_at:
-            self._uevent_lost_at = None
+        await self.events.resync(result.changed)
+        if lost is not None and lost == self.events.uevent_lost_at:
+            self.events.uevent_lost_at = None
             self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
-
-    def _read_sysfs_links(self) -> None:
-        """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
-        self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self.devices)))
 
     async def _apply(self, config: Config) -> poolset.PoolChanges:
         """Select pools from the device table and ``config``, diff them with the set applied last, apply that.
@@ -420,91 +413,25 @@ class Daemon:
 
     # ----------------------------------------------------------------------------------- events
     def on_links(self, links: tuple[LinkTuple, ...]) -> None:
-        """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
-        states, gone = link_states(links)
-        self.metrics.record_netlink("link", len(links))
-        if not (states or gone):
-            return
-        self.tracker.set_links(states)
-        # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
-        self.tracker.drop_links(gone)
-        self.handoff.note(len(states) + len(gone))
+        """Take parsed rtnetlink link messages (the event intake's; kept for the demo and tests)."""
+        self.events.on_links(links)
 
     def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
         """Take link states by interface name (the demo's and tests' way in)."""
-        self.tracker.set_links(states)
-        self.handoff.note(len(states))
+        self.events.set_links(states)
 
     def on_overrun(self, source: str = "link") -> None:
-        """Netlink events were lost (overrun, socket error, stall): resynchronise everything, never guess.
-
-        The monitor counted the fault and reopened its socket; the link monitor dumps every link itself.
-        A uevent monitor's resync is this full rescan, timed until it is applied.
-        """
-        log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
-        if source == "uevent" and self._uevent_lost_at is None:
-            self._uevent_lost_at = time.monotonic()
-        self.request_rescan()
+        """Netlink events were lost: resynchronise everything (the event intake's; kept for tests)."""
+        self.events.on_overrun(source)
 
     def on_uevent(self, event: UeventTuple) -> None:
-        """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
-        self.metrics.record_netlink("uevent")
-        relevant, address = discovery.uevent_target(event)
-        if relevant:
-            self.request_rescan(address)
-
-    def _poll_rdma(self) -> None:
-        """Read RDMA port states now, on the caller's thread (start-up, before anything is served)."""
-        ibdevs = self._ibdevs()
-        if ibdevs:
-            self._take_ports(self.scanner.rdma_ports(ibdevs))
-
-    def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
-        self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
-
-    async def _refresh_ports(self) -> None:
-        """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
-        ibdevs = self._ibdevs()
-        if ibdevs:
-            self._take_ports(await asyncio.to_thread(self.scanner.rdma_ports, ibdevs))
-
-    async def _rdma_loop(self) -> None:
-        # RDMA port state has no event source (sysfs-sriov-rdma reference): poll it.
-        while True:
-            await asyncio.sleep(self.config.rdma_poll_s)
-            try:
-                await self._refresh_ports()
-            except Exception:
-                log.exception("RDMA port poll failed")
-                continue
-            self.handoff.note(0)
+        """A kernel uevent (the event intake's; kept for tests)."""
+        self.events.on_uevent(event)
 
     def _deliver(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
         """Hand a health flush to the device-plugin pools and to the DRA driver."""
         self.pools.publish(updates, latency, events)
         self._dra.take_changes(updates, self.tracker)
-
-    def _monitor_options(self) -> MonitorOptions:
-        """What both netlink monitors are given: the namespace, the receive buffer, the metrics."""
-        return MonitorOptions(
-            netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf, observer=self.metrics
-        )
-
-    async def _start_netlink(self) -> None:
-        try:
-            links = LinkMonitor(self.on_links, self.on_overrun, **self._monitor_options())
-            await links.start()
-            self._link_monitor = links
-        except OSError as exc:
-            log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
-        try:
-            uevents = UeventMonitor(
-                self.on_uevent, functools.partial(self.on_overrun, "uevent"), **self._monitor_options()
-            )
-            await uevents.start()
-            self._uevent_monitor = uevents
-        except OSError as exc:
-            log.error("cannot watch kernel uevents (%s): devices change only on reconcile", exc)
 
     # ----------------------------------------------------------------------------------- reload
     def request_reload(self) -> None:
