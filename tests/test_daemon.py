@@ -301,9 +301,9 @@ async def test_the_periodic_reconcile_finds_what_no_event_announced(
     r = res(f"sriov_{pf.netdev}")
     assert set(emu.devices(r)) == set(pf.vf_addresses)
     # Reconciles that find nothing changed keep the table they hold and send nothing.
-    table, sent = daemon.table, len(emu.updates(r))
+    table, sent = daemon.rediscovery.table, len(emu.updates(r))
     await asyncio.sleep(1.0)  # three reconciles or more
-    assert daemon.table.devices is table.devices and len(emu.updates(r)) == sent
+    assert daemon.rediscovery.table.devices is table.devices and len(emu.updates(r)) == sent
     simnode.set_num_vfs(node.sysfs, pf.address, 0)  # the kernel wants 0 before a new count
     created = simnode.set_num_vfs(node.sysfs, pf.address, 2)
     await emu.wait_for(lambda: set(emu.devices(r)) == set(created), GUARD_S)

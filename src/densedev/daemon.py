@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import accel, poolset
+from . import accel
 from .alloc import leftovers
 from .backoff import Backoff
 from .dra import DraSettings
@@ -33,7 +33,7 @@ from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
-from .model import DEFAULT_PREFIX, Config, Device, Pool
+from .model import DEFAULT_PREFIX, Config, Device
 from .node import scanner as discovery
 from .node.events import DEFAULT_RCVBUF, LinkTuple, MonitorOptions, UeventTuple
 from .node.layout import SYSFS_ROOT
@@ -42,6 +42,7 @@ from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
 from .pools.ownership import Ownership
+from .rediscovery import Rediscovery
 from .reload import ConfigReloader
 
 if TYPE_CHECKING:
@@ -94,13 +95,9 @@ class Daemon:
         dra_client: ClientFactory | None = None,
     ) -> None:
         self.settings = settings
-        self.config = config
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.scanner = discovery.Scanner(settings.sysfs_root)
-        self.table = discovery.DeviceTable(())
         self._rescans = RescanRequests()
-        self._ibdev_cache: list[str] | None = None
-        self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
         # Empty until start() gives it the first table and pools (replace() on an empty tracker builds
         # exactly what the constructor would).
         self.tracker = HealthTracker((), (), clock=clock)
@@ -108,7 +105,6 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
         self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
-        self._reload_lock = asyncio.Lock()
         self._metrics_server: MetricsServer | None = None
         self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
         self.ownership = Ownership(
@@ -129,7 +125,7 @@ class Daemon:
         self._dra = DraHooks(
             settings.dra,
             self.ownership,
-            lambda device_id: device_id in self.table.by_id(),
+            lambda device_id: device_id in self.rediscovery.table.by_id(),
             cdi_dir=settings.cdi_dir,
             devinfo_dir=settings.devinfo_dir,
             dev_root=settings.dev_root,
@@ -145,6 +141,18 @@ class Daemon:
             clock=clock,
             spawn=self._spawn,
         )
+        self.rediscovery = Rediscovery(
+            self.scanner,
+            self._rescans,
+            config,
+            ownership=self.ownership,
+            tracker=self.tracker,
+            pools=self.pools,
+            dra=self._dra,
+            leftovers=self._leftovers,
+            handoff=self.handoff,
+            metrics=self.metrics,
+        )
         self.events = EventIntake(
             self.scanner,
             self.tracker,
@@ -157,7 +165,7 @@ class Daemon:
                 else None
             ),
             devices=lambda: self.devices,
-            rdma_devices=self._ibdevs,
+            rdma_devices=self.rediscovery.rdma_devices,
             rdma_poll_s=lambda: self.config.rdma_poll_s,
         )
 
@@ -172,12 +180,11 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        table = self._scan()
+        table = self.rediscovery.scan()
         # What running pods hold is known before any pool lists a device (the kubelet kept the
         # allocations of pods that outlived a previous run of this daemon).
         with contextlib.suppress(Exception):
             await self.ownership.refresh()
-        self.table = table
         # Devices of prepared DRA claims are held before any pool of either API lists anything.
         self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
@@ -189,9 +196,9 @@ class Daemon:
         # Each pool's first list carries its whole health: nothing of it is news for the first flush.
         self.tracker.collect()
         started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
-        self._pools = pools
+        self.rediscovery.applied = pools
         self._dra.take(raw, pools, self.tracker)
-        self._retain_held()
+        self.rediscovery.retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
         self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
@@ -202,9 +209,9 @@ class Daemon:
             await self.events.start_netlink()
         self._spawn_loop(self.events.rdma_loop, "rdma-poll")
         self._spawn_loop(
-            functools.partial(self.ownership.run, self._on_ownership_change, self._kubelet_watch), "in-use"
+            functools.partial(self.ownership.run, self.rediscovery.released, self._kubelet_watch), "in-use"
         )
-        self._spawn_loop(self._rescan_loop, "rescan")
+        self._spawn_loop(functools.partial(self.rediscovery.run, self.events.resync), "rescan")
         self._spawn_loop(self._reloader.run, "reload")
         self._spawn_loop(self._housekeeping_loop, "housekeeping")
         if self.settings.config_path is not None:
@@ -273,19 +280,10 @@ class Daemon:
         """Return the process exit code after a stop: 1 when no pool could start in time, else 0."""
         return 1 if self.pools.start_failed() else 0
 
-    async def _on_ownership_change(self) -> None:
-        """Held devices were released (or newly seen held): list or withhold them in their pools."""
-        async with self._reload_lock:
-            if self.ownership.would_change():
-                await self._apply(self.config)
-                self.handoff.note(0)
-            else:
-                self._retain_held()
-            self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
-
-    def _retain_held(self) -> None:
-        """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
-        self._leftovers.retain(self.pools.allocators(), self.ownership.by_resource(), self.table.by_id)
+    @property
+    def config(self) -> Config:
+        """Return the config in force (the rediscovery's: the last one applied whole, or being applied)."""
+        return self.rediscovery.config
 
     @property
     def dra(self) -> DraDriver | None:
@@ -317,99 +315,18 @@ class Daemon:
             await asyncio.sleep(self.settings.housekeeping_s)
 
     # ----------------------------------------------------------------------------------- scanning
-    def _scan(self) -> discovery.DeviceTable:
-        t0 = time.perf_counter()
-        table = self.scanner.scan()
-        self._note_scan(table, time.perf_counter() - t0)
-        return table
-
-    def _note_scan(self, table: discovery.DeviceTable, elapsed: float) -> None:
-        self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
-        if table.warnings:
-            log_event(
-                log,
-                "scan skipped or degraded entries",
-                level=logging.WARNING,
-                count=len(table.warnings),
-                first=" | ".join(table.warnings[:3]),
-            )
-        log.debug("scan: %d devices in %.1f ms", len(table.devices), elapsed * 1e3)
-
-    def _ibdevs(self) -> list[str]:
-        # RDMA ports are polled only for RDMA devices some pool advertises; the list changes only with
-        # the pools, so it is kept rather than rebuilt from 16k members every poll.
-        if self._ibdev_cache is None:
-            self._ibdev_cache = discovery.rdma_devices((r.pool for r in self.pools.values()), self.devices)
-        return self._ibdev_cache
-
     @property
     def devices(self) -> tuple[Device, ...]:
         """Return the current device table's devices."""
-        return self.table.devices
+        return self.rediscovery.devices
 
     def request_rescan(self, address: str | None = None) -> None:
         """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
         self._rescans.request(address)
 
-    async def _rescan_loop(self) -> None:
-        while True:
-            await self._rescans.wait(self.config.reconcile_s)
-            try:
-                await self.rescan()
-            except Exception:
-                log.exception("rescan failed; keeping the previous device table")
-
     async def rescan(self) -> None:
-        """Rescan what changed (or everything) and apply it to every pool: grow, shrink, no restart.
-
-        The sysfs reading runs in a worker thread so the loop keeps serving the kubelet meanwhile; the
-        result is applied on the loop, and only when the device table really changed.
-        """
-        targets, full, reconcile = self._rescans.take()
-        lost = self.events.uevent_lost_at if full else None
-        t0 = time.perf_counter()
-        # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
-        # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-        result = await asyncio.to_thread(
-            functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
-        )
-        self.metrics.record_resync("rescan" if result.full else "targeted")
-        self._note_scan(result.table, time.perf_counter() - t0)
-        if result.changed:
-            with contextlib.suppress(Exception):
-                await self.ownership.refresh()  # a device that moved pools may be held by a pod
-        self.table = result.table
-        if result.changed:
-            async with self._reload_lock:
-                await self._apply(self.config)
-            gc.freeze()
-        await self.events.resync(result.changed)
-        if lost is not None and lost == self.events.uevent_lost_at:
-            self.events.uevent_lost_at = None
-            self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
-
-    async def _apply(self, config: Config) -> poolset.PoolChanges:
-        """Select pools from the device table and ``config``, diff them with the set applied last, apply that.
-
-        The one path of rescans, reloads and changes in what pods hold: servers of removed,
-        re-registering and DRA-bound pools stop; pools that keep theirs take the new membership in
-        place; every device-plugin pool without a server gets one.  The caller holds ``_reload_lock``
-        and has refreshed the ownership map (``filter`` withholds what it says is held).
-        """
-        devices = self.devices
-        raw = selectors.build_pools(config, devices)
-        pools = self.ownership.filter(raw)
-        changes = poolset.diff(self._pools, pools)
-        await self.pools.stop_changed(changes)
-        self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
-        self.tracker.replace(devices, pools)
-        self._dra.take(raw, pools, self.tracker)
-        started = self.pools.take(pools, changes.replaced)
-        self._retain_held()
-        # Last: should anything above fail, the next apply diffs from the set before and redoes it.
-        self._pools = pools
-        await self.pools.start(started)
-        return changes
+        """Rescan what changed (or everything) and apply it, then read links and RDMA ports again."""
+        await self.rediscovery.rescan(self.events.resync)
 
     # ----------------------------------------------------------------------------------- events
     def on_links(self, links: tuple[LinkTuple, ...]) -> None:
@@ -443,34 +360,5 @@ class Daemon:
         return await self._reloader.reload()
 
     async def apply_config(self, new: Config) -> None:
-        """Diff pool definitions and apply them; untouched pools keep their streams and registration.
-
-        Should it fail, the config stays the last good one: pools already stopped or started stay so,
-        and the next reload diffs against it again and finishes the job.
-        """
-        last_good = self.config
-        try:
-            await self._apply_config(new)
-        except Exception:
-            self.config = last_good
-            raise
-
-    async def _apply_config(self, new: Config) -> None:
-        async with self._reload_lock:
-            with contextlib.suppress(Exception):
-                await self.ownership.refresh()  # devices the new config moves may be held by pods
-            self.config = new
-            self._dra.recover(new)  # the first DRA pool of this run
-            self.handoff.set_window(new.coalesce_ms / 1e3)
-            changes = await self._apply(new)
-            await self._dra.start(self.config)
-            self.metrics.record_reload(True)
-            log_event(
-                log,
-                "config reloaded",
-                added=",".join(changes.added) or "-",
-                removed=",".join(changes.removed) or "-",
-                changed=",".join(changes.changed) or "-",
-                reregistered=",".join(changes.reregister) or "-",
-                pools=len(self.pools),
-            )
+        """Diff pool definitions and apply them (the reloader's hook); on failure the last good one stays."""
+        await self.rediscovery.reconfigure(new)

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 
 from ..model import Device
@@ -58,7 +57,6 @@ class EventIntake:
         self._rdma_poll_s = rdma_poll_s  # from the config in force: a reload changes it
         self._link_monitor: LinkMonitor | None = None
         self._uevent_monitor: UeventMonitor | None = None
-        self.uevent_lost_at: float | None = None  # uevents lost, not yet resynced by a full rescan
 
     def stop(self) -> None:
         """Close the netlink monitors' sockets (the daemon stops)."""
@@ -107,9 +105,10 @@ class EventIntake:
         A uevent monitor's resync is this full rescan, timed until it is applied.
         """
         log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
-        if source == "uevent" and self.uevent_lost_at is None:
-            self.uevent_lost_at = time.monotonic()
-        self.request_rescan()
+        if source == "uevent":
+            self._rescans.lost()
+        else:
+            self.request_rescan()
 
     def on_uevent(self, event: UeventTuple) -> None:
         """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
