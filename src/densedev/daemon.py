@@ -42,6 +42,7 @@ from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
 from .pools.ownership import Ownership
+from .poolset import PoolChanges
 from .rediscovery import Rediscovery
 from .reload import ConfigReloader
 
@@ -121,6 +122,7 @@ class Daemon:
             metrics=self.metrics,
             current=lambda: self.config,
             apply=self.apply_config,
+            served=lambda: len(self.pools),
         )
         self._dra = DraHooks(
             settings.dra,
@@ -359,6 +361,6 @@ class Daemon:
         """Load the config file again and apply it; False (logged) when refused or applying it failed."""
         return await self._reloader.reload()
 
-    async def apply_config(self, new: Config) -> None:
+    async def apply_config(self, new: Config) -> PoolChanges:
         """Diff pool definitions and apply them (the reloader's hook); on failure the last good one stays."""
-        await self.rediscovery.reconfigure(new)
+        return await self.rediscovery.reconfigure(new)

@@ -194,16 +194,6 @@ class Rediscovery:
                 self._handoff.set_window(new.coalesce_ms / 1e3)
                 changes = await self.apply(new)
                 await self._dra.start(self.config)
-                self.metrics.record_reload(True)
-                log_event(
-                    log,
-                    "config reloaded",
-                    added=",".join(changes.added) or "-",
-                    removed=",".join(changes.removed) or "-",
-                    changed=",".join(changes.changed) or "-",
-                    reregistered=",".join(changes.reregister) or "-",
-                    pools=len(self.pools),
-                )
                 return changes
         except Exception:
             self.config = last_good
