@@ -148,7 +148,7 @@ def test_overrun_forces_a_resync(run: Run, tmp_path: Path, netns: str, kubelet_d
             rescans = sample(daemon, "densedev_resyncs_total", **full)
             # A link that went down while we were blind (as during an overrun) is found by the resync.
             ip(netns, "link", "set", layout.pfs[3].netdev, "down")
-            daemon.on_overrun()
+            daemon.events.on_overrun()
             r = f"{PREFIX}/sriov_{layout.pfs[3].netdev}"
             await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
             # The resync is a full rescan: a targeted one could not find what changed while blind.

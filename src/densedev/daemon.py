@@ -35,7 +35,7 @@ from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
 from .model import DEFAULT_PREFIX, Config, Device
 from .node import scanner as discovery
-from .node.events import DEFAULT_RCVBUF, LinkTuple, MonitorOptions, UeventTuple
+from .node.events import DEFAULT_RCVBUF, MonitorOptions
 from .node.layout import SYSFS_ROOT
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
@@ -316,7 +316,7 @@ class Daemon:
             self.pools.record_registrations()
             await asyncio.sleep(self.settings.housekeeping_s)
 
-    # ----------------------------------------------------------------------------------- scanning
+    # ----------------------------------------------------------------------------------- entry points
     @property
     def devices(self) -> tuple[Device, ...]:
         """Return the current device table's devices."""
@@ -326,26 +326,9 @@ class Daemon:
         """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
         self._rescans.request(address)
 
-    async def rescan(self) -> None:
-        """Rescan what changed (or everything) and apply it, then read links and RDMA ports again."""
-        await self.rediscovery.rescan(self.events.resync)
-
-    # ----------------------------------------------------------------------------------- events
-    def on_links(self, links: tuple[LinkTuple, ...]) -> None:
-        """Take parsed rtnetlink link messages (the event intake's; kept for the demo and tests)."""
-        self.events.on_links(links)
-
     def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
-        """Take link states by interface name (the demo's and tests' way in)."""
+        """Take link states by interface name (the demo's and tests' way in; the event intake's)."""
         self.events.set_links(states)
-
-    def on_overrun(self, source: str = "link") -> None:
-        """Netlink events were lost: resynchronise everything (the event intake's; kept for tests)."""
-        self.events.on_overrun(source)
-
-    def on_uevent(self, event: UeventTuple) -> None:
-        """A kernel uevent (the event intake's; kept for tests)."""
-        self.events.on_uevent(event)
 
     def _deliver(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
         """Hand a health flush to the device-plugin pools and to the DRA driver."""
