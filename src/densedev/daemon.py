@@ -17,14 +17,11 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import accel
 from .alloc import leftovers
 from .backoff import Backoff
-from .dra import DraSettings
 from .dra.hooks import DraHooks
 from .health.handoff import Handoff
 from .health.intake import EventIntake
@@ -33,10 +30,9 @@ from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
-from .model import DEFAULT_PREFIX, Config, Device
+from .model import Config, Device
 from .node import scanner as discovery
-from .node.events import DEFAULT_RCVBUF, MonitorOptions
-from .node.layout import SYSFS_ROOT
+from .node.events import MonitorOptions
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
@@ -45,6 +41,7 @@ from .pools.ownership import Ownership
 from .poolset import PoolChanges
 from .rediscovery import Rediscovery
 from .reload import ConfigReloader
+from .settings import DaemonSettings
 
 if TYPE_CHECKING:
     # The DRA driver (gRPC DRA services, the API-server client) is imported where it is built, only
@@ -52,32 +49,6 @@ if TYPE_CHECKING:
     from .dra.driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.daemon")
-
-
-@dataclass(frozen=True)
-class DaemonSettings:
-    """Where the daemon reads and writes; every path is a parameter so tests and the demo relocate it."""
-
-    sysfs_root: Path = Path(SYSFS_ROOT)
-    kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")
-    dev_root: Path = Path("/dev")
-    cdi_dir: Path | None = None
-    devinfo_dir: Path | None = None
-    cdi_annotations: bool = False  # also return cdi.k8s.io/ annotations (runtimes without CRI CDI fields)
-    resource_prefix: str = DEFAULT_PREFIX
-    config_path: Path | None = None  # watched for changes when set
-    metrics_addr: str | None = None
-    netlink: bool = True  # watch rtnetlink links and kernel uevents
-    netns: str | None = None  # watch links and uevents in this named network namespace (tests)
-    netlink_rcvbuf: int = DEFAULT_RCVBUF  # each netlink socket's receive buffer (fault tests shrink it)
-    config_poll_s: float = 1.0
-    housekeeping_s: float = 1.0  # how often registration state is copied into metrics
-    registration_poll_s: float = 0.2  # how often each pool checks kubelet.sock and its own socket
-    pod_resources_socket: Path | None = None  # the kubelet's PodResources API (None: checkpoint only)
-    in_use_poll_s: float = 5.0  # PodResources poll while no device is withheld (0.25 s while some are)
-    start_timeout_s: float = 60.0  # no pool served this long: /readyz and the exit code say so
-    start_retry_s: tuple[float, float] = (0.5, 10.0)  # backoff of a pool that failed to start
-    dra: DraSettings | None = None  # None: no DRA side (pools with "api": "dra" are not served)
 
 
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
