@@ -1,11 +1,11 @@
-"""The daemon: the lifecycle and the loops that keep one device table, its pools and their health current.
+"""The daemon: builds the stages, starts them in order, runs their loops under supervision, and stops them.
 
 Data flows one way: sysfs/netlink → device table (node.scanner) → pools (pools.select) → health
 (health.tracker, handed on by health.handoff) → kubelet (kubelet.pools: one plugin server per pool,
-or the DRA driver).  This module starts and stops the stages, runs the loops (rescan, reload, RDMA
-poll, in-use, housekeeping) and takes the events; rescans, reloads and releases all end in one
-pool-set diff (``poolset``) that ``Daemon._apply`` hands to the stages.  Each stage stays ignorant of
-the others.
+or the DRA driver).  The jobs live with their owners: kernel events and RDMA polls become tracker
+marks and rescan requests in ``health.intake``; rescans, reloads and releases all end in one pool-set
+diff in ``rediscovery``; ``reload`` loads and watches the config file.  This module holds no fact
+beyond what runs: the tasks, readiness, the exit code.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Daemon:
                 if settings.netlink
                 else None
             ),
-            devices=lambda: self.devices,
+            devices=lambda: self.rediscovery.devices,
             rdma_devices=self.rediscovery.rdma_devices,
             rdma_poll_s=lambda: self.config.rdma_poll_s,
         )
