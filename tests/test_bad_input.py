@@ -35,6 +35,7 @@ from densedev.kubelet.server import PluginServer
 from densedev.kubelet.wire import ListEncoder
 from densedev.model import Config, PoolConfig, RequestError
 from densedev.pools.config import ConfigError, load, parse, validate_resource_name
+from densedev.poolset import PoolChanges
 from densedev.testing import simnode
 
 RESOURCE = "example.com/vf"
@@ -421,11 +422,11 @@ class FailingDaemon(Daemon):
 
     failures = 1
 
-    async def apply_config(self, new: Config) -> None:
+    async def apply_config(self, new: Config) -> PoolChanges:
         if self.failures:
             self.failures -= 1
             raise RuntimeError("a bug nobody planned for")
-        await super().apply_config(new)
+        return await super().apply_config(new)
 
 
 async def test_reload_survives_any_exception_and_keeps_the_last_good_config(node: Node) -> None:

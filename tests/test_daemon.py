@@ -124,10 +124,10 @@ async def test_vfs_created_and_destroyed_grow_and_shrink_pools_live(
     pf = node.layout.pfs[1]
     r = res(f"sriov_{pf.netdev}")
     simnode.set_num_vfs(node.sysfs, pf.address, 0)
-    daemon.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
+    daemon.events.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
     await emu.wait_for(lambda: emu.devices(r) == {}, GUARD_S)
     created = simnode.set_num_vfs(node.sysfs, pf.address, 6)
-    daemon.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
+    daemon.events.on_uevent(("change", f"/devices/pci0000:00/{pf.address}", (("SUBSYSTEM", "pci"),)))
     await emu.wait_for(lambda: set(emu.devices(r)) == set(created), GUARD_S)
     assert emu.registrations(r) == 1  # grew and shrank without re-registering
     assert set(emu.devices(r).values()) == {HEALTHY}
@@ -208,7 +208,7 @@ async def test_driver_rules_unbound_and_rebound(node: Node, kubelet: KubeletEmul
     unbound, rebound = pf.vf_addresses[0], pf.vf_addresses[1]
 
     def uevent(action: str, address: str) -> None:
-        daemon.on_uevent((action, f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
+        daemon.events.on_uevent((action, f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
 
     simnode.bind_driver(node.sysfs, unbound, None)
     uevent("unbind", unbound)
@@ -300,9 +300,9 @@ async def test_the_periodic_reconcile_finds_what_no_event_announced(
     r = res(f"sriov_{pf.netdev}")
     assert set(emu.devices(r)) == set(pf.vf_addresses)
     # Reconciles that find nothing changed keep the table they hold and send nothing.
-    table, sent = daemon.table, len(emu.updates(r))
+    table, sent = daemon.rediscovery.table, len(emu.updates(r))
     await asyncio.sleep(1.0)  # three reconciles or more
-    assert daemon.table.devices is table.devices and len(emu.updates(r)) == sent
+    assert daemon.rediscovery.table.devices is table.devices and len(emu.updates(r)) == sent
     simnode.set_num_vfs(node.sysfs, pf.address, 0)  # the kernel wants 0 before a new count
     created = simnode.set_num_vfs(node.sysfs, pf.address, 2)
     await emu.wait_for(lambda: set(emu.devices(r)) == set(created), GUARD_S)

@@ -138,7 +138,7 @@ async def test_overrun_forces_a_resync(tmp_path: Path, netns: str, kubelet_dir: 
         rescans = sample(daemon, "densedev_resyncs_total", **full)
         # A link that went down while we were blind (as during an overrun) is found by the resync.
         ip(netns, "link", "set", layout.pfs[3].netdev, "down")
-        daemon.on_overrun()
+        daemon.events.on_overrun()
         r = f"{PREFIX}/sriov_{layout.pfs[3].netdev}"
         await emu.wait_for(lambda: set(emu.devices(r).values()) == {UNHEALTHY}, GUARD_S)
         # The resync is a full rescan: a targeted one could not find what changed while blind.

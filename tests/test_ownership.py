@@ -173,7 +173,7 @@ async def test_driver_rebind_moving_a_vf_between_pools_while_in_use(
         for rel in ("vfio/vfio", f"vfio/{group}"):
             (node.tmp / "dev" / rel).parent.mkdir(parents=True, exist_ok=True)
             (node.tmp / "dev" / rel).touch()
-        daemon.on_uevent(("bind", f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
+        daemon.events.on_uevent(("bind", f"/devices/pci0000:00/{address}", (("SUBSYSTEM", "pci"),)))
 
     await emu.create_pod("c1", {kern: [vfs[1]]})
     rebind(vfs[1])  # the pod's VF, rebound: it now matches vfio

@@ -1,11 +1,11 @@
-"""The daemon: the lifecycle and the loops that keep one device table, its pools and their health current.
+"""The daemon: builds the stages, starts them in order, runs their loops under supervision, and stops them.
 
 Data flows one way: sysfs/netlink → device table (node.scanner) → pools (pools.select) → health
 (health.tracker, handed on by health.handoff) → kubelet (kubelet.pools: one plugin server per pool,
-or the DRA driver).  This module starts and stops the stages, runs the loops (rescan, reload, RDMA
-poll, in-use, housekeeping) and takes the events; rescans, reloads and releases all end in one
-pool-set diff (``poolset``) that ``Daemon._apply`` hands to the stages.  Each stage stays ignorant of
-the others.
+or the DRA driver).  The jobs live with their owners: kernel events and RDMA polls become tracker
+marks and rescan requests in ``health.intake``; rescans, reloads and releases all end in one pool-set
+diff in ``rediscovery``; ``reload`` loads and watches the config file.  This module holds no fact
+beyond what runs: the tasks, readiness, the exit code.
 """
 
 from __future__ import annotations
@@ -17,39 +17,31 @@ import gc
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import accel, poolset
+from . import accel
 from .alloc import leftovers
 from .backoff import Backoff
-from .dra import DraSettings
 from .dra.hooks import DraHooks
 from .health.handoff import Handoff
+from .health.intake import EventIntake
 from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
-from .model import DEFAULT_PREFIX, Config, Device, Pool
+from .model import Config, Device
 from .node import scanner as discovery
-from .node.events import (
-    DEFAULT_RCVBUF,
-    LinkMonitor,
-    LinkTuple,
-    MonitorOptions,
-    UeventMonitor,
-    UeventTuple,
-    link_states,
-)
-from .node.layout import SYSFS_ROOT
+from .node.events import MonitorOptions
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
 from .pools.ownership import Ownership
+from .poolset import PoolChanges
+from .rediscovery import Rediscovery
 from .reload import ConfigReloader
+from .settings import DaemonSettings
 
 if TYPE_CHECKING:
     # The DRA driver (gRPC DRA services, the API-server client) is imported where it is built, only
@@ -57,32 +49,6 @@ if TYPE_CHECKING:
     from .dra.driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.daemon")
-
-
-@dataclass(frozen=True)
-class DaemonSettings:
-    """Where the daemon reads and writes; every path is a parameter so tests and the demo relocate it."""
-
-    sysfs_root: Path = Path(SYSFS_ROOT)
-    kubelet_dir: Path = Path("/var/lib/kubelet/device-plugins")
-    dev_root: Path = Path("/dev")
-    cdi_dir: Path | None = None
-    devinfo_dir: Path | None = None
-    cdi_annotations: bool = False  # also return cdi.k8s.io/ annotations (runtimes without CRI CDI fields)
-    resource_prefix: str = DEFAULT_PREFIX
-    config_path: Path | None = None  # watched for changes when set
-    metrics_addr: str | None = None
-    netlink: bool = True  # watch rtnetlink links and kernel uevents
-    netns: str | None = None  # watch links and uevents in this named network namespace (tests)
-    netlink_rcvbuf: int = DEFAULT_RCVBUF  # each netlink socket's receive buffer (fault tests shrink it)
-    config_poll_s: float = 1.0
-    housekeeping_s: float = 1.0  # how often registration state is copied into metrics
-    registration_poll_s: float = 0.2  # how often each pool checks kubelet.sock and its own socket
-    pod_resources_socket: Path | None = None  # the kubelet's PodResources API (None: checkpoint only)
-    in_use_poll_s: float = 5.0  # PodResources poll while no device is withheld (0.25 s while some are)
-    start_timeout_s: float = 60.0  # no pool served this long: /readyz and the exit code say so
-    start_retry_s: tuple[float, float] = (0.5, 10.0)  # backoff of a pool that failed to start
-    dra: DraSettings | None = None  # None: no DRA side (pools with "api": "dra" are not served)
 
 
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
@@ -101,13 +67,9 @@ class Daemon:
         dra_client: ClientFactory | None = None,
     ) -> None:
         self.settings = settings
-        self.config = config
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.scanner = discovery.Scanner(settings.sysfs_root)
-        self.table = discovery.DeviceTable(())
         self._rescans = RescanRequests()
-        self._ibdev_cache: list[str] | None = None
-        self._pools: tuple[Pool, ...] = ()  # the pool set last applied (what the next diff starts from)
         # Empty until start() gives it the first table and pools (replace() on an empty tracker builds
         # exactly what the constructor would).
         self.tracker = HealthTracker((), (), clock=clock)
@@ -115,10 +77,6 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
         self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
-        self._reload_lock = asyncio.Lock()
-        self._link_monitor: LinkMonitor | None = None
-        self._uevent_monitor: UeventMonitor | None = None
-        self._uevent_lost_at: float | None = None  # uevents lost, not yet resynced by a full rescan
         self._metrics_server: MetricsServer | None = None
         self._kubelet_watch = DirectoryWatch(settings.kubelet_dir)
         self.ownership = Ownership(
@@ -135,11 +93,12 @@ class Daemon:
             metrics=self.metrics,
             current=lambda: self.config,
             apply=self.apply_config,
+            served=lambda: len(self.pools),
         )
         self._dra = DraHooks(
             settings.dra,
             self.ownership,
-            lambda device_id: device_id in self.table.by_id(),
+            lambda device_id: device_id in self.rediscovery.table.by_id(),
             cdi_dir=settings.cdi_dir,
             devinfo_dir=settings.devinfo_dir,
             dev_root=settings.dev_root,
@@ -155,6 +114,33 @@ class Daemon:
             clock=clock,
             spawn=self._spawn,
         )
+        self.rediscovery = Rediscovery(
+            self.scanner,
+            self._rescans,
+            config,
+            ownership=self.ownership,
+            tracker=self.tracker,
+            pools=self.pools,
+            dra=self._dra,
+            leftovers=self._leftovers,
+            handoff=self.handoff,
+            metrics=self.metrics,
+        )
+        self.events = EventIntake(
+            self.scanner,
+            self.tracker,
+            self.handoff,
+            self._rescans,
+            self.metrics,
+            monitors=(
+                MonitorOptions(netns=settings.netns, rcvbuf=settings.netlink_rcvbuf, observer=self.metrics)
+                if settings.netlink
+                else None
+            ),
+            devices=lambda: self.rediscovery.devices,
+            rdma_devices=self.rediscovery.rdma_devices,
+            rdma_poll_s=lambda: self.config.rdma_poll_s,
+        )
 
     # ----------------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -167,26 +153,25 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        table = self._scan()
+        table = self.rediscovery.scan()
         # What running pods hold is known before any pool lists a device (the kubelet kept the
         # allocations of pods that outlived a previous run of this daemon).
         with contextlib.suppress(Exception):
             await self.ownership.refresh()
-        self.table = table
         # Devices of prepared DRA claims are held before any pool of either API lists anything.
         self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
         self.tracker.replace(self.devices, pools)
         if not self.settings.netlink:
-            self._read_sysfs_links()
-        self._poll_rdma()
+            self.events.read_sysfs_links()
+        self.events.poll_rdma()
         # Each pool's first list carries its whole health: nothing of it is news for the first flush.
         self.tracker.collect()
         started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
-        self._pools = pools
+        self.rediscovery.applied = pools
         self._dra.take(raw, pools, self.tracker)
-        self._retain_held()
+        self.rediscovery.retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
         # (issue 12, section 5).
         self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
@@ -194,12 +179,12 @@ class Daemon:
         await self._dra.start(self.config)
         await self.pools.start(started)
         if self.settings.netlink:
-            await self._start_netlink()
-        self._spawn_loop(self._rdma_loop, "rdma-poll")
+            await self.events.start_netlink()
+        self._spawn_loop(self.events.rdma_loop, "rdma-poll")
         self._spawn_loop(
-            functools.partial(self.ownership.run, self._on_ownership_change, self._kubelet_watch), "in-use"
+            functools.partial(self.ownership.run, self.rediscovery.released, self._kubelet_watch), "in-use"
         )
-        self._spawn_loop(self._rescan_loop, "rescan")
+        self._spawn_loop(functools.partial(self.rediscovery.run, self.events.resync), "rescan")
         self._spawn_loop(self._reloader.run, "reload")
         self._spawn_loop(self._housekeeping_loop, "housekeeping")
         if self.settings.config_path is not None:
@@ -256,10 +241,7 @@ class Daemon:
                 await t
         self._tasks.clear()
         self.handoff.cancel()
-        for mon in (self._link_monitor, self._uevent_monitor):
-            if mon is not None:
-                with contextlib.suppress(Exception):
-                    mon.stop()
+        self.events.stop()
         await self.pools.close()
         await self._dra.stop()
         self._kubelet_watch.close()
@@ -271,19 +253,10 @@ class Daemon:
         """Return the process exit code after a stop: 1 when no pool could start in time, else 0."""
         return 1 if self.pools.start_failed() else 0
 
-    async def _on_ownership_change(self) -> None:
-        """Held devices were released (or newly seen held): list or withhold them in their pools."""
-        async with self._reload_lock:
-            if self.ownership.would_change():
-                await self._apply(self.config)
-                self.handoff.note(0)
-            else:
-                self._retain_held()
-            self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
-
-    def _retain_held(self) -> None:
-        """Keep the CDI entries and device-info files of devices pods hold under a pool they left."""
-        self._leftovers.retain(self.pools.allocators(), self.ownership.by_resource(), self.table.by_id)
+    @property
+    def config(self) -> Config:
+        """Return the config in force (the rediscovery's: the last one applied whole, or being applied)."""
+        return self.rediscovery.config
 
     @property
     def dra(self) -> DraDriver | None:
@@ -314,197 +287,24 @@ class Daemon:
             self.pools.record_registrations()
             await asyncio.sleep(self.settings.housekeeping_s)
 
-    # ----------------------------------------------------------------------------------- scanning
-    def _scan(self) -> discovery.DeviceTable:
-        t0 = time.perf_counter()
-        table = self.scanner.scan()
-        self._note_scan(table, time.perf_counter() - t0)
-        return table
-
-    def _note_scan(self, table: discovery.DeviceTable, elapsed: float) -> None:
-        self.metrics.observe_scan(elapsed, len(table.devices), len(table.warnings))
-        if table.warnings:
-            log_event(
-                log,
-                "scan skipped or degraded entries",
-                level=logging.WARNING,
-                count=len(table.warnings),
-                first=" | ".join(table.warnings[:3]),
-            )
-        log.debug("scan: %d devices in %.1f ms", len(table.devices), elapsed * 1e3)
-
-    def _ibdevs(self) -> list[str]:
-        # RDMA ports are polled only for RDMA devices some pool advertises; the list changes only with
-        # the pools, so it is kept rather than rebuilt from 16k members every poll.
-        if self._ibdev_cache is None:
-            self._ibdev_cache = discovery.rdma_devices((r.pool for r in self.pools.values()), self.devices)
-        return self._ibdev_cache
-
+    # ----------------------------------------------------------------------------------- entry points
     @property
     def devices(self) -> tuple[Device, ...]:
         """Return the current device table's devices."""
-        return self.table.devices
+        return self.rediscovery.devices
 
     def request_rescan(self, address: str | None = None) -> None:
         """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
         self._rescans.request(address)
 
-    async def _rescan_loop(self) -> None:
-        while True:
-            await self._rescans.wait(self.config.reconcile_s)
-            try:
-                await self.rescan()
-            except Exception:
-                log.exception("rescan failed; keeping the previous device table")
-
-    async def rescan(self) -> None:
-        """Rescan what changed (or everything) and apply it to every pool: grow, shrink, no restart.
-
-        The sysfs reading runs in a worker thread so the loop keeps serving the kubelet meanwhile; the
-        result is applied on the loop, and only when the device table really changed.
-        """
-        targets, full, reconcile = self._rescans.take()
-        lost = self._uevent_lost_at if full else None
-        t0 = time.perf_counter()
-        # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
-        # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-        result = await asyncio.to_thread(
-            functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
-        )
-        self.metrics.record_resync("rescan" if result.full else "targeted")
-        self._note_scan(result.table, time.perf_counter() - t0)
-        if result.changed:
-            with contextlib.suppress(Exception):
-                await self.ownership.refresh()  # a device that moved pools may be held by a pod
-        self.table = result.table
-        if result.changed:
-            async with self._reload_lock:
-                await self._apply(self.config)
-            gc.freeze()
-            if not self.settings.netlink:
-                self._read_sysfs_links()
-        if self._link_monitor is not None:
-            self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
-        await self._refresh_ports()
-        self.handoff.note(0)
-        if lost is not None and lost == self._uevent_lost_at:
-            self._uevent_lost_at = None
-            self.metrics.observe_netlink_resync("uevent", time.monotonic() - lost)
-
-    def _read_sysfs_links(self) -> None:
-        """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
-        self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self.devices)))
-
-    async def _apply(self, config: Config) -> poolset.PoolChanges:
-        """Select pools from the device table and ``config``, diff them with the set applied last, apply that.
-
-        The one path of rescans, reloads and changes in what pods hold: servers of removed,
-        re-registering and DRA-bound pools stop; pools that keep theirs take the new membership in
-        place; every device-plugin pool without a server gets one.  The caller holds ``_reload_lock``
-        and has refreshed the ownership map (``filter`` withholds what it says is held).
-        """
-        devices = self.devices
-        raw = selectors.build_pools(config, devices)
-        pools = self.ownership.filter(raw)
-        changes = poolset.diff(self._pools, pools)
-        await self.pools.stop_changed(changes)
-        self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
-        self.tracker.replace(devices, pools)
-        self._dra.take(raw, pools, self.tracker)
-        started = self.pools.take(pools, changes.replaced)
-        self._retain_held()
-        # Last: should anything above fail, the next apply diffs from the set before and redoes it.
-        self._pools = pools
-        await self.pools.start(started)
-        return changes
-
-    # ----------------------------------------------------------------------------------- events
-    def on_links(self, links: tuple[LinkTuple, ...]) -> None:
-        """Take parsed rtnetlink link messages (from the monitor, or injected by the demo)."""
-        states, gone = link_states(links)
-        self.metrics.record_netlink("link", len(links))
-        if not (states or gone):
-            return
-        self.tracker.set_links(states)
-        # RTM_DELLINK: a VF netdev moved into a pod's namespace leaves the host's view; gone is not down.
-        self.tracker.drop_links(gone)
-        self.handoff.note(len(states) + len(gone))
-
     def set_links(self, states: Sequence[tuple[str, bool]]) -> None:
-        """Take link states by interface name (the demo's and tests' way in)."""
-        self.tracker.set_links(states)
-        self.handoff.note(len(states))
-
-    def on_overrun(self, source: str = "link") -> None:
-        """Netlink events were lost (overrun, socket error, stall): resynchronise everything, never guess.
-
-        The monitor counted the fault and reopened its socket; the link monitor dumps every link itself.
-        A uevent monitor's resync is this full rescan, timed until it is applied.
-        """
-        log_event(log, "netlink events lost, resyncing", level=logging.WARNING, source=source)
-        if source == "uevent" and self._uevent_lost_at is None:
-            self._uevent_lost_at = time.monotonic()
-        self.request_rescan()
-
-    def on_uevent(self, event: UeventTuple) -> None:
-        """A kernel uevent: PCI add/remove/bind/unbind/change and net moves trigger a rescan."""
-        self.metrics.record_netlink("uevent")
-        relevant, address = discovery.uevent_target(event)
-        if relevant:
-            self.request_rescan(address)
-
-    def _poll_rdma(self) -> None:
-        """Read RDMA port states now, on the caller's thread (start-up, before anything is served)."""
-        ibdevs = self._ibdevs()
-        if ibdevs:
-            self._take_ports(self.scanner.rdma_ports(ibdevs))
-
-    def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
-        self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)
-
-    async def _refresh_ports(self) -> None:
-        """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
-        ibdevs = self._ibdevs()
-        if ibdevs:
-            self._take_ports(await asyncio.to_thread(self.scanner.rdma_ports, ibdevs))
-
-    async def _rdma_loop(self) -> None:
-        # RDMA port state has no event source (sysfs-sriov-rdma reference): poll it.
-        while True:
-            await asyncio.sleep(self.config.rdma_poll_s)
-            try:
-                await self._refresh_ports()
-            except Exception:
-                log.exception("RDMA port poll failed")
-                continue
-            self.handoff.note(0)
+        """Take link states by interface name (the demo's and tests' way in; the event intake's)."""
+        self.events.set_links(states)
 
     def _deliver(self, updates: Mapping[str, PoolUpdate], latency: float | None, events: int) -> None:
         """Hand a health flush to the device-plugin pools and to the DRA driver."""
         self.pools.publish(updates, latency, events)
         self._dra.take_changes(updates, self.tracker)
-
-    def _monitor_options(self) -> MonitorOptions:
-        """What both netlink monitors are given: the namespace, the receive buffer, the metrics."""
-        return MonitorOptions(
-            netns=self.settings.netns, rcvbuf=self.settings.netlink_rcvbuf, observer=self.metrics
-        )
-
-    async def _start_netlink(self) -> None:
-        try:
-            links = LinkMonitor(self.on_links, self.on_overrun, **self._monitor_options())
-            await links.start()
-            self._link_monitor = links
-        except OSError as exc:
-            log.error("cannot watch rtnetlink links (%s): link health comes from rescans only", exc)
-        try:
-            uevents = UeventMonitor(
-                self.on_uevent, functools.partial(self.on_overrun, "uevent"), **self._monitor_options()
-            )
-            await uevents.start()
-            self._uevent_monitor = uevents
-        except OSError as exc:
-            log.error("cannot watch kernel uevents (%s): devices change only on reconcile", exc)
 
     # ----------------------------------------------------------------------------------- reload
     def request_reload(self) -> None:
@@ -515,35 +315,6 @@ class Daemon:
         """Load the config file again and apply it; False (logged) when refused or applying it failed."""
         return await self._reloader.reload()
 
-    async def apply_config(self, new: Config) -> None:
-        """Diff pool definitions and apply them; untouched pools keep their streams and registration.
-
-        Should it fail, the config stays the last good one: pools already stopped or started stay so,
-        and the next reload diffs against it again and finishes the job.
-        """
-        last_good = self.config
-        try:
-            await self._apply_config(new)
-        except Exception:
-            self.config = last_good
-            raise
-
-    async def _apply_config(self, new: Config) -> None:
-        async with self._reload_lock:
-            with contextlib.suppress(Exception):
-                await self.ownership.refresh()  # devices the new config moves may be held by pods
-            self.config = new
-            self._dra.recover(new)  # the first DRA pool of this run
-            self.handoff.set_window(new.coalesce_ms / 1e3)
-            changes = await self._apply(new)
-            await self._dra.start(self.config)
-            self.metrics.record_reload(True)
-            log_event(
-                log,
-                "config reloaded",
-                added=",".join(changes.added) or "-",
-                removed=",".join(changes.removed) or "-",
-                changed=",".join(changes.changed) or "-",
-                reregistered=",".join(changes.reregister) or "-",
-                pools=len(self.pools),
-            )
+    async def apply_config(self, new: Config) -> PoolChanges:
+        """Diff pool definitions and apply them (the reloader's hook); on failure the last good one stays."""
+        return await self.rediscovery.reconfigure(new)

@@ -1,8 +1,9 @@
 """Config reloads: the file watched, loaded off the loop, refused with one line per problem, never fatal.
 
 SIGHUP and a change seen on disk only ask for a reload; one loop performs them one at a time and hands
-each new, valid config to the daemon, which diffs and applies it (``poolset``).  Whatever a reload
-raises is logged and counted, and the last good config stays.
+each new, valid config to ``apply`` (the daemon's hook into ``Rediscovery.reconfigure``: one pool-set
+diff, as rescans take), then counts and logs what changed.  Whatever a reload raises is logged and
+counted, and the last good config stays.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from .model import Config
 from .ops.logs import log_event
 from .ops.metrics import Metrics
 from .pools import config as config_mod
+from .poolset import PoolChanges
 
 log = logging.getLogger("densedev.reload")
+applied_log = logging.getLogger("densedev.daemon")  # "config reloaded" kept the daemon's logger when it moved
 
 
 class ConfigReloader:
@@ -32,7 +35,8 @@ class ConfigReloader:
         poll_s: float,
         metrics: Metrics,
         current: Callable[[], Config],
-        apply: Callable[[Config], Awaitable[None]],
+        apply: Callable[[Config], Awaitable[PoolChanges]],
+        served: Callable[[], int],
     ) -> None:
         self.path = path  # None: no file, nothing to reload
         self.default_prefix = default_prefix
@@ -40,6 +44,7 @@ class ConfigReloader:
         self.metrics = metrics
         self._current = current
         self._apply = apply  # on failure it raises, the config it found still the current one
+        self._served = served  # how many device-plugin pools are served (for the log line)
         self._requested = asyncio.Event()
 
     def request(self) -> None:
@@ -109,9 +114,19 @@ class ConfigReloader:
         if new == self._current():
             return True
         try:
-            await self._apply(new)
+            changes = await self._apply(new)
         except Exception:
             self.metrics.record_reload(False)
             log.exception("applying the reloaded config failed; the last good config stays")
             return False
+        self.metrics.record_reload(True)
+        log_event(
+            applied_log,
+            "config reloaded",
+            added=",".join(changes.added) or "-",
+            removed=",".join(changes.removed) or "-",
+            changed=",".join(changes.changed) or "-",
+            reregistered=",".join(changes.reregister) or "-",
+            pools=self._served(),
+        )
         return True

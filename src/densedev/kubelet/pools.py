@@ -28,8 +28,8 @@ from .watch import DirectoryWatch
 from .wire import ListEncoder
 
 if TYPE_CHECKING:
-    from ..daemon import DaemonSettings
     from ..poolset import PoolChanges
+    from ..settings import DaemonSettings
 
 # The pools' lines keep the logger they were always logged under (log lines are an interface).
 log = logging.getLogger("densedev.daemon")
