@@ -34,9 +34,12 @@ DP = f"{PREFIX}/dp"
 DRA = f"{PREFIX}/dra"
 
 
-def config(pools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The node's config document with these pools."""
-    return {"resourceList": pools, "rdmaPollSeconds": 0.05}
+def config(pools: list[dict[str, Any]], driver: str | None = None) -> dict[str, Any]:
+    """The node's config document with these pools (and this ``draDriverName`` when given)."""
+    doc: dict[str, Any] = {"resourceList": pools, "rdmaPollSeconds": 0.05}
+    if driver is not None:
+        doc["draDriverName"] = driver
+    return doc
 
 
 def pool(name: str, pf_names: list[str], api: str | None = None) -> dict[str, Any]:
@@ -78,9 +81,9 @@ class Node(node_helpers.Node):
     def pf1(self) -> simnode.SimPF:
         return self.layout.pfs[1]
 
-    def write(self, pools: list[dict[str, Any]]) -> None:
-        """Replace the config with these pools."""
-        self.write_config(config(pools))
+    def write(self, pools: list[dict[str, Any]], driver: str | None = None) -> None:
+        """Replace the config with these pools (and this ``draDriverName`` when given)."""
+        self.write_config(config(pools, driver))
 
     def daemon(self, client: ClientFactory | None = None, **kw: Any) -> Daemon:
         """A daemon with its DRA driver talking to the stand-in (or to ``client``)."""
@@ -101,26 +104,39 @@ class Node(node_helpers.Node):
         return Daemon(settings, cfg, dra_client=client or standin)
 
     # -- what the API server and the kubelets see --------------------------------------------------
-    def published(self) -> dict[str, str]:
-        """Device name -> PCI address of every device in the node's slices at the stand-in."""
+    def published(self, driver: str | None = None) -> dict[str, str]:
+        """Device name -> PCI address of every device in the node's slices (of ``driver``) at the stand-in."""
         assert self.api is not None
         out: dict[str, str] = {}
         for s in self.api.node_slices(NODE):
+            if driver is not None and s["spec"]["driver"] != driver:
+                continue
             for d in s["spec"].get("devices") or []:
                 out[d["name"]] = d["attributes"]["pciAddress"]["string"]
         return out
 
-    def claim(self, address: str, name: str = "") -> tuple[str, str, str]:
+    def drivers(self) -> set[str]:
+        """The drivers of the node's slices at the stand-in."""
+        assert self.api is not None
+        return {s["spec"]["driver"] for s in self.api.node_slices(NODE)}
+
+    def claim(self, address: str, name: str = "", driver: str = DRIVER) -> tuple[str, str, str]:
         """Store at the stand-in a claim allocated the device at ``address``; return its reference."""
         assert self.api is not None
         uid = str(uuid.uuid4())
         name = name or f"claim-{uid[:8]}"
-        result = {"request": "nic", "driver": DRIVER, "pool": NODE, "device": names.device_name(address)}
+        result = {"request": "nic", "driver": driver, "pool": NODE, "device": names.device_name(address)}
         self.api.put_claim(allocated_claim("default", name, uid, [result]))
         return ("default", name, uid)
 
-    def spec(self, uid: str) -> Path:
-        return self.cdi_dir / f"densedev_dra_{DRIVER}_{uid}.json"
+    def spec(self, uid: str, driver: str = DRIVER) -> Path:
+        """The CDI spec file Prepare writes for a claim of ``driver``."""
+        return self.cdi_dir / f"densedev_dra_{driver}_{uid}.json"
+
+    def sockets(self, driver: str) -> list[Path]:
+        """The registration and DRA sockets of ``driver`` that exist now."""
+        paths = (self.registry_dir / f"{driver}-reg.sock", self.plugins_dir / driver / "dra.sock")
+        return [p for p in paths if p.exists()]
 
 
 class Cluster:

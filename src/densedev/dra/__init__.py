@@ -28,3 +28,6 @@ class DraSettings:
     taints: bool = False  # taint unhealthy devices NoSchedule instead of withdrawing them
     min_write_interval_s: float = 1.0  # per slice: at most one write per interval
     retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of a start that failed
+    # A renamed driver holding no claim stops once its slices are deleted, or after this long at most
+    # (the kubelet deletes a deregistered driver's slices itself: at once on 1.32, after 30 s later).
+    withdraw_wait_s: float = 10.0
