@@ -7,12 +7,15 @@ and the config renames it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helpers.dra_daemon import DP, GUARD_S, Node, by_name, cluster, pool
+from helpers.metrics import sample
 
+from densedev.daemon import Daemon
 from densedev.dra.names import DEFAULT_DRIVER_NAME as A
 
 B = "vf.example.com"
@@ -56,6 +59,7 @@ async def test_a_restart_after_a_rename_keeps_the_old_drivers_claims_held(node: 
             await c.until(lambda: node.published(B) == by_name(pf1[1:]), "B published without the held VF")
             await c.until(lambda: A not in node.drivers(), "the slices A's previous run left deleted")
             # B's gate refuses the device, naming the claim of A that holds it.
+            await c.until(lambda: B in c.dra_kubelet.plugins, "B registered")
             other = node.claim(pf1[0], driver=B)
             refused = (await c.dra_kubelet.prepare(B, [other]))[other[2]].error
             assert "held" in refused and held[1] in refused and A in refused, refused
@@ -73,3 +77,109 @@ async def test_a_restart_after_a_rename_keeps_the_old_drivers_claims_held(node: 
             await c.until(lambda: node.published(B) == by_name(pf1), "the released VF published by B")
         else:
             await c.kubelet.wait_for(lambda: pf1[0] in c.kubelet.devices(DP), GUARD_S)
+
+
+def claims_series(daemon: Daemon) -> list[dict[str, str]]:
+    """The labels of every densedev_dra_prepared_claims series."""
+    return [
+        dict(s.labels)
+        for family in daemon.metrics.registry.collect()
+        for s in family.samples
+        if s.name == "densedev_dra_prepared_claims"
+    ]
+
+
+def events(caplog: pytest.LogCaptureFixture, msg: str) -> list[dict[str, object]]:
+    """The structured fields of every log line ``msg`` captured so far."""
+    return [dict(getattr(r, "fields", {})) for r in caplog.records if r.msg == msg]
+
+
+async def test_a_rename_with_nothing_prepared_retires_the_old_driver_at_once(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    pf1 = node.pf1.vf_addresses
+    caplog.set_level(logging.INFO, logger="densedev.dra.driver")
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: node.published(A) == by_name(pf1), "A published")
+        await c.until(lambda: A in c.dra_kubelet.plugins, "A registered")
+        old = daemon.dra
+
+        node.write(pools(node), driver=B)
+        assert await daemon.reload()
+        assert daemon.dra is not None and daemon.dra is not old and daemon.dra.driver == B
+        await c.until(lambda: node.published(B) == by_name(pf1), "B published")
+        await c.until(lambda: B in c.dra_kubelet.plugins, "B registered")
+        await c.until(lambda: not (node.plugins_dir / A).exists(), "A stopped, its files removed")
+        # A's slices were deleted by A's publisher (the kubelet emulator wipes nothing at a
+        # deregistration), its sockets are gone and the kubelet dropped it.
+        assert A not in node.drivers() and not node.sockets(A)
+        await c.until(lambda: A not in c.dra_kubelet.plugins, "A deregistered")
+        ready, why = daemon.registered()
+        assert ready, why
+        assert events(caplog, "draDriverName changed") == [{"old": A, "new": B}]
+        [retiring] = events(caplog, "DRA driver retiring")
+        assert retiring["driver"] == A and retiring["renamed_to"] == B and retiring["claims"] == 0
+        assert events(caplog, "DRA driver stopped") == [{"driver": A, "renamed_to": B}]
+        # B serves claims of its own.
+        ref = node.claim(pf1[0], driver=B)
+        assert (await c.dra_kubelet.prepare(B, [ref]))[ref[2]].error == ""
+        assert node.spec(ref[2], B).exists()
+
+
+async def test_a_rename_with_prepared_claims_keeps_them_held_until_unprepared(node: Node) -> None:
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: A in c.dra_kubelet.plugins, "A registered")
+        # Two claims of A: one device stays in a DRA pool after the rename, one moves to the
+        # device-plugin pool.
+        stays, moves = node.claim(pf1[0], driver=A), node.claim(pf1[5], driver=A)
+        answers = await c.dra_kubelet.prepare(A, [stays, moves])
+        assert all(a.error == "" for a in answers.values()), answers
+        late = node.claim(pf1[1], driver=A)  # allocated from A's slices, not prepared before the rename
+
+        pf1_name = node.pf1.netdev
+        node.write(
+            [
+                pool("dp", [node.pf0.netdev, f"{pf1_name}#4-7"]),
+                pool("dra", [f"{pf1_name}#0-3"], api="dra"),
+            ],
+            driver=B,
+        )
+        assert await daemon.reload()
+        # Neither held device is offered: not in B's slices, not listed to the kubelet.
+        await c.until(lambda: node.published(B) == by_name(pf1[1:4]), "B published without the held VF")
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0 + pf1[4:5] + pf1[6:]), GUARD_S)
+        await c.until(lambda: A not in node.drivers(), "A's slices deleted at once")
+        assert sample(daemon, "densedev_dra_prepared_claims", driver=A, state="retiring") == 2
+        assert sample(daemon, "densedev_dra_prepared_claims", driver=B, state="active") == 0
+        # B's gate refuses the device A's claim holds, naming that claim.
+        await c.until(lambda: B in c.dra_kubelet.plugins, "B registered")
+        other = node.claim(pf1[0], driver=B)
+        refused = (await c.dra_kubelet.prepare(B, [other]))[other[2]].error
+        assert "held" in refused and stays[1] in refused and f"driver {A}" in refused, refused
+        # A refuses a claim allocated from its withdrawn slices, in one line naming the rename...
+        refused = (await c.dra_kubelet.prepare(A, [late]))[late[2]].error
+        assert f"renamed to {B}" in refused and "\n" not in refused and not node.spec(late[2], A).exists()
+        # ... but answers a repeated Prepare of a claim it prepared (the kubelet re-sends those
+        # after its restart) exactly as before.
+        assert (await c.dra_kubelet.prepare(A, [stays]))[stays[2]] == answers[stays[2]]
+        got = await c.kubelet.create_pod("p1", {DP: c.kubelet.allocatable(DP)})
+        assert pf1[5] not in got[DP] and c.kubelet.double_holdings == []
+
+        # Unprepare the first claim: its device joins B's slices; A serves on for the other.
+        assert await c.dra_kubelet.unprepare(A, [stays]) == {stays[2]: ""}
+        await c.until(lambda: node.published(B) == by_name(pf1[:4]), "the released VF published by B")
+        assert A in c.dra_kubelet.plugins and node.sockets(A)
+        assert sample(daemon, "densedev_dra_prepared_claims", driver=A, state="retiring") == 1
+        # The last one: A stops and the kubelet drops it; its device is listed to the kubelet.
+        assert await c.dra_kubelet.unprepare(A, [moves]) == {moves[2]: ""}
+        await c.until(lambda: not (node.plugins_dir / A).exists(), "A stopped, its files removed")
+        await c.until(lambda: A not in c.dra_kubelet.plugins, "A deregistered")
+        assert not node.sockets(A) and not node.spec(stays[2], A).exists()
+        await c.kubelet.wait_for(lambda: pf1[5] in c.kubelet.devices(DP), GUARD_S)
+        assert not [s for s in claims_series(daemon) if s["driver"] == A]
+        assert (await c.dra_kubelet.prepare(B, [other]))[other[2]].error == ""

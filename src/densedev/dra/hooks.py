@@ -196,21 +196,30 @@ class DraHooks:
     async def _retirement(self, record: _Retiring) -> None:
         """Serve a retiring driver while it holds claims (started with retries), then stop it for good."""
         driver = record.driver
+        assert self.settings is not None
         attempt = 0
-        while not driver.done() and not record.reactivated:
-            delay: float | None = None
-            if not driver.started and driver.plugin.service.prepared:
-                # Its plugin for Unprepare, and its publisher to delete the slices a previous run left.
-                attempt += 1
-                if await self._try_start(driver, attempt):
-                    continue
-                delay = backoff_delay(attempt, self._bounds())
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await record.wake.wait()
-            record.wake.clear()
-        if record.reactivated:
-            return
+        while True:
+            while not driver.done() and not record.reactivated:
+                delay: float | None = None
+                if not driver.started and driver.plugin.service.prepared:
+                    # Its plugin for Unprepare, its publisher to delete slices a previous run left.
+                    attempt += 1
+                    if await self._try_start(driver, attempt):
+                        continue
+                    delay = backoff_delay(attempt, self._bounds())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await record.wake.wait()
+                record.wake.clear()
+            if record.reactivated:
+                return
+            if not driver.plugin.started:
+                break  # never served in this run: no kubelet is waiting for an answer
+            # The kubelet reads its last answer before it sees the driver go (see retire_linger_s);
+            # a call arriving meanwhile (a retried Unprepare) keeps the driver serving.
+            await asyncio.sleep(self.settings.retire_linger_s)
+            if driver.done() and not record.reactivated:
+                break
         record.stopping = True
         await self._stop_retired(record)
 
