@@ -7,16 +7,23 @@ and the config renames it.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.dra_daemon import DP, GUARD_S, Node, by_name, cluster, pool
+from helpers.dra_daemon import DP, DRA, GUARD_S, Node, by_name, cluster, pool
 from helpers.metrics import sample
+from helpers.node import PREFIX
 
 from densedev.daemon import Daemon
+from densedev.dra.claims import Checkpoint, decode_checkpoint, find_checkpoints
 from densedev.dra.names import DEFAULT_DRIVER_NAME as A
+from densedev.node import scanner as discovery
+from densedev.pools import config as config_mod
+from densedev.pools import select as selectors
+from densedev.pools.ownership import DRA_CLAIMS, Ownership, retiring_claims
 
 B = "vf.example.com"
 C = "nic.example.org"
@@ -183,3 +190,141 @@ async def test_a_rename_with_prepared_claims_keeps_them_held_until_unprepared(no
         await c.kubelet.wait_for(lambda: pf1[5] in c.kubelet.devices(DP), GUARD_S)
         assert not [s for s in claims_series(daemon) if s["driver"] == A]
         assert (await c.dra_kubelet.prepare(B, [other]))[other[2]].error == ""
+
+
+async def test_renaming_back_while_retiring_makes_the_same_driver_active_again(node: Node) -> None:
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: A in c.dra_kubelet.plugins, "A registered")
+        first = daemon.dra
+        held = node.claim(pf1[0], driver=A)
+        answer = (await c.dra_kubelet.prepare(A, [held]))[held[2]]
+        assert answer.error == ""
+
+        node.write(pools(node), driver=B)
+        assert await daemon.reload()
+        await c.until(lambda: node.published(B) == by_name(pf1[1:]), "B published without the held VF")
+        await c.until(lambda: B in c.dra_kubelet.plugins and A not in node.drivers(), "A retiring")
+
+        node.write(pools(node), driver=A)
+        assert await daemon.reload()
+        # One instance per name: the very driver that prepared the claim, never unregistered.
+        assert daemon.dra is first
+        await c.until(lambda: node.published(A) == by_name(pf1), "A publishes again, its claim's VF too")
+        await c.until(lambda: not (node.plugins_dir / B).exists(), "B (nothing prepared) stopped at once")
+        await c.until(lambda: B not in c.dra_kubelet.plugins, "B deregistered")
+        assert B not in node.drivers() and A in c.dra_kubelet.plugins
+        # The claim is A's own again (a DRA pool's own claims do not withhold its device), and A
+        # prepares new claims once more.
+        assert (await c.dra_kubelet.prepare(A, [held]))[held[2]] == answer
+        new = node.claim(pf1[1], driver=A)
+        assert (await c.dra_kubelet.prepare(A, [new]))[new[2]].error == ""
+        assert await c.dra_kubelet.unprepare(A, [held, new]) == {held[2]: "", new[2]: ""}
+        assert A in c.dra_kubelet.plugins and node.sockets(A)
+
+
+async def test_a_second_rename_while_the_first_driver_retires(node: Node) -> None:
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: A in c.dra_kubelet.plugins, "A registered")
+        held_a = node.claim(pf1[0], driver=A)
+        assert (await c.dra_kubelet.prepare(A, [held_a]))[held_a[2]].error == ""
+        node.write(pools(node), driver=B)
+        assert await daemon.reload()
+        await c.until(lambda: B in c.dra_kubelet.plugins, "B registered")
+        held_b = node.claim(pf1[1], driver=B)
+        assert (await c.dra_kubelet.prepare(B, [held_b]))[held_b[2]].error == ""
+
+        node.write(pools(node), driver=C)
+        assert await daemon.reload()
+        # A and B retire side by side, each holding its claim's device; C publishes the rest.
+        await c.until(lambda: node.published(C) == by_name(pf1[2:]), "C published without both VFs")
+        await c.until(lambda: node.drivers() == {C}, "A's and B's slices deleted")
+        assert daemon.ownership.held.get(pf1[0]) and daemon.ownership.held.get(pf1[1])
+        # Both now refuse new claims as renamed to C.
+        for old in (A, B):
+            late = node.claim(pf1[3], driver=old)
+            refused = (await c.dra_kubelet.prepare(old, [late]))[late[2]].error
+            assert f"renamed to {C}" in refused, refused
+        assert await c.dra_kubelet.unprepare(B, [held_b]) == {held_b[2]: ""}
+        await c.until(lambda: not (node.plugins_dir / B).exists(), "B stopped")
+        await c.until(lambda: node.published(C) == by_name(pf1[1:]), "B's VF published by C")
+        assert A in c.dra_kubelet.plugins
+        assert await c.dra_kubelet.unprepare(A, [held_a]) == {held_a[2]: ""}
+        await c.until(lambda: not (node.plugins_dir / A).exists(), "A stopped")
+        await c.until(lambda: node.published(C) == by_name(pf1), "A's VF published by C")
+        await c.until(lambda: set(c.dra_kubelet.plugins) == {C}, "only C registered")
+
+
+async def test_another_vendors_checkpoint_is_ignored_and_untouched(node: Node) -> None:
+    # The official helper's drivers keep checkpoint.json in their own dir under the shared plugins
+    # dir (the kubelet checkpointmanager envelope), as does a densedev-looking file of another name.
+    foreign = node.plugins_dir / "gpu.example.com" / "checkpoint.json"
+    foreign.parent.mkdir(parents=True)
+    content = b'{"checksum":1234567,"v1":{"preparedClaims":{"uid-1":{"name":"c"}}}}'
+    foreign.write_bytes(content)
+    copied = node.plugins_dir / "copy.example.com" / "checkpoint.json"
+    copied.parent.mkdir(parents=True)
+    copied.write_bytes(b'{"claims":[],"driver":"other.example.com","kind":"DensedevDRACheckpoint"}\n')
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: A in c.dra_kubelet.plugins, "A registered")
+        await c.until(lambda: node.published(A) == by_name(node.pf1.vf_addresses), "A published")
+        assert set(c.dra_kubelet.plugins) == {A}
+        assert foreign.read_bytes() == content and sorted(p.name for p in foreign.parent.iterdir()) == [
+            "checkpoint.json"
+        ]
+        assert len(list(copied.parent.iterdir())) == 1 and copied.exists()
+        assert daemon.ownership.held == {}
+
+
+def test_densedev_checkpoints_are_told_from_other_vendors(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plugins = tmp_path / "plugins"
+    Checkpoint(plugins / A, A).save({})
+    Checkpoint(plugins / B, B).save({})
+    # Reformatted by hand (still a valid checkpoint of ours: the checksum covers the claims' values).
+    doc = json.loads((plugins / B / "checkpoint.json").read_bytes())
+    (plugins / B / "checkpoint.json").write_text(json.dumps(doc, indent=2))
+    assert decode_checkpoint(B, (plugins / B / "checkpoint.json").read_bytes()) == {}
+    (plugins / "gpu.example.com").mkdir()
+    (plugins / "gpu.example.com" / "checkpoint.json").write_text('{"checksum": 1, "v1": {}}')
+    (plugins / "torn.example.com").mkdir()
+    (plugins / "torn.example.com" / "checkpoint.json").write_text('{"kind": "DensedevDRACheckpoint", "dri')
+    (plugins / "moved.example.com").mkdir()
+    (plugins / "moved.example.com" / "checkpoint.json").write_bytes(
+        (plugins / A / "checkpoint.json").read_bytes()
+    )
+    (plugins / "link.example.com").symlink_to(plugins / A)
+    (plugins / "file.example.com").write_text("not a directory")
+    (plugins / "empty.example.com").mkdir()
+    before = {p: p.read_bytes() for p in plugins.rglob("checkpoint.json") if not p.parent.is_symlink()}
+
+    assert sorted(find_checkpoints(plugins)) == sorted([A, B])
+    assert [r for r in caplog.records if "moved.example.com" in r.getMessage()]
+    assert {p: p.read_bytes() for p in before} == before  # read only, whatever was found
+    assert find_checkpoints(tmp_path / "absent") == []
+
+
+def test_a_retiring_drivers_claims_are_withheld_from_every_pool(node: Node) -> None:
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+    cfg = config_mod.load(node.config_path, default_prefix=PREFIX)
+    raw = selectors.build_pools(cfg, discovery.scan(node.sysfs).devices)
+    own = Ownership(None)
+    # The active driver holds pf1[0]; the retiring A holds pf1[1] and pf0[0].
+    assert own.set_claimed([pf1[0]], {A: [pf1[1], pf0[0]]}) is True
+    assert own.set_claimed([pf1[0]], {A: [pf0[0], pf1[1]]}) is False
+    assert own.held[pf1[1]] == frozenset({retiring_claims(A)})
+    # The DRA pool keeps its own driver's claim's device (the scheduler counts that allocation) but
+    # withholds the retiring driver's: the new slices must not offer it.
+    assert own.split(raw)[1] == {DP: (pf0[0],), DRA: (pf1[1],)}
+    assert own.conflicts(DP, [pf0[0]]) == {pf0[0]: frozenset({retiring_claims(A)})}
+    # A stopped: what it held is free; a retiring driver with no claim holds nothing.
+    assert own.set_claimed([pf1[0]], {A: []}) is True
+    assert own.held == {pf1[0]: frozenset({DRA_CLAIMS})}
