@@ -15,7 +15,9 @@ Order matters and is the daemon's to keep (see ``Daemon.start``), through ``DraH
 
 The kubelet plugin is served as long as the daemon runs once started, even when a reload leaves no
 DRA pool: the kubelet still has to unprepare the claims prepared before (kubelet
-``pkg/kubelet/cm/dra/manager.go`` retries NodeUnprepareResources until it succeeds).
+``pkg/kubelet/cm/dra/manager.go`` retries NodeUnprepareResources until it succeeds).  For the same
+reason a driver ``draDriverName`` no longer names is ``retire``d rather than stopped: no slices, no new
+claims, its prepared claims served until unprepared (``hooks.py`` says when it stops).
 """
 
 from __future__ import annotations

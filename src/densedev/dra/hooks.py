@@ -213,28 +213,30 @@ class DraHooks:
                 record.wake.clear()
             if record.reactivated:
                 return
-            if not driver.plugin.started:
-                break  # never served in this run: no kubelet is waiting for an answer
-            # The kubelet reads its last answer before it sees the driver go (see retire_linger_s);
-            # a call arriving meanwhile (a retried Unprepare) keeps the driver serving.
-            await asyncio.sleep(self.settings.retire_linger_s)
+            if driver.plugin.started:
+                # The kubelet reads its last answer before it sees the driver go (retire_linger_s);
+                # a call arriving meanwhile (a retried Unprepare) keeps the driver serving.
+                await asyncio.sleep(self.settings.retire_linger_s)
+            # Its slices deleted first (the publisher's pass after ``retire``): bounded, because the
+            # kubelet deletes a deregistered driver's slices itself (at once on 1.32, after 30 s from
+            # 1.33, cm/dra/plugin/registration.go).  Everything up to here leaves the driver whole, so
+            # a rename back meanwhile simply makes it active again.
+            if driver.publisher is not None and not await driver.withdrawn(self.settings.withdraw_wait_s):
+                log_event(
+                    log,
+                    "DRA slices of a retired driver not confirmed deleted; the kubelet deletes them "
+                    "once it deregisters the driver",
+                    level=logging.WARNING,
+                    driver=driver.driver,
+                )
             if driver.done() and not record.reactivated:
                 break
         record.stopping = True
         await self._stop_retired(record)
 
     async def _stop_retired(self, record: _Retiring) -> None:
-        """Stop a retiring driver holding no claim: its slices deleted, then its sockets, then its files."""
+        """Stop a retiring driver holding no claim and answering no call: sockets, then its files."""
         driver = record.driver
-        assert self.settings is not None
-        if driver.publisher is not None and not await driver.withdrawn(self.settings.withdraw_wait_s):
-            log_event(
-                log,
-                "DRA slices of a retired driver not confirmed deleted; the kubelet deletes them "
-                "once it deregisters the driver",
-                level=logging.WARNING,
-                driver=driver.driver,
-            )
         try:
             await driver.stop()  # the registration socket goes first: the kubelet deregisters it
         except Exception:
