@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.dra import VF, VF2
+from helpers.dra import Node as DraNode
 from helpers.dra_daemon import DP, DRA, GUARD_S, Node, by_name, cluster, pool
 from helpers.metrics import sample
 from helpers.node import PREFIX
@@ -328,3 +330,25 @@ def test_a_retiring_drivers_claims_are_withheld_from_every_pool(node: Node) -> N
     # A stopped: what it held is free; a retiring driver with no claim holds nothing.
     assert own.set_claimed([pf1[0]], {A: []}) is True
     assert own.held == {pf1[0]: frozenset({DRA_CLAIMS})}
+
+
+async def test_a_retiring_node_service_refuses_new_claims_and_keeps_its_own(tmp_path: Path) -> None:
+    n = DraNode(tmp_path)
+    service = n.service
+    service.recover()
+    mine = n.claim(("nic", VF))
+    answer = (await service.prepare([mine]))[mine.uid]
+    assert answer.error == ""
+    service.refusing = "driver A was renamed to B"
+    late = n.claim(("nic", VF2))
+    refused = await service.prepare([late, mine])
+    assert refused[late.uid].error == f"claim {late}: driver A was renamed to B"
+    assert refused[mine.uid] == answer  # a repeated Prepare answers the same
+    assert not (n.settings.cdi_dir / f"densedev_dra_{n.settings.driver}_{late.uid}.json").exists()
+    assert await service.unprepare([mine]) == {mine.uid: ""}
+    # Holding nothing, its state goes: the checkpoint and every CDI spec of its driver.
+    assert (n.settings.plugin_dir / "checkpoint.json").exists()
+    (n.settings.cdi_dir / f"densedev_dra_{n.settings.driver}_stale.json").write_text("{}")
+    service.remove_state()
+    assert not (n.settings.plugin_dir / "checkpoint.json").exists()
+    assert [p.name for p in n.settings.cdi_dir.iterdir()] == []
