@@ -7,129 +7,26 @@ official schema, the ResourceClaims), and the device-plugin kubelet emulator (po
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from helpers import node as node_helpers
+from helpers.dra_daemon import DP, DRA, GUARD_S, NODE, Node, by_name, cluster, pool
 from helpers.metrics import sample
 from helpers.node import PREFIX
 
 from densedev.alloc import devinfo
-from densedev.daemon import Daemon
-from densedev.dra import DraSettings, names
+from densedev.dra import names
 from densedev.dra.apiclient import ResourceClient
-from densedev.dra.driver import ClientFactory
 from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
 from densedev.node import scanner as discovery
 from densedev.pools import config as config_mod
 from densedev.pools import select as selectors
 from densedev.pools.ownership import DRA_CLAIMS, Ownership
-from densedev.testing import simnode
-from densedev.testing.apiserver import ApiServerStandIn
-from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
-from densedev.testing.kubelet import KubeletEmulator
-
-GUARD_S = 30.0  # the DRA path crosses three emulated parties: a wider hang guard than helpers.node's
-NODE = "node-a"
-DP = f"{PREFIX}/dp"
-DRA = f"{PREFIX}/dra"
-
-
-def config(pools: list[dict[str, Any]]) -> dict[str, Any]:
-    """The node's config document with these pools."""
-    return {"resourceList": pools, "rdmaPollSeconds": 0.05}
-
-
-def pool(name: str, pf_names: list[str], api: str | None = None) -> dict[str, Any]:
-    """A pool of the VFs of these PFs, served through ``api`` (the device-plugin API when None)."""
-    return node_helpers.pool(name, pf_names, **({} if api is None else {"api": api}))
-
-
-class Node(node_helpers.Node):
-    """A simulated node: PF 0's VFs in pool ``dp`` (device plugin), PF 1's in pool ``dra`` (DRA)."""
-
-    def __init__(self, tmp: Path, pfs: int = 2, vfs_per_pf: int = 8) -> None:
-        # unix socket paths are limited to 107 bytes: short dirs, as the kubelet's own.
-        self.short = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-        (self.short / "dp").mkdir()
-        super().__init__(
-            tmp,
-            pfs,
-            vfs_per_pf,
-            rdma=False,
-            config=lambda layout: config([pool("dp", [layout.pfs[0].netdev])]),
-            kubelet_dir=self.short / "dp",
-        )
-        self.plugins_dir = self.short / "plugins"
-        self.registry_dir = self.short / "registry"
-        self.pr_socket = self.short / "pr.sock"
-        self.cdi_dir = tmp / "cdi"
-        self.devinfo_dir = tmp / "devinfo"
-        self.api: ApiServerStandIn | None = None
-
-    def cleanup(self) -> None:
-        """Remove the short dirs outside the test's temp dir."""
-        shutil.rmtree(self.short, ignore_errors=True)
-
-    @property
-    def pf0(self) -> simnode.SimPF:
-        return self.layout.pfs[0]
-
-    @property
-    def pf1(self) -> simnode.SimPF:
-        return self.layout.pfs[1]
-
-    def write(self, pools: list[dict[str, Any]]) -> None:
-        """Replace the config with these pools."""
-        self.write_config(config(pools))
-
-    def daemon(self, client: ClientFactory | None = None, **kw: Any) -> Daemon:
-        """A daemon with its DRA driver talking to the stand-in (or to ``client``)."""
-        assert self.api is not None
-        url = self.api.url
-
-        async def standin() -> ResourceClient:
-            return ResourceClient.for_url(url)
-
-        dra = DraSettings(
-            node_name=NODE,
-            plugins_dir=self.plugins_dir,
-            registry_dir=self.registry_dir,
-            min_write_interval_s=0.05,
-        )
-        settings = self.settings(pod_resources_socket=self.pr_socket, dra=dra, **kw)
-        cfg = config_mod.load(self.config_path, default_prefix=PREFIX)
-        return Daemon(settings, cfg, dra_client=client or standin)
-
-    # -- what the API server and the kubelets see --------------------------------------------------
-    def published(self) -> dict[str, str]:
-        """Device name -> PCI address of every device in the node's slices at the stand-in."""
-        assert self.api is not None
-        out: dict[str, str] = {}
-        for s in self.api.node_slices(NODE):
-            for d in s["spec"].get("devices") or []:
-                out[d["name"]] = d["attributes"]["pciAddress"]["string"]
-        return out
-
-    def claim(self, address: str, name: str = "") -> tuple[str, str, str]:
-        """Store at the stand-in a claim allocated the device at ``address``; return its reference."""
-        assert self.api is not None
-        uid = str(uuid.uuid4())
-        name = name or f"claim-{uid[:8]}"
-        result = {"request": "nic", "driver": DRIVER, "pool": NODE, "device": names.device_name(address)}
-        self.api.put_claim(allocated_claim("default", name, uid, [result]))
-        return ("default", name, uid)
-
-    def spec(self, uid: str) -> Path:
-        return self.cdi_dir / f"densedev_dra_{DRIVER}_{uid}.json"
 
 
 @pytest.fixture
@@ -138,62 +35,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
     n.write([pool("dp", [n.pf0.netdev]), pool("dra", [n.pf1.netdev], api="dra")])
     yield n
     n.cleanup()
-
-
-class Cluster:
-    """The three emulated parties and the daemon, started in the order a node starts them."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        assert node.api is not None
-        self.api = node.api
-        self.kubelet = KubeletEmulator(node.kubelet_dir, pod_resources_socket=node.pr_socket, strict=True)
-        self.dra_kubelet = DraKubelet(node.registry_dir, on_start=self._wipe)
-        self.daemon: Daemon | None = None
-
-    async def _wipe(self) -> None:
-        # The kubelet deletes the node's slices at its start (DRA manager, deletecollection).
-        self.api.wipe_node(NODE)
-
-    async def start_daemon(self) -> Daemon:
-        self.daemon = self.node.daemon()
-        await self.daemon.start()
-        return self.daemon
-
-    async def stop_daemon(self) -> None:
-        if self.daemon is not None:
-            await self.daemon.stop()
-            self.daemon = None
-
-    async def until(self, cond: Callable[[], bool], what: str) -> None:
-        try:
-            await self.dra_kubelet.wait_for(cond, GUARD_S)
-        except TimeoutError:
-            raise AssertionError(f"never happened: {what}") from None
-
-
-@contextlib.asynccontextmanager
-async def cluster(node: Node) -> AsyncIterator[Cluster]:
-    api = ApiServerStandIn()
-    await api.start()
-    api.add_node(NODE)
-    node.api = api
-    c = Cluster(node)
-    await c.kubelet.start()
-    await c.dra_kubelet.start()
-    try:
-        await c.start_daemon()
-        yield c
-    finally:
-        await c.stop_daemon()
-        await c.dra_kubelet.stop()
-        await c.kubelet.stop()
-        await api.stop()
-        assert api.rejected == [], api.rejected
-
-
-def by_name(addresses: list[str]) -> dict[str, str]:
-    return {names.device_name(a): a for a in addresses}
 
 
 async def test_dra_and_device_plugin_pools_end_to_end(node: Node) -> None:

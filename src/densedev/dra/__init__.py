@@ -28,3 +28,10 @@ class DraSettings:
     taints: bool = False  # taint unhealthy devices NoSchedule instead of withdrawing them
     min_write_interval_s: float = 1.0  # per slice: at most one write per interval
     retry_s: tuple[float, float] = (0.5, 30.0)  # backoff of a start that failed
+    # A renamed driver holding no claim stops once its slices are deleted, or after this long at most
+    # (the kubelet deletes a deregistered driver's slices itself: at once on 1.32, after 30 s later).
+    withdraw_wait_s: float = 10.0
+    # ... and not before this long after its last answer to the kubelet: the kubelet may drop the
+    # connection as it deregisters the driver, and an answer it has not read yet would be lost with it
+    # (it would then retry an Unprepare against a driver that is gone).
+    retire_linger_s: float = 1.0

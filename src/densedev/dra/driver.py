@@ -15,11 +15,14 @@ Order matters and is the daemon's to keep (see ``Daemon.start``), through ``DraH
 
 The kubelet plugin is served as long as the daemon runs once started, even when a reload leaves no
 DRA pool: the kubelet still has to unprepare the claims prepared before (kubelet
-``pkg/kubelet/cm/dra/manager.go`` retries NodeUnprepareResources until it succeeds).
+``pkg/kubelet/cm/dra/manager.go`` retries NodeUnprepareResources until it succeeds).  For the same
+reason a driver ``draDriverName`` no longer names is ``retire``d rather than stopped: no slices, no new
+claims, its prepared claims served until unprepared (``hooks.py`` says when it stops).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -96,12 +99,17 @@ class DraDriver:
             watch=watch,
         )
         self.plugin.service.on_change = on_claims
+        self.plugin.service.on_idle = on_claims  # a retiring driver may stop once the kubelet is answered
         self.client: ResourceClient | None = None
         self.publisher: Publisher | None = None
         self.pools: tuple[Pool, ...] = ()  # the DRA pools as configured (nothing withheld)
         self.withheld: frozenset[str] = frozenset()  # their devices held through the other API
         self._listed: tuple[Pool, ...] = ()  # the DRA pools as listed (withheld devices taken out)
         self.started = False  # publishing and serving the kubelet
+        self.renamed_to: str | None = None  # retiring: draDriverName now names this driver instead
+        # Starts and stops one at a time: a retiring driver's start (its own retry) and the daemon's
+        # start of the driver made active again may overlap.
+        self._lock = asyncio.Lock()
 
     # ------------------------------------------------------------------------------------- state
     def recover(self) -> frozenset[str]:
@@ -125,6 +133,11 @@ class DraDriver:
             return frozenset()
         return frozenset(d for p in self._listed for d in tracker.unhealthy_devices(p.config.full_name))
 
+    def done(self) -> bool:
+        """Return whether the driver holds no prepared claim and answers no kubelet call (may stop)."""
+        service = self.plugin.service
+        return not service.prepared and service.calls == 0
+
     def needed(self) -> bool:
         """Return whether the driver must run: DRA pools are configured or claims are still prepared."""
         return bool(self.pools) or bool(self.plugin.service.prepared)
@@ -145,6 +158,54 @@ class DraDriver:
             self.gate.set_pools(self.pools)
         if self.publisher is not None:
             self.publisher.update(pools=self.pools if replan else None, withheld=self.withheld)
+
+    def retire(self, renamed_to: str) -> None:
+        """Offer nothing more: withdraw every slice, refuse new claims, keep the prepared ones' Unprepare.
+
+        The scheduler allocates from the slices of a driver name; once ``draDriverName`` names another
+        driver, an allocation from ours is one the new driver's slices know nothing of, so ours are
+        deleted at once (the publisher's next pass, every slice being stale) and a claim allocated
+        from them before that is refused at Prepare (see ``NodeService.refusing``).  Claims prepared
+        already stay served until the kubelet unprepares them (it retries NodeUnprepareResources until
+        it succeeds, pkg/kubelet/cm/dra/manager.go).
+        """
+        self.renamed_to = renamed_to
+        self.plugin.service.refusing = (
+            f"driver {self.driver} was renamed to {renamed_to} (draDriverName) and its ResourceSlices "
+            f"withdrawn; a claim allocated from them is not prepared: delete it (or its pod) so that it "
+            f"is allocated from {renamed_to}'s"
+        )
+        self.pools, self._listed, self.withheld = (), (), frozenset()
+        self.gate.set_pools(())
+        # The devices of claims still prepared leave every pool's listing (ownership withholds them),
+        # so the tracker no longer follows them: their last health stays in the stream, the rest goes.
+        stream = self.plugin.health
+        gone = stream.devices() - set(self.plugin.service.held())
+        if gone:
+            stream.forget(gone)
+        if self.publisher is not None:
+            self.publisher.update(pools=(), withheld=frozenset(), unhealthy=frozenset())
+
+    def reactivate(self) -> None:
+        """Serve under this name again (``draDriverName`` renamed back); ``take_pools`` republishes."""
+        self.renamed_to = None
+        self.plugin.service.refusing = ""
+
+    def remove_state(self) -> None:
+        """Remove the checkpoint, CDI specs, sockets and plugin dir of a stopped driver holding no claim."""
+        self.plugin.remove_state()
+
+    async def withdrawn(self, timeout: float) -> bool:
+        """Wait until the server holds none of our slices (after ``retire``); False after ``timeout``."""
+        publisher = self.publisher
+        if publisher is None:
+            return False
+        try:
+            async with asyncio.timeout(timeout):
+                await publisher.wait_idle()
+        except TimeoutError:
+            return False
+        return True
 
     @property
     def listed(self) -> tuple[Pool, ...]:
@@ -195,6 +256,10 @@ class DraDriver:
         fails per claim (its ResourceClaim cannot be read) rather than the plugin being absent.  Called
         again (the daemon retries with backoff), it only connects and publishes.
         """
+        async with self._lock:
+            await self._start()
+
+    async def _start(self) -> None:
         if self.started:
             return
         node = self.settings.node_name
@@ -236,7 +301,7 @@ class DraDriver:
         self.started = True
         log_event(
             log,
-            "DRA driver started",
+            "DRA driver started" if self.renamed_to is None else "DRA driver started to retire",
             driver=self.driver,
             node=node,
             version=publisher.version.value,
@@ -247,6 +312,10 @@ class DraDriver:
 
     async def stop(self) -> None:
         """Stop serving the kubelet and publishing (the slices stay: the kubelet owns their cleanup)."""
+        async with self._lock:
+            await self._stop()
+
+    async def _stop(self) -> None:
         await self.plugin.stop()
         if self.publisher is not None:
             await self.publisher.stop()

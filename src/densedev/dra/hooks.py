@@ -1,7 +1,30 @@
-"""The daemon's side of DRA: the driver built only when a pool is DRA or prepared claims are on record.
+"""The daemon's side of DRA: the active driver, and the drivers a rename left behind until they are done.
 
 The driver (gRPC DRA services, the API-server client, the ResourceSlice publisher) is imported where it is
 built, so a device-plugin-only node never loads it (issue 14, start-up).
+
+**Renaming the driver** (``draDriverName``) takes effect at the reload.  The old driver ``A`` cannot
+simply go: the kubelet holds claims ``A`` prepared and will call ``A``'s NodeUnprepareResources for them
+(retrying until it succeeds, pkg/kubelet/cm/dra/manager.go), and the devices those claims hold are in
+use.  So ``A`` *retires*:
+
+1. a new driver ``B`` is built (its own plugin dir, sockets and checkpoint) and takes the DRA pools;
+2. ``A``'s slices are deleted by its own publisher at once (every slice is stale to a plan with no
+   pools), so the scheduler allocates no new ``A`` claim; a claim allocated from them before is refused
+   at Prepare with one line naming the rename (its allocation is one ``B``'s slices know nothing of:
+   preparing it could hand out a device the scheduler has since given to a ``B`` claim);
+3. ``A``'s kubelet plugin stays registered and serves Unprepare (and a repeated Prepare of a claim it
+   prepared, which must answer the same: the kubelet re-sends it after its own restart);
+4. the devices ``A``'s prepared claims hold are held in the ownership map under
+   ``retiring_claims(A)``, withheld from every pool, ``B``'s DRA pools too;
+5. once ``A`` holds no claim it stops: its sockets are removed (the kubelet deregisters it), then its
+   checkpoint, CDI specs and plugin dir.  With nothing prepared this is immediate.
+
+A rename while drivers retire retires the active one too (``A`` and ``B`` retire side by side, both
+now refusing as renamed to ``C``); renaming back to a retiring driver makes that same instance active
+again (one instance per name: the sockets and the checkpoint are per name).  At the daemon's start the
+plugins dir is searched for densedev checkpoints (``claims.find_checkpoints``): one of a name the config
+no longer uses makes that driver a retiring one from the start.
 """
 
 from __future__ import annotations
@@ -11,13 +34,15 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..backoff import backoff_delay
 from ..model import Config, Pool, PoolApi
 from ..ops.logs import log_event
-from ..pools.ownership import DRA_CLAIMS, Ownership
+from ..ops.metrics import Gauge
+from ..pools.ownership import DRA_CLAIMS, Ownership, retiring_claims
 from . import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from . import DraSettings
 
@@ -29,8 +54,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("densedev.dra.driver")  # the driver's lines, wherever in the package they start
 
 
+@dataclass(eq=False)
+class _Retiring:
+    """A driver ``draDriverName`` no longer names, served until its last prepared claim is unprepared."""
+
+    driver: DraDriver
+    renamed_to: str
+    wake: asyncio.Event = field(default_factory=asyncio.Event)  # its claims changed, or it is wanted
+    task: asyncio.Task[None] | None = None
+    stopping: bool = False  # past the point of no return: sockets and files are going
+    reactivated: bool = False  # renamed back: the task leaves the driver as it is
+
+
 class DraHooks:
-    """The daemon's side of DRA: the driver made once needed, fed every pool set, started with retries."""
+    """The daemon's side of DRA: the active driver made once needed, fed every pool set, started with
+    retries; and the retiring drivers a rename left, until their claims are unprepared."""
 
     def __init__(
         self,
@@ -52,23 +90,84 @@ class DraHooks:
         self._devinfo_dir = devinfo_dir
         self._dev_root = dev_root
         self._client = client_factory  # the API client's maker (tests); None: from the kubeconfig
-        self.driver: DraDriver | None = None
+        self.driver: DraDriver | None = None  # the one draDriverName names
+        self.retiring: dict[str, _Retiring] = {}  # by driver name
+        self._name: str | None = None  # draDriverName as last recovered (None: not yet)
+        self._pending: str | None = None  # renamed back to a driver still stopping: made in start()
+        self._last: tuple[Sequence[Pool], Sequence[Pool], HealthTracker] | None = None  # last take()
         self._retry: asyncio.Task[None] | None = None
+        self._retry_for: DraDriver | None = None
+        self._g_claims: Gauge | None = None
+        self._claims_series: set[tuple[str, str]] = set()
 
     def recover(self, config: Config) -> None:
-        """Build the DRA driver and count the devices its prepared claims hold (before serving)."""
+        """Make the driver ``config`` names (retiring a renamed one) and hold what every driver's claims hold.
+
+        Before anything is served at the daemon's start, and before a reload's pools are applied: the
+        devices of prepared claims, under whichever name, must be held before a pool lists anything.
+        """
         dra = self.settings
-        if dra is None or self.driver is not None:
+        if dra is None:
             return
+        name = config.dra_driver_name
+        if self._name is None:
+            self._name = name
+            self._find_renamed(dra, name)
+        elif name != self._name:
+            log_event(log, "draDriverName changed", old=self._name, new=name)
+            self._name = name
+            self._pending = None
+            active, self.driver = self.driver, None
+            for record in self.retiring.values():  # a rename while others retire: they now point here
+                record.renamed_to = name
+                record.driver.retire(name)
+            if active is not None:
+                self._retire(active, name)
+        if self.driver is None:
+            self.driver = self._take_over(name, config)
+        self._claims_changed()
+
+    def _find_renamed(self, dra: DraSettings, name: str) -> None:
+        """At the daemon's start: make the drivers whose checkpoints a rename left retiring ones."""
+        from .claims import find_checkpoints  # light: the checkpoint format, no gRPC or API client
+
+        for other in find_checkpoints(dra.plugins_dir):
+            if other != name:
+                driver = self._build(other)
+                driver.recover()
+                self._retire(driver, name, found=True)
+
+    def _take_over(self, name: str, config: Config) -> DraDriver | None:
+        """Return the driver of ``name``: a retiring one made active again, or a new one when needed."""
+        record = self.retiring.get(name)
+        if record is not None:
+            if record.stopping:
+                self._pending = name  # its files are going: a fresh instance once it is gone
+                return None
+            del self.retiring[name]
+            record.reactivated = True
+            record.wake.set()
+            record.driver.reactivate()
+            log_event(
+                log, "DRA driver active again", driver=name, claims=len(record.driver.plugin.service.prepared)
+            )
+            return record.driver
         # Nothing to do for a node that never served DRA: no DRA pool and no claims checkpoint.
-        checkpoint = dra.plugins_dir / config.dra_driver_name / CLAIMS_CHECKPOINT
+        assert self.settings is not None
+        checkpoint = self.settings.plugins_dir / name / CLAIMS_CHECKPOINT
         if not any(p.api is PoolApi.DRA for p in config.pools) and not os.path.lexists(checkpoint):
-            return
+            return None
+        driver = self._build(name)
+        driver.recover()
+        return driver
+
+    def _build(self, name: str) -> DraDriver:
         from .driver import DraDriver  # only now: a device-plugin-only node never loads the DRA side
 
-        self.driver = DraDriver(
-            dra,
-            config.dra_driver_name,
+        assert self.settings is not None
+        return DraDriver(
+            self.settings,
+            name,
             cdi_dir=self._cdi_dir,
             devinfo_dir=self._devinfo_dir,
             dev_root=self._dev_root,
@@ -77,19 +176,129 @@ class DraHooks:
             on_claims=self._claims_changed,
             client_factory=self._client,
         )
-        self.ownership.set_claimed(self.driver.recover())
+
+    def _retire(self, driver: DraDriver, renamed_to: str, *, found: bool = False) -> None:
+        """Retire ``driver`` (see the module docstring); its task serves it until it can stop."""
+        claims = len(driver.plugin.service.prepared)
+        driver.retire(renamed_to)
+        record = _Retiring(driver, renamed_to)
+        self.retiring[driver.driver] = record
+        log_event(
+            log,
+            "DRA driver retiring",
+            driver=driver.driver,
+            renamed_to=renamed_to,
+            claims=claims,
+            found="checkpoint at start" if found else "-",
+        )
+        record.task = asyncio.create_task(self._retirement(record), name=f"dra-retire {driver.driver}")
+
+    async def _retirement(self, record: _Retiring) -> None:
+        """Serve a retiring driver while it holds claims (started with retries), then stop it for good."""
+        driver = record.driver
+        assert self.settings is not None
+        attempt = 0
+        while True:
+            while not driver.done() and not record.reactivated:
+                delay: float | None = None
+                if not driver.started and driver.plugin.service.prepared:
+                    # Its plugin for Unprepare, its publisher to delete slices a previous run left.
+                    attempt += 1
+                    if await self._try_start(driver, attempt):
+                        continue
+                    delay = backoff_delay(attempt, self._bounds())
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await record.wake.wait()
+                record.wake.clear()
+            if record.reactivated:
+                return
+            if driver.plugin.started:
+                # The kubelet reads its last answer before it sees the driver go (retire_linger_s);
+                # a call arriving meanwhile (a retried Unprepare) keeps the driver serving.
+                await asyncio.sleep(self.settings.retire_linger_s)
+            # Its slices deleted first (the publisher's pass after ``retire``): bounded, because the
+            # kubelet deletes a deregistered driver's slices itself (at once on 1.32, after 30 s from
+            # 1.33, cm/dra/plugin/registration.go).  Everything up to here leaves the driver whole, so
+            # a rename back meanwhile simply makes it active again.
+            if driver.publisher is not None and not await driver.withdrawn(self.settings.withdraw_wait_s):
+                log_event(
+                    log,
+                    "DRA slices of a retired driver not confirmed deleted; the kubelet deletes them "
+                    "once it deregisters the driver",
+                    level=logging.WARNING,
+                    driver=driver.driver,
+                )
+            if driver.done() and not record.reactivated:
+                break
+        record.stopping = True
+        await self._stop_retired(record)
+
+    async def _stop_retired(self, record: _Retiring) -> None:
+        """Stop a retiring driver holding no claim and answering no call: sockets, then its files."""
+        driver = record.driver
+        try:
+            await driver.stop()  # the registration socket goes first: the kubelet deregisters it
+        except Exception:
+            log.exception("DRA driver %s failed to stop cleanly", driver.driver)
+        try:
+            driver.remove_state()
+        except Exception:
+            log.exception("DRA driver %s: removing its files failed", driver.driver)
+        if self.retiring.get(driver.driver) is record:
+            del self.retiring[driver.driver]
+        self._claims_changed()
+        log_event(log, "DRA driver stopped", driver=driver.driver, renamed_to=record.renamed_to)
 
     def _holder(self, device_id: str) -> str | None:
-        """Name who holds a device under the device-plugin API (the DRA gate refuses it then)."""
-        return ", ".join(sorted(self.ownership.held.get(device_id, frozenset()) - {DRA_CLAIMS})) or None
+        """Name who else holds a device: a pod's resource, or a retiring driver's claim (the gate refuses)."""
+        out: list[str] = []
+        for holder in sorted(self.ownership.held.get(device_id, frozenset()) - {DRA_CLAIMS}):
+            record = next((r for n, r in self.retiring.items() if retiring_claims(n) == holder), None)
+            if record is None:
+                out.append(holder)
+                continue
+            ref = record.driver.plugin.service.held().get(device_id)
+            what = f"claim {ref}" if ref is not None else "a claim"
+            out.append(f"{what} of driver {record.driver.driver}, renamed to {record.renamed_to}")
+        return ", ".join(out) or None
 
     def _claims_changed(self) -> None:
-        """After a Prepare or Unprepare: the ownership map follows the claims at once."""
+        """After a Prepare or Unprepare (any driver's): the ownership map follows the claims at once."""
+        active = self.driver.claimed() if self.driver is not None else frozenset()
+        retiring = {name: r.driver.claimed() for name, r in self.retiring.items()}
+        self.ownership.set_claimed(active, retiring)
+        for record in self.retiring.values():
+            if record.driver.done():
+                record.wake.set()  # its last claim is gone and the kubelet answered: it may stop
+        self._count_claims()
+
+    def _count_claims(self) -> None:
+        """Set the prepared-claims gauge, per driver and state (active or retiring)."""
+        counts: dict[tuple[str, str], int] = {}
         if self.driver is not None:
-            self.ownership.set_claimed(self.driver.claimed())
+            counts[(self.driver.driver, "active")] = len(self.driver.plugin.service.prepared)
+        for name, record in self.retiring.items():
+            counts[(name, "retiring")] = len(record.driver.plugin.service.prepared)
+        if self._metrics is None or (not counts and self._g_claims is None):
+            return
+        gauge = self._g_claims
+        if gauge is None:
+            gauge = self._g_claims = Gauge(
+                "densedev_dra_prepared_claims",
+                "DRA claims prepared on this node, by driver name and state (active, or retiring: renamed).",
+                ["driver", "state"],
+                registry=self._metrics.registry,
+            )
+        for key in self._claims_series - counts.keys():
+            gauge.remove(*key)  # a driver stopped, or one that changed state
+        for (name, state), n in counts.items():
+            gauge.labels(name, state).set(n)
+        self._claims_series = set(counts)
 
     def take(self, raw: Sequence[Pool], pools: Sequence[Pool], health: HealthTracker) -> None:
         """Hand the driver a new pool set (as configured, and as listed) and the owner of its health."""
+        self._last = (raw, pools, health)
         if self.driver is None:
             return
         try:
@@ -125,56 +334,84 @@ class DraHooks:
 
     async def start(self, config: Config) -> None:
         """Start the DRA driver when it is needed; on failure one line, and retries in the background."""
+        if self._pending is not None:
+            await self._replace_stopped(config)
         dra = self.driver
         if dra is None:
-            if any(p.api is PoolApi.DRA for p in config.pools):
+            if self.settings is None and any(p.api is PoolApi.DRA for p in config.pools):
                 log_event(log, "DRA pools are not served: DRA is off", level=logging.WARNING)
             return
-        if dra.started or not dra.needed() or (self._retry is not None and not self._retry.done()):
+        retrying = self._retry is not None and not self._retry.done() and self._retry_for is dra
+        if dra.started or not dra.needed() or retrying:
             return
-        if dra.driver != config.dra_driver_name:
-            log_event(
-                log,
-                "draDriverName changes take effect at the next start",
-                level=logging.WARNING,
-                serving=dra.driver,
-            )
-        if not await self._try_start(1):
-            self._retry = asyncio.create_task(self._retry_start(), name="dra-start")
+        if not await self._try_start(dra, 1):
+            self._retry_for = dra
+            self._retry = asyncio.create_task(self._retry_start(dra), name="dra-start")
 
-    async def _try_start(self, attempt: int) -> bool:
-        from .driver import DraUnavailable  # loaded already: self.driver is a DraDriver
+    async def _replace_stopped(self, config: Config) -> None:
+        """Renamed back to a driver that was stopping: wait for it to be gone, then make it anew."""
+        name, self._pending = self._pending, None
+        record = self.retiring.get(name) if name is not None else None
+        if record is not None and record.task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(record.task)
+        if name is None or self.driver is not None or name != self._name:
+            return
+        self.driver = self._take_over(name, config)
+        self._claims_changed()
+        if self._last is not None:
+            self.take(*self._last)
 
-        assert self.driver is not None
+    def _bounds(self) -> tuple[float, float]:
+        return self.settings.retry_s if self.settings is not None else (0.5, 30.0)
+
+    async def _try_start(self, driver: DraDriver, attempt: int) -> bool:
+        from .driver import DraUnavailable  # loaded already: the driver is a DraDriver
+
         try:
-            await self.driver.start()
+            await driver.start()
         except DraUnavailable as exc:
             if attempt == 1 or attempt % 10 == 0:
-                log_event(log, "DRA driver cannot start; retrying", level=logging.WARNING, error=str(exc))
+                log_event(
+                    log,
+                    "DRA driver cannot start; retrying",
+                    level=logging.WARNING,
+                    driver=driver.driver,
+                    error=str(exc),
+                )
             return False
         except Exception:
-            log.exception("DRA driver failed to start; retrying")
+            log.exception("DRA driver %s failed to start; retrying", driver.driver)
             return False
         return True
 
-    async def _retry_start(self) -> None:
-        bounds = self.settings.retry_s if self.settings is not None else (0.5, 30.0)
+    async def _retry_start(self, driver: DraDriver) -> None:
+        """Retry the active driver's start until it succeeds, or it is no longer the active one."""
         attempt = 1
         while True:
-            await asyncio.sleep(backoff_delay(attempt, bounds))
+            await asyncio.sleep(backoff_delay(attempt, self._bounds()))
             attempt += 1
-            if await self._try_start(attempt):
+            if self.driver is not driver or driver.started:
+                return  # renamed meanwhile: a retiring driver's own task starts it if it must
+            if await self._try_start(driver, attempt):
                 return
 
     async def stop(self) -> None:
-        """Stop retrying and stop the driver (the slices stay: the kubelet owns their cleanup)."""
-        retry, self._retry = self._retry, None
-        if retry is not None:
-            retry.cancel()
+        """Stop retrying and stop every driver (the slices stay: the kubelet owns their cleanup).
+
+        A retiring driver's checkpoint stays too: the next start finds it and retires it again.
+        """
+        tasks = [t for t in (self._retry, *(r.task for r in self.retiring.values())) if t is not None]
+        self._retry = None
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await retry
-        if self.driver is not None:
+                await task
+        for driver in (self.driver, *(r.driver for r in self.retiring.values())):
+            if driver is None:
+                continue
             try:
-                await self.driver.stop()
+                await driver.stop()
             except Exception:
-                log.exception("the DRA driver failed to stop cleanly")
+                log.exception("the DRA driver %s failed to stop cleanly", driver.driver)

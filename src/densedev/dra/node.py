@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
 import grpc
 
@@ -121,6 +121,14 @@ class NodeService:
         self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
         self._lock = asyncio.Lock()
         self.prepares = 0  # calls answered, for tests and metrics
+        # The kubelet's calls in flight, from the handler's start until the answer is sent: a retired
+        # driver stops only after the answer to its last Unprepare went out (a kubelet that lost it
+        # would retry against a driver that is gone).
+        self.calls = 0
+        self.on_idle: Callable[[], None] | None = None  # called on the loop when the last call ended
+        # Non-empty while the driver retires (renamed, ``DraDriver.retire``): a claim not prepared
+        # yet is refused with this reason; prepared ones keep their answer and are unprepared as usual.
+        self.refusing = ""
         # Called on the loop after a Prepare or Unprepare call (the daemon's ownership map follows).
         self.on_change: Callable[[], None] | None = None
         self.unprepares = 0
@@ -145,6 +153,17 @@ class NodeService:
         for claim in self._claims.values():
             for i in claim.info:
                 self._writer(i.prefix, i.name).adopt([i.device_id])
+        # A crash between writing a spec and recording its claim, or an Unprepare that removed the
+        # record but not the file: the kubelet does not know the claim as ours.
+        self._prune_specs()
+        if self._claims:
+            log.info(
+                "recovered %d prepared DRA claims holding %d devices", len(self._claims), len(self._holders)
+            )
+        return frozenset(self._holders)
+
+    def _prune_specs(self) -> None:
+        """Remove this driver's CDI specs (and temp files) of claims not prepared."""
         keep = {c.spec_file for c in self._claims.values()}
         try:
             entries = files.list_names(self.settings.cdi_dir)
@@ -156,16 +175,29 @@ class NodeService:
                 name, self._stem
             )
             if ours and name not in keep:
-                # A crash between writing a spec and recording its claim, or an Unprepare that removed
-                # the record but not the file: the kubelet does not know the claim as ours.
                 with contextlib.suppress(OSError):
                     files.remove(self.settings.cdi_dir, name)
                     log.info("removed CDI spec %s of no prepared claim", self.settings.cdi_dir / name)
+
+    def remove_state(self) -> None:
+        """Remove the checkpoint and the driver's CDI specs: it stops for good (renamed, no claim left)."""
         if self._claims:
-            log.info(
-                "recovered %d prepared DRA claims holding %d devices", len(self._claims), len(self._holders)
-            )
-        return frozenset(self._holders)
+            raise RuntimeError(f"DRA {self.driver}: {len(self._claims)} claims are still prepared")
+        self._checkpoint.remove()
+        self._prune_specs()
+
+    def call_started(self) -> None:
+        """Count a kubelet call in flight (the gRPC handler's, until its answer is sent)."""
+        self.calls += 1
+
+    def call_ended(self) -> None:
+        """A kubelet call ended (answered, failed or cancelled); the last one calls ``on_idle``."""
+        self.calls -= 1
+        if self.calls == 0 and self.on_idle is not None:
+            try:
+                self.on_idle()
+            except Exception:
+                log.exception("DRA: the idle hook failed")
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -199,6 +231,9 @@ class NodeService:
             if ref.uid in out or ref.uid in todo:
                 continue
             problem = _ref_problem(ref)
+            if not problem and self.refusing and ref.uid not in self._claims:
+                problem = clip(f"claim {ref}: {self.refusing}", MAX_ERROR_CHARS)
+                log.warning("DRA prepare refused: %s", problem)
             if problem:
                 out[ref.uid] = PrepareResult(error=problem)
             else:
@@ -522,8 +557,20 @@ def handlers(service: NodeService) -> list[grpc.GenericRpcHandler]:
     return [_handler(service, SERVICE_V1, dra_v1_pb2), _handler(service, SERVICE_V1BETA1, dra_v1beta1_pb2)]
 
 
+def _track(service: NodeService, context: grpc.aio.ServicerContext) -> None:
+    """Count the call in flight until gRPC has ended it (its answer sent, or it failed)."""
+    service.call_started()
+
+    def ended(_context: Any) -> None:
+        service.call_ended()
+
+    # grpc-stubs declare the callback type as a class, not a Protocol: a function is what grpc takes.
+    context.add_done_callback(cast(Any, ended))
+
+
 def _handler(service: NodeService, name: str, pb: ModuleType) -> grpc.GenericRpcHandler:
     async def prepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        _track(service, context)
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
         results = await _guard(context, "NodePrepareResources", service.prepare(refs))
         response = pb.NodePrepareResourcesResponse()
@@ -536,6 +583,7 @@ def _handler(service: NodeService, name: str, pb: ModuleType) -> grpc.GenericRpc
         return response
 
     async def unprepare(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        _track(service, context)
         refs = [ClaimRef(c.namespace, c.name, c.uid) for c in request.claims]
         errors = await _guard(context, "NodeUnprepareResources", service.unprepare(refs))
         response = pb.NodeUnprepareResourcesResponse()

@@ -90,6 +90,11 @@ class KubeletPlugin:
         self._started = True
         return held
 
+    def remove_state(self) -> None:
+        """Remove the checkpoint, CDI specs, leftover sockets and plugin dir (stopped, no claim left)."""
+        self.service.remove_state()
+        self.plugin.remove_leftovers()
+
     async def stop(self) -> None:
         """End the health stream, then remove the registration socket and the DRA socket."""
         self.health.stop()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,6 +128,25 @@ class DraPlugin:
         self.registered = False
         await _unserve(self._reg)
         await _unserve(self._dra)
+
+    def remove_leftovers(self) -> None:
+        """Remove socket files of ours an earlier run left, then the plugin dir if it is empty.
+
+        For a driver gone for good (renamed, its last claim unprepared): a registration socket left by
+        a killed run keeps the kubelet believing the driver is there, and removing it is what makes the
+        kubelet deregister the driver (pluginwatcher: a Remove event).  Only sockets are removed.
+        """
+        if self._task is not None:
+            raise RuntimeError(f"DRA {self.driver}: still serving")
+        for path in (self.registration_socket, self.endpoint):
+            try:
+                if stat.S_ISSOCK(os.lstat(path).st_mode):
+                    path.unlink()
+                    log.info("DRA %s: removed %s", self.driver, path)
+            except FileNotFoundError:
+                continue
+        with contextlib.suppress(OSError):  # not empty (a checkpoint moved aside is kept), or absent
+            os.rmdir(self.plugin_dir)
 
     async def _keep(self) -> None:
         while True:

@@ -48,6 +48,16 @@ OWN_GRACE_S = 5.0  # an Allocate answer counts as held until a source read this 
 DRA_CLAIMS = "dra-claims"
 
 
+def retiring_claims(driver: str) -> str:
+    """Return the holder name of devices held by the prepared claims of a retiring (renamed) DRA driver.
+
+    Not ``DRA_CLAIMS``: a DRA pool keeps listing the devices its own driver's claims hold (the
+    scheduler counts those allocations), but a device a retiring driver's claim holds is an allocation
+    the scheduler knows under the old name only, so every pool, DRA ones too, must withhold it.
+    """
+    return f"{DRA_CLAIMS}:{driver}"  # ':' is in no resource name or DNS name: never a pool's
+
+
 class Source(Enum):
     """Where the current in-use view comes from."""
 
@@ -85,7 +95,7 @@ class Ownership:
         self.source = Source.OWN
         self.refreshes = 0
         self._own: dict[tuple[str, str], float] = {}  # (resource, ID) → when this daemon allocated it
-        self._claimed: frozenset[str] = frozenset()  # device IDs prepared DRA claims hold
+        self._claimed: dict[str, frozenset[str]] = {}  # holder → device IDs prepared DRA claims hold
         self._kubelet_held: dict[str, frozenset[str]] = {}  # ``held`` without the claims
         self._claims_moved = False  # claims changed since the loop last reported a change
         self._raw: tuple[Pool, ...] = ()
@@ -200,9 +210,18 @@ class Ownership:
                 self._g_in_use.labels(s.value).set(len(frozen) if s is source else 0)
         return changed
 
-    def set_claimed(self, device_ids: Iterable[str]) -> bool:
-        """Take the device IDs prepared DRA claims hold (held under ``DRA_CLAIMS``); return if changed."""
-        claimed = frozenset(device_ids)
+    def set_claimed(
+        self, device_ids: Iterable[str], retiring: Mapping[str, Iterable[str]] | None = None
+    ) -> bool:
+        """Take the device IDs every DRA driver's prepared claims hold; return whether that changed.
+
+        ``device_ids`` are the active driver's (held under ``DRA_CLAIMS``), ``retiring`` maps each
+        retiring driver's name to its claims' (held under ``retiring_claims(name)``): the union is held.
+        """
+        claimed = {DRA_CLAIMS: frozenset(device_ids)}
+        for driver, ids in (retiring or {}).items():
+            claimed[retiring_claims(driver)] = frozenset(ids)
+        claimed = {holder: ids for holder, ids in claimed.items() if ids}
         if claimed == self._claimed:
             return False
         self._claimed = claimed
@@ -220,9 +239,10 @@ class Ownership:
         if not self._claimed:
             return dict(self._kubelet_held)
         held = dict(self._kubelet_held)
-        mark = frozenset((DRA_CLAIMS,))
-        for d in self._claimed:
-            held[d] = held.get(d, frozenset()) | mark
+        for holder, ids in self._claimed.items():
+            mark = frozenset((holder,))
+            for d in ids:
+                held[d] = held.get(d, frozenset()) | mark
         return held
 
     def _failed(self, source: Source, why: str) -> None:
