@@ -18,14 +18,16 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import accel, files, pci
-from .._proto import api_pb2
 from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError, RequestKind, VdpaType
 from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
+
+if TYPE_CHECKING:
+    from .._proto import api_pb2
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +254,9 @@ def build_response(
 
 def to_proto(parts: ResponseParts) -> api_pb2.ContainerAllocateResponse:
     """Return the protobuf ContainerAllocateResponse for response parts."""
+    # Imported at the first Allocate, not at start: see kubelet.server.api.
+    from .._proto import api_pb2
+
     return api_pb2.ContainerAllocateResponse(
         envs=parts.envs,
         devices=[
