@@ -42,6 +42,8 @@ NOT_FOR_DEVICE_PLUGIN_ONLY = (
     "yaml",  # kubeconfig files, under kubernetes_asyncio
     "pyroute2",  # the tests' reference decoder
     "densedev.testing",  # simulated nodes and emulators
+    "densedev.dra.commands",  # the dra-slices and dra-manifests commands (their parsers too)
+    "densedev.dra.slices",
     "densedev.dra.driver",  # the DRA side: driver, kubelet plugin, publisher
     "densedev.dra.plugin",
     "densedev.dra.publisher",
