@@ -52,3 +52,12 @@ def test_help_and_a_typo_still_name_the_dra_commands(capsys: pytest.CaptureFixtu
         cli.main(["rn"])
     assert typo.value.code == 2
     assert "'dra-manifests'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("columns", ["", "0", "abc", "40", "200"])
+def test_the_help_width_is_argparse_own(columns: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cli._Formatter reads the terminal width itself (no shutil at start): the same rule as argparse's.
+    monkeypatch.setenv("COLUMNS", columns)
+    ours = cli._Formatter("densedev")
+    theirs = argparse.HelpFormatter("densedev")
+    assert ours._width == theirs._width

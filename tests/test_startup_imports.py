@@ -58,6 +58,8 @@ NOT_BEFORE_THE_FIRST_LIST = (
     "google.protobuf",
     "densedev._proto",
     "ctypes.util",  # the inotify watch finds the C library's calls among the process's own symbols
+    "shutil",  # argparse's formatter's terminal size (cli._Formatter reads it itself) and simulate's
+    "lzma",  # shutil's
 )
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", re.MULTILINE)
 

@@ -25,8 +25,32 @@ log = logging.getLogger("densedev.cli")
 _T = TypeVar("_T")
 
 
+def _terminal_columns() -> int:
+    """Return the width ``shutil.get_terminal_size()`` gives: $COLUMNS, else stdout's terminal, else 80."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Help that shows every flag's default and keeps the examples' line breaks."""
+
+    def __init__(
+        self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None
+    ) -> None:
+        # argparse makes a formatter for every argument it adds and, without a width, imports shutil
+        # for its terminal size: shutil brings zlib, bz2 and lzma, ~2 ms of every start of run.
+        # The same width (argparse's own rule: the terminal's columns less 2), without them.
+        if width is None:
+            width = _terminal_columns() - 2
+        super().__init__(prog, indent_increment, max_help_position, width)
 
 
 class _Parser(argparse.ArgumentParser):
