@@ -60,6 +60,7 @@ NOT_BEFORE_THE_FIRST_LIST = (
     "ctypes.util",  # the inotify watch finds the C library's calls among the process's own symbols
     "shutil",  # argparse's formatter's terminal size (cli._Formatter reads it itself) and simulate's
     "lzma",  # shutil's
+    "secrets",  # files.temp_name draws from os.urandom, as secrets does
 )
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", re.MULTILINE)
 
