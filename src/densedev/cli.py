@@ -230,9 +230,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """Return the argument parser of every sub-command.
 
     Given the ``command`` the arguments name, one of this module's own, only that command's parser is
-    built: the others' ~60 arguments took 4 ms of every start of ``run`` (argparse makes a formatter,
-    with a terminal-size query, per argument), and the DRA commands' import the DRA side.  Any other
-    ``command`` (none, a DRA one, a typo) gets them all, so help and "invalid choice" list every command.
+    built: the others' ~40 arguments cost ~1 ms of every start of ``run`` (argparse makes a formatter,
+    with a terminal-size query, per argument) and the DRA commands' parsers import the DRA side (~5 ms).
+    Any other ``command`` (none, a DRA one, a typo) gets them all, so help and "invalid choice" list
+    every command.
     """
     parser = _Parser(prog="densedev", description=DESCRIPTION, formatter_class=_Formatter)
     parser.add_argument(
