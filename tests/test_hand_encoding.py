@@ -8,6 +8,9 @@ accept.  Each direction is checked on messages hypothesis builds.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import grpc
 import pytest
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
 from densedev._proto import podresources_pb2 as pr
-from densedev.kubelet.podresources import decode_held
+from densedev.kubelet.podresources import PodResourcesClient, SourceUnavailable, decode_held
 from densedev.kubelet.wire import encode_options, encode_register_request
 
 text = st.text(max_size=300)  # past 127 bytes the lengths take two varint bytes
@@ -159,3 +162,38 @@ def test_resource_name_after_the_ids_still_names_them() -> None:
     data = b"\x0a" + bytes([len(pod)]) + pod
     assert decode_held(data) == held_by_protobuf(pr.ListPodResourcesResponse.FromString(data))
     assert decode_held(data) == {("a/b", "x"), ("a/b", "y")}
+
+
+async def test_the_client_refuses_an_undecodable_reply_in_one_line_and_reconnects(pr_dir: Path) -> None:
+    # A socket whose server answers List with bytes that are no ListPodResourcesResponse.
+    replies = [b"\x0a\x05\x1a\x03\x12\x01", held_reply()]
+
+    async def list_(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        assert request == b""  # the empty ListPodResourcesRequest
+        return replies.pop(0)
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "v1.PodResourcesLister", {"List": grpc.unary_unary_rpc_method_handler(list_)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    socket = pr_dir / "kubelet.sock"
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    client = PodResourcesClient(socket, timeout=10)
+    try:
+        with pytest.raises(SourceUnavailable, match="undecodable reply") as refused:
+            await client.list()
+        assert "\n" not in str(refused.value)
+        assert client._channel is None  # a fresh channel next time, as after an RPC error
+        assert await client.list() == {("a/b", "x")}
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+def held_reply() -> bytes:
+    """A List reply: one pod, one container, device "x" of resource "a/b"."""
+    devices = pr.ContainerDevices(resource_name="a/b", device_ids=["x"])
+    pod = pr.PodResources(containers=[pr.ContainerResources(devices=[devices])])
+    return bytes(pr.ListPodResourcesResponse(pod_resources=[pod]).SerializeToString())

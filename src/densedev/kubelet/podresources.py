@@ -150,6 +150,9 @@ class PodResourcesClient:
         try:
             return decode_held(response)
         except ValueError as exc:  # UnicodeDecodeError included
+            # As after an RPC error (a reply the generated classes failed to parse was one): not the
+            # kubelet we knew, so a fresh channel next time.
+            await self.close()
             raise SourceUnavailable(f"{self.socket}: List: undecodable reply: {str(exc)[:200]}") from None
 
     async def close(self) -> None:
