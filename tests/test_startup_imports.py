@@ -40,12 +40,25 @@ NOT_FOR_DEVICE_PLUGIN_ONLY = (
     "yaml",  # kubeconfig files, under kubernetes_asyncio
     "pyroute2",  # the tests' reference decoder
     "densedev.testing",  # simulated nodes and emulators
+    "densedev.dra.commands",  # the dra-slices and dra-manifests commands (their parsers too)
+    "densedev.dra.slices",
     "densedev.dra.driver",  # the DRA side: driver, kubelet plugin, publisher
     "densedev.dra.plugin",
     "densedev.dra.publisher",
     "densedev._proto.dra_v1_pb2",
     "densedev._proto.dra_v1beta1_pb2",
     "densedev._proto.dra_health_v1alpha1_pb2",
+)
+# Needed only once a pool has sent its first list: the generated protobuf classes and the protobuf runtime
+# (GetDevicePluginOptions, RegisterRequest and the PodResources reply are encoded and decoded by hand; the
+# first Allocate, or the warm-up after the first list, imports them), and the other commands' code.
+NOT_BEFORE_THE_FIRST_LIST = (
+    "google.protobuf",
+    "densedev._proto",
+    "ctypes.util",  # the inotify watch finds the C library's calls among the process's own symbols
+    "shutil",  # argparse's formatter's terminal size (cli._Formatter reads it itself) and simulate's
+    "lzma",  # shutil's
+    "secrets",  # files.temp_name draws from os.urandom, as secrets does
 )
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", re.MULTILINE)
 
@@ -61,14 +74,20 @@ def node(tmp_path: Path) -> tuple[Path, Path]:
 
 
 async def imported_by_run(
-    node: tuple[Path, Path], sock_dir: Path, env: dict[str, str], *extra: str, scrape: int = 0
+    node: tuple[Path, Path],
+    sock_dir: Path,
+    env: dict[str, str],
+    *extra: str,
+    scrape: int = 0,
+    before_first_list: bool = False,
 ) -> set[str]:
     """Every module ``densedev run`` imported from its start until it stopped, its full list sent (and
-    ``/metrics`` scraped on port ``scrape`` when given)."""
+    ``/metrics`` scraped on port ``scrape`` when given); with ``before_first_list``, only those imported
+    before its ListAndWatch stream opened (the log line is written just before the first list)."""
     sysfs, config = node
     argv = [sys.executable, "-X", "importtime", "-m", "densedev.cli", "run", "--config", str(config)]
     argv += ["--sysfs-root", str(sysfs), "--kubelet-dir", str(sock_dir), "--no-netlink", "--devinfo-dir", ""]
-    argv += ["--log-level", "error", *extra]
+    argv += ["--log-level", "info" if before_first_list else "error", *extra]
 
     async def main() -> str:
         emulator = KubeletEmulator(sock_dir)
@@ -92,6 +111,10 @@ async def imported_by_run(
             await emulator.stop()
 
     stderr = await main()
+    if before_first_list:
+        # -X importtime and the log write to the same stderr, each line as it happens.
+        stderr, opened, _ = stderr.partition("ListAndWatch stream opened")
+        assert opened, stderr[-3000:]
     modules = set(_IMPORTED.findall(stderr))
     assert "densedev.daemon" in modules, stderr[-3000:]  # the parse saw the run's own imports
     return modules
@@ -122,6 +145,16 @@ async def test_a_device_plugin_only_run_imports_neither_metrics_nor_dra_nor_test
     assert unwanted(modules) == []
     if accel.IMPLEMENTATION == "cython":  # the child runs what this process runs (same environment)
         assert "densedev._fast_py" not in modules  # the twin is the fallback, not a dependency
+
+
+async def test_the_path_to_the_first_list_loads_no_protobuf_nor_other_commands(
+    node: tuple[Path, Path], sock_dir: Path, child_env: dict[str, str]
+) -> None:
+    modules = await imported_by_run(node, sock_dir, child_env, before_first_list=True)
+    early = sorted(
+        m for m in modules if any(m == n or m.startswith(n + ".") for n in NOT_BEFORE_THE_FIRST_LIST)
+    )
+    assert early == []
 
 
 async def test_metrics_addr_brings_prometheus_client_and_nothing_else_it_does_not_need(
@@ -159,3 +192,20 @@ def test_run_keeps_the_cyclic_gc_off_while_it_starts_and_on_afterwards(
     finally:
         sys.setswitchinterval(before)
         gc.enable()
+
+
+def test_the_warm_up_imports_the_generated_classes_off_the_event_loop() -> None:
+    # A fresh interpreter: this one imported them long ago.  The first Allocate then finds them loaded.
+    code = (
+        "import sys, threading\n"
+        "from densedev.kubelet import server\n"
+        "assert 'densedev._proto.api_pb2' not in sys.modules\n"
+        "server.WARM_UP_DELAY_S = 0\n"
+        "server.warm_up(); server.warm_up()\n"
+        "threads = [t for t in threading.enumerate() if t.name == 'densedev-warm-up']\n"
+        "assert len(threads) == 1, threads\n"
+        "threads[0].join(60)\n"
+        "assert 'densedev._proto.api_pb2' in sys.modules and 'google.protobuf' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from ..poolset import PoolChanges
     from ..settings import DaemonSettings
 
+PREPARE_DELAY_S = 0.5  # after a pool's start, when its allocator builds what GetPreferredAllocation needs
+
 # The pools' lines keep the logger they were always logged under (log lines are an interface).
 log = logging.getLogger("densedev.daemon")
 
@@ -222,7 +224,21 @@ class PoolSet(Mapping[str, PoolRuntime]):
 
     async def start(self, runtimes: Iterable[PoolRuntime]) -> None:
         """Start each runtime's server and registration; one that fails is retried with backoff."""
+        runtimes = list(runtimes)
         await asyncio.gather(*(self._start_runner(r) for r in runtimes))
+        # Their allocators' ranking data (GetPreferredAllocation's) is built once the first lists are
+        # out, not before: the kubelet asks for a preferred allocation only for a pod it admits later.
+        loop = asyncio.get_running_loop()
+        for runtime in runtimes:
+            loop.call_later(PREPARE_DELAY_S, self._prepare, runtime)
+
+    def _prepare(self, runtime: PoolRuntime) -> None:
+        if self._runtimes.get(runtime.name) is not runtime:
+            return  # stopped or replaced meanwhile
+        try:
+            runtime.allocator.prepare()
+        except Exception:  # a timer callback: never let it reach the loop; the first call builds it
+            log.exception("pool %s: preparing the preferred-allocation ranking failed", runtime.name)
 
     async def close(self) -> None:
         """Stop every pool's server (the daemon stops): CDI specs stay for the containers that use them."""

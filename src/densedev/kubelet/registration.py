@@ -11,11 +11,11 @@ from pathlib import Path
 
 import grpc
 
-from .._proto import api_pb2
 from ..files import FileIdentity, identify
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
 from .watch import DirectoryWatch
+from .wire import encode_register_request
 
 log = logging.getLogger(__name__)
 
@@ -209,21 +209,11 @@ class PluginRunner:
     async def _register_once(self) -> tuple[str | None, bool]:
         """Send one RegisterRequest; return (error text or None, whether the kubelet seems absent)."""
         pre_start, preferred = self._service.options()
-        request = api_pb2.RegisterRequest(
-            version=VERSION,
-            endpoint=self.socket_name,
-            resource_name=self.resource,
-            # The kubelet reads the options from GetDevicePluginOptions; sent here too for older ones.
-            options=api_pb2.DevicePluginOptions(
-                pre_start_required=pre_start, get_preferred_allocation_available=preferred
-            ),
-        )
+        # The kubelet reads the options from GetDevicePluginOptions; sent here too for older ones.
+        request = encode_register_request(VERSION, self.socket_name, self.resource, pre_start, preferred)
         async with grpc.aio.insecure_channel(f"unix:{self.kubelet_socket}") as channel:
-            register = channel.unary_unary(
-                "/v1beta1.Registration/Register",
-                request_serializer=api_pb2.RegisterRequest.SerializeToString,
-                response_deserializer=api_pb2.Empty.FromString,
-            )
+            # Bytes both ways (no serializers): the request is encoded above, the reply is an Empty.
+            register = channel.unary_unary("/v1beta1.Registration/Register", None, None)
             try:
                 await register(request, timeout=self._register_timeout)
             except grpc.aio.AioRpcError as exc:

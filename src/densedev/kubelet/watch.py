@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -44,7 +43,18 @@ _READ_SIZE = 64 * 1024
 
 
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
+    # The process's own symbols (dlopen(NULL)) hold the C library's inotify calls wherever the
+    # interpreter is linked dynamically; ctypes.util.find_library("c") would run "ldconfig -p" in a
+    # child process at every start (a fork, ~2 ms) to name the same library.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.inotify_init1  # noqa: B018 (AttributeError where the symbols are not global)
+        return libc
+    except (OSError, AttributeError):
+        pass
+    from ctypes.util import find_library
+
+    name = find_library("c")
     try:
         return ctypes.CDLL(name or "libc.so.6", use_errno=True)
     except OSError:

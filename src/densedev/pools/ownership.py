@@ -22,8 +22,8 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .._proto import api_pb2
 from ..kubelet.podresources import (
     Held,
     PodResourcesClient,
@@ -36,6 +36,9 @@ from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi, RequestError
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import Counter, Gauge, Registry
+
+if TYPE_CHECKING:
+    from .._proto import api_pb2
 
 log = logging.getLogger(__name__)
 

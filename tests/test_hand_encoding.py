@@ -1,0 +1,199 @@
+"""The messages encoded or decoded by hand so a start never loads protobuf, against the generated classes.
+
+``wire.encode_register_request`` and ``wire.encode_options`` must give exactly the bytes
+``SerializeToString()`` gives (the kubelet parses them with the real classes), and
+``podresources.decode_held`` must read what the real classes write, and agree with them on anything both
+accept.  Each direction is checked on messages hypothesis builds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
+from densedev._proto import api_pb2
+from densedev._proto import podresources_pb2 as pr
+from densedev.kubelet.podresources import PodResourcesClient, SourceUnavailable, decode_held
+from densedev.kubelet.wire import encode_options, encode_register_request
+
+text = st.text(max_size=300)  # past 127 bytes the lengths take two varint bytes
+flags = st.booleans()
+
+
+@pytest.mark.parametrize("pre_start", [False, True])
+@pytest.mark.parametrize("preferred", [False, True])
+def test_options_are_the_bytes_protobuf_writes(pre_start: bool, preferred: bool) -> None:
+    real = api_pb2.DevicePluginOptions(
+        pre_start_required=pre_start, get_preferred_allocation_available=preferred
+    )
+    assert encode_options(pre_start, preferred) == real.SerializeToString()
+    back = api_pb2.DevicePluginOptions.FromString(encode_options(pre_start, preferred))
+    assert (back.pre_start_required, back.get_preferred_allocation_available) == (pre_start, preferred)
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(text, text, text, flags, flags)
+def test_register_request_is_the_bytes_protobuf_writes(
+    version: str, endpoint: str, resource: str, pre_start: bool, preferred: bool
+) -> None:
+    real = api_pb2.RegisterRequest(
+        version=version,
+        endpoint=endpoint,
+        resource_name=resource,
+        options=api_pb2.DevicePluginOptions(
+            pre_start_required=pre_start, get_preferred_allocation_available=preferred
+        ),
+    )
+    mine = encode_register_request(version, endpoint, resource, pre_start, preferred)
+    assert mine == real.SerializeToString()
+    assert api_pb2.RegisterRequest.FromString(mine) == real
+
+
+def test_register_request_of_a_pool_reads_back_as_the_kubelet_reads_it() -> None:
+    data = encode_register_request("v1beta1", "densedev-vfs.sock", "intel.com/vfs", False, True)
+    got = api_pb2.RegisterRequest.FromString(data)
+    assert (got.version, got.endpoint, got.resource_name) == ("v1beta1", "densedev-vfs.sock", "intel.com/vfs")
+    assert got.HasField("options") and got.options.get_preferred_allocation_available
+    assert not got.options.pre_start_required
+
+
+ids = st.lists(st.text(max_size=40), max_size=5)
+devices = st.builds(
+    lambda name, device_ids, nodes: pr.ContainerDevices(
+        resource_name=name,
+        device_ids=device_ids,
+        topology=pr.TopologyInfo(nodes=[pr.NUMANode(ID=n) for n in nodes]),
+    ),
+    st.text(max_size=40),
+    ids,
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3),
+)
+containers = st.builds(
+    lambda name, devs, cpus: pr.ContainerResources(
+        name=name,
+        devices=devs,
+        cpu_ids=cpus,
+        memory=[pr.ContainerMemory(memory_type="hugepages-1Gi", size=2**30)],
+        dynamic_resources=[
+            pr.DynamicResource(
+                claim_name="c",
+                claim_resources=[pr.ClaimResource(cdi_devices=[pr.CDIDevice(name="k/x=y")], driver_name="d")],
+            )
+        ],
+    ),
+    st.text(max_size=20),
+    st.lists(devices, max_size=3),
+    st.lists(st.integers(0, 2**40), max_size=4),
+)
+responses = st.builds(
+    lambda pods: pr.ListPodResourcesResponse(
+        pod_resources=[pr.PodResources(name=n, namespace=ns, containers=cs) for n, ns, cs in pods]
+    ),
+    st.lists(
+        st.tuples(st.text(max_size=20), st.text(max_size=20), st.lists(containers, max_size=3)), max_size=4
+    ),
+)
+
+
+def held_by_protobuf(response: pr.ListPodResourcesResponse) -> frozenset[tuple[str, str]]:
+    """What the earlier client (the generated classes) read from a reply."""
+    return frozenset(
+        (d.resource_name, i)
+        for pod in response.pod_resources
+        for container in pod.containers
+        for d in container.devices
+        for i in d.device_ids
+    )
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(responses)
+def test_list_reply_decodes_as_the_generated_classes_read_it(response: pr.ListPodResourcesResponse) -> None:
+    assert decode_held(response.SerializeToString()) == held_by_protobuf(response)
+
+
+@hypothesis_settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_both_accept_decode_alike(data: bytes) -> None:
+    # Garbage from a socket that is not the kubelet's: where protobuf reads a reply, the hand decoder
+    # reads the same devices or refuses it (ValueError, one line at the caller); it never makes one up.
+    try:
+        real = held_by_protobuf(pr.ListPodResourcesResponse.FromString(data))
+    except Exception:
+        real = None
+    try:
+        mine = decode_held(data)
+    except ValueError:
+        return
+    assert real is not None and mine == real
+
+
+def test_a_reply_cut_short_or_not_utf8_is_refused() -> None:
+    whole = pr.ListPodResourcesResponse(
+        pod_resources=[
+            pr.PodResources(
+                containers=[
+                    pr.ContainerResources(
+                        devices=[pr.ContainerDevices(resource_name="a/b", device_ids=["x"])]
+                    )
+                ]
+            )
+        ]
+    ).SerializeToString()
+    assert decode_held(whole) == {("a/b", "x")}
+    for cut in range(1, len(whole)):
+        with pytest.raises(ValueError):
+            decode_held(whole[:cut])
+    bad = whole.replace(b"a/b", b"a\xffb")
+    with pytest.raises(ValueError):
+        decode_held(bad)
+
+
+def test_resource_name_after_the_ids_still_names_them() -> None:
+    # Protobuf lets fields come in any order; the earlier reader paired the IDs with the final name.
+    devices = b"\x12\x01x" + b"\x0a\x03a/b" + b"\x12\x01y"  # device_ids "x", resource_name, device_ids "y"
+    container = b"\x12" + bytes([len(devices)]) + devices
+    pod = b"\x1a" + bytes([len(container)]) + container
+    data = b"\x0a" + bytes([len(pod)]) + pod
+    assert decode_held(data) == held_by_protobuf(pr.ListPodResourcesResponse.FromString(data))
+    assert decode_held(data) == {("a/b", "x"), ("a/b", "y")}
+
+
+async def test_the_client_refuses_an_undecodable_reply_in_one_line_and_reconnects(pr_dir: Path) -> None:
+    # A socket whose server answers List with bytes that are no ListPodResourcesResponse.
+    replies = [b"\x0a\x05\x1a\x03\x12\x01", held_reply()]
+
+    async def list_(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        assert request == b""  # the empty ListPodResourcesRequest
+        return replies.pop(0)
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "v1.PodResourcesLister", {"List": grpc.unary_unary_rpc_method_handler(list_)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    socket = pr_dir / "kubelet.sock"
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    client = PodResourcesClient(socket, timeout=10)
+    try:
+        with pytest.raises(SourceUnavailable, match="undecodable reply") as refused:
+            await client.list()
+        assert "\n" not in str(refused.value)
+        assert client._channel is None  # a fresh channel next time, as after an RPC error
+        assert await client.list() == {("a/b", "x")}
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+def held_reply() -> bytes:
+    """A List reply: one pod, one container, device "x" of resource "a/b"."""
+    devices = pr.ContainerDevices(resource_name="a/b", device_ids=["x"])
+    pod = pr.PodResources(containers=[pr.ContainerResources(devices=[devices])])
+    return bytes(pr.ListPodResourcesResponse(pod_resources=[pod]).SerializeToString())
