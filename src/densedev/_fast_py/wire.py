@@ -7,6 +7,8 @@ is the empty message and ``Device{ID: ""}`` has no field 1.
 
 from __future__ import annotations
 
+from ..protowire import varint
+
 _HEALTHY = b"Healthy"
 _UNHEALTHY = b"Unhealthy"
 
@@ -23,28 +25,19 @@ _TAG_DEVICES = b"\x0a"  # ListAndWatchResponse.devices = 1 (repeated Device)
 _DEVICE_PREFIX = [_TAG_DEVICES + bytes((n,)) for n in range(128)]
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def encode_device(device_id: bytes, healthy: bool, numa: int) -> bytes:
     """Return the protobuf bytes of one ``Device``; ``numa < 0`` leaves out the topology."""
     if type(device_id) is not bytes:
         raise TypeError(f"encode_device: device_id is {type(device_id).__name__}, not bytes")
     out = bytearray()
     if device_id:
-        out += _TAG_ID + _varint(len(device_id)) + device_id
+        out += _TAG_ID + varint(len(device_id)) + device_id
     health = _HEALTHY if healthy else _UNHEALTHY
-    out += _TAG_HEALTH + _varint(len(health)) + health
+    out += _TAG_HEALTH + varint(len(health)) + health
     if numa >= 0:
-        node = _TAG_NODE_ID + _varint(numa) if numa else b""
-        topology = _TAG_NODES + _varint(len(node)) + node
-        out += _TAG_TOPOLOGY + _varint(len(topology)) + topology
+        node = _TAG_NODE_ID + varint(numa) if numa else b""
+        topology = _TAG_NODES + varint(len(node)) + node
+        out += _TAG_TOPOLOGY + varint(len(topology)) + topology
     return bytes(out)
 
 
@@ -58,6 +51,6 @@ def encode_list(parts: list[bytes]) -> bytes:
         if type(part) is not bytes:
             raise TypeError(f"encode_list: part {index} is {type(part).__name__}, not bytes")
         size = len(part)
-        pieces.append(prefix[size] if size < 128 else _TAG_DEVICES + _varint(size))
+        pieces.append(prefix[size] if size < 128 else _TAG_DEVICES + varint(size))
         pieces.append(part)
     return b"".join(pieces)

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from .._proto import dra_health_v1alpha1_pb2 as pb
+from ..protowire import varint
 from . import names
 
 log = logging.getLogger(__name__)
@@ -29,15 +30,6 @@ log = logging.getLogger(__name__)
 SERVICE = "v1alpha1.DRAResourceHealth"
 RESEND_SECONDS = 10.0  # a third of the kubelet's default 30 s health timeout
 TIMEOUT_SECONDS = 30  # what we tell kubelets 1.35+ to wait before calling a device Unknown
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def _identity(message: bytes) -> bytes:
@@ -126,7 +118,7 @@ class HealthStream:
         """Return the encoded NodeWatchResourcesResponse: every device's health."""
         if self._message is None:
             # Field 1 (devices), wire type 2: tag byte 0x0a, length, the embedded message.
-            self._message = b"".join(b"\x0a" + _varint(len(e)) + e for e in self._encoded.values())
+            self._message = b"".join(b"\x0a" + varint(len(e)) + e for e in self._encoded.values())
         return self._message
 
     # -- the serving side ---------------------------------------------------------------------------

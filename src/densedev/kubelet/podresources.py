@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 
 from .. import files
+from ..protowire import fields
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 CHECKPOINT = "kubelet_internal_checkpoint"
@@ -40,50 +40,6 @@ class SourceUnavailable(Exception):
     """The source cannot be read now (no socket, kubelet restarting, unreadable file); one line says why."""
 
 
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    """Return the base-128 varint at ``pos`` and the position after it; ValueError if cut short."""
-    value = shift = 0
-    while True:
-        if pos >= len(data) or shift > 63:
-            raise ValueError("truncated or overlong varint")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(data: bytes) -> Iterator[tuple[int, bytes | None]]:
-    """Yield each field of one protobuf message: its number, and its bytes if length-delimited.
-
-    Scalars (wire types 0, 1, 5) are skipped over with their value None; groups, long deprecated and
-    absent from these messages, and anything cut short raise ValueError.
-    """
-    pos, end = 0, len(data)
-    while pos < end:
-        key, pos = _varint(data, pos)
-        number, kind = key >> 3, key & 7
-        value = None
-        if not 0 < number < 1 << 29:  # a tag is a uint32 and a field number 1 .. 2^29 - 1
-            raise ValueError(f"field number {number}")
-        if kind == 0:
-            _, pos = _varint(data, pos)
-        elif kind == 1:
-            pos += 8
-        elif kind == 2:
-            size, pos = _varint(data, pos)
-            value = data[pos : pos + size]
-            pos += size
-        elif kind == 5:
-            pos += 4
-        else:
-            raise ValueError(f"wire type {kind}")
-        if pos > end:
-            raise ValueError("field runs past the end of its message")
-        yield number, value
-
-
 def decode_held(data: bytes) -> Held:
     """Return every (resource, device ID) of a ``v1.ListPodResourcesResponse``; ValueError if malformed.
 
@@ -93,17 +49,17 @@ def decode_held(data: bytes) -> Held:
     is skipped too (protobuf keeps it as unknown), and a repeated string name's last value wins.
     """
     held: set[tuple[str, str]] = set()
-    for in_list, pod in _fields(data):
+    for in_list, pod in fields(data):
         if in_list != 1 or pod is None:
             continue
-        for in_pod, container in _fields(pod):
+        for in_pod, container in fields(pod):
             if in_pod != 3 or container is None:
                 continue
-            for in_container, devices in _fields(container):
+            for in_container, devices in fields(container):
                 if in_container != 2 or devices is None:
                     continue
                 resource, ids = "", []
-                for in_devices, value in _fields(devices):
+                for in_devices, value in fields(devices):
                     if value is None:
                         continue
                     if in_devices == 1:

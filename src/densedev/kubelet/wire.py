@@ -17,6 +17,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from ..accel import encode_device, encode_list
+from ..protowire import length_delimited, varint_len
 
 log = logging.getLogger(__name__)
 
@@ -24,24 +25,6 @@ log = logging.getLogger(__name__)
 # stream with RESOURCE_EXHAUSTED and every device of the pool turns unhealthy.  gRPC counts the
 # serialized message (its 5-byte frame header is not part of the limit).
 KUBELET_MAX_MESSAGE = 4 * 1024 * 1024
-
-
-def _varint_len(value: int) -> int:
-    return max(1, (value.bit_length() + 6) // 7)
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _length_delimited(number: int, value: bytes) -> bytes:
-    """One field of wire type 2 (string, bytes, message): tag, length, bytes."""
-    return _varint(number << 3 | 2) + _varint(len(value)) + value
 
 
 def encode_options(pre_start_required: bool, preferred_allocation: bool) -> bytes:
@@ -54,11 +37,11 @@ def encode_register_request(
 ) -> bytes:
     """Return the bytes of ``v1beta1.RegisterRequest``: version 1, endpoint 2, resource_name 3, options 4."""
     out = b"".join(
-        _length_delimited(number, text.encode())
+        length_delimited(number, text.encode())
         for number, text in ((1, version), (2, endpoint), (3, resource_name))
         if text
     )
-    return out + _length_delimited(4, encode_options(pre_start_required, preferred_allocation))
+    return out + length_delimited(4, encode_options(pre_start_required, preferred_allocation))
 
 
 class ListEncoder:
@@ -109,7 +92,7 @@ class ListEncoder:
         total = 0
         kept = 0
         for part in self._parts:
-            entry = 1 + _varint_len(len(part)) + len(part)
+            entry = 1 + varint_len(len(part)) + len(part)
             if total + entry > self._limit:
                 break
             total += entry
