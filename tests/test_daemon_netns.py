@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from helpers.metrics import sample
+from helpers.node import numvfs_uevent
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
@@ -110,13 +111,7 @@ async def test_injected_uevent_rescans_and_pools_follow(
     try:
         await emu.wait_for(lambda: len(emu.devices(r)) == 8, GUARD_S)
         simnode.set_num_vfs(sysfs, pf.address, 0)
-        devpath = f"/devices/pci0000:00/{pf.address}"
-        # The record the kernel sends when sriov_numvfs changes (drivers/pci/iov.c emits KOBJ_CHANGE).
-        sender.sendto(
-            f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
-            f"PCI_SLOT_NAME={pf.address}\0SEQNUM=7\0".encode(),
-            (0, 1),
-        )
+        sender.sendto(numvfs_uevent(pf.address, 7), (0, 1))
         await emu.wait_for(lambda: emu.devices(r) == {}, GUARD_S)
         assert emu.registrations(r) == 1
     finally:

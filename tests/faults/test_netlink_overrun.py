@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from helpers.metrics import sample as metric
-from helpers.node import PREFIX
+from helpers.node import PREFIX, numvfs_uevent
 from helpers.waiting import until as _until
 
 from densedev.daemon import Daemon, DaemonSettings
@@ -203,13 +203,7 @@ async def test_uevent_flood_while_the_loop_is_blocked_then_uevents_still_arrive(
         assert metric(daemon, "densedev_netlink_overruns_total", source="uevent") >= 1
         assert metric(daemon, "densedev_netlink_reopens_total", source="uevent", reason="overrun") >= 1
         simnode.set_num_vfs(sysfs, pf.address, 0)
-        devpath = f"/devices/pci0000:00/{pf.address}"
-        # What drivers/pci/iov.c emits when sriov_numvfs changes (KOBJ_CHANGE).
-        sender.sendto(
-            f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
-            f"PCI_SLOT_NAME={pf.address}\0SEQNUM=9\0".encode(),
-            (0, 1),
-        )
+        sender.sendto(numvfs_uevent(pf.address, 9), (0, 1))
         await emu.wait_for(lambda: emu.devices(pool(pf.netdev)) == {}, GUARD_S)
         # The link socket was flooded too (every veth add/del is an RTM_NEWLINK/DELLINK).
         await aip(netns, "link", "set", layout.pfs[3].netdev, "down")

@@ -154,3 +154,12 @@ async def daemon_on(node: Node, emu: KubeletEmulator, **kw: Any) -> AsyncIterato
     finally:
         if daemon.started:  # a test may stop it itself, to look at what stopping leaves
             await daemon.stop()
+
+
+def numvfs_uevent(pf_address: str, seqnum: int) -> bytes:
+    """Return the uevent the kernel sends when a PF's sriov_numvfs changes (drivers/pci/iov.c: KOBJ_CHANGE)."""
+    devpath = f"/devices/pci0000:00/{pf_address}"
+    return (
+        f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
+        f"PCI_SLOT_NAME={pf_address}\0SEQNUM={seqnum}\0".encode()
+    )
