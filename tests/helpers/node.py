@@ -157,7 +157,7 @@ async def daemon_on(node: Node, emu: KubeletEmulator, **kw: Any) -> AsyncIterato
 
 
 def numvfs_uevent(pf_address: str, seqnum: int) -> bytes:
-    """Return the uevent the kernel sends when a PF's sriov_numvfs changes (drivers/pci/iov.c: KOBJ_CHANGE)."""
+    """Return the uevent the kernel sends when a PF's sriov_numvfs changes (KOBJ_CHANGE, pci/iov.c)."""
     devpath = f"/devices/pci0000:00/{pf_address}"
     return (
         f"change@{devpath}\0ACTION=change\0DEVPATH={devpath}\0SUBSYSTEM=pci\0"
