@@ -210,7 +210,18 @@ class PluginServer:
         stopping = asyncio.ensure_future(self._stopping.wait())
         newer: asyncio.Future[tuple[int, bytes]] | None = None
         try:
-            version, message = self._feed.latest()
+            if self._feed.listed:
+                version, message = self._feed.latest()
+            else:
+                # Served before the pool's first whole list exists: the first answer waits for it.  The
+                # kubelet takes each ListAndWatch message as the whole set of devices
+                # (ManagerImpl.genericDeviceUpdateCallback), so an early empty answer would withdraw
+                # devices, and a partial one could offer a device before ownership filtered it.
+                newer = asyncio.ensure_future(self._feed.first())
+                await asyncio.wait((newer, stopping), return_when=asyncio.FIRST_COMPLETED)
+                if not newer.done():
+                    return  # the server is stopping (finally cancels the wait)
+                version, message = newer.result()
             yield message
             warm_up()
             while True:
