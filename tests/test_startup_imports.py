@@ -59,6 +59,7 @@ NOT_BEFORE_THE_FIRST_LIST = (
     "shutil",  # argparse's formatter's terminal size (cli._Formatter reads it itself) and simulate's
     "lzma",  # shutil's
     "secrets",  # files.temp_name draws from os.urandom, as secrets does
+    "densedev.dra.claims",  # prepared claims' records: the start only looks for checkpoints (dra.checkpoints)
 )
 _IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \| +(\S+)$", re.MULTILINE)
 

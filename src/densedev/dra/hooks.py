@@ -23,7 +23,7 @@ use.  So ``A`` *retires*:
 A rename while drivers retire retires the active one too (``A`` and ``B`` retire side by side, both
 now refusing as renamed to ``C``); renaming back to a retiring driver makes that same instance active
 again (one instance per name: the sockets and the checkpoint are per name).  At the daemon's start the
-plugins dir is searched for densedev checkpoints (``claims.find_checkpoints``): one of a name the config
+plugins dir is searched for densedev checkpoints (``checkpoints.find_checkpoints``): one of a name the config
 no longer uses makes that driver a retiring one from the start.
 """
 
@@ -129,7 +129,7 @@ class DraHooks:
 
     def _find_renamed(self, dra: DraSettings, name: str) -> None:
         """At the daemon's start: make the drivers whose checkpoints a rename left retiring ones."""
-        from .claims import find_checkpoints  # light: the checkpoint format, no gRPC or API client
+        from .checkpoints import find_checkpoints  # light: no claims, gRPC or API client
 
         for other in find_checkpoints(dra.plugins_dir):
             if other != name:
