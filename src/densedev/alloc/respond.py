@@ -16,7 +16,7 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -66,18 +66,16 @@ class NodeSpec(NamedTuple):
     permissions: str
 
 
-@dataclass(frozen=True)
-class DeviceParts:
+class DeviceParts(NamedTuple):
     """What one device contributes: its nodes, its ``_INFO`` entry, and required nodes that are missing."""
 
     device: Device
     nodes: tuple[NodeSpec, ...]
-    info: dict[str, dict[str, str]] = field(hash=False)
+    info: dict[str, dict[str, str]]
     missing: tuple[str, ...]  # host paths (or facts) without which the device cannot work
 
 
-@dataclass(frozen=True)
-class ResponseParts:
+class ResponseParts(NamedTuple):
     """The parts of a ContainerAllocateResponse, before they become protobuf."""
 
     envs: dict[str, str]
