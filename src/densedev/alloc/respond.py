@@ -16,7 +16,6 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,8 +47,7 @@ VHOST_NET = "/dev/vhost-net"
 TUN = "/dev/net/tun"
 
 
-@dataclass(frozen=True)
-class AllocationSettings:
+class AllocationSettings(NamedTuple):
     """Where allocation writes and looks: CDI dir (None: CDI off), device-info dir, and the /dev root."""
 
     cdi_dir: Path | None = cdi.DEFAULT_CDI_DIR
