@@ -3,6 +3,8 @@
 Models are immutable.  ``Device`` is a ``NamedTuple`` rather than a frozen dataclass on purpose: a node
 carries up to ~16k of them and a frozen dataclass costs ~2 µs per construction against ~0.2 µs for a
 named tuple built from the scanner's tuple, which is a tenth of the whole scan budget at 4,096 devices.
+The config's records and ``Pool`` are named tuples too, for start-up: Python 3.11 builds a dataclass's
+methods by exec'ing each one at import, ~0.3-1 ms a class, against ~0.05 ms for a named tuple.
 """
 
 from __future__ import annotations
