@@ -201,7 +201,6 @@ def test_run_keeps_the_cyclic_gc_off_while_it_starts_and_on_afterwards(
 START_PATH_DATACLASSES = {
     "densedev.model.IndexSpans": "its __len__ and __contains__ are the indexes', not a tuple's",
     "densedev.node.table.DeviceTable": "it keeps an index built in __post_init__ beside its fields",
-    "densedev.dra.hooks._Retiring": "a mutable record of a retiring driver",
 }
 
 
