@@ -20,7 +20,8 @@ from helpers.metrics import sample
 from helpers.node import PREFIX
 
 from densedev.daemon import Daemon
-from densedev.dra.claims import Checkpoint, decode_checkpoint, find_checkpoints
+from densedev.dra.checkpoints import find_checkpoints
+from densedev.dra.claims import Checkpoint, decode_checkpoint
 from densedev.dra.names import DEFAULT_DRIVER_NAME as A
 from densedev.node import scanner as discovery
 from densedev.pools import config as config_mod

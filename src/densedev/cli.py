@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import gc
 import json
@@ -658,7 +657,7 @@ async def _serve(args: argparse.Namespace) -> int:
         ),
     )
     if args.netlink_rcvbuf is not None:
-        settings = dataclasses.replace(settings, netlink_rcvbuf=args.netlink_rcvbuf)
+        settings = settings._replace(netlink_rcvbuf=args.netlink_rcvbuf)
     daemon = Daemon(settings, cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

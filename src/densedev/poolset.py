@@ -10,15 +10,14 @@ through ``kubelet.pools.PoolSet``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .model import Pool, PoolApi, PoolConfig
 
 __all__ = ["PoolChanges", "diff", "options_of"]
 
 
-@dataclass(frozen=True)
-class PoolChanges:
+class PoolChanges(NamedTuple):
     """The difference between two pool sets, by extended resource name (removed in the old set's order,
     the rest in the new set's)."""
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .dra import DraSettings
 from .model import DEFAULT_PREFIX
@@ -11,8 +11,7 @@ from .node.events import DEFAULT_RCVBUF
 from .node.layout import SYSFS_ROOT
 
 
-@dataclass(frozen=True)
-class DaemonSettings:
+class DaemonSettings(NamedTuple):
     """Where the daemon reads and writes; every path is a parameter so tests and the demo relocate it."""
 
     sysfs_root: Path = Path(SYSFS_ROOT)

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from .. import files
 from ..model import Device
@@ -37,8 +36,7 @@ log = logging.getLogger(__name__)
 Held = Mapping[str, Collection[str]]  # resource name -> device IDs running pods hold under it
 
 
-@dataclass(frozen=True)
-class PoolClaim:
+class PoolClaim(NamedTuple):
     """What one configured pool may own on disk: its CDI kind, its device-info stem and its devices."""
 
     kind: str  # "" when the pool writes no CDI spec
@@ -46,12 +44,11 @@ class PoolClaim:
     devices: frozenset[str]  # the PCI addresses of its devices (device-info files are named by them)
 
 
-@dataclass(frozen=True)
-class Reconciled:
+class Reconciled(NamedTuple):
     """What a reconcile removed and kept, and what it could not do (each a log line, never an error)."""
 
     removed: tuple[Path, ...]
-    kept_info: Mapping[str, frozenset[str]] = field(default_factory=dict)  # stem -> device IDs kept
+    kept_info: Mapping[str, frozenset[str]]  # stem -> device IDs kept
     kept_specs: tuple[Path, ...] = ()
     problems: tuple[str, ...] = ()
 
@@ -154,7 +151,7 @@ def prune_cdi(directory: Path, claims: Sequence[PoolClaim], held: Held) -> Recon
                 kept.append(directory / name)
             else:
                 _remove(directory, name, removed, problems)
-    return Reconciled(tuple(removed), kept_specs=tuple(kept), problems=tuple(problems))
+    return Reconciled(tuple(removed), {}, kept_specs=tuple(kept), problems=tuple(problems))
 
 
 def _reconcile_devinfo(

@@ -16,7 +16,6 @@ import re
 import struct
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,8 +47,7 @@ VHOST_NET = "/dev/vhost-net"
 TUN = "/dev/net/tun"
 
 
-@dataclass(frozen=True)
-class AllocationSettings:
+class AllocationSettings(NamedTuple):
     """Where allocation writes and looks: CDI dir (None: CDI off), device-info dir, and the /dev root."""
 
     cdi_dir: Path | None = cdi.DEFAULT_CDI_DIR
@@ -66,18 +64,16 @@ class NodeSpec(NamedTuple):
     permissions: str
 
 
-@dataclass(frozen=True)
-class DeviceParts:
+class DeviceParts(NamedTuple):
     """What one device contributes: its nodes, its ``_INFO`` entry, and required nodes that are missing."""
 
     device: Device
     nodes: tuple[NodeSpec, ...]
-    info: dict[str, dict[str, str]] = field(hash=False)
+    info: dict[str, dict[str, str]]
     missing: tuple[str, ...]  # host paths (or facts) without which the device cannot work
 
 
-@dataclass(frozen=True)
-class ResponseParts:
+class ResponseParts(NamedTuple):
     """The parts of a ContainerAllocateResponse, before they become protobuf."""
 
     envs: dict[str, str]

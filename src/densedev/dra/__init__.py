@@ -9,16 +9,15 @@ never loads them (issue 14: start-up).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_PLUGINS_DIR = Path("/var/lib/kubelet/plugins")
 DEFAULT_REGISTRY_DIR = Path("/var/lib/kubelet/plugins_registry")
 CHECKPOINT_NAME = "checkpoint.json"
 
 
-@dataclass(frozen=True)
-class DraSettings:
+class DraSettings(NamedTuple):
     """Where the DRA side talks to the kubelet and the API server."""
 
     node_name: str | None = None  # the Node object's name: the ResourceSlices' pool and nodeName

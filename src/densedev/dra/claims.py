@@ -23,13 +23,12 @@ from typing import Any, NamedTuple, Protocol
 from .. import files
 from ..model import Device, Pool, PoolConfig
 from . import CHECKPOINT_NAME
+from .checkpoints import CHECKPOINT_KIND, MAX_CHECKPOINT
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KIND = "DensedevDRACheckpoint"
 CHECKPOINT_VERSION = 1
 CHECKPOINT_MODE = 0o600  # claim names and device IDs: nobody but the daemon needs to read them
-MAX_CHECKPOINT = 64 * 1024 * 1024  # a node's claims take kilobytes each; anything bigger is not ours
 
 
 class Refusal(enum.Enum):
@@ -222,60 +221,6 @@ def decode_checkpoint(driver: str, data: bytes) -> dict[str, PreparedClaim]:
             raise CheckpointError(f"claim entry {n} is malformed: {e!r}") from None
         claims[claim.ref.uid] = claim
     return claims
-
-
-def checkpoint_driver(directory: Path, name: str = CHECKPOINT_NAME) -> str | None:
-    """Return the driver a densedev claims checkpoint in ``directory`` was written for, else None.
-
-    Read only, never moved or changed: ``<plugins dir>`` is shared with other vendors' DRA drivers, and
-    the official helper's drivers keep a ``checkpoint.json`` of their own in their directory too (a
-    checkpointmanager envelope, ``{"checksum", "v1", ...}``).  Ours says what it is: ``kind``
-    ``DensedevDRACheckpoint`` and the ``driver`` it was written for, in every version so far; a file
-    without both is someone else's (or no longer readable as ours) and does not count.
-    """
-    data = files.read_regular(directory, name, limit=MAX_CHECKPOINT)
-    # The kind is searched as bytes first: a foreign file (possibly large) is then never parsed.
-    if data is None or CHECKPOINT_KIND.encode() not in data:
-        return None
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or doc.get("kind") != CHECKPOINT_KIND:
-        return None
-    driver = doc.get("driver")
-    return driver if isinstance(driver, str) else None
-
-
-def find_checkpoints(plugins_dir: Path, name: str = CHECKPOINT_NAME) -> list[str]:
-    """Return the drivers whose own directory under ``plugins_dir`` holds a densedev claims checkpoint.
-
-    A directory counts when its checkpoint records the directory's own name as its driver (so a copied
-    or moved directory is not taken for another driver's); one that does not is named in a warning
-    and left alone.
-    """
-    try:
-        entries = files.list_names(plugins_dir)
-    except OSError as e:
-        log.warning("cannot list the kubelet plugins dir %s: %s", plugins_dir, e)
-        return []
-    found: list[str] = []
-    for entry in entries:
-        if entry.startswith("."):
-            continue
-        driver = checkpoint_driver(plugins_dir / entry, name)
-        if driver is None:
-            continue
-        if driver != entry:
-            log.warning(
-                "DRA checkpoint %s was written for driver %r, not %r; ignored",
-                plugins_dir / entry / name,
-                driver,
-                entry,
-            )
-            continue
-        found.append(driver)
-    return found
 
 
 class Checkpoint:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .. import accel
 from ..model import Device, Pool, Role
@@ -39,8 +39,7 @@ REASON_RECOVERING = "recovering"  # healthy again, waiting out the hold-down in 
 _PF_LINK, _LINK, _RDMA = range(3)
 
 
-@dataclass(frozen=True)
-class PoolUpdate:
+class PoolUpdate(NamedTuple):
     """A pool whose advertised health changed: the new state of every member and what changed."""
 
     pool: str  # the pool's extended resource name (``PoolConfig.full_name``)

@@ -7,7 +7,6 @@ time, and every problem found is reported at once, each naming the pool, the key
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import errno
 import functools
@@ -815,7 +814,7 @@ def _parse_pool(r: _Reader, obj: Any, index: int) -> PoolConfig | None:
     api = _parse_api(r, f, where, pool)
     if r.count > before:
         return None
-    return dataclasses.replace(pool, api=api) if api is not PoolApi.DEVICE_PLUGIN else pool
+    return pool._replace(api=api) if api is not PoolApi.DEVICE_PLUGIN else pool
 
 
 def _too_deep(text: str) -> int:
