@@ -153,3 +153,21 @@ async def test_sighup_reloads_and_sigterm_exits_cleanly(
             await asyncio.to_thread(proc.wait)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+async def test_a_membership_change_sends_its_whole_list_once_not_again_at_the_next_flush(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    # The reload publishes pf1's new list itself; the tracker must not owe that pool a second, identical
+    # full list at its next flush (any burst: a link event, an RDMA poll), which the kubelet would take
+    # as one more update.
+    emu = kubelet
+    pf1 = node.layout.pfs[1]
+    await emu.wait_for(lambda: len(emu.devices(res("pf1"))) == len(pf1.vf_addresses), GUARD_S)
+    doc = copy.deepcopy(node.doc)
+    doc["resourceList"][1]["selectors"]["pfNames"] = [f"{pf1.netdev}#0-3"]
+    node.write_config(doc)
+    await emu.wait_for(lambda: len(emu.devices(res("pf1"))) == 4, GUARD_S)
+    sent = sample(daemon, "densedev_listandwatch_messages_total", resource=res("pf1"))
+    daemon.handoff.flush()  # what the next burst does, here at once
+    assert sample(daemon, "densedev_listandwatch_messages_total", resource=res("pf1")) == sent

@@ -279,6 +279,17 @@ class HealthTracker:
             out[name] = PoolUpdate(name, self._member_health(state), tuple(positions))
         return out
 
+    def published(self, pool: str) -> None:
+        """Note that the pool's whole list just went out with its advertised health: no report is owed.
+
+        A pool set up or given a new membership publishes its whole list at once; without this, the
+        report ``replace`` owes it would send the same list again at the next flush.
+        """
+        state = self._pools.get(pool)
+        if state is not None:
+            state.sent = state.advertised
+            state.force = False
+
     @staticmethod
     def _member_health(state: _PoolState) -> tuple[bool, ...]:
         flags = [True] * len(state.ids)

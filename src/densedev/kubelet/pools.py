@@ -190,6 +190,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
                     new = self._set_up(pool, healthy)
                     if new is not None:
                         started.append(new)
+                        self._health.published(pool.config.full_name)
                 continue
             if pool.config.full_name in replaced:
                 before = {m.id for m in runtime.pool.members}
@@ -200,6 +201,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
                 except Exception:
                     log.exception("pool %s: applying the new membership failed", runtime.name)
                     continue
+                self._health.published(runtime.name)
                 self._metrics.record_send(runtime.name, nbytes, None)
                 self._report_counts(runtime.name)
                 log_event(
