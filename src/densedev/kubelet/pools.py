@@ -190,7 +190,6 @@ class PoolSet(Mapping[str, PoolRuntime]):
                     new = self._set_up(pool, healthy)
                     if new is not None:
                         started.append(new)
-                        self._health.published(pool.config.full_name)
                 continue
             if pool.config.full_name in replaced:
                 before = {m.id for m in runtime.pool.members}
@@ -201,7 +200,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
                 except Exception:
                     log.exception("pool %s: applying the new membership failed", runtime.name)
                     continue
-                self._health.published(runtime.name)
+                self._health.published(runtime.name)  # the whole list just went out
                 self._metrics.record_send(runtime.name, nbytes, None)
                 self._report_counts(runtime.name)
                 log_event(
@@ -265,6 +264,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
             log.exception("pool %s could not be set up; the other pools go on", name)
             return None
         runtime.publish(healthy, None)
+        self._health.published(name)
         self._runtimes[name] = runtime
         self._report_counts(name)
         return runtime
