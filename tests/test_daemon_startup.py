@@ -112,6 +112,23 @@ def _run_args(node: Path, kdir: Path, *extra: str) -> list[str]:
     ]
 
 
+async def test_the_first_scan_is_read_by_a_child_process_that_is_gone_after(
+    node: Path, kdir: Path, child_env: dict[str, str]
+) -> None:
+    """``densedev run`` forks its first scan (node.ahead) and reaps the child once it has the table."""
+    child = Child(_run_args(node, kdir, "--log-level", "debug"), child_env)
+    try:
+        took = await child.line_with("scan ahead: took child")
+        started = await child.line_with("daemon started")
+        children = Path(f"/proc/{child.proc.pid}/task/{child.proc.pid}/children").read_text().split()
+    finally:
+        assert child.stop() == 0
+    devices = sum(1 for p in (node / "bus/pci/devices").iterdir())
+    assert f"scan of {devices} devices" in took
+    assert f"devices={devices}" in started
+    assert children == []  # the scanning child reaped: no zombie beside the daemon
+
+
 async def test_waits_aloud_for_the_kubelet_and_refuses_a_second_daemon(
     node: Path, kdir: Path, child_env: dict[str, str]
 ) -> None:

@@ -17,6 +17,7 @@ from typing import Any, NoReturn, TypeVar
 
 from . import __version__, accel
 from .model import DEFAULT_PREFIX
+from .node.ahead import ScanAhead
 from .node.layout import PCI_DEVICES, SYSFS_ROOT
 
 log = logging.getLogger("densedev.cli")
@@ -608,7 +609,7 @@ def _sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> int:
     import asyncio
 
     from .daemon import Daemon, DaemonSettings
@@ -658,7 +659,7 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     if args.netlink_rcvbuf is not None:
         settings = settings._replace(netlink_rcvbuf=args.netlink_rcvbuf)
-    daemon = Daemon(settings, cfg)
+    daemon = Daemon(settings, cfg, scan_ahead=ahead)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -773,13 +774,17 @@ def _dispatch(args: argparse.Namespace) -> int:
         # first list at 4,096 VFs, a tenth of the start's CPU.  Off until the daemon has started and
         # frozen those objects (_serve turns it back on); on again here whatever happened.
         gc.disable()
+        # The first scan reads sysfs in a child process while this one imports the rest (node.ahead).
+        ahead = ScanAhead.start(args.sysfs_root)
         try:
             import uvloop
 
             log.info("densedev %s starting (implementation=%s)", __version__, accel.IMPLEMENTATION)
             sys.setswitchinterval(SWITCH_INTERVAL_S)
-            return uvloop.run(_serve(args))
+            return uvloop.run(_serve(args, ahead))
         finally:
+            if ahead is not None:
+                ahead.cancel()  # not taken (a bad config, a second daemon): the child goes too
             gc.enable()
     if args.command == "kubelet-emulator":
         import uvloop

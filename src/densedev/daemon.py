@@ -32,6 +32,7 @@ from .kubelet.registration import announce_kubelet
 from .kubelet.watch import DirectoryWatch
 from .model import Config, Device
 from .node import scanner as discovery
+from .node.ahead import ScanAhead
 from .node.events import MonitorOptions
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
@@ -65,8 +66,11 @@ class Daemon:
         clock: Callable[[], float] = time.monotonic,
         metrics: Metrics | None = None,
         dra_client: ClientFactory | None = None,
+        scan_ahead: ScanAhead | None = None,
     ) -> None:
         self.settings = settings
+        # The first scan, already under way in a child process (cli: it forks before the imports).
+        self._scan_ahead = scan_ahead
         self.metrics = metrics or Metrics(accel.IMPLEMENTATION)
         self.scanner = discovery.Scanner(settings.sysfs_root)
         self._rescans = RescanRequests()
@@ -153,7 +157,8 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        table = self.rediscovery.scan()
+        table = self.rediscovery.scan(self._scan_ahead)
+        self._scan_ahead = None
         # What running pods hold is known before any pool lists a device (the kubelet kept the
         # allocations of pods that outlived a previous run of this daemon).
         with contextlib.suppress(Exception):
@@ -234,6 +239,9 @@ class Daemon:
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
         self.started = False
+        if self._scan_ahead is not None:  # stopped before its scan (start failed early)
+            self._scan_ahead.cancel()
+            self._scan_ahead = None
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

@@ -26,6 +26,7 @@ from .health.tracker import HealthTracker
 from .kubelet.pools import PoolSet
 from .model import Config, Device, Pool
 from .node import scanner as discovery
+from .node.ahead import ScanAhead
 from .node.rescans import RescanRequests
 from .ops.logs import log_event
 from .ops.metrics import Metrics
@@ -70,11 +71,17 @@ class Rediscovery:
         self._handoff = handoff
         self._ibdev_cache: list[str] | None = None
 
-    def scan(self) -> discovery.DeviceTable:
-        """Scan the whole node now, on the caller's thread (start-up), and hold the table."""
+    def scan(self, ahead: ScanAhead | None = None) -> discovery.DeviceTable:
+        """Scan the whole node (start-up): take the scan ``ahead`` read, else scan on this thread."""
         t0 = time.perf_counter()
-        table = self.scanner.scan()
-        self._note_scan(table, time.perf_counter() - t0)
+        scanned = ahead.result() if ahead is not None else None
+        if scanned is not None:
+            table = self.scanner.table_of(scanned.devices, scanned.warnings)
+            elapsed = scanned.seconds
+        else:
+            table = self.scanner.scan()
+            elapsed = time.perf_counter() - t0
+        self._note_scan(table, elapsed)
         self.table = table
         return table
 

@@ -293,6 +293,10 @@ class Scanner:
         """Scan the whole node (see ``scan``)."""
         return scan(self.root, previous, threads=threads)
 
+    def table_of(self, devices: tuple[Device, ...], warnings: tuple[str, ...]) -> DeviceTable:
+        """Hold a whole scan's rows read elsewhere (``node.ahead``) as this scanner's scan does."""
+        return _table((devices, warnings))
+
     def rescan(self, table: DeviceTable, targets: Collection[str], *, threads: bool = True) -> Rescan:
         """Rescan the targets (a PF with its whole VF family), or everything when none or too many.
 

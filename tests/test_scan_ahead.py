@@ -1,0 +1,176 @@
+"""The first scan read by a forked child (node.ahead): the same table as a scan in the daemon, and every
+way the child can fail — killed, stopped, a result planted in its file — ends in the daemon scanning
+itself, with one warning.
+
+``ScanAhead.start`` forks only a single-threaded process (pytest's is not, once gRPC has run), so the
+cases that fork run in a fresh interpreter, as ``densedev run`` does before its imports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import marshal
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from densedev.node import scanner
+from densedev.node.ahead import FORMAT, ScanAhead
+from densedev.testing import simnode
+
+# Runs in a fresh interpreter (the one thread a fork needs); argv: sysfs root, then a case.
+CHILD = textwrap.dedent(
+    """
+    import json, logging, marshal, os, signal, sys, time
+    from densedev.node import scanner
+    from densedev.node.ahead import ScanAhead
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s", stream=sys.stderr)
+    root, case = sys.argv[1], sys.argv[2]
+    ahead = ScanAhead.start(root, timeout_s=float(sys.argv[3]) if len(sys.argv) > 3 else 30.0)
+    if ahead is None:
+        sys.exit("no fork")
+    pid = ahead.pid
+    if case == "kill":
+        os.kill(pid, signal.SIGKILL)
+    elif case == "stop":
+        os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    got = ahead.result()
+    waited = time.monotonic() - t0
+    gone = not os.path.exists(f"/proc/{pid}")
+    here = scanner.scan(root)
+    out = {"waited": waited, "gone": gone, "taken": got is not None}
+    if got is not None:
+        out["same"] = (got.devices == here.devices, got.warnings == here.warnings)
+        out["types"] = sorted({type(d).__name__ for d in got.devices})
+        out["count"] = len(got.devices)
+        out["warnings"] = len(got.warnings)
+        out["seconds"] = got.seconds
+    print(json.dumps(out))
+    """
+)
+
+
+def _run(root: Path, case: str, *extra: str) -> tuple[dict[str, object], str]:
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(root), case, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), proc.stderr
+
+
+@pytest.fixture
+def messy_node(tmp_path: Path) -> Path:
+    """A node of 2 PFs x 8 VFs (with RDMA) and entries the scan skips or empties with a warning."""
+    root = tmp_path / "sys"
+    layout = simnode.build_node(root, pfs=2, vfs_per_pf=8, rdma=True)
+    vfs = layout.pfs[0].vf_addresses
+    # vanished mid-scan (its bus link dangles): skipped; a garbage numa_node: kept, field emptied
+    os.rename((root / "bus/pci/devices" / vfs[2]).resolve(), root / "gone")
+    (root / "bus/pci/devices" / layout.pfs[1].address).resolve().joinpath("numa_node").write_text("x\n")
+    return root
+
+
+def test_the_child_reads_the_same_table_as_a_scan_here(messy_node: Path) -> None:
+    out, err = _run(messy_node, "plain")
+    assert out["taken"], err
+    assert out["same"] == [True, True]
+    assert out["types"] == ["Device"]  # named tuples again, not the plain tuples it was sent as
+    here = scanner.scan(messy_node)
+    assert out["count"] == len(here.devices) >= 2 + 15  # the half-written VF skipped here and there
+    assert out["warnings"] == 2
+    assert 0 < float(out["seconds"]) < 30  # type: ignore[arg-type]
+    assert "scan ahead" not in err
+
+
+def test_a_killed_child_leaves_the_scan_to_the_daemon(messy_node: Path) -> None:
+    out, err = _run(messy_node, "kill")
+    assert not out["taken"]
+    assert out["gone"]
+    assert "scan ahead: the scanning child was killed by signal 9: scanning in the daemon instead" in err
+    assert err.count("\n") == 1  # one line
+
+
+def test_a_stopped_child_is_given_up_after_the_timeout_and_reaped(messy_node: Path) -> None:
+    out, err = _run(messy_node, "stop", "0.5")
+    assert not out["taken"]
+    assert 0.5 <= float(out["waited"]) < 10  # type: ignore[arg-type]
+    assert out["gone"]  # killed and reaped, not left stopped (or a zombie) beside the daemon
+    assert "gave no result in 0.5 s: scanning in the daemon instead" in err
+
+
+def _planted(data: bytes) -> ScanAhead:
+    """A ScanAhead whose 'child' exited at once and left ``data`` in its result file."""
+    pid = os.posix_spawn("/bin/true", ["true"], {})
+    done_r, done_w = os.pipe2(os.O_CLOEXEC)  # /bin/true holds no copy of the write end
+    os.close(done_w)
+    memfd = os.memfd_create("planted", os.MFD_CLOEXEC)
+    os.write(memfd, data)
+    return ScanAhead(pid, done_r, memfd, timeout_s=10.0)
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b"", "its result is unreadable"),
+        (marshal.dumps((FORMAT, 0.1, ((1, 2),), ())), "not in this version's format"),
+        (marshal.dumps((FORMAT + 1, 0.1, (), ())), "not in this version's format"),
+        (marshal.dumps((FORMAT, 0.1, (), (b"bytes",))), "not in this version's format"),
+        (marshal.dumps((FORMAT, 0.1, ()))[:-3], "its result is unreadable"),
+        (b"\x00\xff garbage", "its result is unreadable"),
+    ],
+)
+def test_a_result_not_in_the_format_is_refused(
+    data: bytes, why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ahead = _planted(data)
+    with caplog.at_level(logging.WARNING, logger="densedev.node.ahead"):
+        assert ahead.result() is None
+    assert [r.getMessage() for r in caplog.records if why in r.getMessage()], caplog.text
+    assert ahead.result() is None  # once taken, never again
+    with pytest.raises(ChildProcessError):
+        os.waitpid(ahead.pid, os.WNOHANG)  # reaped
+
+
+def test_a_planted_result_in_the_format_is_taken(tmp_path: Path) -> None:
+    simnode.build_node(tmp_path, pfs=1, vfs_per_pf=4)
+    here = scanner.scan(tmp_path)
+    data = marshal.dumps((FORMAT, 0.25, tuple(map(tuple, here.devices)), here.warnings))
+    got = _planted(data).result()
+    assert got is not None
+    assert (got.devices, got.warnings, got.seconds) == (here.devices, here.warnings, 0.25)
+
+
+def test_a_process_with_threads_does_not_fork(tmp_path: Path) -> None:
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert ScanAhead.start(tmp_path) is None
+    finally:
+        release.set()
+        other.join()
+
+
+def test_cancel_kills_and_reaps_a_child_never_taken(tmp_path: Path) -> None:
+    pid = os.posix_spawn("/bin/sleep", ["sleep", "30"], {})
+    done_r, done_w = os.pipe2(os.O_CLOEXEC)
+    os.close(done_w)
+    ahead = ScanAhead(pid, done_r, os.memfd_create("x", os.MFD_CLOEXEC), timeout_s=10.0)
+    t0 = time.monotonic()
+    ahead.cancel()
+    ahead.cancel()  # idempotent
+    assert time.monotonic() - t0 < 5
+    assert not Path(f"/proc/{pid}").exists()
+    assert ahead.result() is None
