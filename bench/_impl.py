@@ -135,11 +135,15 @@ def rss_mib(pid: int) -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15, in clock ticks)."""
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """User + system CPU time a process has used (/proc/<pid>/stat fields 14 and 15, in clock ticks),
+    with ``children`` also that of its children it has waited for (fields 16 and 17)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def daemon_env(pycache: Path | None = None, src: Path = SRC) -> dict[str, str]:
@@ -163,19 +167,22 @@ def daemon_argv(
     dev_root: Path,
     netns: str | None,
     python_flags: tuple[str, ...] = (),
+    src: Path = SRC,
 ) -> list[str]:
     """``densedev run`` on a simulated node: devinfo off (needs root paths), errors-only logging.
 
     ``netns`` names the namespace holding the PFs' links; None turns netlink off (the simulated PF
     links do not exist in the host's namespace).  ``python_flags`` go to the interpreter
-    (``-X importtime``).
+    (``-X importtime``).  The module is the installed ``densedev`` command's (``densedev.__main__``),
+    or ``densedev.cli`` for a ``src`` tree from before that entry point existed (before/after runs).
     """
     netlink = ["--netns", netns] if netns is not None else ["--no-netlink"]
+    module = "densedev" if (src / "densedev" / "__main__.py").exists() else "densedev.cli"
     return [
         sys.executable,
         *python_flags,
         "-m",
-        "densedev.cli",
+        module,
         "run",
         "--config",
         str(config),

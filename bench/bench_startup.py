@@ -85,7 +85,7 @@ async def start_once(
     kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))  # short: sun_path holds 107 bytes
     emu = KubeletEmulator(kubelet_dir)
     await emu.start()
-    argv = _impl.daemon_argv(config, sysfs, kubelet_dir, work / "dev", netns, python_flags)
+    argv = _impl.daemon_argv(config, sysfs, kubelet_dir, work / "dev", netns, python_flags, src)
 
     def full() -> bool:
         return any(len(u.devices) == vfs for u in emu.updates(RESOURCE))
@@ -101,7 +101,9 @@ async def start_once(
                 listed = full()
                 if listed:
                     received = next(u.received for u in emu.updates(RESOURCE) if len(u.devices) == vfs)
-                    cpu = _impl.cpu_seconds(daemon.pid)  # load-independent: what the start itself cost
+                    # Load-independent: what the start itself cost, the child that read the first scan
+                    # (node.ahead; reaped before the first list) included.
+                    cpu = _impl.cpu_seconds(daemon.pid, children=True)
             finally:
                 if daemon.poll() is None:
                     daemon.send_signal(signal.SIGTERM)

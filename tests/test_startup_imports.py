@@ -237,3 +237,47 @@ def test_the_warm_up_imports_the_generated_classes_off_the_event_loop() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+# Counts the collector's passes while the command loads: through the entry point (``densedev``,
+# ``python -m densedev``) or by importing densedev.cli as any other module would (the control).
+_COUNT_COLLECTIONS = """
+import gc, sys
+passes = []
+
+
+def loading():  # densedev.cli not yet imported whole (main is defined near its end)
+    return not hasattr(sys.modules.get("densedev.cli"), "main")
+
+
+gc.callbacks.append(lambda phase, info: passes.append(1) if phase == "start" and loading() else None)
+import densedev  # the package itself is loaded before the entry point runs
+passes.clear()
+if sys.argv[1] == "entry":
+    sys.argv[1:] = ["--version"]
+    from densedev.__main__ import main
+    try:
+        main()
+    except SystemExit:
+        pass
+else:
+    import densedev.cli
+print(len(passes), gc.isenabled())
+"""
+
+
+@pytest.mark.parametrize(("how", "collected"), [("entry", False), ("import", True)])
+def test_the_entry_point_loads_the_command_with_the_collector_off(
+    how: str, collected: bool, child_env: dict[str, str]
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _COUNT_COLLECTIONS, how],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=child_env,
+        check=True,
+    ).stdout.split()
+    passes, enabled = int(out[-2]), out[-1]
+    assert (passes > 0) is collected, out
+    assert enabled == "True"  # on again for the command (run turns it off again itself)

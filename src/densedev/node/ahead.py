@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # ~3x faster, and nothing in them names a class to import.
 FORMAT = 1
 DEFAULT_TIMEOUT_S = 30.0  # a scan that blocks this long (a hung driver's sysfs file) is given up
+REAP_POLLS, REAP_POLL_S = 100, 0.01  # how long a killed child is waited for: up to 1 s
 
 _FIELDS = len(Device._fields)
 
@@ -129,11 +130,20 @@ class ScanAhead:
             self._reaped = True
             try:
                 os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
+                self._reap_killed()
             except (ProcessLookupError, ChildProcessError):
                 pass
         os.close(self._done_fd)
         os.close(self._data_fd)
+
+    def _reap_killed(self) -> None:
+        # SIGKILL takes effect when the child leaves the kernel: a read stuck in a hung driver's sysfs
+        # file (uninterruptible sleep) may hold it there for good, and the daemon must not wait with it.
+        for _ in range(REAP_POLLS):
+            if os.waitpid(self.pid, os.WNOHANG)[0] == self.pid:
+                return
+            time.sleep(REAP_POLL_S)
+        log.warning("scan ahead: the scanning child %d does not exit (stuck in the kernel?)", self.pid)
 
     def _wait(self) -> str | None:
         """Wait until the child exits; why it gave no result, or None."""
