@@ -174,3 +174,51 @@ def test_cancel_kills_and_reaps_a_child_never_taken(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 5
     assert not Path(f"/proc/{pid}").exists()
     assert ahead.result() is None
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text`` (a forked child keeps its parent's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text.encode() in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_daemon_that_exits_before_its_scan_takes_the_child_with_it(tmp_path: Path) -> None:
+    """A bad config ends ``densedev run`` after its imports, before the scan is taken: the child, here
+    stuck opening a PF's ``numa_node`` (a FIFO no one writes: a hung driver's file), is killed."""
+    root = tmp_path / "sys"
+    layout = simnode.build_node(root, pfs=1, vfs_per_pf=4)
+    numa = (root / "bus/pci/devices" / layout.pfs[0].address).resolve() / "numa_node"
+    numa.unlink()
+    os.mkfifo(numa)
+    config = tmp_path / "config.json"
+    config.write_text(
+        '{"resourceList": [{"resourceName": "x", "selectors": {"pfNames": ["a"]}, "bogus": 1}]}'
+    )
+    kdir = tmp_path / "k"
+    kdir.mkdir()
+    argv = [sys.executable, "-m", "densedev", "run", "--config", str(config), "--sysfs-root", str(root)]
+    # stderr to a file, not a pipe: a child left behind would hold a pipe open, and the wait for its end
+    # would hide the leak behind a timeout.
+    with open(tmp_path / "stderr", "w+") as err:
+        code = subprocess.run(
+            [*argv, "--kubelet-dir", str(kdir), "--no-netlink"], stderr=err, timeout=60
+        ).returncode
+        err.seek(0)
+        text = err.read()
+    try:
+        assert code == 2, text
+        assert "bogus" in text
+        assert _processes_naming(str(config)) == []
+    finally:
+        for pid in _processes_naming(str(config)):
+            os.kill(pid, 9)
