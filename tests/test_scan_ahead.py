@@ -45,9 +45,9 @@ CHILD = textwrap.dedent(
     got = ahead.result()
     waited = time.monotonic() - t0
     gone = not os.path.exists(f"/proc/{pid}")
-    here = scanner.scan(root)
     out = {"waited": waited, "gone": gone, "taken": got is not None}
     if got is not None:
+        here = scanner.scan(root)
         out["same"] = (got.devices == here.devices, got.warnings == here.warnings)
         out["types"] = sorted({type(d).__name__ for d in got.devices})
         out["count"] = len(got.devices)
@@ -94,16 +94,28 @@ def test_the_child_reads_the_same_table_as_a_scan_here(messy_node: Path) -> None
     assert "scan ahead" not in err
 
 
-def test_a_killed_child_leaves_the_scan_to_the_daemon(messy_node: Path) -> None:
-    out, err = _run(messy_node, "kill")
+@pytest.fixture
+def stuck_node(tmp_path: Path) -> Path:
+    """A node whose PF's ``numa_node`` is a FIFO no one writes (a hung driver's file): a scan of it
+    blocks opening it, so the child is surely still running when the test signals it."""
+    root = tmp_path / "sys"
+    layout = simnode.build_node(root, pfs=1, vfs_per_pf=4)
+    numa = (root / "bus/pci/devices" / layout.pfs[0].address).resolve() / "numa_node"
+    numa.unlink()
+    os.mkfifo(numa)
+    return root
+
+
+def test_a_killed_child_leaves_the_scan_to_the_daemon(stuck_node: Path) -> None:
+    out, err = _run(stuck_node, "kill")
     assert not out["taken"]
     assert out["gone"]
     assert "scan ahead: the scanning child was killed by signal 9: scanning in the daemon instead" in err
     assert err.count("\n") == 1  # one line
 
 
-def test_a_stopped_child_is_given_up_after_the_timeout_and_reaped(messy_node: Path) -> None:
-    out, err = _run(messy_node, "stop", "0.5")
+def test_a_stopped_child_is_given_up_after_the_timeout_and_reaped(stuck_node: Path) -> None:
+    out, err = _run(stuck_node, "stop", "0.5")
     assert not out["taken"]
     assert 0.5 <= float(out["waited"]) < 10  # type: ignore[arg-type]
     assert out["gone"]  # killed and reaped, not left stopped (or a zombie) beside the daemon
@@ -192,14 +204,12 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
-def test_a_daemon_that_exits_before_its_scan_takes_the_child_with_it(tmp_path: Path) -> None:
+def test_a_daemon_that_exits_before_its_scan_takes_the_child_with_it(
+    stuck_node: Path, tmp_path: Path
+) -> None:
     """A bad config ends ``densedev run`` after its imports, before the scan is taken: the child, here
     stuck opening a PF's ``numa_node`` (a FIFO no one writes: a hung driver's file), is killed."""
-    root = tmp_path / "sys"
-    layout = simnode.build_node(root, pfs=1, vfs_per_pf=4)
-    numa = (root / "bus/pci/devices" / layout.pfs[0].address).resolve() / "numa_node"
-    numa.unlink()
-    os.mkfifo(numa)
+    root = stuck_node
     config = tmp_path / "config.json"
     config.write_text(
         '{"resourceList": [{"resourceName": "x", "selectors": {"pfNames": ["a"]}, "bogus": 1}]}'
