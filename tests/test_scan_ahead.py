@@ -20,9 +20,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.metrics import sample
+from helpers.node import PREFIX, Node
 
+from densedev.daemon import Daemon
 from densedev.node import scanner
 from densedev.node.ahead import FORMAT, ScanAhead
+from densedev.pools import config as config_mod
 from densedev.testing import simnode
 
 # Runs in a fresh interpreter (the one thread a fork needs); argv: sysfs root, then a case.
@@ -232,3 +236,27 @@ def test_a_daemon_that_exits_before_its_scan_takes_the_child_with_it(
     finally:
         for pid in _processes_naming(str(config)):
             os.kill(pid, 9)
+
+
+async def test_a_scan_given_up_is_not_timed_as_the_daemons_scan(tmp_path: Path) -> None:
+    """The scan metric times the daemon's own scan after a child gave nothing, not the wait for it."""
+    node = Node(tmp_path, pfs=1, vfs_per_pf=4, rdma=False)
+    pid = os.posix_spawn("/bin/sleep", ["sleep", "30"], {})
+    done_r, done_w = os.pipe2(os.O_CLOEXEC)  # the write end stays open here: no end of file, ever
+    ahead = ScanAhead(pid, done_r, os.memfd_create("x", os.MFD_CLOEXEC), timeout_s=0.5)
+    config = config_mod.load(node.config_path, default_prefix=PREFIX)
+    daemon = Daemon(node.settings(), config, scan_ahead=ahead)
+    emu = node.emulator()
+    await emu.start()
+    try:
+        await daemon.start()
+        await node.wait_listed(emu, daemon)
+        assert len(daemon.rediscovery.table.devices) == len(scanner.scan(node.sysfs).devices)
+        assert sample(daemon, "densedev_scan_duration_seconds_count") == 1
+        assert sample(daemon, "densedev_scan_duration_seconds_sum") < 0.5
+        assert not Path(f"/proc/{pid}").exists()  # given up: killed and reaped
+    finally:
+        os.close(done_w)
+        await daemon.stop()
+        await emu.stop()
+        node.cleanup()

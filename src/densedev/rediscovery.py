@@ -73,12 +73,13 @@ class Rediscovery:
 
     def scan(self, ahead: ScanAhead | None = None) -> discovery.DeviceTable:
         """Scan the whole node (start-up): take the scan ``ahead`` read, else scan on this thread."""
-        t0 = time.perf_counter()
         scanned = ahead.result() if ahead is not None else None
         if scanned is not None:
             table = self.scanner.table_of(scanned.devices, scanned.warnings)
             elapsed = scanned.seconds
         else:
+            # Timed from here: a child given up may have been waited for up to its timeout.
+            t0 = time.perf_counter()
             table = self.scanner.scan()
             elapsed = time.perf_counter() - t0
         self._note_scan(table, elapsed)
