@@ -147,17 +147,10 @@ class ScanAhead:
 
     def _wait(self) -> str | None:
         """Wait until the child exits; why it gave no result, or None."""
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return f"the scanning child {self.pid} gave no result in {self._timeout_s:g} s"
-            try:
-                ready, _, _ = select.select([self._done_fd], [], [], left)
-            except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
-                continue
-            if ready:
-                break
+        # A signal does not cut the wait short: select resumes with the time left (PEP 475).
+        ready, _, _ = select.select([self._done_fd], [], [], self._timeout_s)
+        if not ready:
+            return f"the scanning child {self.pid} gave no result in {self._timeout_s:g} s"
         # End of file: every copy of the write end is closed, i.e. the child has exited.
         _, status = os.waitpid(self.pid, 0)
         self._reaped = True
@@ -185,7 +178,7 @@ class ScanAhead:
 
 def _child(root: bytes, threads: bool, data_fd: int, done_r: int) -> None:  # pragma: no cover
     """The forked child: scan, write the result, exit — never return into the parent's code."""
-    code = 1
+    code = 1  # whatever the child raises ends here: the parent scans itself
     try:
         os.close(done_r)
         # The parent's handlers are Python functions meant for the daemon (SIGTERM raises to stop
@@ -200,8 +193,6 @@ def _child(root: bytes, threads: bool, data_fd: int, done_r: int) -> None:  # pr
         while view:
             view = view[os.write(data_fd, view) :]
         code = 0
-    except BaseException:
-        code = 1
     finally:
         # os._exit: no atexit handlers, no flushing of stdio buffers inherited from the parent.
         os._exit(code)
