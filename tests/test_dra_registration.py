@@ -320,24 +320,11 @@ def test_health_message_bytes_decode_to_the_full_list() -> None:
 
 
 async def test_the_kubelet_plugin_recovers_claims_before_its_sockets_exist(root: Path) -> None:
-    from densedev.dra.plugin import KubeletPlugin
-
     node = Node(root)
     ref = node.claim(("vf", VF))
     assert (await node.service.prepare([ref]))[ref.uid].error == ""
     registry = root / "registry"
-    plugin = KubeletPlugin(
-        DRIVER,
-        NODE,
-        node.store,
-        node.gate(),
-        plugins_dir=root / "plugins",
-        registry_dir=registry,
-        cdi_dir=node.settings.cdi_dir,
-        devinfo_dir=node.settings.devinfo_dir,
-        dev_root=node.dev_root,
-        poll=0.05,
-    )
+    plugin = node.kubelet_plugin()
     registrations: list[int] = []
     plugin.on_registered = lambda: registrations.append(1)
     sockets_at_recovery: list[bool] = []
@@ -395,17 +382,12 @@ sys.path[:0] = {paths!r}
 import uvloop
 import helpers.dra as t
 from pathlib import Path
-from densedev.dra.plugin import KubeletPlugin
 
 async def main():
     root = Path({root!r})
     node = t.Node(root)
     node.claim(("vf", t.VF), name="kept", uid={uid!r})
-    plugin = KubeletPlugin(
-        t.DRIVER, t.NODE, node.store, node.gate(), plugins_dir=root / "plugins",
-        registry_dir=root / "registry", cdi_dir=node.settings.cdi_dir,
-        devinfo_dir=node.settings.devinfo_dir, dev_root=node.dev_root, poll=0.05,
-    )
+    plugin = node.kubelet_plugin()
     await plugin.start()
     print("serving", flush=True)
     await asyncio.sleep(600)
@@ -451,19 +433,7 @@ async def test_a_killed_daemon_restarts_recovers_its_claims_and_is_registered_ag
             await kubelet.prepare(DRIVER, [claim], timeout=2)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         # The restarted daemon: claims first, then fresh sockets the kubelet registers again.
-        node = Node(root)
-        plugin = KubeletPlugin(
-            DRIVER,
-            NODE,
-            node.store,
-            node.gate(),
-            plugins_dir=root / "plugins",
-            registry_dir=root / "registry",
-            cdi_dir=node.settings.cdi_dir,
-            devinfo_dir=node.settings.devinfo_dir,
-            dev_root=node.dev_root,
-            poll=0.05,
-        )
+        plugin = Node(root).kubelet_plugin()
         assert await plugin.start() == {VF}
         await kubelet.wait_for(
             lambda: kubelet.plugins.get(DRIVER) not in (None, registered) and plugin.plugin.registered,

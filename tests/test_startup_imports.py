@@ -204,6 +204,15 @@ START_PATH_DATACLASSES = {
 }
 
 
+def _fresh_interpreter(code: str, *argv: str, env: dict[str, str] | None = None) -> str:
+    """Run ``code`` in a new interpreter (this one imported everything long ago); return its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=GUARD, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_importing_the_start_path_creates_only_the_dataclasses_listed() -> None:
     # A fresh interpreter: every class statement of the run's modules executes once, under the count.
     code = (
@@ -217,9 +226,7 @@ def test_importing_the_start_path_creates_only_the_dataclasses_listed() -> None:
         "import densedev.cli, densedev.daemon, densedev.dra.checkpoints\n"
         "print('\\n'.join(m for m in made if m.startswith('densedev.')))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(done.stdout.split()) == sorted(START_PATH_DATACLASSES)
+    assert sorted(_fresh_interpreter(code).split()) == sorted(START_PATH_DATACLASSES)
 
 
 def test_the_warm_up_imports_the_generated_classes_off_the_event_loop() -> None:
@@ -235,8 +242,7 @@ def test_the_warm_up_imports_the_generated_classes_off_the_event_loop() -> None:
         "threads[0].join(60)\n"
         "assert 'densedev._proto.api_pb2' in sys.modules and 'google.protobuf' in sys.modules\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=GUARD)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _fresh_interpreter(code)
 
 
 # Counts the collector's passes while the command loads: through the entry point (``densedev``,
@@ -270,14 +276,7 @@ print(len(passes), gc.isenabled())
 def test_the_entry_point_loads_the_command_with_the_collector_off(
     how: str, collected: bool, child_env: dict[str, str]
 ) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", _COUNT_COLLECTIONS, how],
-        capture_output=True,
-        text=True,
-        timeout=GUARD,
-        env=child_env,
-        check=True,
-    ).stdout.split()
+    out = _fresh_interpreter(_COUNT_COLLECTIONS, how, env=child_env).split()
     passes, enabled = int(out[-2]), out[-1]
     assert (passes > 0) is collected, out
     assert enabled == "True"  # on again for the command (run turns it off again itself)

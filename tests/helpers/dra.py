@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from densedev.dra import names
 from densedev.dra.claims import ClaimRef, PoolGate
@@ -13,6 +13,9 @@ from densedev.dra.node import NodeService, NodeSettings
 from densedev.model import Device, PoolConfig
 from densedev.testing.dra_kubelet import ClaimStore, allocated_claim
 from helpers.devices import DPDK, RDMA, dev, pool_of, touch
+
+if TYPE_CHECKING:
+    from densedev.dra.plugin import KubeletPlugin
 
 DRIVER = "net.densedev.io"
 NODE = "node-a"
@@ -69,6 +72,23 @@ class Node:
             [pool_of(c, ds) for c, ds in by_config.items()],
             lambda i: i not in self.unhealthy,
             self.holders.get,
+        )
+
+    def kubelet_plugin(self) -> KubeletPlugin:
+        """The DRA kubelet plugin over this node (its sockets under ``root``), not yet started."""
+        from densedev.dra.plugin import KubeletPlugin
+
+        return KubeletPlugin(
+            DRIVER,
+            NODE,
+            self.store,
+            self.gate(),
+            plugins_dir=self.root / "plugins",
+            registry_dir=self.root / "registry",
+            cdi_dir=self.settings.cdi_dir,
+            devinfo_dir=self.settings.devinfo_dir,
+            dev_root=self.dev_root,
+            poll=0.05,
         )
 
     def fresh(self) -> NodeService:
