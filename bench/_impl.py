@@ -168,18 +168,20 @@ def daemon_argv(
     netns: str | None,
     python_flags: tuple[str, ...] = (),
     src: Path = SRC,
+    python: str = sys.executable,
 ) -> list[str]:
     """``densedev run`` on a simulated node: devinfo off (needs root paths), errors-only logging.
 
     ``netns`` names the namespace holding the PFs' links; None turns netlink off (the simulated PF
     links do not exist in the host's namespace).  ``python_flags`` go to the interpreter
-    (``-X importtime``).  The module is the installed ``densedev`` command's (``densedev.__main__``),
-    or ``densedev.cli`` for a ``src`` tree from before that entry point existed (before/after runs).
+    (``-X importtime``), ``python`` is the interpreter (this one by default).  The module is the
+    installed ``densedev`` command's (``densedev.__main__``), or ``densedev.cli`` for a ``src`` tree
+    from before that entry point existed (before/after runs).
     """
     netlink = ["--netns", netns] if netns is not None else ["--no-netlink"]
     module = "densedev" if (src / "densedev" / "__main__.py").exists() else "densedev.cli"
     return [
-        sys.executable,
+        python,
         *python_flags,
         "-m",
         module,

@@ -17,6 +17,7 @@ daemon watches netlink there, as on a node; otherwise it runs with ``--no-netlin
 
     PYTHONPATH=src python bench/bench_startup.py [--quick] [--json] [--sizes 1024,4096,16384] [--repeat 10]
         [--src OLD/src --src src]   # before/after from one run
+        [--python VENV/bin/python ...]   # the daemon under another interpreter (the image's)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
@@ -48,6 +50,13 @@ from densedev.testing.netns import available, namespace
 VFS_PER_PF = 256
 RESOURCE = "intel.com/vfs"
 _IMPORT_LINE = re.compile(r"import time:\s+(\d+)\s+\|\s+(\d+)\s+\|( +)(\S+)")
+
+
+class Subject(NamedTuple):
+    """What one series of starts runs: an interpreter (with densedev's dependencies) and a src/ tree."""
+
+    python: str
+    src: Path
 
 
 def build(work: Path, vfs: int) -> tuple[Path, Path, list[str]]:
@@ -77,7 +86,7 @@ async def start_once(
     config: Path,
     vfs: int,
     netns: str | None,
-    src: Path,
+    subject: Subject,
     python_flags: tuple[str, ...] = (),
 ) -> tuple[float, float, str]:
     """Start the daemon once: seconds from fork to the full list at the emulator, its CPU seconds by
@@ -85,7 +94,9 @@ async def start_once(
     kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))  # short: sun_path holds 107 bytes
     emu = KubeletEmulator(kubelet_dir)
     await emu.start()
-    argv = _impl.daemon_argv(config, sysfs, kubelet_dir, work / "dev", netns, python_flags, src)
+    argv = _impl.daemon_argv(
+        config, sysfs, kubelet_dir, work / "dev", netns, python_flags, subject.src, subject.python
+    )
 
     def full() -> bool:
         return any(len(u.devices) == vfs for u in emu.updates(RESOURCE))
@@ -93,7 +104,7 @@ async def start_once(
     try:
         with tempfile.TemporaryFile() as err:
             t0 = time.monotonic()
-            env = _impl.daemon_env(work / "pycache", src)
+            env = _impl.daemon_env(work / "pycache", subject.src)
             daemon = subprocess.Popen(argv, env=env, stderr=err)
             try:
                 # A daemon that died ends the wait at once, with its stderr below, not after 120 s.
@@ -119,39 +130,40 @@ async def start_once(
 
 
 async def measure(
-    work: Path, vfs: int, srcs: list[Path], repeat: int, import_runs: int, netns: str | None
+    work: Path, vfs: int, subjects: list[Subject], repeat: int, import_runs: int, netns: str | None
 ) -> list[dict[str, object]]:
-    """Every figure of one node size, per source tree; the trees' starts take turns, so a machine
+    """Every figure of one node size, per subject; the subjects' starts take turns, so a machine
     that gets busier mid-run weighs on each alike."""
     t = time.perf_counter()
     sysfs, config, netdevs = build(work, vfs)
     build_s = time.perf_counter() - t
     if netns is not None:
         _impl.veth_pfs(netns, netdevs)
-    runs: dict[Path, list[tuple[float, float, str]]] = {src: [] for src in srcs}
-    imports: dict[Path, list[tuple[float, int]]] = {src: [] for src in srcs}
+    runs: dict[Subject, list[tuple[float, float, str]]] = {s: [] for s in subjects}
+    imports: dict[Subject, list[tuple[float, int]]] = {s: [] for s in subjects}
     try:
-        for src in srcs:  # warm-up: page cache, bytecode (daemon_env)
-            await start_once(work, sysfs, config, vfs, netns, src)
+        for s in subjects:  # warm-up: page cache, bytecode (daemon_env)
+            await start_once(work, sysfs, config, vfs, netns, s)
         for _ in range(repeat):
-            for src in srcs:
-                runs[src].append(await start_once(work, sysfs, config, vfs, netns, src))
+            for s in subjects:
+                runs[s].append(await start_once(work, sysfs, config, vfs, netns, s))
         for _ in range(import_runs):
-            for src in srcs:
-                stderr = (await start_once(work, sysfs, config, vfs, netns, src, ("-X", "importtime")))[2]
-                imports[src].append(import_total_ms(stderr))
+            for s in subjects:
+                stderr = (await start_once(work, sysfs, config, vfs, netns, s, ("-X", "importtime")))[2]
+                imports[s].append(import_total_ms(stderr))
     finally:
         if netns is not None:
             # The next size makes links of the same names; each veth's peer goes with it.
             gone = "".join(f"link del {name}\n" for name in netdevs)
             subprocess.run(["ip", "-n", netns, "-batch", "-"], input=gone, text=True, capture_output=True)
     out = []
-    for src in srcs:
-        starts, cpus = [r[0] for r in runs[src]], [r[1] for r in runs[src]]
-        best_import = min(imports[src], default=(0.0, 0))
+    for s in subjects:
+        starts, cpus = [r[0] for r in runs[s]], [r[1] for r in runs[s]]
+        best_import = min(imports[s], default=(0.0, 0))
         out.append(
             {
-                "src": str(src),
+                "python": s.python,
+                "src": str(s.src),
                 "devices": vfs,
                 "pools": 1,
                 "build_node_s": round(build_s, 2),
@@ -200,10 +212,19 @@ def main() -> int:
         help="run densedev from this src/ directory instead (repeatable: the trees' starts take turns, "
         "for before/after figures from one run; default: this tree's)",
     )
+    p.add_argument(
+        "--python",
+        action="append",
+        metavar="PATH",
+        help="run the daemon under this interpreter, which must have densedev's dependencies (repeatable, "
+        "crossed with --src: every pair takes its turn; default: this one)",
+    )
     args = p.parse_args()
     if args.quick:
         args.sizes, args.repeat, args.import_runs = [1024], 3, 1
     srcs = [d.resolve() for d in args.src] if args.src else [_impl.SRC]
+    pythons = args.python or [sys.executable]
+    subjects = [Subject(py, src) for py in pythons for src in srcs]
     netlink = "netns" if available() is None else "off"
     results = []
     with ExitStack() as stack:
@@ -211,12 +232,12 @@ def main() -> int:
         for vfs in args.sizes:
             work = Path(tempfile.mkdtemp(prefix="densedev-start-", dir=args.dir or _impl.tmpfs_dir()))
             try:
-                figures = uvloop.run(measure(work, vfs, srcs, args.repeat, args.import_runs, netns))
+                figures = uvloop.run(measure(work, vfs, subjects, args.repeat, args.import_runs, netns))
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             results += figures
             for r in figures if not args.json else []:
-                where = f" {r['src']}" if args.src else ""
+                where = (f" {r['python']}" if args.python else "") + (f" {r['src']}" if args.src else "")
                 print(
                     f"start-up [{accel.IMPLEMENTATION}, netlink {netlink}]{where} {r['devices']} VFs, "
                     "1 pool: "
