@@ -199,7 +199,6 @@ def test_run_keeps_the_cyclic_gc_off_while_it_starts_and_on_afterwards(
 # dataclass statement costs ~0.3-1 ms in 3.11 (each generated method is exec'd on its own) against
 # ~0.05 ms for a NamedTuple, and the start path once made ~20 of them (issue 14: start-up).
 START_PATH_DATACLASSES = {
-    "densedev.model.IndexSpans": "its __len__ and __contains__ are the indexes', not a tuple's",
     "densedev.node.table.DeviceTable": "it keeps an index built in __post_init__ beside its fields",
 }
 

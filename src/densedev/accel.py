@@ -7,8 +7,6 @@ Everything else imports hot-path functions from here.  ``DENSEDEV_NO_EXTENSIONS=
 
 from __future__ import annotations
 
-import importlib.util
-import logging
 import os
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -34,12 +32,18 @@ def _choose() -> tuple[ModuleType, str, str]:
     try:
         from . import _fast  # type: ignore[attr-defined]
     except ImportError as exc:
+        # Here only, as logging below: the child reading the first scan (node.ahead) loads this module
+        # first thing, and needs neither on the path that works.
+        import importlib.util
+
         if importlib.util.find_spec(f"{__package__}._fast") is None:
             FALLBACK_REASON = "not built"
         else:
             # A .so that exists but does not load (wrong Python ABI, a missing symbol, a truncated
             # file) would otherwise make every figure and every node silently the twin's: say so once.
             FALLBACK_REASON = f"the built extension does not load: {exc}"
+            import logging
+
             logging.getLogger(__name__).warning(
                 "running the plain-Python twin: %s (rebuild it, or set DENSEDEV_NO_EXTENSIONS=1)",
                 FALLBACK_REASON,

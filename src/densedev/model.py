@@ -4,22 +4,24 @@ Models are immutable.  ``Device`` is a ``NamedTuple`` rather than a frozen datac
 carries up to ~16k of them and a frozen dataclass costs ~2 µs per construction against ~0.2 µs for a
 named tuple built from the scanner's tuple, which is a tenth of the whole scan budget at 4,096 devices.
 The config's records and ``Pool`` are named tuples too, for start-up: Python 3.11 builds a dataclass's
-methods by exec'ing each one at import, ~0.3-1 ms a class, against ~0.05 ms for a named tuple.
+methods by exec'ing each one at import, ~0.3-1 ms a class, against ~0.05 ms for a named tuple.  This
+module imports no dataclass at all: the child that reads the first scan (``node.ahead``) loads it
+through the scanner, and ``dataclasses`` would bring ``inspect`` and ``ast`` with it (~7 ms of that
+child's start, which is on the daemon's critical path).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Iterable
-from dataclasses import dataclass
 from enum import Enum, StrEnum
-from typing import NamedTuple
-
-from .dra.names import DEFAULT_DRIVER_NAME
+from typing import Any, NamedTuple
 
 # A pool's resourcePrefix when the file gives none: the SR-IOV network device plugin's --resource-prefix
 # default, so its ConfigMaps name the same resources here (the CLI's --resource-prefix overrides it).
 DEFAULT_PREFIX = "intel.com"
+# A pool's draDriverName when the file gives none: the DRA driver the node's ResourceSlices name.
+DEFAULT_DRIVER_NAME = "net.densedev.io"
 
 
 class Health(StrEnum):
@@ -97,16 +99,42 @@ class Device(NamedTuple):
     aux_type: str  # SF: "sf"; "" otherwise
 
 
-@dataclass(frozen=True)
 class IndexSpans:
     """VF indexes kept as sorted, disjoint inclusive spans, so ``0-65535`` costs one span, not 65,536 ints.
 
     ``starts[i]..ends[i]`` is one span; spans never overlap or touch (``of`` merges them), so two equal
-    sets of indexes always have equal spans.
+    sets of indexes always have equal spans.  Immutable and compared by value, like a frozen
+    dataclass (see the module's docstring for why it is not one); not a named tuple, because its
+    ``len`` and ``in`` are the indexes', which a tuple's own methods (``_make``) would trip over.
     """
 
-    starts: tuple[int, ...] = ()
-    ends: tuple[int, ...] = ()
+    __slots__ = ("ends", "starts")
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+
+    def __init__(self, starts: tuple[int, ...] = (), ends: tuple[int, ...] = ()) -> None:
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "ends", ends)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"IndexSpans is immutable: cannot set {name}")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"IndexSpans is immutable: cannot delete {name}")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IndexSpans):
+            return NotImplemented
+        return self.starts == other.starts and self.ends == other.ends
+
+    def __hash__(self) -> int:
+        return hash((self.starts, self.ends))
+
+    def __repr__(self) -> str:
+        return f"IndexSpans(starts={self.starts!r}, ends={self.ends!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (IndexSpans, (self.starts, self.ends))  # copy and pickle without __setattr__
 
     @classmethod
     def of(cls, spans: Iterable[tuple[int, int]]) -> IndexSpans:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 
 from .. import pci
+from ..model import DEFAULT_DRIVER_NAME as DEFAULT_DRIVER_NAME  # the config's default, named here too
 
 PREFIX = "pci-"
-DEFAULT_DRIVER_NAME = "net.densedev.io"
 _NAME = re.compile(rf"pci-({pci.DOMAIN})-({pci.BUS})-({pci.DEVICE})-({pci.FUNCTION})")
 
 

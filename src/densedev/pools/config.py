@@ -21,9 +21,8 @@ from typing import Any
 
 from .. import pci
 from ..dra.classes import device_class_name
-from ..dra.names import DEFAULT_DRIVER_NAME
-from ..model import DEFAULT_PREFIX as DEFAULT_PREFIX
 from ..model import (
+    DEFAULT_DRIVER_NAME,
     Config,
     DeviceType,
     HealthPolicy,
@@ -35,6 +34,7 @@ from ..model import (
     Selector,
     VdpaType,
 )
+from ..model import DEFAULT_PREFIX as DEFAULT_PREFIX
 from ..printable import clip, escape, first_unprintable, has_unprintable
 
 DEVICE_TYPES = tuple(DeviceType)
