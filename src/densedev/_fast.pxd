@@ -20,6 +20,15 @@ cdef extern from "<unistd.h>" nogil:
     ssize_t readlinkat(int dirfd, const char *path, char *buf, size_t size)
     int dup(int fd)
 
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
+
 cdef extern from "<sys/syscall.h>" nogil:
     long syscall(long number, ...)
     enum:

@@ -30,7 +30,7 @@ def parse_uevent(buf: bytes) -> tuple[str, str, tuple[tuple[str, str], ...]] | N
 # scan: the sysfs scan into Devices sorted by id, and warnings
 def read_rdma_ports(root: bytes, ibdevs: tuple[bytes, ...]) -> tuple[tuple[str, int, int, int], ...]: ...
 def scan_sysfs(
-    root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True
+    root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True, gate: int = -1
 ) -> tuple[tuple[Device, ...], tuple[str, ...]]: ...
 
 # wire: Device and ListAndWatchResponse bytes

@@ -660,13 +660,14 @@ def _scan_sfs(rootfd: int, by_id: dict[str, Device], maps: _Maps, warnings: list
 
 
 def scan_sysfs(
-    root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True
+    root: bytes, addresses: tuple[bytes, ...] | None = None, threads: bool = True, gate: int = -1
 ) -> tuple[tuple[Device, ...], tuple[str, ...]]:
     """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root.
 
     Returns ``(devices, warnings)``: ``Device``s sorted by id, and one string per skipped device or
     field left empty.  ``threads`` lets the extension share the reads with helper threads (less time,
-    a little more CPU); the twin reads on this thread either way.
+    a little more CPU), and ``gate`` (a file descriptor) holds those helpers back until it is readable;
+    the twin reads on this thread either way.
     """
     warnings: list[str] = []
     try:

@@ -270,9 +270,10 @@ cdef void driver_map(cmap *m, list drivers, dirlist *lists) except *:
             raise MemoryError("sysfs scan: out of memory")
 
 
-cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int busfd):
+cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int *gate, int busfd):
     """Fill ``cmaps`` (MAP_COUNT maps) with every class map of the scan (the twin's _rdma_map and
-    _class_map), their links read in parallel by this thread and up to ``helpers`` more.
+    _class_map), their links read in parallel by this thread and up to ``helpers`` more (once ``gate``
+    is open: see gated).
 
     One readlink per class device names the function that owns it; with ~4 class devices per RDMA VF
     (netdev, ibdev, uverbs, umad) these links are a third of the scan, so the helpers read them ahead
@@ -327,7 +328,7 @@ cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int busfd):
         if lists == NULL:
             raise MemoryError("sysfs scan: out of memory")
         nlists = len(dirs)
-        list_dirs(dirs, helpers, lists)
+        list_dirs(dirs, gated(helpers, gate), lists)
         if busfd >= 0:
             bus_names = dirlist_bytes(&lists[njobs])
             driver_map(&cmaps[MAP_DRIVERS], drivers, lists + njobs + 1)
@@ -353,7 +354,7 @@ cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int busfd):
                     items[i].name = lists[fill_j].names[fill_e]
                     fill_e += 1
                 workq_init(&q, link_ahead_item, items, n, done)
-                workq_start(&q, helpers if n >= AHEAD_SHARED else 0)
+                workq_start(&q, gated(helpers, gate) if n >= AHEAD_SHARED else 0)
                 for i in range(q.n):
                     while entry_i >= lists[job_i].count:
                         job_i += 1
@@ -379,7 +380,7 @@ cdef list read_classes(int rootfd, cmap *cmaps, int helpers, int busfd):
         with nogil:
             # Each map sorts its own few thousand pairs: sealed side by side, as the directories were listed.
             workq_init(&q, seal_item, cmaps, MAP_COUNT, NULL)
-            workq_run(&q, helpers)
+            workq_run(&q, gated(helpers, gate))
     finally:
         free(items)
         free(done)

@@ -193,6 +193,7 @@ cdef class _ScanMaps:
     cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
     cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
+    cdef int gate         # helpers wait until this fd is readable (-1: they need not wait; see gated)
     cdef str drv_str      # the last driver name decoded, and its bytes: thousands of VFs share one
     cdef char drv_buf[64]
     cdef Py_ssize_t drv_len
@@ -201,6 +202,7 @@ cdef class _ScanMaps:
         self.vf_map = {}
         self.pfs = {}
         self.parents = {}
+        self.gate = -1
 
     cdef str driver_name(self, const char *drv, Py_ssize_t n):
         """A driver name as str ("" for none), the same object while consecutive VFs share it."""
@@ -787,7 +789,7 @@ cdef list build_pci(pci_read *d, int busfd, bytes name, _ScanMaps maps, list war
                 num = 0
             vf0 = computed_virtfns(d.devfd, dev, name, num, maps.present, maps.vf_map)
             if vf0 is None:
-                vf0 = virtfns(d.devfd, dev, maps.vf_map, warnings, maps.helpers)
+                vf0 = virtfns(d.devfd, dev, maps.vf_map, warnings, gated(maps.helpers, &maps.gate))
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
@@ -1040,7 +1042,7 @@ cdef class _VfReader:
             pfs.append(pf)
         with nogil:
             workq_init(&q, read_vf_item, self.slots, n, self.done)
-            workq_start(&q, maps.helpers if n >= VF_SHARED else 0)
+            workq_start(&q, gated(maps.helpers, &maps.gate) if n >= VF_SHARED else 0)
         try:
             for k in range(n):
                 with nogil:
@@ -1114,7 +1116,7 @@ cdef tuple pf_facts_of(int busfd, str pf, _ScanMaps maps, list warnings):
     if devfd < 0:
         return (), -1
     try:
-        virtfns(devfd, pf, maps.vf_map, warnings, maps.helpers)
+        virtfns(devfd, pf, maps.vf_map, warnings, gated(maps.helpers, &maps.gate))
         with nogil:
             status = read_attr(devfd, "numa_node", buf, &n)
         if status != 0 or not parse_int(buf, n, &numa):
@@ -1253,19 +1255,19 @@ cdef list scan_pcis(int busfd, list names, _ScanMaps maps, list warnings):
     return rows
 
 
-def scan_sysfs(bytes root, tuple addresses=None, bint threads=True):
+def scan_sysfs(bytes root, tuple addresses=None, bint threads=True, int gate=-1):
     """Scan PCI functions (all, or only ``addresses``) and their subfunctions under a sysfs root."""
     # Every object the scan makes lives until it returns, so a collection during it would only
     # traverse them in vain (tens of thousands per scan): the collector waits until the end.
     cdef int gc_was = PyGC_Disable()
     try:
-        return scan_tree(root, addresses, threads)
+        return scan_tree(root, addresses, threads, gate)
     finally:
         if gc_was:
             PyGC_Enable()
 
 
-cdef tuple scan_tree(bytes root, tuple addresses, bint threads):
+cdef tuple scan_tree(bytes root, tuple addresses, bint threads, int gate):
     cdef list warnings = []
     cdef int rootfd, busfd
     cdef list rows
@@ -1290,8 +1292,9 @@ cdef tuple scan_tree(bytes root, tuple addresses, bint threads):
         maps = _ScanMaps()
         maps.rootfd = rootfd
         maps.helpers = _HELPERS if threads else 0
+        maps.gate = gate
         try:
-            names = read_classes(rootfd, maps.cmaps, maps.helpers, busfd if addresses is None else -1)
+            names = read_classes(rootfd, maps.cmaps, maps.helpers, &maps.gate, busfd if addresses is None else -1)
             maps.vdpa = vdpa_map(rootfd)
             if addresses is not None:
                 names = sorted(set(addresses))

@@ -12,6 +12,28 @@ from libc.string cimport memset
 _HELPERS = max(0, min(MAX_HELPERS, (_os.cpu_count() or 1) - 1))
 
 
+cdef int gated(int helpers, int *gate) noexcept nogil:
+    """``helpers`` once the fd ``*gate`` is readable (or when it is -1), none while it is not.
+
+    The child reading the daemon's first scan (node.ahead) shares the cores with the daemon's imports:
+    helpers would only slow those down until the daemon waits for the scan, and then they are all it
+    waits for.  Its gate is a pipe the daemon closes as it starts waiting (poll reports the end of
+    file as readable); each parallel phase asks at its start, and the long ones come in batches (VFs
+    512 at a time, class links 4,096), so helpers join within a few ms.  Once open (or an fd gone
+    bad), for good: -1.
+    """
+    cdef pollfd p
+    if gate[0] < 0 or helpers == 0:
+        return helpers
+    p.fd = gate[0]
+    p.events = POLLIN
+    p.revents = 0
+    if poll(&p, 1, 0) == 0:
+        return 0
+    gate[0] = -1
+    return helpers
+
+
 cdef void workq_init(workq *q, work_fn run, void *ctx, Py_ssize_t n, int *done) noexcept nogil:
     """Set up ``n`` items of ``ctx`` for ``run``; ``done`` (n flags, or NULL) is cleared."""
     q.run = run
