@@ -23,9 +23,10 @@ import pytest
 from helpers.metrics import sample
 from helpers.node import PREFIX, Node
 
+from densedev.__main__ import early_scan_root
 from densedev.daemon import Daemon
 from densedev.node import scanner
-from densedev.node.ahead import FORMAT, ScanAhead
+from densedev.node.ahead import DONE, FORMAT, ScanAhead
 from densedev.pools import config as config_mod
 from densedev.testing import simnode
 
@@ -126,10 +127,11 @@ def test_a_stopped_child_is_given_up_after_the_timeout_and_reaped(stuck_node: Pa
     assert "gave no result in 0.5 s: scanning in the daemon instead" in err
 
 
-def _planted(data: bytes) -> ScanAhead:
-    """A ScanAhead whose 'child' exited at once and left ``data`` in its result file."""
+def _planted(data: bytes, said: bytes = DONE) -> ScanAhead:
+    """A ScanAhead whose 'child' left ``data`` in its result file, said ``said`` and exited at once."""
     pid = os.posix_spawn("/bin/true", ["true"], {})
     done_r, done_w = os.pipe2(os.O_CLOEXEC)  # /bin/true holds no copy of the write end
+    os.write(done_w, said)
     os.close(done_w)
     memfd = os.memfd_create("planted", os.MFD_CLOEXEC)
     os.write(memfd, data)
@@ -166,6 +168,19 @@ def test_a_planted_result_in_the_format_is_taken(tmp_path: Path) -> None:
     got = _planted(data).result()
     assert got is not None
     assert (got.devices, got.warnings, got.seconds) == (here.devices, here.warnings, 0.25)
+
+
+def test_a_result_the_child_did_not_say_done_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A whole result in the file, but the child exited (0) without its word: it may have been cut off
+    # mid-write, so the daemon scans itself.
+    simnode.build_node(tmp_path, pfs=1, vfs_per_pf=4)
+    here = scanner.scan(tmp_path)
+    ahead = _planted(marshal.dumps((FORMAT, 0.25, tuple(map(tuple, here.devices)), here.warnings)), b"")
+    with caplog.at_level(logging.WARNING, logger="densedev.node.ahead"):
+        assert ahead.result() is None
+    assert "the scanning child exited 0 without a result: scanning in the daemon instead" in caplog.text
 
 
 def test_a_process_with_threads_does_not_fork(tmp_path: Path) -> None:
@@ -208,19 +223,37 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+BAD_CONFIG = '{"resourceList": [{"resourceName": "x", "selectors": {"pfNames": ["a"]}, "bogus": 1}]}'
+GOOD_CONFIG = '{"resourceList": [{"resourceName": "x", "selectors": {"pfNames": ["a"]}}]}'
+
+
+@pytest.mark.parametrize(
+    ("config_text", "flags"),
+    [(BAD_CONFIG, []), (GOOD_CONFIG, ["--bogus-flag"])],
+    ids=["bad-config", "bad-flag"],
+)
 def test_a_daemon_that_exits_before_its_scan_takes_the_child_with_it(
-    stuck_node: Path, tmp_path: Path
+    stuck_node: Path, tmp_path: Path, config_text: str, flags: list[str]
 ) -> None:
-    """A bad config ends ``densedev run`` after its imports, before the scan is taken: the child, here
-    stuck opening a PF's ``numa_node`` (a FIFO no one writes: a hung driver's file), is killed."""
+    """A bad config ends ``densedev run`` after its imports, a bad flag before the command has loaded,
+    both before the scan is taken: the child (forked by the entry point, before either), here stuck
+    opening a PF's ``numa_node`` (a FIFO no one writes: a hung driver's file), is killed."""
     root = stuck_node
     config = tmp_path / "config.json"
-    config.write_text(
-        '{"resourceList": [{"resourceName": "x", "selectors": {"pfNames": ["a"]}, "bogus": 1}]}'
-    )
+    config.write_text(config_text)
     kdir = tmp_path / "k"
     kdir.mkdir()
-    argv = [sys.executable, "-m", "densedev", "run", "--config", str(config), "--sysfs-root", str(root)]
+    argv = [
+        sys.executable,
+        "-m",
+        "densedev",
+        "run",
+        "--config",
+        str(config),
+        "--sysfs-root",
+        str(root),
+        *flags,
+    ]
     # stderr to a file, not a pipe: a child left behind would hold a pipe open, and the wait for its end
     # would hide the leak behind a timeout.
     with open(tmp_path / "stderr", "w+") as err:
@@ -231,7 +264,7 @@ def test_a_daemon_that_exits_before_its_scan_takes_the_child_with_it(
         text = err.read()
     try:
         assert code == 2, text
-        assert "bogus" in text
+        assert "bogus" in text  # the config's field, or the flag
         assert _processes_naming(str(config)) == []
     finally:
         for pid in _processes_naming(str(config)):
@@ -260,3 +293,163 @@ async def test_a_scan_given_up_is_not_timed_as_the_daemons_scan(tmp_path: Path) 
         await daemon.stop()
         await emu.stop()
         node.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("argv", "root"),
+    [
+        (["run", "--config", "c.json"], "/sys"),
+        (["run", "--sysfs-root", "/a", "--config", "c.json"], "/a"),
+        (["run", "--sysfs-root=/b"], "/b"),
+        (["run", "--sysfs-root", "/a", "--sysfs-root=/b", "--sysfs-root", "/c"], "/c"),  # argparse: last wins
+        (["--log-level", "debug", "run"], None),  # "debug" is the first word: not a command this reads
+        (["scan", "--sysfs-root", "/a"], None),
+        (["run", "--help"], None),
+        (["run", "-h"], None),
+        (["run", "--sysfs-root"], "/sys"),  # no value: argparse refuses it, the child is cancelled
+        ([], None),
+    ],
+)
+def test_the_entry_point_reads_the_root_of_a_run_from_raw_arguments(
+    argv: list[str], root: str | None
+) -> None:
+    assert early_scan_root(argv) == root
+
+
+# Runs ``densedev`` through its entry point in a fresh interpreter, recording each fork of the scan:
+# whether the command module had loaded by then, and the root.
+ENTRY = textwrap.dedent(
+    """
+    import json, sys
+    from densedev.node import ahead
+    forks = []
+    start = ahead.ScanAhead.start.__func__
+    def recorded(cls, root, **kw):
+        forks.append(["densedev.cli" in sys.modules, str(root)])
+        return start(cls, root, **kw)
+    ahead.ScanAhead.start = classmethod(recorded)
+    sys.argv = ["densedev", *sys.argv[1:]]
+    from densedev.__main__ import main
+    code = main()
+    print(json.dumps({"code": code, "forks": forks}))
+    """
+)
+
+
+@pytest.mark.parametrize("spelling", ["as-parsed", "trailing-slash"])
+def test_run_forks_its_scan_before_the_command_loads_and_again_for_another_spelling(
+    tmp_path: Path, spelling: str
+) -> None:
+    root = tmp_path / "sys"
+    simnode.build_node(root, pfs=1, vfs_per_pf=4)
+    config = tmp_path / "config.json"
+    config.write_text(BAD_CONFIG)  # the run ends after its imports, with the scan never taken
+    kdir = tmp_path / "k"
+    kdir.mkdir()
+    given = str(root) + ("/" if spelling == "trailing-slash" else "")
+    flags = ["--config", str(config), "--sysfs-root", given, "--kubelet-dir", str(kdir), "--no-netlink"]
+    proc = subprocess.run(
+        [sys.executable, "-c", ENTRY, "run", *flags], capture_output=True, text=True, timeout=60
+    )
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["code"] == 2, proc.stderr
+    if spelling == "as-parsed":
+        assert out["forks"] == [[False, str(root)]]
+    else:
+        # argparse makes the path /a/b of "/a/b/": the entry point's child scans another spelling of
+        # the root, so the command forks one for the root it parsed (and the first one is killed).
+        assert out["forks"] == [[False, given], [True, str(root)]]
+    assert _processes_naming(str(config)) == []
+
+
+# Scans a node in a thread of a fresh interpreter (no thread but its own) with the scan's helpers held
+# at a gate, sampling the process's threads meanwhile; argv: sysfs root, when to open the gate ("never",
+# "before", or seconds into the scan).  Prints the most helper threads seen before and after it opened.
+GATE = textwrap.dedent(
+    """
+    import json, os, sys, threading, time
+    from densedev import _fast
+    root, when = os.fsencode(sys.argv[1]), sys.argv[2]
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+    if when == "before":
+        os.close(gate_w)
+    got = {}
+    scan = threading.Thread(target=lambda: got.update(rows=_fast.scan_sysfs(root, None, True, gate_r)))
+    t0 = time.monotonic()
+    scan.start()
+    before = after = 0
+    opened = when == "before"
+    while scan.is_alive():
+        helpers = len(os.listdir("/proc/self/task")) - 2  # this thread and the scanning one
+        if opened:
+            after = max(after, helpers)
+        else:
+            before = max(before, helpers)
+        if not opened and when not in ("never", "before") and time.monotonic() - t0 >= float(when):
+            os.close(gate_w)
+            opened = True
+        time.sleep(0.0002)
+    scan.join()
+    same = got["rows"] == _fast.scan_sysfs(root, None, True)
+    print(json.dumps({"before": before, "after": after, "opened": opened, "same": same}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def big_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4,096 VFs: a scan of ~40-70 ms, long enough to watch its threads."""
+    root = tmp_path_factory.mktemp("big") / "sys"
+    simnode.build_node(root, pfs=16, vfs_per_pf=256, numa_nodes=2)
+    return root
+
+
+def _gated_scan(root: Path, when: str) -> dict[str, object]:
+    proc = subprocess.run(
+        [sys.executable, "-c", GATE, str(root), when], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture
+def helpers(both: tuple[object, object]) -> int:
+    """Helper threads a scan may start on this machine (none on one core: nothing to hold back)."""
+    n = max(0, min(3, (os.cpu_count() or 1) - 1))
+    if n == 0:
+        pytest.skip("one core: the scan starts no helper threads")
+    return n
+
+
+def test_a_shut_gate_holds_the_scans_helper_threads_back(big_node: Path, helpers: int) -> None:
+    out = _gated_scan(big_node, "never")
+    assert out["before"] == 0  # the child shares the cores with the daemon's imports: none until it waits
+    assert out["same"]  # and the same rows as a scan with its helpers
+
+
+def test_an_open_gate_lets_them_run(big_node: Path, helpers: int) -> None:
+    out = _gated_scan(big_node, "before")
+    assert 1 <= out["after"] <= helpers  # the positive control of the test above
+    assert out["same"]
+
+
+def test_a_gate_opened_mid_scan_lets_them_join(big_node: Path, helpers: int) -> None:
+    # The daemon closes its end when it starts waiting, mid-scan at 16k VFs: helpers join at the next
+    # batch (of 512 VFs, or 4,096 class links), not only at the next scan.
+    out = _gated_scan(big_node, "0.01")
+    assert out["opened"]
+    assert out["before"] == 0
+    assert 1 <= out["after"] <= helpers
+    assert out["same"]
+
+
+def test_both_scans_take_a_gate_and_read_the_same(both: tuple[object, object], messy_node: Path) -> None:
+    # The twin reads on one thread whatever the gate says; the extension's rows are the same with it shut.
+    ext, twin = both
+    gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        root = os.fsencode(messy_node)
+        assert ext.scan_sysfs(root, None, True, gate_r) == twin.scan_sysfs(root, None, True, gate_r)  # type: ignore[attr-defined]
+    finally:
+        os.close(gate_r)
+        os.close(gate_w)

@@ -707,8 +707,11 @@ def _reader_gone() -> int:
     return 128 + signal.SIGPIPE
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``densedev`` command: every expected failure is one line and an exit code."""
+def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = None) -> int:
+    """Entry point of the ``densedev`` command: every expected failure is one line and an exit code.
+
+    ``scan_ahead`` is the child the entry point forked for ``run``'s first scan (``densedev.__main__``).
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     # The command is the first word that is not an option: the top level's own (--help, --version)
     # take no value.
@@ -725,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # GRPC_VERBOSITY (DEBUG, INFO, ERROR) to see them.  Read by gRPC core when it first initialises.
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     try:
-        code = _dispatch(args)
+        code = _dispatch(args, scan_ahead)
         sys.stdout.flush()  # inside the try: a reader gone before the last buffer is flushed
         return code
     except CommandError as exc:
@@ -756,7 +759,7 @@ def _fail(args: argparse.Namespace, message: str) -> None:
         print(f"densedev {args.command}: error: {message}", file=sys.stderr)
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, scan_ahead: ScanAhead | None = None) -> int:
     if args.command == "check-config":
         return _cmd_check(args)
     if args.command == "scan":
@@ -774,8 +777,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         # first list at 4,096 VFs, a tenth of the start's CPU.  Off until the daemon has started and
         # frozen those objects (_serve turns it back on); on again here whatever happened.
         gc.disable()
-        # The first scan reads sysfs in a child process while this one imports the rest (node.ahead).
-        ahead = ScanAhead.start(args.sysfs_root)
+        # The first scan reads sysfs in a child process while this one imports the rest (node.ahead):
+        # the entry point's, if it scans the root the flags name, else one forked now.
+        ahead = scan_ahead
+        if ahead is None or not ahead.scans(args.sysfs_root):
+            if ahead is not None:
+                ahead.cancel()
+            ahead = ScanAhead.start(args.sysfs_root)
         try:
             import uvloop
 
