@@ -3,7 +3,9 @@ validation problem is reported (all at once) naming the pool, the key and the re
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +233,20 @@ def test_vf_indexes_with_leading_zeros_or_too_many_digits() -> None:
         parse_index_range("ens1f0#1000000")
     with pytest.raises(ValueError, match="above 65535"):
         parse_index_range("ens1f0#" + "9" * 100_000)
+
+
+def test_index_spans_are_an_immutable_value() -> None:
+    # What the frozen dataclass it was gave: equality and hash by value, no assignment, a copy or a
+    # pickle equal to the original (IndexRange, and so the config, holds them).
+    a, b = IndexSpans.of([(0, 3), (7, 7)]), IndexSpans.from_indexes([0, 1, 2, 3, 7])
+    assert a == b and hash(a) == hash(b) and a != IndexSpans.of([(0, 3)]) and a != (a.starts, a.ends)
+    assert repr(a) == "IndexSpans(starts=(0, 7), ends=(3, 7))" and str(a) == "0-3,7"
+    with pytest.raises(AttributeError, match="immutable"):
+        a.starts = ()  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="immutable"):
+        del a.ends
+    assert copy.deepcopy(a) == a and pickle.loads(pickle.dumps(a)) == a
+    assert IndexSpans() == IndexSpans.of([]) and not IndexSpans() and len(a) == 5
 
 
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 200)), max_size=8), st.data())
