@@ -12,11 +12,14 @@ import json
 import logging
 import marshal
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -397,11 +400,16 @@ GATE = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def big_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4,096 VFs: a scan of ~40-70 ms, long enough to watch its threads."""
-    root = tmp_path_factory.mktemp("big") / "sys"
-    simnode.build_node(root, pfs=16, vfs_per_pf=256, numa_nodes=2)
-    return root
+def big_node() -> Iterator[Path]:
+    """4,096 VFs: a scan of ~40-70 ms, long enough to watch its threads (on tmpfs: ~20x faster to build)."""
+    top = Path(
+        tempfile.mkdtemp(prefix="densedev-gate-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    )
+    try:
+        simnode.build_node(top / "sys", pfs=16, vfs_per_pf=256, numa_nodes=2)
+        yield top / "sys"
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def _gated_scan(root: Path, when: str) -> dict[str, object]:
@@ -421,19 +429,19 @@ def helpers(both: tuple[object, object]) -> int:
     return n
 
 
-def test_a_shut_gate_holds_the_scans_helper_threads_back(big_node: Path, helpers: int) -> None:
+def test_a_shut_gate_holds_the_scans_helper_threads_back(helpers: int, big_node: Path) -> None:
     out = _gated_scan(big_node, "never")
     assert out["before"] == 0  # the child shares the cores with the daemon's imports: none until it waits
     assert out["same"]  # and the same rows as a scan with its helpers
 
 
-def test_an_open_gate_lets_them_run(big_node: Path, helpers: int) -> None:
+def test_an_open_gate_lets_them_run(helpers: int, big_node: Path) -> None:
     out = _gated_scan(big_node, "before")
     assert 1 <= out["after"] <= helpers  # the positive control of the test above
     assert out["same"]
 
 
-def test_a_gate_opened_mid_scan_lets_them_join(big_node: Path, helpers: int) -> None:
+def test_a_gate_opened_mid_scan_lets_them_join(helpers: int, big_node: Path) -> None:
     # The daemon closes its end when it starts waiting, mid-scan at 16k VFs: helpers join at the next
     # batch (of 512 VFs, or 4,096 class links), not only at the next scan.
     out = _gated_scan(big_node, "0.01")
