@@ -258,6 +258,41 @@ def test_two_netdevs_stay_down_while_either_is_down(clock: FakeClock) -> None:
     assert tracker.collect()["intel.com/p"].healthy == (True,)
 
 
+_link_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["set", "drop"]), st.sampled_from(["p0", "p0rep", "p1", "other"]), st.booleans()
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_link_ops)
+def test_a_device_is_down_while_any_of_its_links_is_known_down(ops: list[tuple[str, str, bool]]) -> None:
+    # The tracker keeps a count of links down to skip the per-device check when none is (the first dump
+    # of a healthy node); the count must follow every set and drop, or a device with two netdevs would
+    # come up while one is still down.
+    two = dev("0000:05:00.0", Role.PF, "mlx5_core", netdevs=("p0", "p0rep"))
+    one = dev("0000:06:00.0", Role.PF, "mlx5_core", netdevs=("p1",))
+    policy = HealthPolicy(hold_down_s=0.0)
+    tracker = HealthTracker([two, one], [pool("p", [two, one], policy)], clock=FakeClock())
+    known: dict[str, bool] = {}
+    tracker.collect()
+    healthy = (True, True)
+    for op, name, up in ops:
+        if op == "set":
+            tracker.set_links([(name, up)])
+            known[name] = up
+        else:
+            tracker.drop_links([name])
+            known.pop(name, None)
+        update = tracker.collect().get("intel.com/p")
+        if update is not None:
+            healthy = update.healthy
+        expected = tuple(all(known.get(n, True) for n in d.netdevs) for d in (two, one))
+        assert healthy == expected, (op, name, up, known)
+
+
 def test_driver_unbound_or_changed(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
     # The daemon learns of a bind or unbind from its uevent, rescans, and hands the tracker the new table:
     # a pool that does not filter by driver keeps the device, which is unhealthy while not bound to the
