@@ -10,6 +10,8 @@ first list.  Then the daemon is stopped (SIGTERM) and the next repeat starts fro
 Import time: the same start under ``python -X importtime``, stopped once the full list arrived; the
 figure is the sum of the top-level imports' cumulative times (every import the run made, the lazy
 ones included), best of a few runs (importtime's own overhead inflates it; compare runs, not absolutes).
+The child that reads the first scan (node.ahead) inherits the flag and stderr, so its own few imports
+(the accelerator and the models, ~5 ms) are counted too, though they run beside the daemon's.
 
 The daemon runs from bytecode caches, as installed (``_impl.daemon_env``); the warm-up start writes them.
 As root with iproute2 the PFs' netdevs are real veth links in a private network namespace and the
