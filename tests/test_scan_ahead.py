@@ -461,3 +461,31 @@ def test_both_scans_take_a_gate_and_read_the_same(both: tuple[object, object], m
     finally:
         os.close(gate_r)
         os.close(gate_w)
+
+
+async def test_a_vf_made_after_the_childs_scan_is_listed_soon_after_the_start(
+    tmp_path: Path, netns: str
+) -> None:
+    """The child reads sysfs up to ~100 ms before the uevent monitor opens: a VF created meanwhile
+    (the SR-IOV operator sets sriov_numvfs and restarts the plugin) sends its uevent to no one.  The
+    daemon rescans once after such a start, rather than leaving the VF to the reconcile a minute on."""
+    node = Node(tmp_path, pfs=1, vfs_per_pf=4, rdma=False)
+    here = scanner.scan(node.sysfs)
+    stale = tuple(d for d in here.devices if d.id != node.layout.pfs[0].vf_addresses[-1])
+    ahead = _planted(marshal.dumps((FORMAT, 0.01, tuple(map(tuple, stale)), here.warnings)))
+    config = config_mod.load(node.config_path, default_prefix=PREFIX)
+    daemon = Daemon(node.settings(netlink=True, netns=netns), config, scan_ahead=ahead)
+    emu = node.emulator()
+    await emu.start()
+    try:
+        await daemon.start()
+        await node.wait_listed(emu, daemon)
+        pool = next(
+            p.full_name for p in config.pools if p.resource_name == f"sriov_{node.layout.pfs[0].netdev}"
+        )
+        assert len(emu.updates(pool)[0].devices) == 3  # the child's table: one VF short
+        await emu.wait_for(lambda: any(len(u.devices) == 4 for u in emu.updates(pool)), 10)
+    finally:
+        await daemon.stop()
+        await emu.stop()
+        node.cleanup()

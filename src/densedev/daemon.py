@@ -54,6 +54,7 @@ log = logging.getLogger("densedev.daemon")
 
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
+CATCH_UP_RESCAN_S = 1.0  # after a start from a child's scan: the full rescan of what changed meanwhile
 
 
 class Daemon:
@@ -157,8 +158,8 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        table = self.rediscovery.scan(self._scan_ahead)
-        self._scan_ahead = None
+        ahead, self._scan_ahead = self._scan_ahead, None
+        table = self.rediscovery.scan(ahead)
         # What running pods hold is known before any pool lists a device (the kubelet kept the
         # allocations of pods that outlived a previous run of this daemon).
         with contextlib.suppress(Exception):
@@ -185,6 +186,11 @@ class Daemon:
         await self.pools.start(started)
         if self.settings.netlink:
             await self.events.start_netlink()
+            if ahead is not None:
+                # A child read the first scan up to ~100 ms before the uevent monitor opened
+                # (node.ahead): a device that appeared, left or was rebound meanwhile told no one.  One
+                # full rescan once the first lists are out finds it, not the reconcile a minute later.
+                asyncio.get_running_loop().call_later(CATCH_UP_RESCAN_S, self._rescans.request)
         self._spawn_loop(self.events.rdma_loop, "rdma-poll")
         self._spawn_loop(
             functools.partial(self.ownership.run, self.rediscovery.released, self._kubelet_watch), "in-use"
