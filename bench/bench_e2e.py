@@ -80,6 +80,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
     )
     await emu.wait_for(lambda: all(emu.updates(n) for n in names), 120)
     startup_s = time.perf_counter() - t
+    await _impl.past_catch_up()
     pool_of = {pf.netdev: f"intel.com/vfs_{n}" for n, g in enumerate(groups) for pf in g}
     switch = LinkSwitch(ns)
     rng = random.Random(7)

@@ -112,6 +112,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
     try:
         names = sorted(set(pool_of.values()))
         await emu.wait_for(lambda: all(emu.updates(n) for n in names), 120)
+        await _impl.past_catch_up()
         flips = [
             f"link set fl{k} {'down' if j % 2 == 0 else 'up'}\n"
             for j in range(args.rounds)
