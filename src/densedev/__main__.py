@@ -36,10 +36,12 @@ _ROOT_FLAG = "--sysfs-root"
 def early_scan_root(argv: Sequence[str]) -> str | None:
     """The sysfs root ``densedev run`` will scan, read from raw arguments; None for another command.
 
-    The command is the first word that is not an option, as the command module reads it; a run asking
-    for help scans nothing.  The last ``--sysfs-root`` wins, as with argparse.
+    The command is read as the command module reads it (``argv.command_word``); a run asking for help
+    scans nothing.  The last ``--sysfs-root`` wins, as with argparse.
     """
-    if next((a for a in argv if not a.startswith("-")), None) != "run":
+    from .argv import command_word
+
+    if command_word(argv) != "run":
         return None
     if "-h" in argv or "--help" in argv:
         return None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from . import __version__, accel
+from .argv import command_word
 from .model import DEFAULT_PREFIX
 from .node.ahead import ScanAhead
 from .node.layout import PCI_DEVICES, SYSFS_ROOT
@@ -713,9 +714,7 @@ def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = No
     ``scan_ahead`` is the child the entry point forked for ``run``'s first scan (``densedev.__main__``).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
-    # The command is the first word that is not an option: the top level's own (--help, --version)
-    # take no value.
-    parser = build_parser(next((a for a in argv if not a.startswith("-")), None))
+    parser = build_parser(command_word(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.error(
