@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.interpreter import fresh_interpreter
 from helpers.metrics import sample
 from helpers.node import PREFIX, Node
 
@@ -67,14 +68,7 @@ CHILD = textwrap.dedent(
 
 
 def _run(root: Path, case: str, *extra: str) -> tuple[dict[str, object], str]:
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(root), case, *extra],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ},
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = fresh_interpreter(CHILD, str(root), case, *extra)
     return json.loads(proc.stdout), proc.stderr
 
 
@@ -351,9 +345,7 @@ def test_run_forks_its_scan_before_the_command_loads_and_again_for_another_spell
     kdir.mkdir()
     given = str(root) + ("/" if spelling == "trailing-slash" else "")
     flags = ["--config", str(config), "--sysfs-root", given, "--kubelet-dir", str(kdir), "--no-netlink"]
-    proc = subprocess.run(
-        [sys.executable, "-c", ENTRY, "run", *flags], capture_output=True, text=True, timeout=60
-    )
+    proc = fresh_interpreter(ENTRY, "run", *flags)
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out["code"] == 2, proc.stderr
     if spelling == "as-parsed":
@@ -413,11 +405,7 @@ def big_node() -> Iterator[Path]:
 
 
 def _gated_scan(root: Path, when: str) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, "-c", GATE, str(root), when], capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return json.loads(fresh_interpreter(GATE, str(root), when, timeout=120).stdout)
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.interpreter import fresh_interpreter
 
 from densedev import accel, cli
 from densedev.testing import simnode
@@ -203,15 +204,6 @@ START_PATH_DATACLASSES = {
 }
 
 
-def _fresh_interpreter(code: str, *argv: str, env: dict[str, str] | None = None) -> str:
-    """Run ``code`` in a new interpreter (this one imported everything long ago); return its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=GUARD, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_importing_the_start_path_creates_only_the_dataclasses_listed() -> None:
     # A fresh interpreter: every class statement of the run's modules executes once, under the count.
     code = (
@@ -225,7 +217,7 @@ def test_importing_the_start_path_creates_only_the_dataclasses_listed() -> None:
         "import densedev.cli, densedev.daemon, densedev.dra.checkpoints\n"
         "print('\\n'.join(m for m in made if m.startswith('densedev.')))\n"
     )
-    assert sorted(_fresh_interpreter(code).split()) == sorted(START_PATH_DATACLASSES)
+    assert sorted(fresh_interpreter(code).stdout.split()) == sorted(START_PATH_DATACLASSES)
 
 
 def test_the_warm_up_imports_the_generated_classes_off_the_event_loop() -> None:
@@ -241,7 +233,7 @@ def test_the_warm_up_imports_the_generated_classes_off_the_event_loop() -> None:
         "threads[0].join(60)\n"
         "assert 'densedev._proto.api_pb2' in sys.modules and 'google.protobuf' in sys.modules\n"
     )
-    _fresh_interpreter(code)
+    fresh_interpreter(code)
 
 
 # Counts the collector's passes while the command loads: through the entry point (``densedev``,
@@ -275,7 +267,7 @@ print(len(passes), gc.isenabled())
 def test_the_entry_point_loads_the_command_with_the_collector_off(
     how: str, collected: bool, child_env: dict[str, str]
 ) -> None:
-    out = _fresh_interpreter(_COUNT_COLLECTIONS, how, env=child_env).split()
+    out = fresh_interpreter(_COUNT_COLLECTIONS, how, env=child_env).stdout.split()
     passes, enabled = int(out[-2]), out[-1]
     assert (passes > 0) is collected, out
     assert enabled == "True"  # on again for the command (run turns it off again itself)
