@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from . import poolset
+from . import poolset, workers
 from .alloc.leftovers import Leftovers
 from .dra.hooks import DraHooks
 from .health.handoff import Handoff
@@ -32,6 +32,7 @@ from .ops.logs import log_event
 from .ops.metrics import Metrics
 from .pools import select as selectors
 from .pools.ownership import Ownership
+from .workers import Work
 
 log = logging.getLogger("densedev.daemon")  # the daemon's lines, as they were before they moved here
 
@@ -131,8 +132,8 @@ class Rediscovery:
         t0 = time.perf_counter()
         # The periodic reconcile finds nothing changed nearly always: it reads on one thread, which
         # takes longer but the least CPU (the idle daemon's biggest cost at 16k devices).
-        result = await asyncio.to_thread(
-            functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
+        result = await workers.run(
+            Work.SCAN, functools.partial(self.scanner.rescan, threads=not reconcile), self.table, targets
         )
         self.metrics.record_resync("rescan" if result.full else "targeted")
         self._note_scan(result.table, time.perf_counter() - t0)

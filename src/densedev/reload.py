@@ -13,12 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from . import files
+from . import files, workers
 from .model import Config
 from .ops.logs import log_event
 from .ops.metrics import Metrics
 from .pools import config as config_mod
 from .poolset import PoolChanges
+from .workers import Work
 
 log = logging.getLogger("densedev.reload")
 applied_log = logging.getLogger("densedev.daemon")  # "config reloaded" kept the daemon's logger when it moved
@@ -95,7 +96,7 @@ class ConfigReloader:
         try:
             # In a worker thread: a 1 MiB file full of problems takes a while to validate, and the loop
             # keeps health and the kubelet's calls going meanwhile.
-            new = await asyncio.to_thread(config_mod.load, path, default_prefix=self.default_prefix)
+            new = await workers.run(Work.CONFIG, config_mod.load, path, default_prefix=self.default_prefix)
         except config_mod.ConfigError as exc:
             self.metrics.record_reload(False)
             for p in exc.problems:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import grpc
 
-from .. import files
+from .. import files, workers
 from .._proto import dra_v1_pb2, dra_v1beta1_pb2
 from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
@@ -39,6 +39,7 @@ from ..kubelet.lifecycle import unary
 from ..model import DeviceType, PoolConfig, RequestError
 from ..ops.logs import log_event
 from ..printable import clip, listing
+from ..workers import Work
 from . import names
 from .claims import (
     Checkpoint,
@@ -520,7 +521,7 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     caller holds the lock, and releasing it while the thread still writes files and replaces the state
     would let the next call run on a state about to change under it.
     """
-    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    future = asyncio.ensure_future(workers.run(Work.FILES, fn, *args))
     cancelled = False
     while True:
         try:

@@ -16,12 +16,14 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 
+from .. import workers
 from ..model import Device
 from ..node import scanner as discovery
 from ..node.events import LinkMonitor, LinkTuple, MonitorOptions, UeventMonitor, UeventTuple, link_states
 from ..node.rescans import RescanRequests
 from ..ops.logs import log_event
 from ..ops.metrics import Metrics
+from ..workers import Work
 from .handoff import Handoff
 from .tracker import HealthTracker
 
@@ -130,7 +132,7 @@ class EventIntake:
         """Read the RDMA ports of pooled devices in a worker thread (32k files at 16k devices)."""
         ibdevs = self._rdma_devices()
         if ibdevs:
-            self._take_ports(await asyncio.to_thread(self.scanner.rdma_ports, ibdevs))
+            self._take_ports(await workers.run(Work.SCAN, self.scanner.rdma_ports, ibdevs))
 
     async def rdma_loop(self) -> None:
         """Poll the RDMA ports every ``rdmaPollSeconds`` and note the hand-off (runs until cancelled)."""

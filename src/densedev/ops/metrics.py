@@ -27,8 +27,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import __version__, accel
+from .. import __version__, accel, workers
 from ..model import Health, RequestError
+from ..workers import Work
 
 if TYPE_CHECKING:
     from .._proto import api_pb2
@@ -874,7 +875,7 @@ class MetricsServer:
             # Rendering is pure Python and grows with pools x histogram buckets (~40 ms for 64 busy
             # pools): in a worker thread the GIL's switch interval (5 ms) bounds how long the loop,
             # and with it every ListAndWatch send, waits; prometheus-client guards its values with locks.
-            body = await asyncio.to_thread(self.metrics.render)
+            body = await workers.run(Work.METRICS, self.metrics.render)
             await self._respond(writer, 200, body, head_only, CONTENT_TYPE)
         elif path == "/healthz":
             ok, detail = self.health()

@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import workers
 from ..kubelet.podresources import (
     Held,
     PodResourcesClient,
@@ -36,6 +37,7 @@ from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi, RequestError
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import Counter, Gauge, Registry
+from ..workers import Work
 
 if TYPE_CHECKING:
     from .._proto import api_pb2
@@ -185,7 +187,7 @@ class Ownership:
                 self._failed(Source.PODRESOURCES, str(exc))
         if base is None and self.checkpoint is not None:
             try:
-                base = await asyncio.to_thread(read_checkpoint, self.checkpoint)
+                base = await workers.run(Work.KUBELET, read_checkpoint, self.checkpoint)
                 source = Source.CHECKPOINT
             except SourceUnavailable as exc:
                 self._failed(Source.CHECKPOINT, str(exc))
