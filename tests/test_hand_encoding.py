@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
 from densedev._proto import podresources_pb2 as pr
-from densedev.kubelet.podresources import PodResourcesClient, SourceUnavailable, decode_held
 from densedev.kubelet.wire import encode_options, encode_register_request
+from densedev.node.holdings import PodResourcesClient, SourceUnavailable, decode_held
 
 text = st.text(max_size=300)  # past 127 bytes the lengths take two varint bytes
 flags = st.booleans()

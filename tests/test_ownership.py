@@ -23,10 +23,11 @@ from helpers.node import GUARD_S, NO_FILES, PREFIX, Node, daemon_on, pool
 from densedev._proto import api_pb2
 from densedev.alloc import cdi, devinfo
 from densedev.daemon import Daemon
-from densedev.kubelet.podresources import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
+from densedev.kubelet.guard import GuardedService
 from densedev.kubelet.sockets import remove_stale_sockets, socket_name_for
 from densedev.model import RequestError
-from densedev.pools.ownership import GuardedService, Ownership, Source
+from densedev.node.holdings import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
+from densedev.pools.ownership import Ownership, Source
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 

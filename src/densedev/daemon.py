@@ -26,15 +26,15 @@ from .dra.hooks import DraHooks
 from .health.handoff import Handoff
 from .health.intake import EventIntake
 from .health.tracker import HealthTracker, PoolUpdate
-from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
-from .kubelet.watch import DirectoryWatch
 from .model import Config, Device
 from .node import scanner as discovery
 from .node.ahead import ScanAhead
 from .node.events import MonitorOptions
+from .node.holdings import CHECKPOINT, PodResourcesClient
 from .node.rescans import RescanRequests
+from .node.watch import DirectoryWatch
 from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors

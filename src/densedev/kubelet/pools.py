@@ -17,14 +17,15 @@ from ..alloc.respond import AllocationSettings, PoolAllocator
 from ..backoff import backoff_delay
 from ..health.tracker import HealthTracker, PoolUpdate
 from ..model import Pool, PoolApi, PoolConfig
+from ..node.watch import DirectoryWatch
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import MeteredService, Metrics
-from ..pools.ownership import GuardedService, Ownership
+from ..pools.ownership import Ownership
 from .feed import PoolFeed
+from .guard import GuardedService
 from .registration import PluginRunner
 from .server import PoolService
 from .sockets import remove_stale_sockets, socket_name_for
-from .watch import DirectoryWatch
 from .wire import ListEncoder
 
 if TYPE_CHECKING:

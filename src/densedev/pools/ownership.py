@@ -25,22 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import workers
-from ..kubelet.podresources import (
-    Held,
-    PodResourcesClient,
-    SourceUnavailable,
-    checkpoint_identity,
-    read_checkpoint,
-)
-from ..kubelet.server import PoolService
-from ..kubelet.watch import DirectoryWatch
-from ..model import Pool, PoolApi, RequestError
+from ..model import Pool, PoolApi
+from ..node.holdings import Held, PodResourcesClient, SourceUnavailable, checkpoint_identity, read_checkpoint
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import Counter, Gauge, Registry
 from ..workers import Work
 
 if TYPE_CHECKING:
-    from .._proto import api_pb2
+    from ..node.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
 
@@ -370,38 +362,3 @@ class Ownership:
             if self.client is not None:
                 with contextlib.suppress(Exception):
                     await self.client.close()
-
-
-class GuardedService:
-    """A pool's kubelet calls, refusing devices held under another resource and recording allocations."""
-
-    def __init__(self, resource: str, inner: PoolService, ownership: Ownership) -> None:
-        self.resource = resource
-        self.inner = inner
-        self.ownership = ownership
-
-    def options(self) -> tuple[bool, bool]:
-        """Return the pool's options."""
-        return self.inner.options()
-
-    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
-        """Refuse IDs running pods hold under another resource; otherwise allocate and record them."""
-        clash = self.ownership.conflicts(self.resource, ids)
-        if clash:
-            under = sorted({r for rs in clash.values() for r in rs})
-            raise RequestError(
-                RequestError.PRECONDITION,
-                f"{self.resource}: devices held by running pods under another resource "
-                f"({summarise(under, limit=2, noun='resource')}): {summarise(sorted(clash))}",
-            )
-        response = self.inner.allocate(ids)
-        self.ownership.note_allocated(self.resource, ids)
-        return response
-
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Answer GetPreferredAllocation."""
-        return self.inner.preferred(available, must_include, size)
-
-    def prestart(self, ids: Sequence[str]) -> None:
-        """Answer PreStartContainer."""
-        self.inner.prestart(ids)
