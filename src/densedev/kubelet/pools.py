@@ -219,7 +219,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
         for n in changes.stopped:
             runtime = self._runtimes.pop(n, None)
             if runtime is not None:
-                deleted = n in changes.removed and n not in self._ownership.resources_held()
+                deleted = n in changes.removed and not self._ownership.may_be_held(n)
                 await self._stop_runtime(runtime, deleted=deleted)
             if n in changes.removed:
                 self._metrics.remove_pool(n)

@@ -132,9 +132,19 @@ def read_checkpoint(path: Path) -> Held:
     Opened without following symlinks and only if a regular file of bounded size: the kubelet's
     directory is writable by other device plugins.  The Checksum is not verified (the kubelet's is an
     FNV hash of a Go-specific dump of Data); entries that do not have the documented shape are skipped.
+
+    No file in an existing directory is the kubelet's own "nothing allocated": its device manager writes
+    the checkpoint after every allocation (allocateContainerResources ends in writeCheckpoint, always by
+    a rename, so it is never briefly absent) and reads a missing one as empty state at its start.  A file
+    that exists but cannot be read (not JSON, a symlink, a FIFO, over the bound, no permission) says
+    nothing and raises SourceUnavailable: the caller keeps what it knew.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if os.path.isdir(path.parent):
+            return frozenset()
+        raise SourceUnavailable(f"{path.parent}: no such directory") from None
     except OSError as exc:
         raise SourceUnavailable(f"{path}: {exc.strerror}") from None
     try:
