@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
-from .. import files
+from .. import files, workers
 from ..protowire import fields
+from ..workers import Work
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 CHECKPOINT = "kubelet_internal_checkpoint"
@@ -71,11 +73,18 @@ def decode_held(data: bytes) -> Held:
 
 
 class PodResourcesClient:
-    """Calls ``List`` on the kubelet's PodResources socket; reconnects after any failure."""
+    """Calls ``List`` on the kubelet's PodResources socket; reconnects after any failure.
 
-    def __init__(self, socket: Path, timeout: float = 2.0) -> None:
+    ``decode`` turns the reply's bytes into what is held (``decode_held``; a test passes one that notes
+    the thread it ran in).
+    """
+
+    def __init__(
+        self, socket: Path, timeout: float = 2.0, *, decode: Callable[[bytes], Held] = decode_held
+    ) -> None:
         self.socket = Path(socket)
         self.timeout = timeout
+        self._decode = decode
         self._channel: grpc.aio.Channel | None = None
         self._list: grpc.aio.UnaryUnaryMultiCallable | None = None
 
@@ -104,7 +113,9 @@ class PodResourcesClient:
             details = (exc.details() or "")[:200]
             raise SourceUnavailable(f"{self.socket}: List: {exc.code().name} {details}") from None
         try:
-            return decode_held(response)
+            # Off the loop: a List of a large node is tens of MiB, and decoding 60 MiB in Python takes
+            # most of a second (issue 23 item 7) that no health flush or Allocate may wait for.
+            return await workers.run(Work.KUBELET, self._decode, response)
         except ValueError as exc:  # UnicodeDecodeError included
             # As after an RPC error (a reply the generated classes failed to parse was one): not the
             # kubelet we knew, so a fresh channel next time.
