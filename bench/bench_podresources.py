@@ -6,7 +6,8 @@ second).  This prints how long the decode alone takes on this machine, and the l
 ticker on the loop sees while ``PodResourcesClient.list`` fetches and decodes the same reply from a
 server in a child process (the kubelet is another process): what is left is gRPC's own receive.
 
-    PYTHONPATH=src python bench/bench_podresources.py [--mib 60] [--shape dra|devices] [--runs 3] [--json]
+    PYTHONPATH=src python bench/bench_podresources.py [--quick] [--mib 60] [--shape dra|devices] [--runs 3]
+                                                      [--json]
 
 ``dra`` pods hold 8 VFs and a DRA claim of 128 CDI devices (the claim is skipped whole by the decoder);
 ``devices`` pods hold only the 8 VFs, the densest reply to decode per MiB.
@@ -100,9 +101,12 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=60)
     ap.add_argument("--shape", choices=("dra", "devices"), default="dra")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8 MiB, one run")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--serve", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.quick:
+        args.mib, args.runs = 8, 1
     if args.serve:
         uvloop.run(serve(args.serve, args.mib, args.shape))
         return
