@@ -304,7 +304,7 @@ async def test_reload_with_no_readable_source_keeps_the_last_known_holdings(
         emu.write_checkpoint = True
         await emu.restart()
         await emu.wait_for(lambda: all(emu.devices(REST).get(i) == "Healthy" for i in held), GUARD_S)
-        assert daemon.ownership.source is Source.PODRESOURCES and unchecked(daemon) == 0
+        assert daemon.ownership.source.checked and unchecked(daemon) == 0  # a read released them
         await emu.create_pod("c3", {REST: held})
         assert emu.double_holdings == []
 
@@ -341,6 +341,10 @@ async def test_start_with_no_readable_source_lists_nothing_until_a_read(
         assert daemon.ownership.source is Source.UNKNOWN and unchecked(daemon) == 16
         said = [r for r in caplog.records if r.getMessage() == "devices withheld: holder cannot be checked"]
         assert len(said) == 1
+        # Asked anyway (the kubelet would not ask for an unlisted device), the plugin refuses.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await emu.allocate(REST, [pf1.vf_addresses[0]], check=False)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         # c1's containers restart from the kubelet's checkpointed response naming p1's CDI devices.
         assert spec.exists()
         # The kubelet comes back: the first read shows c1's VFs held under p1; rest lists the others.
@@ -348,7 +352,7 @@ async def test_start_with_no_readable_source_lists_nothing_until_a_read(
         await emu.restart()
         await emu.wait_for(lambda: len(emu.devices(REST)) == 13, GUARD_S)
         assert not set(got) & set(emu.devices(REST))
-        assert daemon.ownership.source is Source.PODRESOURCES and unchecked(daemon) == 0
+        assert daemon.ownership.source.checked and unchecked(daemon) == 0  # a read released them
         await take_everything_listed(emu, REST, "c2")
         assert spec.exists() and emu.double_holdings == []
     finally:
@@ -450,6 +454,9 @@ async def test_no_readable_source_fails_closed_and_only_a_read_releases(tmp_path
     assert [ids(p) for p in pools] == [[], []]
     assert own.withheld == {x: (VF_A.id,), y: (VF_B.id, VF_C.id)}
     assert own.conflicts(x, [VF_A.id]) == {VF_A.id: frozenset({"unchecked"})}
+    with pytest.raises(RequestError, match="cannot be read yet") as refused:
+        GuardedService(x, _Inner(), own).allocate([VF_A.id])
+    assert refused.value.kind == RequestError.PRECONDITION
     # Files: each pool's devices may be held under it by pods an earlier run served.
     assert own.by_resource() == {x: {VF_A.id}, y: {VF_B.id, VF_C.id}} and own.may_be_held("a.com/gone")
     path.unlink()

@@ -33,6 +33,12 @@ class GuardedService:
     def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
         """Refuse IDs running pods hold under another resource; otherwise allocate and record them."""
         clash = self.ownership.conflicts(self.resource, ids)
+        if clash and not self.ownership.known:
+            raise RequestError(
+                RequestError.PRECONDITION,
+                f"{self.resource}: what running pods hold cannot be read yet (PodResources and the kubelet "
+                f"checkpoint both failed since start): {summarise(sorted(clash))}",
+            )
         if clash:
             under = sorted({r for rs in clash.values() for r in rs})
             raise RequestError(
