@@ -1022,9 +1022,10 @@ async def check(args: argparse.Namespace) -> list[str]:
                 engine, args.image, pod, fresh_kubelet_dir(node, run), netlink=netlink, log=log
             )
             log.append(f"{run}: the run took {time.monotonic() - t:.1f} s")
-        for manifest in args.go_plugin_manifest:
+        for i, manifest in enumerate(args.go_plugin_manifest):
             t = time.monotonic()
-            run_node = fresh_kubelet_dir(node, manifest.stem)
+            # A short name: the kubelet dials the plugin's socket under this path (sun_path: 107 bytes).
+            run_node = fresh_kubelet_dir(node, f"go{i}")
             await run_go_plugin_container(engine, args.image, manifest, run_node, log=log)
             log.append(f"{manifest.stem}: the run took {time.monotonic() - t:.1f} s")
         if dra_pod is not None:

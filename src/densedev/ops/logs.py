@@ -185,7 +185,11 @@ def setup_logging(level: str = "info", fmt: str = "kv", stream: IO[str] | None =
         root.removeHandler(old)
         old.close()
     root.addHandler(handler)
-    root.setLevel(numeric)
+    # Debug is densedev's own: the libraries' debug lines (gRPC's "Loaded running loop" for every
+    # stream, asyncio's, aiohttp's) say nothing about the node, and the SR-IOV operators run the
+    # plugin at glog verbosity 10, which is debug here.
+    root.setLevel(max(numeric, logging.INFO))
+    logging.getLogger("densedev").setLevel(numeric if numeric < logging.INFO else logging.NOTSET)
 
 
 def log_event(logger: logging.Logger, msg: str, /, level: int = logging.INFO, **fields: object) -> None:
