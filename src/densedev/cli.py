@@ -16,12 +16,16 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from . import __version__, accel
-from .argv import command_word
+from .argv import command_word, go_plugin_argv
 from .model import DEFAULT_PREFIX
 from .node.ahead import ScanAhead
 from .node.layout import PCI_DEVICES, SYSFS_ROOT
 
 log = logging.getLogger("densedev.cli")
+
+# Where --use-cdi writes CDI specs: the directory the SR-IOV network device plugin writes them to, and
+# one of the two that containerd and CRI-O read by default (the CDI spec's /etc/cdi and /var/run/cdi).
+CDI_DIR = "/var/run/cdi"
 
 _T = TypeVar("_T")
 
@@ -150,7 +154,8 @@ def _add_common(p: argparse.ArgumentParser, level: str = "info") -> None:
         "--log-level",
         type=_log_level,
         default=os.environ.get("DENSEDEV_LOG_LEVEL", level),
-        help="debug, info, warning or error (env DENSEDEV_LOG_LEVEL)",
+        help="debug, info, warning or error, or a glog verbosity as the SR-IOV network device plugin takes "
+        "it: 0-3 is info, 4 and more debug (env DENSEDEV_LOG_LEVEL)",
     )
     p.add_argument(
         "--log-format",
@@ -257,7 +262,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "densedev run --config /etc/pcidp/config.json --metrics-addr :9477",
         )
         run.add_argument(
-            "--config", type=Path, default=Path("/etc/pcidp/config.json"), help="the config file"
+            "--config",
+            "--config-file",  # the SR-IOV network device plugin's name for it
+            dest="config",
+            type=Path,
+            default=Path("/etc/pcidp/config.json"),
+            help="the config file",
         )
         _add_sysfs_root(run)
         run.add_argument(
@@ -273,6 +283,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         )
         run.add_argument(
             "--cdi-dir", type=Path, default=None, help="write CDI specs here (e.g. /var/run/cdi)"
+        )
+        run.add_argument(
+            "--use-cdi",
+            action="store_true",
+            help=f"the SR-IOV network device plugin's CDI switch: CDI specs in {CDI_DIR} (or --cdi-dir)",
+        )
+        run.add_argument(
+            "--log-dir",
+            default=None,
+            help="accepted for the SR-IOV network device plugin's DaemonSets; densedev logs to stderr, "
+            "where the kubelet and kubectl logs read it",
         )
         run.add_argument(
             "--cdi-annotations",
@@ -638,7 +659,7 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
         sysfs_root=args.sysfs_root,
         kubelet_dir=args.kubelet_dir,
         dev_root=args.dev_root,
-        cdi_dir=args.cdi_dir,
+        cdi_dir=args.cdi_dir if args.cdi_dir is not None or not args.use_cdi else Path(CDI_DIR),
         cdi_annotations=args.cdi_annotations,
         devinfo_dir=args.devinfo_dir if str(args.devinfo_dir) not in ("", ".") else None,
         resource_prefix=args.resource_prefix,
@@ -713,7 +734,7 @@ def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = No
 
     ``scan_ahead`` is the child the entry point forked for ``run``'s first scan (``densedev.__main__``).
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv, notes = go_plugin_argv(sys.argv[1:] if argv is None else argv)
     parser = build_parser(command_word(argv))
     args = parser.parse_args(argv)
     if args.command is None:
@@ -722,6 +743,10 @@ def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = No
             "dra-slices, dra-manifests"
         )
     _setup_logging(args)
+    for note in notes:
+        log.warning("%s", note)
+    if getattr(args, "log_dir", None) is not None:
+        log.info("--log-dir %s is not used: densedev logs to stderr, as Kubernetes expects", args.log_dir)
     # gRPC core writes its own lines (chttp2 GOAWAY notes, add_port errors) straight to stderr in its
     # own format; the daemon reports what matters itself, so they are off unless the user sets
     # GRPC_VERBOSITY (DEBUG, INFO, ERROR) to see them.  Read by gRPC core when it first initialises.
