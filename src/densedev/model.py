@@ -280,6 +280,9 @@ class Pool(NamedTuple):
 
     config: PoolConfig
     members: tuple[PoolMember, ...]
+    # A pool-wide shared RDMA pool (SharedScope.POOL): every HCA an ID brings, which may be more than
+    # its members name when rdmaHcaMax is below the number of HCAs.  Empty for every other pool.
+    shared: tuple[Device, ...] = ()
 
 
 class RequestKind(StrEnum):

@@ -154,24 +154,22 @@ def _parse_entry(r: Reader, obj: Any, index: int) -> PoolConfig | None:
         else:
             shares = v
 
+    # What was given decides, not what survived reading: a bad name is its own problem, not a missing key.
+    raw_sel, raw_dev = f.get("selectors"), f.get("devices")
+    sel_given = isinstance(raw_sel, Mapping) and any(v != [] and v is not None for v in raw_sel.values())
+    dev_given = isinstance(raw_dev, list) and bool(raw_dev)
     selector = Selector()
-    chose = False
     if "selectors" in f:
-        parsed = _parse_selector(r, f["selectors"], f"{where}: selectors")
-        if parsed is not None:
-            selector, chose = parsed, parsed != Selector()
-    devices: tuple[str, ...] = ()
+        selector = _parse_selector(r, raw_sel, f"{where}: selectors") or selector
     if "devices" in f:
-        devices = _if_names(r, f["devices"], f"{where}: devices")
-    if chose and devices:
-        r.problem(where, 'both "selectors" and "devices": give one (the plugin refuses both)')
-    elif devices:
         # The plugin's older field: the same as selectors.ifNames (ValidateConfigs copies it there).
-        selector = Selector(if_names=devices)
-    elif not chose and "selectors" in f and "devices" in f:
-        r.problem(where, '"selectors" and "devices" are both empty: the resource would select nothing')
-    elif not chose:
-        r.problem(where, 'neither "selectors" nor "devices": say which HCAs to share (the plugin refuses)')
+        devices = _if_names(r, raw_dev, f"{where}: devices")
+        if not sel_given:
+            selector = Selector(if_names=devices)
+    if sel_given and dev_given:
+        r.problem(where, 'both "selectors" and "devices": give one (the plugin refuses both)')
+    elif not sel_given and not dev_given:
+        r.problem(where, 'no "selectors" or "devices": name the HCAs to share (the plugin refuses)')
 
     if r.count > before:
         return None
