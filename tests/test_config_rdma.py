@@ -15,12 +15,14 @@ from typing import Any
 
 import pytest
 from helpers.node import GUARD_S, Node
+from hypothesis import given
+from hypothesis import strategies as st
 
 from densedev import cli, poolset
 from densedev.daemon import Daemon
 from densedev.model import DeviceType, Preferred, Selector, SharedScope
 from densedev.node import scanner
-from densedev.pools import select
+from densedev.pools import rdma_format, select
 from densedev.pools.config import ConfigError, Format, check, detect_format, parse
 from densedev.testing import simnode
 from densedev.testing.kubelet import HEALTHY, UNHEALTHY, KubeletEmulator
@@ -207,6 +209,36 @@ def test_check_config_names_problems_as_for_the_other_format(
     good.write_text(json.dumps(README))
     assert cli.main(["check-config", "--strict", str(good)]) == 0
     assert capsys.readouterr().out == f"{good}: OK\n"
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+_RDMA_KEYS = [*rdma_format.ENTRY_KEYS, *rdma_format.SELECTOR_KEYS]
+
+
+@given(
+    st.lists(
+        st.dictionaries(
+            st.sampled_from(_RDMA_KEYS) | st.text(max_size=6), _json_values | st.just("ib0"), max_size=5
+        ),
+        max_size=4,
+    ),
+    st.dictionaries(st.sampled_from(rdma_format.TOP_KEYS), _json_values, max_size=3),
+)
+def test_any_rdma_document_gives_a_config_or_a_config_error(
+    entries: list[dict[str, Any]], top: dict[str, Any]
+) -> None:
+    # Bad input never escapes as anything but ConfigError: the daemon reloads configs while running.
+    try:
+        cfg = parse(json.dumps({**top, "configList": entries}))
+    except ConfigError as exc:
+        assert exc.problems and all(isinstance(p, str) and p and "\n" not in p for p in exc.problems)
+    else:
+        assert len(cfg.pools) == len(entries)
+        assert all(p.rdma_scope is SharedScope.POOL for p in cfg.pools)
 
 
 # ---------------------------------------------------------------------------------------- selecting
