@@ -177,8 +177,9 @@ def _parse_entry(r: Reader, obj: Any, index: int) -> PoolConfig | None:
         resource_name=name,
         resource_prefix=prefix,
         # The plugin takes PCI network functions whatever their role (a PF with VFs enabled included):
-        # densedev's accelerator type is the one that skips no PF; a shared pool keeps only functions
-        # with an RDMA device, which on Linux are network and InfiniBand controllers.
+        # densedev's accelerator type is the one that skips no PF.  It is not limited to class 02 as
+        # the plugin is, but a shared pool keeps only functions with an RDMA device, in practice network
+        # and InfiniBand controllers (docs/migrating-rdma.md).
         device_type=DeviceType.ACCELERATOR,
         selectors=(selector._replace(is_rdma=True),),
         # Its ListAndWatch sends no topology and it offers no GetPreferredAllocation; every ID brings
