@@ -389,3 +389,24 @@ def test_an_hca_leaving_replaces_the_pool_even_when_its_ids_stay(tmp_path: Path)
     after = select.build_pools(cfg, [d for d in devices if d.id != layout.pfs[2].address])
     assert before[0].members == after[0].members
     assert poolset.diff(before, after) == poolset.PoolChanges(replaced=("rdma/a",))
+
+
+def test_withholding_an_id_keeps_every_hca_the_pool_brings(tmp_path: Path) -> None:
+    # An HCA held under another resource withholds the IDs laid on it; the IDs that stay must still
+    # bring every selected HCA (Pool.shared), as they did before anything was withheld.
+    from densedev.pools.ownership import Ownership
+
+    layout = simnode.build_node(tmp_path, pfs=3, vfs_per_pf=0, rdma=True)
+    cfg = parse(
+        json.dumps(
+            {"configList": [{"resourceName": "a", "rdmaHcaMax": 6, "selectors": {"vendors": ["15b3"]}}]}
+        )
+    )
+    [pool] = select.build_pools(cfg, scanner.scan(tmp_path).devices)
+    assert len(pool.shared) == 3
+    ownership = Ownership(None)
+    ownership.held = {layout.pfs[0].address: frozenset({"intel.com/other"})}
+    ownership.source = ownership.source.PODRESOURCES  # a successful read said so
+    [kept], withheld = ownership.split([pool])
+    assert withheld == {"rdma/a": ("0", "3")}
+    assert kept.shared == pool.shared

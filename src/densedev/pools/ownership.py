@@ -318,7 +318,7 @@ class Ownership:
             # Nothing read since start: any member may be held under a resource an earlier run listed
             # it under, which the kubelet would count apart from this pool's (fail closed).
             unknown = {p.config.full_name: tuple(m.id for m in p.members) for p in pools if p.members}
-            return tuple(Pool(p.config, ()) for p in pools), unknown
+            return tuple(p._replace(members=()) for p in pools), unknown
         if not self.held:
             return tuple(pools), {}
         out: list[Pool] = []
@@ -333,7 +333,7 @@ class Ownership:
             if drop:
                 gone = set(drop)
                 withheld[name] = tuple(drop)
-                pool = Pool(pool.config, tuple(m for m in pool.members if m.id not in gone))
+                pool = pool._replace(members=tuple(m for m in pool.members if m.id not in gone))
             out.append(pool)
         return tuple(out), withheld
 
