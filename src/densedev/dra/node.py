@@ -464,7 +464,7 @@ class NodeService:
                 continue
             base = request.split("/", 1)[0]
             if base and not _REQUEST.fullmatch(base):
-                problems.append(f"request name {clip(repr(base), 80)} is not a DNS label (CDI refuses it)")
+                problems.append(f"request name {clip(repr(base), 80)} is not a DNS label")
                 continue
             key = (base, pool, name, admin)
             if key in seen:
