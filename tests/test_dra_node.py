@@ -531,6 +531,22 @@ async def test_the_driver_pool_is_withheld_while_unsettled(node: Node) -> None:
     assert (await prepare(service, fresh))[fresh.uid].error == ""
 
 
+async def test_an_unsettled_claim_whose_spec_was_removed_by_hand_is_released_at_restart(
+    node: Node,
+) -> None:
+    first, second = node.claim(("vf", VF)), node.claim(("vf", VF2))
+    await prepare(node.service, first, second)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"\x00" * 10)
+    assert node.fresh().recover() == {VF, VF2}
+    # The operator made sure no pod uses the first claim and removed its spec: settled by hand.
+    (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{first.uid}.json").unlink()
+    service = node.fresh()
+    assert service.recover() == {VF2}
+    (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{second.uid}.json").unlink()
+    service = node.fresh()
+    assert service.recover() == frozenset() and service.unsettled is None
+
+
 async def test_a_lost_checkpoint_with_no_spec_of_ours_holds_nothing(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:

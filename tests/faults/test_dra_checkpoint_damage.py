@@ -149,7 +149,7 @@ async def test_a_damaged_checkpoint_keeps_the_prepared_claim_held(
         assert held[2] in fields["claims"] and fields["devices"] == 1, fields
         assert sample(daemon, "densedev_dra_unsettled", driver=A, what="claims") == 1
         await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0 + pf1[1:]), GUARD_S)
-        with pytest.raises(KubeletError, match="not free|unknown devices"):
+        with pytest.raises(KubeletError, match=r"not free|unknown devices"):
             await c.kubelet.create_pod("p1", {DP: [pf1[0]]})
         # Its files are kept, and the DRA plugin is served so that the kubelet can unprepare it.
         assert spec.exists() and info.exists()
@@ -207,4 +207,3 @@ async def test_a_damaged_checkpoint_of_a_retired_driver_name_keeps_its_claim_hel
         await c.until(lambda: A not in c.dra_kubelet.plugins, "A stopped once settled")
         await c.until(lambda: node.published(B) == by_name(pf1), "the released VF published by B")
         assert (await c.dra_kubelet.prepare(B, [other]))[other[2]].error == ""
-

@@ -180,7 +180,7 @@ class NodeService:
         """
         loaded = self._checkpoint.load()
         self._commit(loaded.claims)
-        self._unsettled = loaded.recorded.unsettled
+        self._unsettled = self._still_unsettled(loaded.recorded.unsettled)
         for claim in self._claims.values():
             for i in claim.info:
                 self._writer(i.prefix, i.name).adopt([i.device_id])
@@ -205,6 +205,29 @@ class NodeService:
                 reason=self._unsettled.reason,
             )
         return self.withheld()
+
+    def _still_unsettled(self, unsettled: Unsettled | None) -> Unsettled | None:
+        """Return the recorded unsettled state without the claims whose CDI spec is no longer on disk.
+
+        The spec is the evidence the claim may be live; an operator who has made sure no pod uses a
+        claim removes its spec to settle it by hand (docs/ownership.md), a restart then releases it.
+        """
+        if unsettled is None:
+            return None
+        try:
+            entries = set(files.list_names(self.settings.cdi_dir))
+        except OSError:
+            return unsettled  # cannot tell: all stay held
+        gone = [uid for uid in unsettled.claims if self._spec_file(uid) not in entries]
+        if gone:
+            log_event(
+                log,
+                "DRA claims of a lost checkpoint settled by hand: their CDI specs were removed",
+                level=logging.WARNING,
+                driver=self.driver,
+                claims=summarise(sorted(gone), noun="claim"),
+            )
+        return unsettled.without(gone)
 
     def _lost(self, damage: Damage) -> None:
         """Fail closed on a checkpoint that cannot be read: hold every claim our CDI specs still name.
