@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import re
+import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,9 @@ class NodeService:
         self._holders: dict[str, ClaimRef] = {}
         # What a lost checkpoint may have recorded (None: nothing unaccounted for); see ``recover``.
         self._unsettled: Unsettled | None = None
+        # ``widen`` runs on the loop, a call's settling in its worker thread: each changes the state
+        # under this lock, from what it is then (neither may undo the other).
+        self._unsettled_lock = threading.Lock()
         self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
         self._lock = asyncio.Lock()
         self.prepares = 0  # calls answered, for tests and metrics
@@ -164,11 +168,13 @@ class NodeService:
 
         In memory only: every start recomputes it from the pools then configured.
         """
-        if self._unsettled is None:
-            return False
-        wider = self._unsettled.widened(device_ids)
-        grew = wider is not self._unsettled
-        self._unsettled = wider
+        ids = frozenset(device_ids)
+        with self._unsettled_lock:  # a call's worker thread may settle claims meanwhile
+            if self._unsettled is None:
+                return False
+            wider = self._unsettled.widened(ids)
+            grew = wider is not self._unsettled
+            self._unsettled = wider
         return grew
 
     def recover(self) -> frozenset[str]:
@@ -647,13 +653,18 @@ class NodeService:
                                 self._remove_files(plan, claims)
                 return errors
         self._commit(claims)
-        self._settle(unsettled, "prepared")
+        self._settle(claims, "prepared")
         return errors
 
-    def _settle(self, unsettled: Unsettled | None, how: str) -> None:
-        """Take the unsettled state after a call; one line when the last claim of it is settled."""
-        before, self._unsettled = self._unsettled, unsettled
-        if before is not None and unsettled is None:
+    def _settle(self, uids: Iterable[str], how: str) -> None:
+        """Settle these claims of the unsettled state; one line when the last of it is settled."""
+        with self._unsettled_lock:
+            before = self._unsettled
+            if before is None:
+                return
+            self._unsettled = before.without(uids)
+            done = self._unsettled is None
+        if done:
             log_event(
                 log,
                 "DRA claims of the lost checkpoint all settled by the kubelet; their devices are released",
@@ -722,7 +733,7 @@ class NodeService:
                         errors[uid] = f"cannot update {self._checkpoint.path}: {e}"
                 return errors
             self._commit(claims)
-            self._settle(unsettled, "unprepared")
+            self._settle(released, "unprepared")
         return errors
 
 
