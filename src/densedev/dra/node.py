@@ -140,7 +140,6 @@ class NodeService:
         # Called on the loop after a Prepare or Unprepare call (the daemon's ownership map follows).
         self.on_change: Callable[[], None] | None = None
         self.unprepares = 0
-        self.checkpoints_lost = 0  # checkpoints found unreadable (metrics)
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -274,7 +273,6 @@ class NodeService:
             devices=len(held),
             state=saved if claims else "-",
         )
-        self.checkpoints_lost += 1
 
     def _spec_claims(self) -> dict[str, frozenset[str]]:
         """Return the claim UIDs our CDI specs on disk name, each with the device IDs its spec names."""
