@@ -422,7 +422,7 @@ class NodeService:
                     # Our bug, met by this claim only: its own error, the others are prepared.
                     log.exception("DRA prepare of claim %s failed", ref)
                     out[ref.uid] = PrepareResult(
-                        error=clip(f"claim {ref}: cannot prepare it: {e!r}", MAX_ERROR_CHARS)
+                        error=clip(f"claim {ref}: cannot prepare it: {clip(repr(e), 300)}", MAX_ERROR_CHARS)
                     )
                     continue
                 plans[ref.uid] = plan
