@@ -244,10 +244,7 @@ class NodeService:
         it (recorded again) or unprepares it (released).  The state is recorded in a fresh checkpoint
         at once, so a restart before that holds it still.
         """
-        found = self._spec_claims()
-        claims = dict(found)
-        if self._unsettled is not None:
-            claims.update(self._unsettled.claims)
+        claims = self._spec_claims()
         reason = f"checkpoint {self._checkpoint.path} {damage.problem}"
         if claims:
             self._unsettled = Unsettled(claims, frozenset(), clip(reason, 300))
@@ -524,7 +521,7 @@ class NodeService:
                     f"unprepares the {len(unsettled.claims)} claims it cannot account for)"
                 )
                 continue
-            granted.append((request.split("/", 1)[0], pool, name, device_id, admin, verdict))
+            granted.append((base, pool, name, device_id, admin, verdict))
         if problems:
             raise ClaimError(f"claim {ref}: cannot prepare {listing(problems, width=MAX_ERROR_CHARS)}")
         return self._build(ref, granted)
@@ -588,30 +585,26 @@ class NodeService:
             entries[request_name] = cdi.device_entry(request_name, (), env)
         # One answer per device, naming every request it serves (a device listed twice, or by two
         # requests, is one device to the kubelet and one entry in the checkpoint).
-        merged: dict[
-            str, tuple[str, str, list[str], list[str], bool]
-        ] = {}  # id -> pool, name, reqs, ids, admin
+        order: dict[str, tuple[str, str]] = {}  # device ID -> pool, DRA name; in result order
+        requests_of: dict[str, list[str]] = {}
+        cdi_ids: dict[str, list[str]] = {}
+        holds: set[str] = set()  # devices a result without admin access names: the claim holds them
         first: set[str] = set()
         for request, pool, name, device_id, admin, _grant in granted:
-            entry = merged.get(device_id)
-            if entry is None:
-                entry = merged[device_id] = (
-                    pool,
-                    name,
-                    [],
-                    [_qualified(self.kind, device_names[device_id])],
-                    admin,
-                )
-            elif not admin and entry[4]:
-                entry = merged[device_id] = (*entry[:4], False)  # held once any of its results holds it
-            if request not in entry[2]:
-                entry[2].append(request)
+            if device_id not in order:
+                order[device_id] = (pool, name)
+                requests_of[device_id] = []
+                cdi_ids[device_id] = [_qualified(self.kind, device_names[device_id])]
+            if not admin:
+                holds.add(device_id)
+            if request not in requests_of[device_id]:
+                requests_of[device_id].append(request)
             if request not in first:
                 first.add(request)
-                entry[3].append(_qualified(self.kind, request_names[request]))
+                cdi_ids[device_id].append(_qualified(self.kind, request_names[request]))
         prepared = [
-            PreparedDevice(tuple(reqs), pool, name, device_id, tuple(ids), admin)
-            for device_id, (pool, name, reqs, ids, admin) in merged.items()
+            PreparedDevice(tuple(requests_of[d]), pool, name, d, tuple(cdi_ids[d]), d not in holds)
+            for d, (pool, name) in order.items()
         ]
         spec_file = files.check_name(f"{self._stem}{ref.uid}.json")
         spec = cdi.spec_document(self.kind, entries.values())
