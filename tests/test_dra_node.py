@@ -740,3 +740,37 @@ def test_checkpoint_bytes_round_trip_with_and_without_cached_entries(
         doc["claims"][0]["name"] += "x"
         with pytest.raises(CheckpointError, match="checksum"):
             decode_checkpoint(DRIVER, json.dumps(doc).encode())
+
+
+def test_the_unsettled_state_is_checksummed_with_the_claims() -> None:
+    from densedev.dra.claims import Unsettled, decode_record
+
+    unsettled = Unsettled({"uid-1": frozenset({VF}), "uid-2": frozenset()}, frozenset({VF2}), "lost")
+    data = encode_checkpoint(DRIVER, {}, None, unsettled)
+    assert decode_record(DRIVER, data).unsettled == unsettled
+    assert decode_record(DRIVER, encode_checkpoint(DRIVER, {})).unsettled is None
+    # A hand edit releasing a device (or a claim) is refused as any other: the file is then lost.
+    doc = json.loads(data)
+    doc["unsettled"]["devices"] = []
+    with pytest.raises(CheckpointError, match="checksum"):
+        decode_record(DRIVER, json.dumps(doc).encode())
+    doc = json.loads(data)
+    del doc["unsettled"]
+    with pytest.raises(CheckpointError, match="checksum"):
+        decode_record(DRIVER, json.dumps(doc).encode())
+
+
+def test_a_damaged_checkpoint_of_another_name_is_found_by_its_specs(tmp_path: Path) -> None:
+    from densedev.dra.checkpoints import find_checkpoints
+
+    plugins, cdi_dir = tmp_path / "plugins", tmp_path / "cdi"
+    cdi_dir.mkdir()
+    for name in ("old.example.com", "gone.example.com", "gpu.example.com"):
+        (plugins / name).mkdir(parents=True)
+    (plugins / "old.example.com" / CHECKPOINT_NAME).write_bytes(b"\x00garbage")
+    (plugins / "gone.example.com" / CHECKPOINT_NAME).symlink_to("nowhere")
+    (plugins / "gpu.example.com" / CHECKPOINT_NAME).write_text('{"checksum": 1, "v1": {}}')
+    (cdi_dir / "densedev_dra_old.example.com_uid-1.json").write_text("{}")
+    (cdi_dir / "densedev_dra_gone.example.com_uid-2.json").write_text("{}")
+    assert sorted(find_checkpoints(plugins, cdi_dir=cdi_dir)) == ["gone.example.com", "old.example.com"]
+    assert find_checkpoints(plugins) == []  # without the CDI dir: only readable checkpoints count
