@@ -207,3 +207,25 @@ async def test_a_damaged_checkpoint_of_a_retired_driver_name_keeps_its_claim_hel
         await c.until(lambda: A not in c.dra_kubelet.plugins, "A stopped once settled")
         await c.until(lambda: node.published(B) == by_name(pf1), "the released VF published by B")
         assert (await c.dra_kubelet.prepare(B, [other]))[other[2]].error == ""
+
+
+async def test_the_driver_pool_stays_withheld_when_a_reload_moves_it_while_unsettled(node: Node) -> None:
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+    async with cluster(node) as c:
+        await c.until(lambda: A in c.dra_kubelet.plugins, "the DRA plugin registered")
+        held = node.claim(pf1[0])
+        assert (await c.dra_kubelet.prepare(A, [held]))[held[2]].error == ""
+        await c.stop_daemon()
+        await c.until(lambda: A not in c.dra_kubelet.plugins, "the stopped plugin dropped")
+        _flip(node.plugins_dir / A / "checkpoint.json")
+        daemon = await c.start_daemon()
+        await c.until(lambda: A in c.dra_kubelet.plugins, "the DRA plugin registered again")
+        # Every device of the driver's pool could have been given by the lost record: a reload that
+        # moves the pool to the device-plugin API lists none of it until the claim is settled.
+        node.write([pool("dp", [node.pf0.netdev, node.pf1.netdev])])
+        assert await daemon.reload()
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0), GUARD_S)
+        assert sample(daemon, "densedev_dra_unsettled", driver=A, what="devices") == len(pf1)
+        assert await c.dra_kubelet.unprepare(A, [held]) == {held[2]: ""}
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0 + pf1), GUARD_S)
+        assert c.kubelet.double_holdings == []
