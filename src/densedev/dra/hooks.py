@@ -267,7 +267,7 @@ class DraHooks:
                 out.append(holder)
                 continue
             ref = record.driver.plugin.service.held().get(device_id)
-            what = f"claim {ref}" if ref is not None else "a claim its lost checkpoint may hold"
+            what = f"claim {ref}" if ref is not None else "maybe a claim (its checkpoint was lost)"
             out.append(f"{what} of driver {record.driver.driver}, renamed to {record.renamed_to}")
         return ", ".join(out) or None
 
