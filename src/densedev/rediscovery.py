@@ -185,7 +185,8 @@ class Rediscovery:
                 self._handoff.note(0)
             else:
                 self.retain_held()
-            self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
+            if self.ownership.known:  # else any spec may be a live pod's: all stay
+                self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
 
     async def reconfigure(self, new: Config) -> poolset.PoolChanges:
         """Apply a new config: untouched pools keep their streams and registration.

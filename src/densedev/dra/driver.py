@@ -31,8 +31,8 @@ from typing import Any
 
 from ..alloc import cdi
 from ..health.tracker import HealthTracker, PoolUpdate
-from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi
+from ..node.watch import DirectoryWatch
 from ..ops.logs import log_event
 from . import DraSettings
 from .apiclient import HttpClaimReader, ResourceClient

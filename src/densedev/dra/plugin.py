@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..alloc import cdi, devinfo
-from ..kubelet.watch import DirectoryWatch
+from ..node.watch import DirectoryWatch
 from .claims import ClaimReader, DeviceGate
 from .health import RESEND_SECONDS, HealthStream
 from .node import NodeService, NodeSettings, handlers
