@@ -81,7 +81,7 @@ class KubeletPlugin:
         if not self._recovered:
             self.service.recover()
             self._recovered = True
-        return frozenset(self.service.held())
+        return self.service.withheld()
 
     async def start(self) -> frozenset[str]:
         """Recover prepared claims (unless done already), then serve; return the device IDs they hold."""
