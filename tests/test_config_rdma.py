@@ -343,7 +343,7 @@ async def test_kubelet_sees_rdma_hca_max_ids_and_allocate_gives_every_hca(
         assert all(char_devices(node, h) for h in selected)  # the node has them: the check can fail
         got = [(d.container_path, d.host_path, d.permissions) for d in resp.devices]
         assert sorted(got) == sorted((p, p, "rw") for p in want), resource
-        # densedev's variables name the HCAs (the plugin sets none; see docs/migrating-rdma.md).
+        # densedev's variables name the HCAs (the plugin sets none; see docs/migrating.md).
         env = "PCIDEVICE_" + resource.upper().replace(".", "_").replace("/", "_")
         assert resp.envs[env] == ",".join(selected)
 

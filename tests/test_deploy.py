@@ -380,7 +380,7 @@ def test_dockerfile_is_multi_stage_and_runs_the_daemon() -> None:
     entry = next(line for line in text.splitlines() if line.startswith("ENTRYPOINT"))
     cmd = next(line for line in text.splitlines() if line.startswith("CMD"))
     assert json.loads(entry.split(None, 1)[1]) == ["densedev"]
-    assert json.loads(cmd.split(None, 1)[1]) == ["run", "--config", "/etc/densedev/config.json"]
+    assert json.loads(cmd.split(None, 1)[1]) == ["run"]  # the config is found (cli.DEFAULT_CONFIGS)
     assert str(run_args(build("base")).config) == "/etc/densedev/config.json"
 
 

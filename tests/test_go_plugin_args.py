@@ -61,6 +61,12 @@ GUARD = 60.0  # hang guard only
             ["run", "--log-level=10"],
         ),
         (["-logtostderr", "--v=3", "--config-file=/c"], ["run", "--log-level=3", "--config-file=/c"]),
+        # The RDMA shared device plugin's version flags: -v is a boolean there.
+        (["-v"], ["--version"]),
+        (["-version"], ["--version"]),
+        (["-v", "--config-file=/c"], ["--version"]),
+        (["--v=true"], ["--version"]),
+        (["-v", "4"], ["run", "--log-level=4"]),
         # densedev's own command lines are untouched...
         (["run", "--config", "/c"], ["run", "--config", "/c"]),
         (["scan", "--sysfs-root", "/s"], ["scan", "--sysfs-root", "/s"]),
@@ -84,6 +90,17 @@ def test_every_dropped_glog_flag_is_named_once() -> None:
 @pytest.mark.parametrize(("text", "level"), [("0", 20), ("3", 20), ("4", 10), ("10", 10), ("info", 20)])
 def test_a_glog_verbosity_maps_onto_our_levels(text: str, level: int) -> None:
     assert parse_level(text) == level
+
+
+def test_run_finds_the_config_where_the_replaced_plugin_keeps_it(tmp_path: Path) -> None:
+    """No --config: the first candidate that exists (the RDMA shared plugin's DaemonSet passes none)."""
+    candidates = (tmp_path / "pcidp.json", tmp_path / "rdma.json", tmp_path / "densedev.json")
+    assert cli.default_config(candidates) == candidates[0]  # none: the first is named in the error
+    candidates[2].write_text("{}")
+    assert cli.default_config(candidates) == candidates[2]
+    candidates[1].write_text("{}")
+    assert cli.default_config(candidates) == candidates[1]
+    assert cli.build_parser("run").parse_args(["run"]).config is None  # resolved when the run starts
 
 
 def test_the_entry_point_forks_the_scan_of_a_go_plugin_command_line() -> None:

@@ -8,7 +8,9 @@ disagree on what is run.
 Operators swap images in DaemonSets that run the Go plugin's image with its own arguments and no
 command word (its entrypoint script takes ``--config-file``, ``--resource-prefix``, ``--use-cdi``,
 ``--log-level=N`` and ``--log-dir``; the binary behind it also takes glog's flags and Go's one-dash
-spellings of all of them).  ``go_plugin_argv`` turns such a list into ``run`` and its flags.
+spellings of all of them).  ``go_plugin_argv`` turns such a list into ``run`` and its flags.  The RDMA
+shared device plugin's image runs with no argument at all (``run``'s config search finds its file), and
+its binary's flags are ``--config-file``, ``--use-cdi`` and ``-v``/``-version`` (print the version).
 """
 
 from __future__ import annotations
@@ -38,8 +40,10 @@ GLOG_FLAGS = {
     "--one_output": False,
 }
 # glog's verbosity is the Go plugin's log level under another name (its entrypoint passes --log-level
-# on as -v): it is read as --log-level, not dropped.
+# on as -v): it is read as --log-level, not dropped.  The RDMA shared device plugin's -v, a boolean
+# (Go's flag package takes no separate value for one), is its --version: a -v with no number is that.
 _VERBOSITY = ("-v", "--v")
+_VERSION = frozenset(("-version", "--version"))
 _TOP_LEVEL = frozenset(("-h", "--help", "--version"))
 
 
@@ -59,17 +63,31 @@ def _flag_name(arg: str) -> str:
     return name
 
 
+def _is_version_v(args: Sequence[str]) -> bool:
+    """Whether ``args`` start with the RDMA shared device plugin's ``-v`` (a boolean: print the version):
+    a -v followed by no number, or ``-v=true``."""
+    name, eq, value = args[0].partition("=")
+    if name not in _VERBOSITY:
+        return False
+    if eq:  # -v=N is a verbosity; -v=true the boolean (Go's flag package: 1 is true too, and a level)
+        return value.lower() in ("true", "t")
+    return len(args) == 1 or not args[1].isdecimal()
+
+
 def go_plugin_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """Return ``argv`` as densedev's parser reads it, and one note per glog flag it dropped or read.
 
     A list that starts with one of the Go plugin's flags (or glog's) has no command word: it is
     ``run``'s.  Anywhere in a run's arguments, one-dash spellings of the Go plugin's flags get their
     second dash, ``-v N`` becomes ``--log-level N``, and glog's other flags are dropped (with their
-    value, where they take one).  Any other list is returned as it is.
+    value, where they take one).  A list that starts with ``-version`` or a ``-v`` without a number
+    asks for the version.  Any other list is returned as it is.
     """
     args = list(argv)
     if not args:
         return args, []
+    if args[0] in _VERSION or _is_version_v(args):
+        return ["--version"], []
     first = _flag_name(args[0])
     known = first in GO_PLUGIN_FLAGS or first in GLOG_FLAGS or first == "-v"
     if known and args[0] not in _TOP_LEVEL:

@@ -23,6 +23,22 @@ from .node.layout import PCI_DEVICES, SYSFS_ROOT
 
 log = logging.getLogger("densedev.cli")
 
+# Where ``run`` looks for its config when no --config is given, in order: the SR-IOV network device
+# plugin's default, the RDMA shared device plugin's (its DaemonSet mounts a ConfigMap there and passes
+# no argument at all), and densedev's own manifests' path.  Swapping either plugin's image for densedev's
+# then finds the config where its DaemonSet put it.
+DEFAULT_CONFIGS = (
+    Path("/etc/pcidp/config.json"),
+    Path("/k8s-rdma-shared-dev-plugin/config.json"),
+    Path("/etc/densedev/config.json"),
+)
+
+
+def default_config(candidates: Sequence[Path] = DEFAULT_CONFIGS) -> Path:
+    """Return the first of ``candidates`` that exists, else the first (a missing file is named by it)."""
+    return next((p for p in candidates if p.exists()), candidates[0])
+
+
 # Where --use-cdi writes CDI specs: the directory the SR-IOV network device plugin writes them to, and
 # one of the two that containerd and CRI-O read by default (the CDI spec's /etc/cdi and /var/run/cdi).
 CDI_DIR = "/var/run/cdi"
@@ -56,6 +72,12 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         if width is None:
             width = _terminal_columns() - 2
         super().__init__(prog, indent_increment, max_help_position, width)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        """Show a flag's default unless it is None (no default: the help says what happens instead)."""
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -266,8 +288,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "--config-file",  # the SR-IOV network device plugin's name for it
             dest="config",
             type=Path,
-            default=Path("/etc/pcidp/config.json"),
-            help="the config file",
+            default=None,
+            help="the config file (default: the first of "
+            + ", ".join(map(str, DEFAULT_CONFIGS))
+            + " that exists: where the plugins densedev replaces keep theirs)",
         )
         _add_sysfs_root(run)
         run.add_argument(
@@ -642,6 +666,9 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
     problem = kubelet_dir_problem(args.kubelet_dir)
     if problem is not None:
         raise CommandError(f"--kubelet-dir {problem}", 2)
+    if args.config is None:
+        args.config = default_config()
+        log.info("config file %s (no --config given)", args.config)
     try:
         cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
     except config_mod.ConfigError as exc:

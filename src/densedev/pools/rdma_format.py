@@ -5,7 +5,7 @@ plugin's own meaning of its count: ``rdmaHcaMax`` IDs for the whole resource, na
 ``"N-1"`` as the plugin names them, each bringing the char devices of every HCA the entry selects
 (k8s-rdma-shared-dev-plugin pkg/resources/server.go: ``newResourceServer`` advertises ``rdmaHcaMax``
 devices when any selected device has RDMA char devices, and ``Allocate`` returns the specs of all of
-them to every container).  What densedev keeps different is written down in ``docs/migrating-rdma.md``.
+them to every container).  What densedev keeps different is written down in ``docs/migrating.md``.
 
 Rules follow the plugin's ``ValidateConfigs`` (pkg/resources/resources_manager.go): a file it refuses at
 start is refused here unless the kubelet would accept the result, in which case it loads with a warning
@@ -179,7 +179,7 @@ def _parse_entry(r: Reader, obj: Any, index: int) -> PoolConfig | None:
         # The plugin takes PCI network functions whatever their role (a PF with VFs enabled included):
         # densedev's accelerator type is the one that skips no PF.  It is not limited to class 02 as
         # the plugin is, but a shared pool keeps only functions with an RDMA device, in practice network
-        # and InfiniBand controllers (docs/migrating-rdma.md).
+        # and InfiniBand controllers (docs/migrating.md).
         device_type=DeviceType.ACCELERATOR,
         selectors=(selector._replace(is_rdma=True),),
         # Its ListAndWatch sends no topology and it offers no GetPreferredAllocation; every ID brings
