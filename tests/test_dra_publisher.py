@@ -21,7 +21,7 @@ from helpers.waiting import eventually
 
 from densedev.dra import names, slices
 from densedev.dra.apiclient import ApiError, HttpClaimReader, ResourceClient
-from densedev.dra.publisher import Publisher, PublisherSettings
+from densedev.dra.publisher import WRITES_IN_FLIGHT, Publisher, PublisherSettings
 from densedev.model import Pool
 from densedev.node import scanner as discovery
 from densedev.ops.metrics import Metrics
@@ -595,3 +595,31 @@ async def test_persistent_conflicts_back_off_with_growing_delays(
     assert len(mine) == 2  # and one line when it went through
     body = metrics.registry.render().decode()
     assert f'densedev_dra_slice_write_conflicts_total{{driver="{DRIVER}"}} 7.0' in body
+
+
+async def test_writes_in_flight_are_bounded_when_every_write_hangs(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    clock = Clock()
+    # With taints, 64 devices a slice: twice as many slices as writes allowed in flight.
+    async with published(pools, clock=clock, taints=True) as (srv, pub, _):
+        assert len(srv.slices) == 2 * WRITES_IN_FLIGHT
+        by_name = {names.device_name(a): a for pf in node.pfs for a in pf.vf_addresses}
+        one_each = {by_name[s["spec"]["devices"][0]["name"]] for s in srv.node_slices(NODE)}
+        srv.hang_writes = set(srv.slices)
+        clock.now += 10
+        pub.update(unhealthy=one_each)  # a tainted device in every slice: every slice rewritten
+        await eventually(lambda: srv.holding >= WRITES_IN_FLIGHT, "the first writes held")
+        for _ in range(3):
+            await _one_pass(pub)
+        assert srv.holding == WRITES_IN_FLIGHT and sum(srv.hung.values()) == WRITES_IN_FLIGHT
+        # Released with 504s: those slices back off, the others' writes go out and through.
+        srv.hang_writes = set()
+        srv.release_hung()
+        await eventually(lambda: len(pub.retrying) == WRITES_IN_FLIGHT, "the held slices backing off")
+        clock.now += 60
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        tainted = [d["name"] for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
+        assert sorted(tainted) == sorted(names.device_name(a) for a in one_each)
+        assert set(srv.writes.values()) == {2} and srv.holding == 0

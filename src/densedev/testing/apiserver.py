@@ -211,9 +211,11 @@ class ApiServerStandIn:
         self.fail_writes = 0
         # Writes to these slice names are read and then never answered (a server, proxy or etcd that
         # accepted the request and went silent): held until ``release_hung`` or ``stop``, then answered
-        # 504 without being applied; ``hung`` counts the requests held so far, per name.
+        # 504 without being applied; ``hung`` counts the requests held so far, per name, ``holding`` the
+        # ones held now.
         self.hang_writes: set[str] = set()
         self.hung: Counter[str] = Counter()
+        self.holding = 0
         self._release = asyncio.Event()
         # Every write to these slice names gets 409 Conflict (another writer that always wins).
         self.conflict_writes: set[str] = set()
@@ -296,7 +298,7 @@ class ApiServerStandIn:
         self._store("MODIFIED", obj)
 
     def release_hung(self) -> None:
-        """Answer every write held so far with 504 (not applied); later writes to ``hang_writes`` hang."""
+        """Answer every write held so far with 504, unapplied; later writes to ``hang_writes`` hang again."""
         self._release.set()
         self._release = asyncio.Event()
 
@@ -376,8 +378,7 @@ class ApiServerStandIn:
         if self.on_write is not None:
             self.on_write(method, name)
         if name in self.hang_writes:
-            self.hung[name] += 1
-            await self._release.wait()
+            await self._hold(name)
             # The kube-apiserver's answer to a request it gave up on (its --request-timeout).
             return _status(504, "Timeout", "stand-in: held write released, not applied")
         if name in self.conflict_writes:
@@ -388,6 +389,15 @@ class ApiServerStandIn:
             self.fail_writes -= 1
             return _status(500, "InternalError", "stand-in: injected failure")
         return None
+
+    async def _hold(self, name: str) -> None:
+        """Hold a request until ``release_hung`` (or ``stop``)."""
+        self.hung[name] += 1
+        self.holding += 1
+        try:
+            await self._release.wait()
+        finally:
+            self.holding -= 1
 
     def _invalid(self, exc: _Invalid, name: str) -> web.Response:
         message = f'ResourceSlice.{GROUP} "{name}" is invalid: {exc}'
