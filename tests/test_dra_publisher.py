@@ -623,3 +623,21 @@ async def test_writes_in_flight_are_bounded_when_every_write_hangs(
         tainted = [d["name"] for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
         assert sorted(tainted) == sorted(names.device_name(a) for a in one_each)
         assert set(srv.writes.values()) == {2} and srv.holding == 0
+
+
+async def test_creates_answered_404_back_off(pools: tuple[Pool, ...]) -> None:
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        # The server stops serving resource.k8s.io/v1 (a downgrade) and the kubelet wipes the slices: the
+        # creates get 404, which for a create means "not served", not "gone meanwhile".
+        srv.versions = ("v1beta1",)
+        clock.now += 10
+        srv.wipe_node(NODE)
+        await eventually(lambda: len(pub.retrying) == S, "every slice backing off")
+        await asyncio.sleep(0.2)  # room for a spinning publisher to show itself
+        assert srv.requests["POST unserved"] == S
+        srv.versions = ("v1", "v1beta1")
+        clock.now += 60
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert len(_devices(srv)) == N

@@ -495,8 +495,10 @@ class Publisher:
                 elif have is None or not self._same(have, job.want):
                     await self._put(job, have, timeout)
             except ApiError as exc:
-                if exc.status == 404:
-                    self._mirror.pop(name, None)  # gone under an update: create it; under a delete: done
+                if exc.status == 404 and have is not None:
+                    # Gone under an update: create it; under a delete: done.  (A create's 404 is no
+                    # such thing: the version is not served, and that backs off like any error.)
+                    self._mirror.pop(name, None)
                     continue
                 self._count(name, exc)
                 if exc.status == 409:

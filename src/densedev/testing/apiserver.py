@@ -319,6 +319,7 @@ class ApiServerStandIn:
     def _version(self, request: web.Request) -> str:
         v = request.match_info["v"]
         if v not in self.versions:
+            self.requests[f"{request.method} unserved"] += 1
             raise web.HTTPNotFound(text=json.dumps({"kind": "Status", "code": 404, "reason": "NotFound"}))
         return v
 
