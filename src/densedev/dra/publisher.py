@@ -148,7 +148,7 @@ class Publisher:
         self.conflicts = 0  # writes answered 409
         self.timeouts = 0  # writes cut for want of an answer
         self.errors = 0
-        self.deferred: set[str] = set()  # slices waiting for their rate limit
+        self.deferred: set[str] = set()  # slices waiting for their rate limit or backoff
         # The API server dropped the taints we wrote (DRADeviceTaints is off: alpha in 1.33-1.35, and
         # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
         self.taints_dropped = False
