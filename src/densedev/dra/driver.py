@@ -27,7 +27,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..alloc import cdi
 from ..health.tracker import HealthTracker, PoolUpdate
@@ -39,6 +39,9 @@ from .apiclient import HttpClaimReader, ResourceClient
 from .claims import PoolGate
 from .plugin import KubeletPlugin
 from .publisher import Publisher, PublisherSettings
+
+if TYPE_CHECKING:
+    from ..ops.metrics import Metrics
 
 log = logging.getLogger("densedev.dra.driver")
 
@@ -79,10 +82,12 @@ class DraDriver:
         on_claims: Callable[[], None],
         client_factory: ClientFactory | None = None,
         watch: DirectoryWatch | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.driver = driver
         self._factory = client_factory
+        self._metrics = metrics  # the publisher's counts of conflicting and cut slice writes
         self._tracker: HealthTracker | None = None  # the daemon's, from take_health: it alone holds health
         self.gate = PoolGate(on_node, (), self._healthy, holder)
         self._reader = _LateReader()
@@ -297,7 +302,7 @@ class DraDriver:
             taints=self.settings.taints,
             min_write_interval_s=self.settings.min_write_interval_s,
         )
-        publisher = Publisher(self.client, settings, self.pools)
+        publisher = Publisher(self.client, settings, self.pools, metrics=self._metrics)
         publisher.update(withheld=self.withheld, unhealthy=self._unhealthy())
         await publisher.start()
         self.publisher = publisher
