@@ -298,3 +298,22 @@ async def test_one_bad_claim_in_a_prepare_call_fails_only_itself(node: Node) -> 
         assert answers[good[2]].error == "" and answers[twice[2]].error == ""
         assert [d["device"] for d in answers[good[2]].devices] == [names.device_name(pf1[0])]
         assert not node.spec(bad[2]).exists() and node.spec(good[2]).exists()
+
+
+async def test_the_daemon_counts_conflicting_slice_writes(node: Node) -> None:
+    """The publisher's conflict counter reaches the daemon's /metrics (it was built without the registry)."""
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+        slice_of = {
+            d["name"]: s["metadata"]["name"] for s in c.api.node_slices(NODE) for d in s["spec"]["devices"]
+        }
+        c.api.conflict_writes = {slice_of[names.device_name(pf1[0])]}  # another writer always wins it
+        daemon.set_links([(node.pf1.netdev, False)])
+        await c.until(
+            lambda: sample(daemon, "densedev_dra_slice_write_conflicts_total", driver=DRIVER) >= 2,
+            "conflicts counted in the daemon's metrics",
+        )
+        c.api.conflict_writes = set()

@@ -183,6 +183,7 @@ class DraHooks:
             holder=self._holder,
             on_claims=self._claims_changed,
             client_factory=self._client,
+            metrics=self._metrics,
         )
 
     def _retire(self, driver: DraDriver, renamed_to: str, *, found: bool = False) -> None:
