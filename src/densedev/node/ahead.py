@@ -97,6 +97,8 @@ class ScanAhead:
         # result() waits, cancel() only kills the child, leaving the descriptors and the reaping to it.
         self._lock = _thread.allocate_lock()
         self._waiting = False
+        # Files the child was found blocked in: the daemon's own scan leaves their devices out at once.
+        self.unanswered: frozenset[str] = frozenset()
 
     @classmethod
     def start(
@@ -141,6 +143,7 @@ class ScanAhead:
                 return None
             self._waiting = True
         try:
+            _log().debug("scan ahead: waiting for child %d's scan", self.pid)
             self._open_gate()  # this process waits from now: the child's helper threads may run
             why = self._wait()
             if why is None:
@@ -244,6 +247,7 @@ class ScanAhead:
             return f"the scanning child {self.pid} is stopped"
         blocked = stuck.stuck_files(os.fsdecode(self.root), self.pid)
         if blocked:
+            self.unanswered = blocked
             return f"the scanning child's read of {min(blocked)} does not answer"
         return None
 

@@ -330,12 +330,18 @@ class Scanner:
         # file is on record, the VFs are left out with the device, not lost to it one thread at a time.
         self._through: set[str] = set()
 
-    def scan(self, previous: DeviceTable | None = None, *, threads: bool = True) -> DeviceTable:
-        """Scan the whole node (see ``scan``), leaving out devices whose files do not answer."""
-        return _table(self.read(None, threads), previous)
+    def scan(
+        self, previous: DeviceTable | None = None, *, threads: bool = True, unanswered: Iterable[str] = ()
+    ) -> DeviceTable:
+        """Scan the whole node (see ``scan``), leaving out devices whose files do not answer.
+
+        ``unanswered``: files another process was found blocked in (the scanning child, ``node.ahead``);
+        their devices are left out of this scan (and read again at the next).
+        """
+        return _table(self.read(None, threads, unanswered), previous)
 
     def read(
-        self, addresses: tuple[bytes, ...] | None, threads: bool = True
+        self, addresses: tuple[bytes, ...] | None, threads: bool = True, unanswered: Iterable[str] = ()
     ) -> tuple[tuple[Device, ...], tuple[str, ...]]:
         """Return ``accel.scan_sysfs`` of these addresses (None: all), without the devices that do not answer.
 
@@ -343,6 +349,11 @@ class Scanner:
         (a PF's ``numa_node`` is read for its VFs) takes that other's VFs with it.
         """
         skip = {d for d in map(stuck.device_of, self._hung_scan.outstanding()) if d}
+        for path in sorted(unanswered):
+            device = stuck.device_of(path)
+            if device and device not in skip:
+                skip.add(device)
+                self._warn(device, path)
         self._through &= skip
         family = set(self._through)  # devices whose VFs are left out too
         for attempt in range(MAX_UNANSWERED + 1):
