@@ -85,8 +85,14 @@ class Rediscovery:
         else:
             # Timed from here: a child given up may have been waited for up to its timeout.
             t0 = time.perf_counter()
+            # Files the child was found blocked in: their devices are left out at once, not found again.
             unanswered = ahead.unanswered if ahead is not None else frozenset()
-            table = await workers.run(Work.SCAN, functools.partial(self.scanner.scan, unanswered=unanswered))
+            scan = (
+                functools.partial(self.scanner.scan, unanswered=unanswered)
+                if unanswered
+                else self.scanner.scan
+            )
+            table = await workers.run(Work.SCAN, scan)
             elapsed = time.perf_counter() - t0
         self._note_scan(table, elapsed)
         self.table = table

@@ -224,11 +224,11 @@ class ScanAhead:
             ready, _, _ = select.select([self._done_fd], [], [], max(0.0, min(CHECK_S, left)))
             if ready:
                 break
+            if time.monotonic() >= deadline:
+                return f"the scanning child {self.pid} gave no result in {self._timeout_s:g} s"
             why = self._stuck()
             if why is not None:
                 return why
-            if time.monotonic() >= deadline:
-                return f"the scanning child {self.pid} gave no result in {self._timeout_s:g} s"
         if os.read(self._done_fd, 1) == DONE:
             return None  # the child is exiting: cancel() reaps it once the result is decoded
         # End of file without DONE: every copy of the write end is closed, i.e. the child has exited.
