@@ -476,7 +476,8 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     from .pools import config as config_mod
     from .pools import select as selectors
 
-    table = discovery.scan(args.sysfs_root)
+    # The Scanner's scan: a device whose files do not answer is left out with one warning (node.stuck).
+    table = discovery.Scanner(args.sysfs_root).scan()
     for w in table.warnings:
         log.warning("scan: %s", w)
     if args.config is None:
