@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -51,8 +51,14 @@ class Run:
             "debug",
             *extra,
         ]
+        # A session of its own: ``kill`` ends the daemon and whatever it forked (a child left blocked
+        # holds the stderr pipe open, and the reading thread with it).
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "densedev", *args], stderr=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-m", "densedev", *args],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
         )
         self.lines: list[str] = []
         self._q: queue.Queue[str] = queue.Queue()
@@ -97,19 +103,25 @@ class Run:
         try:
             return self.proc.wait(timeout=GUARD)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-            while True:  # the rest of its lines
-                try:
-                    line = self._q.get(timeout=GUARD)
-                except queue.Empty:
-                    break
-                if not line:
-                    break
-                self.lines.append(line)
-            assert self.proc.stderr is not None
-            self.proc.stderr.close()
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL whatever of its session is left, and take the rest of its lines (idempotent)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        assert self.proc.stderr is not None
+        if self.proc.stderr.closed:
+            return
+        while True:
+            try:
+                line = self._q.get(timeout=GUARD)
+            except queue.Empty:
+                break
+            if not line:
+                break
+            self.lines.append(line)
+        self.proc.stderr.close()
 
 
 def _alive(pid: int) -> bool:
@@ -164,18 +176,32 @@ def hung(tmp_path: Path) -> Iterator[Hung]:
     node.release()
 
 
+@pytest.fixture
+def runs(kdir: Path, child_env: dict[str, str]) -> Iterator[Callable[..., Run]]:
+    """Start ``densedev run`` on a node; every run is killed (with its session) as the test ends."""
+    started: list[Run] = []
+
+    def start(node: Path, *extra: str) -> Run:
+        started.append(Run(node, kdir, child_env, *extra))
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.kill()
+
+
 def _warned(run: Run, device: str) -> list[str]:
     return [line for line in run.lines if "sysfs read does not answer" in line and f"device={device}" in line]
 
 
 @pytest.mark.parametrize("where", ["vf0-uevent", "pf-sriov_numvfs"])
 def test_run_serves_every_device_but_one_whose_file_does_not_answer(
-    hung: Hung, kdir: Path, child_env: dict[str, str], where: str
+    hung: Hung, runs: Callable[..., Run], where: str
 ) -> None:
     pf = hung.layout.pfs[1]
     device, name = (pf.vf_addresses[0], "uevent") if where == "vf0-uevent" else (pf.address, "sriov_numvfs")
     hung.plant(device, name)
-    run = Run(hung.root, kdir, child_env)
+    run = runs(hung.root)
     try:
         started = run.line_with("daemon started")
     finally:
@@ -191,7 +217,7 @@ def test_run_serves_every_device_but_one_whose_file_does_not_answer(
 
 @pytest.mark.parametrize("phase", ["waiting-for-the-child", "scanning-in-a-thread", "rest-of-the-start"])
 def test_sigterm_ends_the_start_in_every_phase(
-    hung: Hung, kdir: Path, child_env: dict[str, str], tmp_path: Path, phase: str
+    hung: Hung, runs: Callable[..., Run], kdir: Path, phase: str
 ) -> None:
     """Each phase is reached on its own log line, and SIGTERM sent there: the daemon stops, exit 0.
 
@@ -204,7 +230,7 @@ def test_sigterm_ends_the_start_in_every_phase(
     silent.bind(str(kdir / "pr.sock"))
     silent.listen(16)
     try:
-        run = Run(hung.root, kdir, child_env, "--pod-resources-socket", str(kdir / "pr.sock"))
+        run = runs(hung.root, "--pod-resources-socket", str(kdir / "pr.sock"))
         child = run.scanning_child()
         trigger = {
             "waiting-for-the-child": "scan ahead: waiting for child",
@@ -222,16 +248,15 @@ def test_sigterm_ends_the_start_in_every_phase(
     assert not _alive(child)
 
 
-def test_the_scanning_child_dies_with_a_killed_daemon(
-    hung: Hung, kdir: Path, child_env: dict[str, str]
-) -> None:
+def test_the_scanning_child_dies_with_a_killed_daemon(hung: Hung, runs: Callable[..., Run]) -> None:
     """SIGKILL the daemon while its child is blocked in a file: the kernel kills the child too
     (PR_SET_PDEATHSIG), where before it stayed blocked, reparented, for as long as the file did."""
     hung.plant(hung.layout.pfs[0].address, "numa_node")
-    run = Run(hung.root, kdir, child_env)
+    run = runs(hung.root)
     child = run.scanning_child()
     assert _alive(child)
-    assert run.signal_and_wait(signal.SIGKILL) == -signal.SIGKILL
+    run.proc.kill()  # the daemon alone, not its session
+    assert run.proc.wait(timeout=GUARD) == -signal.SIGKILL
     deadline = time.monotonic() + GUARD
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.01)
