@@ -457,6 +457,8 @@ class Scanner:
         that does not answer (with one warning).
         """
         names = list(ifnames)
+        if not names:
+            return []
         return self._skipping(
             self._hung_links,
             functools.partial(stuck.after, directory="net"),
