@@ -521,7 +521,8 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     from .pools import config as config_mod
     from .pools import select as selectors
 
-    table = discovery.scan(args.sysfs_root)
+    # The Scanner's scan: a device whose files do not answer is left out with one warning (node.stuck).
+    table = discovery.Scanner(args.sysfs_root).scan()
     for w in table.warnings:
         log.warning("scan: %s", w)
     if args.config is None:
@@ -714,9 +715,22 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+    # The start runs as a task beside the wait for a stop signal: whatever it waits for (the scanning
+    # child, a sysfs read that does not answer, the kubelet), SIGTERM ends it at once (issue 23, item 3).
+    starting = asyncio.ensure_future(daemon.start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
         try:
-            await daemon.start()
+            await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+            await starting
+        except asyncio.CancelledError:
+            if not stop.is_set():
+                raise  # not ours: the run itself is cancelled
+            log.info("stopped while starting")
+            await daemon.stop()
+            return 0
         except OSError as exc:
             # A busy or forbidden metrics port, an unreadable directory: the environment, not a bug.
             await daemon.stop()
@@ -727,6 +741,7 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
         finally:
             await daemon.stop()
     finally:
+        stopping.cancel()
         lock.release()
     return daemon.exit_code()
 
@@ -735,7 +750,7 @@ def _filename(exc: OSError) -> str:
     return f": {exc.filename}" if exc.filename else ""
 
 
-# The daemon scans in worker threads (asyncio.to_thread), which hold the GIL while they turn what they
+# The daemon scans in worker threads (densedev.workers), which hold the GIL while they turn what they
 # read into rows.  The event loop's thread, woken by a netlink event, asks for the GIL only after
 # waiting sys.getswitchinterval() (CPython's default 5 ms), so a health message could wait that long
 # during a scan; 1 ms keeps it to about a millisecond for a few more GIL hand-overs per scan.

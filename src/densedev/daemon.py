@@ -158,8 +158,10 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        ahead, self._scan_ahead = self._scan_ahead, None
-        table = self.rediscovery.scan(ahead)
+        # Kept on self while it is waited for: a stop meanwhile (SIGTERM cancels the start) kills the child.
+        ahead = self._scan_ahead
+        table = await self.rediscovery.scan(ahead)
+        self._scan_ahead = None
         # What running pods hold is known before any pool lists a device (the kubelet kept the
         # allocations of pods that outlived a previous run of this daemon).  If neither PodResources nor
         # the checkpoint can be read, nothing is known: every pool lists nothing and every file stays
@@ -174,8 +176,8 @@ class Daemon:
         pools = self.ownership.filter(raw)
         self.tracker.replace(self.devices, pools)
         if not self.settings.netlink:
-            self.events.read_sysfs_links()
-        self.events.poll_rdma()
+            await self.events.read_sysfs_links()
+        await self.events.refresh_ports()
         # Each pool's first list carries its whole health: nothing of it is news for the first flush.
         self.tracker.collect()
         started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
@@ -258,7 +260,7 @@ class Daemon:
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
         self.started = False
-        if self._scan_ahead is not None:  # stopped before its scan (start failed early)
+        if self._scan_ahead is not None:  # stopped before its scan was taken (a failed or cancelled start)
             self._scan_ahead.cancel()
             self._scan_ahead = None
         for t in self._tasks:
