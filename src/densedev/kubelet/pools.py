@@ -53,7 +53,6 @@ class PoolRuntime:
     ) -> None:
         self.pool = pool
         self.feed = PoolFeed()
-        self._health = health  # the only holder of the members' health; the allocator asks it
         self.encoder = self._new_encoder(pool)
         self.allocator = PoolAllocator(
             pool,
@@ -63,8 +62,9 @@ class PoolRuntime:
                 dev_root=settings.dev_root,
                 cdi_annotations=settings.cdi_annotations,
             ),
-            # Bound to the tracker, not to this runtime: a runtime in no reference cycle is freed as its
-            # pool stops, even though Daemon.start gc.freeze()s it (the collector never sees it again).
+            # The tracker is the only holder of the members' health: the allocator asks it directly, not
+            # through this runtime, so the runtime is in no reference cycle and goes as its pool stops,
+            # although Daemon.start gc.freeze()s it (the collector never looks at it again).
             functools.partial(health.is_healthy, pool.config.full_name),
         )
         name = pool.config.full_name
@@ -96,10 +96,6 @@ class PoolRuntime:
     def name(self) -> str:
         """Return the pool's extended resource name."""
         return self.pool.config.full_name
-
-    def is_healthy(self, device_id: str) -> bool:
-        """Return whether the ID is a member the health tracker advertises Healthy."""
-        return self._health.is_healthy(self.name, device_id)
 
     def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
         """Encode the health the tracker handed over, hand the message to the streams, return its size."""
