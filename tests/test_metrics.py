@@ -176,6 +176,21 @@ def test_reasons_that_clear_disappear_and_removed_pools_vanish() -> None:
     assert value(m.render(), "densedev_listandwatch_messages_total", resource=POOL_A) == 1
 
 
+def test_a_reload_removing_many_pools_drops_all_their_series_and_no_other() -> None:
+    m = Metrics()
+    pools = [f"intel.com/p{i}" for i in range(50)]
+    for i, pool in enumerate(pools):
+        m.set_pool_devices(pool, 4, 1, {"pf_link_down": 1})
+        m.record_send(pool, 100, 0.001, events=2)
+        m.record_registration(pool, ok=True)
+        m.observe_allocate(pool, 0.001, error="INTERNAL" if i % 2 else None)
+    m.remove_pools(pools[:40])
+    left = {dict(lbl).get("resource") for _n, lbl in samples(m.render())} - {None}
+    assert left == set(pools[40:])
+    m.remove_pools(())  # nothing to remove: nothing removed
+    assert {dict(lbl).get("resource") for _n, lbl in samples(m.render())} - {None} == set(pools[40:])
+
+
 def test_registries_are_private() -> None:
     # Two daemons (or two tests) in one process must not collide on the global registry.
     a, b = Metrics(implementation="cython"), Metrics(implementation="python")

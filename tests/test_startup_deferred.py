@@ -13,7 +13,8 @@ from helpers.devices import dev, pool_of
 from helpers.node import Node
 from helpers.waiting import eventually
 
-from densedev.alloc.respond import AllocationSettings, PoolAllocator
+from densedev import accel
+from densedev.alloc.respond import LOOKUP_MIN_MEMBERS, AllocationSettings, PoolAllocator
 from densedev.daemon import Daemon
 from densedev.model import Device, PoolConfig
 from densedev.testing.kubelet import KubeletEmulator
@@ -59,3 +60,24 @@ async def test_the_daemon_prepares_each_pool_after_its_start(
     assert runtimes
     # Nothing asks for a preferred allocation here: the daemon's own timer (PREPARE_DELAY_S) builds them.
     await eventually(lambda: all(r.allocator._ranking is not None for r in runtimes), "ranking prepared")
+
+
+def test_only_a_pool_of_thousands_keeps_an_address_table() -> None:
+    # The table is 256 KiB per PCI domain whatever the pool's size: a pool of 8 ranks through its dict
+    # (1,000 such pools held 250 MiB of tables); one of 4,096 gets it, where it saves hashing the IDs.
+    small = allocator(DEVICES)
+    small.prepare()
+    assert small._ranking is not None and small._ranking[1] == b""
+    many = [
+        dev(f"0000:{0x10 + i // 256:02x}:{(i % 256) >> 3:02x}.{i & 7}", pf=PFS[0], pcie_root="pci0000:00")
+        for i in range(LOOKUP_MIN_MEMBERS)
+    ]
+    large = allocator(many)
+    large.prepare()
+    assert large._ranking is not None
+    assert (large._ranking[1] != b"") == (accel.IMPLEMENTATION == "cython")
+    # With or without the table, the same answer (the twin, which never uses one, is the spec).
+    available = [d.id for d in reversed(many)]
+    answer = large.preferred(available, [], 5)
+    large._ranking = (large._ranking[0], b"")
+    assert large.preferred(available, [], 5) == answer and len(set(answer)) == 5

@@ -40,6 +40,22 @@ log = logging.getLogger("densedev.daemon")  # the daemon's lines, as they were b
 Resync = Callable[[bool], Awaitable[None]]
 
 
+def collect_frozen() -> None:
+    """Collect the garbage ``gc.freeze`` hid from the collector, then freeze what still lives again.
+
+    Daemon.start (and each rescan) freezes what exists (a full collection walking 16k devices' objects
+    stalled the loop 50 ms), and the collector never looks at frozen objects again.  A pool's own
+    objects hold no reference cycle, so they go as its last reference does; but grpc's per-call objects
+    do (a cycle of a closure and its scope, holding the server's method handlers, hence the pool's
+    service), and those frozen at start pinned a stopped pool's memory for ever: 1,000 pools reloaded
+    to 0 and back held both sets (704 MiB).  One full collection per apply that stopped pools, nearly
+    always a config reload: 70 ms with 1,000 pools, 35-70 ms at 16k devices in 64 pools.
+    """
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
 class Rediscovery:
     """Owns the device table, the config in force and the pool set applied last; applies each new one."""
 
@@ -182,6 +198,8 @@ class Rediscovery:
         # Last: should anything above fail, the next apply diffs from the set before and redoes it.
         self.applied = pools
         await self.pools.start(started)
+        if changes.stopped:
+            collect_frozen()
         return changes
 
     def retain_held(self) -> None:

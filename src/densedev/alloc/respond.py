@@ -290,6 +290,14 @@ def topology_of(devices: Sequence[Device]) -> bytes:
     return bytes(out)
 
 
+# build_lookup's table is 256 KiB per PCI domain whatever the pool's size: 1,000 pools of 4 VFs held 250 MiB
+# of it, most of the daemon's memory.  What it saves is hashing the kubelet's fresh ID strings in the dict,
+# per GetPreferredAllocation of 8 with the extension (bench/bench_preferred.py's node, shared 2-core box):
+# 0.04 ms at 1,024 IDs, 0.26 ms at 4,096, 1.45 ms at 16,384 (2.1 → 0.67 ms, inside the 2 ms target).  So
+# only pools of 4,096 members or more get one; at that size it is at most 64 bytes per member.
+LOOKUP_MIN_MEMBERS = 4096
+
+
 def build_lookup(index: dict[str, int]) -> bytes:
     """Return ``pick_devices``' lookup blocks: per PCI domain, a direct table from bus/devfn to member.
 
@@ -369,8 +377,10 @@ class PoolAllocator:
         """Build now what GetPreferredAllocation needs (the daemon calls it after the first lists)."""
         if self._ranking is None:
             topology = topology_of([m.device for m in self.pool.members])
-            # The table pays off only in the extension; the twin would parse every address in Python.
-            lookup = build_lookup(self._index) if accel.IMPLEMENTATION == "cython" else b""
+            # The table pays off only in the extension (the twin would parse every address in Python),
+            # and only for a large pool: see LOOKUP_MIN_MEMBERS.
+            large = len(self._index) >= LOOKUP_MIN_MEMBERS
+            lookup = build_lookup(self._index) if large and accel.IMPLEMENTATION == "cython" else b""
             self._ranking = topology, lookup
 
     def update(self, pool: Pool) -> None:

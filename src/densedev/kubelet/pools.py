@@ -8,6 +8,7 @@ not start and says why none is serving.  The pool selection and the diff stay ou
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Callable, Collection, Coroutine, Iterable, Iterator, Mapping, Sequence
@@ -53,7 +54,6 @@ class PoolRuntime:
     ) -> None:
         self.pool = pool
         self.feed = PoolFeed()
-        self._health = health  # the only holder of the members' health; the allocator asks it
         self.encoder = self._new_encoder(pool)
         self.allocator = PoolAllocator(
             pool,
@@ -63,7 +63,10 @@ class PoolRuntime:
                 dev_root=settings.dev_root,
                 cdi_annotations=settings.cdi_annotations,
             ),
-            self.is_healthy,
+            # The tracker is the only holder of the members' health: the allocator asks it directly, not
+            # through this runtime, so the runtime is in no reference cycle and goes as its pool stops,
+            # although Daemon.start gc.freeze()s it (the collector never looks at it again).
+            functools.partial(health.is_healthy, pool.config.full_name),
         )
         name = pool.config.full_name
         socket_name = socket_name_for(name, settings.kubelet_dir)
@@ -94,10 +97,6 @@ class PoolRuntime:
     def name(self) -> str:
         """Return the pool's extended resource name."""
         return self.pool.config.full_name
-
-    def is_healthy(self, device_id: str) -> bool:
-        """Return whether the ID is a member the health tracker advertises Healthy."""
-        return self._health.is_healthy(self.name, device_id)
 
     def publish(self, healthy: Sequence[bool], changed: Iterable[int] | None) -> int:
         """Encode the health the tracker handed over, hand the message to the streams, return its size."""
@@ -215,14 +214,20 @@ class PoolSet(Mapping[str, PoolRuntime]):
         return started
 
     async def stop_changed(self, changes: PoolChanges) -> None:
-        """Stop the servers of removed, re-registering and DRA-bound pools; forget removed ones' series."""
+        """Stop the servers of removed, re-registering and DRA-bound pools; forget removed ones' series.
+
+        The stops run at once, as ``close`` runs them: each waits up to its grace for its streams to
+        end, and one after another those waits added up over 1,000 pools (the gRPC server starts and
+        stops themselves still take turns in ``lifecycle``).
+        """
+        stopping = []
         for n in changes.stopped:
             runtime = self._runtimes.pop(n, None)
             if runtime is not None:
                 deleted = n in changes.removed and not self._ownership.may_be_held(n)
-                await self._stop_runtime(runtime, deleted=deleted)
-            if n in changes.removed:
-                self._metrics.remove_pool(n)
+                stopping.append(self._stop_runtime(runtime, deleted=deleted))
+        await asyncio.gather(*stopping)
+        self._metrics.remove_pools(changes.removed)
 
     async def start(self, runtimes: Iterable[PoolRuntime]) -> None:
         """Start each runtime's server and registration; one that fails is retried with backoff."""

@@ -130,7 +130,11 @@ class PluginRunner:
         await self._serve()
         served.set_result(None)
         if self._dirwatch is not None:
-            self._unsubscribe = self._dirwatch.subscribe(self._wakeup.set)
+            # Only kubelet.sock and our own socket matter here: woken by the other pools' sockets too, a
+            # thousand runners would each look at every start and stop of the others (O(pools²)).
+            self._unsubscribe = self._dirwatch.subscribe(
+                self._wakeup.set, names=(KUBELET_SOCKET, self.socket_name)
+            )
         await self._run()
 
     async def _serve(self) -> None:

@@ -121,20 +121,36 @@ class PluginServer:
     def __init__(self, resource: str, socket_path: Path, feed: PoolFeed, service: PoolService) -> None:
         self.resource = resource
         self.socket_path = Path(socket_path)
-        self._feed = feed
-        self._service = service
-        self._socket = SocketServer(resource, self.socket_path, (self._handler(),))
-        self._stopping = asyncio.Event()
-        self.streams = 0  # ListAndWatch streams open now
-        self.streams_opened = 0  # ListAndWatch streams opened since start
-        self.on_streams_changed: Callable[[], None] | None = None  # called as a stream opens or ends
-        self._no_streams = asyncio.Event()
-        self._no_streams.set()
+        # The handlers' side lives apart: the socket's handlers are its bound methods, so were they this
+        # server's, server and socket would form a reference cycle, and a stopped pool would wait for a
+        # collection that never comes for objects Daemon.start gc.freeze()s (1,000 pools reloaded to 0
+        # kept all their memory).
+        self._calls = _Calls(resource, feed, service)
+        self._socket = SocketServer(resource, self.socket_path, (self._calls.handler(),))
+
+    @property
+    def streams(self) -> int:
+        """ListAndWatch streams open now."""
+        return self._calls.streams
+
+    @property
+    def streams_opened(self) -> int:
+        """ListAndWatch streams opened since start."""
+        return self._calls.streams_opened
+
+    @property
+    def on_streams_changed(self) -> Callable[[], None] | None:
+        """Called as a stream opens or ends."""
+        return self._calls.on_streams_changed
+
+    @on_streams_changed.setter
+    def on_streams_changed(self, hook: Callable[[], None] | None) -> None:
+        self._calls.on_streams_changed = hook
 
     @property
     def running(self) -> bool:
         """Whether the gRPC server is serving (and not stopping)."""
-        return self._socket.running and not self._stopping.is_set()
+        return self._socket.running and not self._calls.stopping.is_set()
 
     @property
     def intact(self) -> bool:
@@ -145,14 +161,15 @@ class PluginServer:
         """Bind the socket and serve; the server is fully ready when this returns."""
         if not self._socket.running:
             # Renewed before the socket exists: a stream opened at once must not see the last stop.
-            self._stopping = asyncio.Event()
+            self._calls.stopping = asyncio.Event()
         await self._socket.start()
         log.info("%s: serving DevicePlugin on %s", self.resource, self.socket_path)
 
     async def stop(self, grace: float = 0.5) -> None:
         """Stop serving (open streams are cancelled after ``grace`` seconds) and remove our socket."""
-        self._stopping.set()  # end open streams now rather than after the grace period
-        if self.streams:
+        calls = self._calls
+        calls.stopping.set()  # end open streams now rather than after the grace period
+        if calls.streams:
             # Let each ListAndWatch handler return before the server goes: its OK status is then on
             # its way and the kubelet sees the stream end cleanly, not a connection torn down under it.
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that
@@ -160,11 +177,27 @@ class PluginServer:
             # would live on after its stop.
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(grace, 0.5)):
-                    await self._no_streams.wait()
+                    await calls.no_streams.wait()
         if await self._socket.stop(grace):
             log.info("%s: stopped serving on %s", self.resource, self.socket_path)
 
-    def _handler(self) -> grpc.GenericRpcHandler:
+
+class _Calls:
+    """What one pool's server answers the kubelet: options, ListAndWatch from its feed, unary calls."""
+
+    def __init__(self, resource: str, feed: PoolFeed, service: PoolService) -> None:
+        self.resource = resource
+        self._feed = feed
+        self._service = service
+        self.stopping = asyncio.Event()  # set while the server stops: open streams end
+        self.streams = 0  # ListAndWatch streams open now
+        self.streams_opened = 0  # ListAndWatch streams opened since start
+        self.on_streams_changed: Callable[[], None] | None = None  # called as a stream opens or ends
+        self.no_streams = asyncio.Event()
+        self.no_streams.set()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Return the DevicePlugin service's handler, answering with this object's methods."""
         return grpc.method_handlers_generic_handler(
             SERVICE,
             {
@@ -204,10 +237,10 @@ class PluginServer:
         # kubelet treats a finished stream as "all devices unhealthy" and never redials.
         self.streams += 1
         self.streams_opened += 1
-        self._no_streams.clear()
+        self.no_streams.clear()
         self._streams_changed()
         log.info("%s: ListAndWatch stream opened", self.resource)
-        stopping = asyncio.ensure_future(self._stopping.wait())
+        stopping = asyncio.ensure_future(self.stopping.wait())
         newer: asyncio.Future[tuple[int, bytes]] | None = None
         try:
             if self._feed.listed:
@@ -238,7 +271,7 @@ class PluginServer:
                 newer.cancel()
             self.streams -= 1
             if not self.streams:
-                self._no_streams.set()
+                self.no_streams.set()
             self._streams_changed()
             log.info("%s: ListAndWatch stream closed", self.resource)
 
