@@ -25,7 +25,7 @@ import re
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .. import __version__, accel, workers
 from ..model import Health, RequestError
@@ -747,13 +747,46 @@ _REASONS = {
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 _MAX_REQUEST = 8192  # request line and headers; we serve three fixed paths, nothing needs more
+# Connections being refused at once (each holds a socket for at most half a second); one beyond them is
+# dropped unanswered.
+_MAX_REFUSING = 256
+_REFUSE_WAIT_S = 0.5
+# The answer to a connection beyond ``max_connections``: made once, written without parsing anything.
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: 21\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many connections\n"
+)
 
 
 class MetricsServer:
-    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1 on the running event loop."""
+    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1 on the running event loop.
+
+    Anyone who reaches the address may connect, so every resource a client can take is bounded (issue
+    23, item 4: 400 clients looping on ``/metrics`` made a PF flip reach the kubelet 30x later):
+
+    * renders: at most one at a time, in ``Work.METRICS``'s thread; every scrape that arrives while it
+      runs waits for it and gets its body, and a body younger than ``min_render_interval_s`` is served
+      as it is.  A render is pure Python under the GIL (~5 ms for 16 busy pools, ~20 ms for 64) and
+      takes that time from the loop whichever thread runs it, so the interval, not the thread, is what
+      bounds its share of the loop: 1 s allows 0.5-2 % however many clients scrape.  Prometheus scrapes
+      every 15-60 s, so a body at most ~1 s old is as fresh as any scrape can tell;
+    * scrapes waiting on a render: at most ``max_waiting_scrapes``; more get 503 at once;
+    * connections: at most ``max_connections`` are served; one beyond gets 503 as soon as it has sent
+      something (and is dropped unanswered once 256 are being refused);
+    * a client's time: its request line and headers must arrive within ``read_timeout_s`` (the whole
+      head, not each read, so trickling a byte a second does not stretch it) and its answer must be
+      taken within ``write_timeout_s``; then the connection is cut.
+
+    Each connection is a protocol (``_Connection``) driven by the loop's callbacks, not a task with
+    streams: a scrape served from the kept body costs the loop three callbacks, so a flood of them
+    leaves it the time its health messages need.  ``/healthz`` and ``/readyz`` never wait on a render
+    nor count against the scrape cap: a probe is refused only while ``max_connections`` clients are
+    all still inside their deadlines.
+    """
 
     def __init__(
         self,
@@ -765,7 +798,11 @@ class MetricsServer:
         lag_interval_s: float = 1.0,
         max_lag_s: float = 5.0,
         lag_window_s: float = 30.0,
-        read_timeout_s: float = 10.0,
+        read_timeout_s: float = 5.0,
+        write_timeout_s: float = 10.0,
+        max_connections: int = 64,
+        max_waiting_scrapes: int = 16,
+        min_render_interval_s: float = 1.0,
     ) -> None:
         self.metrics = metrics
         self.ready = ready
@@ -775,35 +812,55 @@ class MetricsServer:
         self._lag_interval = lag_interval_s
         self._max_lag = max_lag_s
         self._lag_window = lag_window_s
-        self._read_timeout = read_timeout_s
+        self.read_timeout = read_timeout_s
+        self.write_timeout = write_timeout_s
+        self._max_connections = max_connections
+        self._max_waiting = max_waiting_scrapes
+        self._min_interval = min_render_interval_s
         self._server: asyncio.Server | None = None
         self._monitor: asyncio.Task[None] | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        self._connections: set[_Connection] = set()  # every open one, served or being refused
+        self._serving = 0
+        self._refusing = 0
+        self._refused_logged = -math.inf
+        # The last rendered exposition and when it was finished (loop time); the render running and
+        # the scrapes waiting for it.
+        self._body: bytes | None = None
+        self._body_at = -math.inf
+        self._render: asyncio.Future[bytes] | None = None
+        self._waiters: list[tuple[_Connection, bool]] = []
+
+    @property
+    def _waiting(self) -> int:
+        return len(self._waiters)
 
     async def start(self) -> None:
         """Bind and start serving, and start the loop-lag monitor."""
+        loop = asyncio.get_running_loop()
         # An empty host binds every address (IPv4 and IPv6), as ":9477" means to Go and Prometheus users.
-        self._server = await asyncio.start_server(
-            self._accept, self.host or None, self.port, limit=_MAX_REQUEST
-        )
+        self._server = await loop.create_server(lambda: _Connection(self), self.host or None, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self._monitor = asyncio.create_task(self._watch_lag(), name="metrics-loop-lag")
         log.info("metrics and health endpoints on %s:%d", self.host or "*", self.port)
 
     async def stop(self) -> None:
-        """Stop listening, end open connections and the monitor."""
+        """Stop listening, drop open connections, stop waiting for a render, end the monitor."""
         if self._server is not None:
             self._server.close()
-        tasks = [t for t in (self._monitor, *self._clients) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
+        if self._render is not None:
+            self._render.cancel()  # the thread finishes its render unobserved
+            self._render = None
+        self._waiters.clear()
+        for conn in list(self._connections):
+            conn.drop()
+        if self._monitor is not None:
+            self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await self._monitor
+            self._monitor = None
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
-        self._monitor = None
 
     # ----------------------------------------------------------------------------------- health
     async def _watch_lag(self) -> None:
@@ -835,72 +892,171 @@ class MetricsServer:
             )
         return True, f"ok, event loop lag {self.lag.last:.4f}s"
 
-    # ----------------------------------------------------------------------------------- HTTP
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._clients.add(task)
-        try:
-            await self._handle(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the client went away or sent garbage; nothing to answer
-        except asyncio.CancelledError:
-            pass  # server stopping
-        except Exception:  # never let a request take down the daemon
-            log.exception("metrics endpoint failed a request")
-        finally:
-            self._clients.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    # ----------------------------------------------------------------------------------- connections
+    def _opened(self, conn: _Connection) -> bool:
+        """Admit a new connection; False: it is beyond the cap and is to be refused (or was dropped)."""
+        self._connections.add(conn)
+        if self._serving < self._max_connections:
+            self._serving += 1
+            return True
+        now = asyncio.get_running_loop().time()
+        if now - self._refused_logged >= 60:
+            self._refused_logged = now
+            log.warning(
+                "metrics endpoint refusing connections: %d open (max %d); more refusals are not logged "
+                "for a minute",
+                self._serving,
+                self._max_connections,
+            )
+        self._refusing += 1
+        return False
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._read_timeout)
-        except asyncio.LimitOverrunError:
-            await self._respond(writer, 400, b"request header too large\n", head_only=False)
-            return
+    def _closed(self, conn: _Connection, served: bool) -> None:
+        self._connections.discard(conn)
+        if served:
+            self._serving -= 1
+        else:
+            self._refusing -= 1
+
+    def _dispatch(self, conn: _Connection, head: bytes) -> None:
+        """Answer one request head, now or when the render it waits for ends."""
         request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
         parts = request_line.split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            await self._respond(writer, 400, b"malformed request line\n", head_only=False)
+            conn.respond(400, b"malformed request line\n", head_only=False)
             return
         method, target, _ = parts
         path = target.split("?", 1)[0]
         if method not in ("GET", "HEAD"):
-            await self._respond(writer, 405, b"only GET and HEAD\n", head_only=False, allow=True)
+            conn.respond(405, b"only GET and HEAD\n", head_only=False, allow=True)
             return
         head_only = method == "HEAD"
         if path == "/metrics":
-            # Rendering is pure Python and grows with pools x histogram buckets (~40 ms for 64 busy
-            # pools): in a worker thread the GIL's switch interval (5 ms) bounds how long the loop,
-            # and with it every ListAndWatch send, waits; prometheus-client guards its values with locks.
-            body = await workers.run(Work.METRICS, self.metrics.render)
-            await self._respond(writer, 200, body, head_only, CONTENT_TYPE)
+            self._scrape(conn, head_only)
         elif path == "/healthz":
             ok, detail = self.health()
-            await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
+            conn.respond(200 if ok else 503, detail.encode() + b"\n", head_only)
         elif path == "/readyz":
             try:
                 ok, detail = self.ready()
             except Exception as exc:  # a broken readiness callable means "not ready", not a crash
                 ok, detail = False, f"readiness check failed: {exc!r}"
-            await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
+            conn.respond(200 if ok else 503, detail.encode() + b"\n", head_only)
         else:
-            await self._respond(writer, 404, b"not found; try /metrics, /healthz, /readyz\n", head_only)
+            conn.respond(404, b"not found; try /metrics, /healthz, /readyz\n", head_only)
 
-    async def _respond(
-        self,
-        writer: asyncio.StreamWriter,
-        status: int,
-        body: bytes,
-        head_only: bool,
-        content_type: str = "text/plain; charset=utf-8",
-        allow: bool = False,
+    # ----------------------------------------------------------------------------------- renders
+    def _scrape(self, conn: _Connection, head_only: bool) -> None:
+        """Answer a scrape with the kept body, or queue it for the running render (starting one)."""
+        loop = asyncio.get_running_loop()
+        if self._body is not None and loop.time() - self._body_at < self._min_interval:
+            conn.respond(200, self._body, head_only, CONTENT_TYPE)
+            return
+        if len(self._waiters) >= self._max_waiting:
+            conn.respond(503, b"too many scrapes waiting for a render; retry\n", head_only)
+            return
+        self._waiters.append((conn, head_only))
+        if self._render is None:
+            # Rendering is pure Python and grows with pools x histogram buckets: in the metrics thread,
+            # the GIL's switch interval (5 ms) bounds how long the loop waits behind it at a time.
+            self._render = asyncio.ensure_future(workers.run(Work.METRICS, self.metrics.render))
+            self._render.add_done_callback(self._rendered)
+
+    def _rendered(self, render: asyncio.Future[bytes]) -> None:
+        """Hand the render's body (or its failure, logged once) to every scrape that waited for it."""
+        if render is not self._render:
+            return  # cancelled by stop(), which dropped the waiting connections
+        self._render = None
+        waiters, self._waiters = self._waiters, []
+        exc = render.exception()
+        if exc is not None:
+            log.error("rendering /metrics failed", exc_info=exc)
+            for conn, head_only in waiters:
+                conn.respond(500, b"rendering the metrics failed; see the daemon's log\n", head_only)
+            return
+        body = render.result()
+        self._body, self._body_at = body, asyncio.get_running_loop().time()
+        for conn, head_only in waiters:
+            conn.respond(200, body, head_only, CONTENT_TYPE)
+
+    def _forget(self, conn: _Connection) -> None:
+        """Stop holding a place in the render queue for a connection that went away."""
+        self._waiters = [w for w in self._waiters if w[0] is not conn]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection of ``MetricsServer``: one request head in, one answer out, then closed."""
+
+    __slots__ = ("_buf", "_done", "_served", "_server", "_timer", "_transport")
+
+    def __init__(self, server: MetricsServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buf = b""
+        self._served = False  # admitted under the cap (else being refused)
+        self._done = False  # the head was read (or the connection refused): nothing more is taken in
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport; uvloop's provide its methods without deriving from asyncio.Transport.
+        self._transport = transport = cast(asyncio.Transport, transport)
+        server = self._server
+        loop = asyncio.get_running_loop()
+        self._served = server._opened(self)
+        if not self._served and server._refusing > _MAX_REFUSING:
+            transport.abort()
+            return
+        # One deadline for the whole head: a client trickling a byte at a time is cut all the same.
+        # A refused client gets less: it only has to have sent something before it is answered.
+        wait = server.read_timeout if self._served else min(server.read_timeout, _REFUSE_WAIT_S)
+        self._timer = loop.call_later(wait, self.drop)
+
+    def data_received(self, data: bytes) -> None:
+        if self._done:
+            return  # one request per connection; whatever follows its head is not read
+        if not self._served:
+            # Answered once the request is in: Linux answers a close with unread bytes in the receive
+            # queue with a reset, not a FIN (tcp_close in net/ipv4/tcp.c, RFC 2525 2.17), and the
+            # client could then lose the 503 before reading it.
+            self._done = True
+            self._send([_REFUSED])
+            return
+        self._buf += data
+        end = self._buf.find(b"\r\n\r\n", 0, _MAX_REQUEST + 4)
+        if end < 0:
+            if len(self._buf) >= _MAX_REQUEST + 4:
+                self.respond(400, b"request header too large\n", head_only=False)
+            return
+        self._done = True
+        self._server._dispatch(self, self._buf[:end])
+
+    def eof_received(self) -> bool:
+        # A client may half-close after its request and still read the answer (a render may be
+        # running); one that half-closes before a whole head has nothing to be answered.
+        return self._done
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._transport is None:
+            return
+        self._transport = None
+        if self._done:
+            self._server._forget(self)
+        self._server._closed(self, self._served)
+
+    def drop(self) -> None:
+        """Cut the connection now, unanswered or with its answer half sent (its deadline passed)."""
+        if self._transport is not None:
+            self._transport.abort()
+
+    def respond(
+        self, status: int, body: bytes, head_only: bool, content_type: str | None = None, allow: bool = False
     ) -> None:
+        """Send one answer and close."""
         headers = [
             f"HTTP/1.1 {status} {_REASONS[status]}",
-            f"Content-Type: {content_type}",
+            f"Content-Type: {content_type or 'text/plain; charset=utf-8'}",
             f"Content-Length: {len(body)}",
             "Cache-Control: no-store",
             # One request per connection: scrapers and probes open a connection each time anyway, and
@@ -909,7 +1065,19 @@ class MetricsServer:
         ]
         if allow:
             headers.append("Allow: GET, HEAD")
-        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode("latin-1"))
-        if not head_only:
-            writer.write(body)
-        await writer.drain()
+        head = ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1")
+        self._done = True
+        self._send([head] if head_only else [head, body])
+
+    def _send(self, data: list[bytes]) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # gone while its render ran
+        transport.writelines(data)
+        transport.close()  # after what was written is sent
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if transport.get_write_buffer_size():
+            # What the kernel would not take yet waits for the client to read it, for a while only.
+            self._timer = asyncio.get_running_loop().call_later(self._server.write_timeout, self.drop)
