@@ -54,11 +54,12 @@ REQUEST = b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: bench_scrape
 # --------------------------------------------------------------------------------------- the clients
 
 
-async def flood(port: int, clients: int, seconds: float, budget: int) -> dict[str, int]:
+async def flood(port: int, clients: int, seconds: float, budget: int) -> dict[str, float]:
     """Run ``clients`` loops of GET /metrics until ``seconds`` pass, ``budget`` requests were made or
     stdin closes; return the requests by outcome."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + seconds
+    began = loop.time()
+    deadline = began + seconds
     counts = {"200": 0, "503": 0, "other": 0, "failed": 0}
     made = 0
     stop = asyncio.Event()
@@ -85,7 +86,7 @@ async def flood(port: int, clients: int, seconds: float, budget: int) -> dict[st
 
     await asyncio.gather(*(client() for _ in range(clients)))
     loop.remove_reader(sys.stdin.fileno())
-    return counts
+    return {**counts, "seconds": round(loop.time() - began, 3)}
 
 
 def child(args: argparse.Namespace) -> int:
@@ -164,6 +165,7 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
                     devs = emu.devices(r)
                     return all(devs.get(a) == w for a in p.vf_addresses)
 
+                await asyncio.sleep(args.gap)  # flips spread over seconds: renders run once a second
                 t0 = time.monotonic()
                 switch.set(pf.netdev, up)
                 await emu.wait_for(arrived, 60)
@@ -194,14 +196,18 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
 
         prober = asyncio.ensure_future(probing())
         t_flood = time.monotonic()
+        cpu0, kids0 = _impl.cpu_seconds(daemon.pid), _impl.cpu_seconds(clients.pid)
         try:
             flooded = await flips(args.flips)
         finally:
             prober.cancel()
         flood_s = time.monotonic() - t_flood
+        daemon_cpu = (_impl.cpu_seconds(daemon.pid) - cpu0) / flood_s
+        clients_cpu = (_impl.cpu_seconds(clients.pid) - kids0) / flood_s
         # Closing their stdin (communicate does) stops the clients at their next request.
         out, _ = await asyncio.to_thread(clients.communicate, b"", 60)
         counts = json.loads(out.decode().strip().splitlines()[-1])
+        client_s = counts.pop("seconds")
         alive = daemon.poll() is None
     finally:
         if clients is not None and clients.poll() is None:
@@ -228,8 +234,10 @@ async def measure(args: argparse.Namespace, work: Path, ns: str) -> dict[str, ob
         "flooded_max_ms": round(max(flooded) * 1e3, 2),
         "p99_ratio": round(flooded_p99 / idle_p99, 2),
         "flood_s": round(flood_s, 2),
+        "daemon_cpu_percent_flooded": round(100 * daemon_cpu, 1),
+        "clients_cpu_percent": round(100 * clients_cpu, 1),
         "scrapes": counts,
-        "scrapes_per_s": round(sum(counts.values()) / flood_s, 1),
+        "scrapes_per_s": round(sum(counts.values()) / client_s, 1),
         "healthz_probes": len(probes),
         "healthz_ok": len(ok_probes),
         "healthz_p50_ms": round(_impl.percentile(ok_probes, 0.5) * 1e3, 2) if ok_probes else None,
@@ -254,6 +262,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=400, help="concurrent clients looping on /metrics")
     p.add_argument("--max-seconds", type=float, default=120.0, help="the clients' own deadline")
     p.add_argument("--budget", type=int, default=2_000_000, help="the clients' total requests at most")
+    p.add_argument("--gap", type=float, default=0.05, help="seconds between flips")
     p.add_argument("--ramp", type=float, default=1.0, help="seconds of flood before the first flip")
     p.add_argument("--src", default=None, help="run the daemon from this tree's src (before/after)")
     p.add_argument("--dir", default=None, help="where to build the simulated node (default: tmpfs if room)")
@@ -287,7 +296,9 @@ def main() -> int:
             f"{r['flooded_max_ms']} ms, {2 * r['flips_per_phase']} flips per phase (down and up)"  # type: ignore[operator]
         )
         print(
-            f"  scrapes in {r['flood_s']} s: {r['scrapes_per_s']}/s; 200: {c['200']}, 503: {c['503']}, "
+            f"  flooded phase {r['flood_s']} s, daemon CPU {r['daemon_cpu_percent_flooded']} % of a core, "
+            f"clients' {r['clients_cpu_percent']} %; scrapes {r['scrapes_per_s']}/s; 200: {c['200']}, "
+            f"503: {c['503']}, "
             f"other: {c['other']}, failed: {c['failed']}; /healthz every 100 ms: {r['healthz_ok']} of "
             f"{r['healthz_probes']} OK, p50 {r['healthz_p50_ms']} ms, max {r['healthz_max_ms']} ms; "
             f"daemon alive {r['daemon_alive_after']}, exit {r['daemon_exit_code']} on SIGTERM"

@@ -128,7 +128,7 @@ async def test_scrapes_beyond_the_cap_get_503_and_health_answers_while_a_render_
         await until(lambda: server._waiting == 4, "4 scrapes waiting on the render")
         excess = await asyncio.gather(*(request(server.port, "/metrics") for _ in range(20)))
         assert {status for status, _ in excess} == {503}
-        assert excess[0][1] == b"too many scrapes waiting for a render; retry\n"
+        assert excess[0][1] == b"too many scrapes waiting for a render\n"
         # The health paths never touch a render: answered while the only render is still blocked.
         health = await asyncio.gather(
             *(request(server.port, path) for path in ("/healthz", "/readyz") for _ in range(10))
@@ -140,17 +140,20 @@ async def test_scrapes_beyond_the_cap_get_503_and_health_answers_while_a_render_
         assert m.renders == 1
 
 
-async def test_connections_beyond_the_cap_get_503_until_one_frees() -> None:
+async def test_connections_beyond_the_cap_get_503_but_probes_are_answered() -> None:
     async with serving(Metrics(), max_connections=3, read_timeout_s=WAIT_S) as server:
         silent = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
         await until(lambda: server._serving == 3, "3 silent connections served")
-        answers = await asyncio.gather(*(request(server.port, "/healthz") for _ in range(20)))
+        answers = await asyncio.gather(*(request(server.port, "/metrics") for _ in range(20)))
         assert answers == [(503, b"too many connections\n")] * 20
+        # The health paths are answered all the same: a flood of scrapers never fails the kubelet's probes.
+        probes = await asyncio.gather(*(request(server.port, p) for p in ("/healthz", "/readyz") * 10))
+        assert {status for status, _ in probes} == {200}
         _, writer = silent.pop()
         writer.close()
         await writer.wait_closed()
         await until(lambda: server._serving == 2, "a slot freed")
-        assert (await request(server.port, "/healthz"))[0] == 200
+        assert (await request(server.port, "/metrics"))[0] == 200
         for _, writer in silent:
             writer.close()
             await writer.wait_closed()
