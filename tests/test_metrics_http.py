@@ -238,3 +238,46 @@ async def test_stop_does_not_wait_for_a_blocked_render() -> None:
         for scrape in scrapes:
             with contextlib.suppress(ConnectionError, ValueError, IndexError):
                 await scrape
+
+
+async def test_scrape_answers_are_paced_and_probes_are_not() -> None:
+    m = GatedMetrics()
+    # One answer at most every 1,000 s after a burst of 2: the bucket, not a clock, decides here.
+    kw = {"min_render_interval_s": 3600, "scrape_answers_per_s": 0.001, "scrape_answer_burst": 2}
+    async with serving(m, **kw) as server:
+        assert (await request(server.port, "/metrics"))[0] == 200  # the render's own scrape: not paced
+        scrapes = [asyncio.ensure_future(request(server.port, "/metrics")) for _ in range(5)]
+        await until(lambda: len(server._held) == 3, "3 scrapes held for their turn")
+        await until(lambda: len([s for s in scrapes if s.done()]) == 2, "the burst answered")
+        done = [s.result() for s in scrapes if s.done()]
+        assert [status for status, _ in done] == [200, 200]
+        # Probes are answered while scrapes wait their turn.
+        for path in ("/healthz", "/readyz") * 5:
+            assert (await request(server.port, path))[0] == 200
+        assert len(server._held) == 3 and m.renders == 1
+        await server.stop()  # the held clients are let go unanswered
+        for scrape in scrapes:
+            with contextlib.suppress(ConnectionError, ValueError, IndexError):
+                await scrape
+
+
+async def test_beyond_every_cap_clients_wait_in_the_kernels_queue() -> None:
+    kw = {"max_connections": 1, "max_extra_connections": 1, "read_timeout_s": WAIT_S}
+    async with serving(Metrics(), scrape_answers_per_s=0.001, scrape_answer_burst=1, **kw) as server:
+        _, silent = await asyncio.open_connection("127.0.0.1", server.port)  # holds the one slot
+        await until(lambda: server._serving == 1, "the slot taken")
+        # An extra connection's 503 takes the only token; the next one's waits its turn, held open.
+        assert await request(server.port, "/metrics") == (503, b"too many connections\n")
+        held = asyncio.ensure_future(request(server.port, "/metrics"))
+        await until(lambda: len(server._held) == 1, "a 503 held for its turn")
+        assert not server._room.is_set()  # both caps full: the accept loop waits for room
+        # A probe now connects (the kernel completes the handshake) but is not accepted yet.
+        probe = asyncio.ensure_future(request(server.port, "/healthz"))
+        await until(lambda: len(server._connections) == 2 and server._refusing == 1, "still full")
+        assert not probe.done()
+        silent.close()
+        await silent.wait_closed()
+        assert (await probe)[0] == 200  # accepted as soon as the slot freed
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held

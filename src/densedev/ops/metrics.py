@@ -871,13 +871,8 @@ class MetricsServer:
         if not self.host:
             # Every address, IPv4 and IPv6, as ":9477" means to Go and Prometheus users.
             if socket.has_dualstack_ipv6():
-                sock = socket.create_server(
-                    ("::", self.port), family=socket.AF_INET6, backlog=_BACKLOG, dualstack_ipv6=True
-                )
-            else:
-                sock = socket.create_server(("0.0.0.0", self.port), backlog=_BACKLOG)
-            sock.setblocking(False)
-            return [sock]
+                return [_bind(("::", self.port), socket.AF_INET6, dualstack=True)]
+            return [_bind(("0.0.0.0", self.port), socket.AF_INET)]
         # A name may need a resolver: off the loop, with the other start-up reads.
         infos = await workers.run(
             Work.CONFIG,
@@ -892,9 +887,7 @@ class MetricsServer:
         socks: list[socket.socket] = []
         try:
             for family, _, _, _, addr in dict.fromkeys(infos):
-                sock = socket.create_server(addr, family=family, backlog=_BACKLOG)
-                sock.setblocking(False)
-                socks.append(sock)
+                socks.append(_bind(addr, family))
         except OSError:
             for sock in socks:
                 sock.close()
@@ -1108,6 +1101,17 @@ class MetricsServer:
     def _forget(self, conn: _Connection) -> None:
         """Stop holding a place in the render queue for a connection that went away."""
         self._waiters = [w for w in self._waiters if w[0] is not conn]
+
+
+def _bind(addr: Any, family: int, dualstack: bool = False) -> socket.socket:
+    """A non-blocking listening socket on ``addr``; a failure says which address, as asyncio's does."""
+    try:
+        sock = socket.create_server(addr, family=family, backlog=_BACKLOG, dualstack_ipv6=dualstack)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise OSError(exc.errno, f"error while attempting to bind on address {addr!r}: {reason}") from None
+    sock.setblocking(False)
+    return sock
 
 
 class _Connection(asyncio.Protocol):
