@@ -769,10 +769,11 @@ class MetricsServer:
 
     * renders: at most one at a time, in ``Work.METRICS``'s thread; every scrape that arrives while it
       runs waits for it and gets its body, and a body younger than ``min_render_interval_s`` is served
-      as it is.  A render is pure Python under the GIL (~5 ms for 16 busy pools, ~20 ms for 64) and
-      takes that time from the loop whichever thread runs it, so the interval, not the thread, is what
-      bounds its share of the loop: 1 s allows 0.5-2 % however many clients scrape.  Prometheus scrapes
-      every 15-60 s, so a body at most ~1 s old is as fresh as any scrape can tell;
+      as it is.  A render is pure Python under the GIL (~10 ms for 16 busy pools, ~100 ms for 64 on a
+      2-core VM, bench_metrics.py) and takes that time from the loop whichever thread runs it, so the
+      interval, not the thread, is what bounds its share of the loop: 1 s allows 1-10 % however many
+      clients scrape.  Prometheus scrapes every 15-60 s, so a body at most ~1 s old is as fresh as any
+      scrape can tell;
     * scrapes waiting on a render: at most ``max_waiting_scrapes``; more get 503;
     * connections: at most ``max_connections`` are served; up to ``max_extra_connections`` more (and
       never more than half the process's descriptor limit, so the kubelet's sockets and the daemon's
@@ -785,8 +786,9 @@ class MetricsServer:
       second and took a core between them and the daemon; paced, they sit idle on open sockets.
       Prometheus needs one answer per target every 15-60 s;
     * a client's time: its request line and headers must arrive within ``read_timeout_s`` (the whole
-      head, not each read, so trickling a byte a second does not stretch it) and its answer must be
-      taken within ``write_timeout_s``; then the connection is cut.
+      head, not each read, so trickling a byte a second does not stretch it), and its answer must be
+      sent (after its turn or its render) and taken within ``write_timeout_s`` of it; then the
+      connection is cut.
 
     Each connection is a protocol (``_Connection``) driven by the loop's callbacks, not a task with
     streams: a scrape served from the kept body costs the loop three callbacks, so a flood of them
