@@ -281,3 +281,20 @@ async def test_beyond_every_cap_clients_wait_in_the_kernels_queue() -> None:
         held.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await held
+
+
+async def test_a_request_that_breaks_is_answered_500_and_the_server_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A readiness callable that breaks its contract (a detail that is no string) fails past its own
+    # guard: the client gets 500, the log one line with the traceback, and the next client an answer.
+    server = MetricsServer(Metrics(), lambda: (True, 5), "127.0.0.1", 0)  # type: ignore[arg-type, return-value]
+    await server.start()
+    try:
+        with caplog.at_level(logging.ERROR, logger="densedev.ops.metrics"):
+            status, body = await request(server.port, "/readyz")
+        assert (status, body) == (500, b"internal error; see the daemon's log\n")
+        assert [r.getMessage() for r in caplog.records] == ["metrics endpoint failed a request"]
+        assert (await request(server.port, "/healthz"))[0] == 200
+    finally:
+        await server.stop()

@@ -913,6 +913,9 @@ class MetricsServer:
                 await loop.connect_accepted_socket(lambda: _Connection(self), conn)
             except OSError:
                 conn.close()  # reset before it could be served
+            except Exception:  # the endpoint must outlive any one connection
+                conn.close()
+                log.exception("metrics endpoint failed to take a connection")
 
     async def stop(self) -> None:
         """Stop listening, drop open connections, stop waiting for a render, end the monitor."""
@@ -1154,7 +1157,11 @@ class _Connection(asyncio.Protocol):
             # The head is in; its answer may wait its turn or a render, for a while only.
             self._timer.cancel()
             self._timer = asyncio.get_running_loop().call_later(self._server.write_timeout, self.drop)
-        self._server._dispatch(self, self._buf[:end], self._admitted)
+        try:
+            self._server._dispatch(self, self._buf[:end], self._admitted)
+        except Exception:  # never let a request take down the daemon, nor leave its client hanging
+            log.exception("metrics endpoint failed a request")
+            self.respond(500, b"internal error; see the daemon's log\n", head_only=False)
 
     def eof_received(self) -> bool:
         # A client may half-close after its request and still read the answer (a render may be
