@@ -49,4 +49,6 @@ RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
 # belong to root, so only root can create a socket there and connect (deploy/README.md explains).
 USER 0:0
 ENTRYPOINT ["densedev"]
-CMD ["run", "--config", "/etc/densedev/config.json"]
+# No arguments (the RDMA shared device plugin's DaemonSet passes none): run finds the config where the
+# plugin it replaces keeps it, or at /etc/densedev/config.json (cli.DEFAULT_CONFIGS).
+CMD ["run"]

@@ -43,6 +43,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -81,6 +82,18 @@ class Volume(NamedTuple):
     """What a pod volume is on this host: a directory to bind-mount."""
 
     host_path: Path
+
+
+class ImageDefaults(NamedTuple):
+    """What a node takes from the image where the pod says nothing: its ENTRYPOINT and its USER.
+
+    The SR-IOV network device plugin's DaemonSets set neither (its image's entrypoint takes their
+    ``args``), so those runs read the image's own; densedev's manifests set both, and a run of them
+    without the two fails instead.
+    """
+
+    entrypoint: tuple[str, ...]
+    user: str
 
 
 @dataclass(frozen=True)
@@ -138,6 +151,9 @@ def container_args(
     extra_args: Sequence[str] = (),
     field_refs: Mapping[str, str] | None = None,
     kubeconfig: Path | None = None,
+    extra_volumes: Mapping[str, Path] | None = None,
+    image: ImageDefaults | None = None,
+    token_unused: bool = False,
 ) -> list[str]:
     """Return the ``podman run`` options and command that run the pod's only container as a node would.
 
@@ -145,8 +161,12 @@ def container_args(
     container path; ``extra_args`` are appended to the container's arguments, where argparse lets the
     last occurrence of a flag win (as the kustomize components do); ``field_refs`` gives the value of
     each downward-API field an env var takes (``spec.nodeName``); ``kubeconfig`` stands in for the
-    ServiceAccount token of a pod that mounts one.  Raises ``CheckFailed`` on any field of the manifest
-    it cannot reproduce.
+    ServiceAccount token of a pod that mounts one; ``extra_volumes`` (container path → host directory)
+    are mounted read-only beyond the pod's own; ``image`` gives the ENTRYPOINT and USER a pod without
+    ``command`` or ``runAsUser`` runs with; ``token_unused`` says the daemon will not read the pod's
+    ServiceAccount token (no DRA pool).  ``$(VAR)`` in the arguments is expanded from the
+    container's env, as the kubelet does.  Raises ``CheckFailed`` on any field of the manifest it cannot
+    reproduce.
     """
     [c] = pod["containers"]
     unknown = set(c) - _CONTAINER_KNOWN - _CONTAINER_IGNORED
@@ -162,9 +182,12 @@ def container_args(
     if psc.get("seccompProfile", {"type": "RuntimeDefault"}) != {"type": "RuntimeDefault"}:
         raise CheckFailed("only seccompProfile RuntimeDefault is reproduced (podman's default profile)")
     uid, gid = psc.get("runAsUser"), psc.get("runAsGroup")
-    if uid is None or gid is None:
+    if uid is not None and gid is not None:
+        out.append(f"--user={uid}:{gid}")
+    elif image is not None and uid is None and gid is None:
+        out.append(f"--user={image.user or '0:0'}")  # an image without USER runs as root
+    else:
         raise CheckFailed("the pod must set runAsUser and runAsGroup (the image's USER is not assumed)")
-    out.append(f"--user={uid}:{gid}")
 
     sc = c.get("securityContext", {})
     if set(sc) - _CONTAINER_SC:
@@ -183,10 +206,13 @@ def container_args(
     out += [f"--cap-drop={cap}" for cap in caps.get("drop", [])]
     out += [f"--cap-add={cap}" for cap in caps.get("add", [])]
 
-    out += [f"--env={e['name']}={_env_value(e, field_refs or {})}" for e in c.get("env", [])]
+    env = {e["name"]: _env_value(e, field_refs or {}) for e in c.get("env", [])}
+    out += [f"--env={name}={value}" for name, value in env.items()]
     # In-cluster credentials (the token the kubelet mounts, KUBERNETES_SERVICE_HOST) cannot point at a
     # stand-in on this host: a kubeconfig naming it is mounted read-only and given with --kubeconfig.
-    automount = pod.get("automountServiceAccountToken", True)
+    # The Go plugin's DaemonSets leave the token mounted but never use it (a device plugin talks to the
+    # kubelet only): their runs, whose configs have no DRA pool, pass token_unused and get none.
+    automount = pod.get("automountServiceAccountToken", True) and not token_unused
     if automount and kubeconfig is None:
         raise CheckFailed("the pod mounts a ServiceAccount token: give the check a kubeconfig instead")
     if not automount and kubeconfig is not None:
@@ -211,12 +237,25 @@ def container_args(
         mode = "ro" if m.get("readOnly") else "rw"
         # recursiveReadOnly has nothing to act on here: the simulated trees have no sub-mounts.
         out.append(f"--volume={volumes[name].host_path}:{target}:{mode}")
+    out += [f"--volume={host}:{target}:ro" for target, host in (extra_volumes or {}).items()]
 
-    command = c.get("command")
+    command = [_expand(a, env) for a in c.get("command", [])]
+    if not command and image is not None:
+        command = list(image.entrypoint)
     if not command:
         raise CheckFailed("the container must set command (the image's ENTRYPOINT is not assumed)")
     out += [f"--entrypoint={command[0]}"]
-    return [*out, *command[1:], *c.get("args", []), *extra_args]
+    return [*out, *command[1:], *(_expand(a, env) for a in c.get("args", [])), *extra_args]
+
+
+def _expand(arg: str, env: Mapping[str, str]) -> str:
+    """Expand ``$(VAR)`` from the container's env as the kubelet does: an unknown name stays as written,
+    and ``$$`` is a literal ``$``."""
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m[0] == "$$" else env.get(m[1], m[0]),
+        arg,
+    )
 
 
 def _env_value(env: Mapping[str, Any], field_refs: Mapping[str, str]) -> str:
@@ -229,15 +268,15 @@ def _env_value(env: Mapping[str, Any], field_refs: Mapping[str, str]) -> str:
     return field_refs[ref]
 
 
-def expected_pools(layout: simnode.NodeLayout) -> dict[str, set[str]]:
+def expected_pools(layout: simnode.NodeLayout, prefix: str = PREFIX) -> dict[str, set[str]]:
     """Return resource → device IDs as ``simnode.write_config``'s pools select them from the layout.
 
     One pool per PF of the first half (``pfNames``), then one for every other VF of the vendor: written
     from the layout, not from densedev's selectors, so a wrong selection in the image shows.
     """
     half = max(1, len(layout.pfs) // 2)
-    pools = {f"{PREFIX}/sriov_{pf.netdev}": set(pf.vf_addresses) for pf in layout.pfs[:half]}
-    pools[f"{PREFIX}/{layout.vendor}_vfs"] = {a for pf in layout.pfs[half:] for a in pf.vf_addresses}
+    pools = {f"{prefix}/sriov_{pf.netdev}": set(pf.vf_addresses) for pf in layout.pfs[:half]}
+    pools[f"{prefix}/{layout.vendor}_vfs"] = {a for pf in layout.pfs[half:] for a in pf.vf_addresses}
     return pools
 
 
@@ -497,6 +536,125 @@ async def run_container(
         await kubelet.stop()
 
 
+# Where the SR-IOV network device plugin's DaemonSets mount the node: each hostPath they name, as a
+# directory of the run (relative to the run's root, the parent of its kubelet device-plugin dir).
+GO_PLUGIN_HOST_PATHS = {
+    "/var/lib/kubelet/device-plugins": "device-plugins",
+    "/var/lib/kubelet/": ".",
+    "/var/lib/kubelet": ".",
+    "/var/run/k8s.cni.cncf.io/devinfo/dp": "devinfo",
+    "/var/run/cdi": "cdi",
+    "/var/log": "log",
+}
+GO_PLUGIN_NODE = "densedev-ci-node"  # spec.nodeName: the ConfigMap's key for this node
+
+
+def image_defaults(engine: Engine, image: str) -> ImageDefaults:
+    """Read the image's ENTRYPOINT and USER, which a pod without command or runAsUser runs with."""
+    fmt = "{{json .Config.Entrypoint}}\n{{.Config.User}}"
+    entrypoint, _, user = engine.call("image", "inspect", f"--format={fmt}", image).strip().partition("\n")
+    return ImageDefaults(tuple(json.loads(entrypoint) or ()), user.strip())
+
+
+def configmap_volume(root: Path, key: str, text: str) -> Path:
+    """Lay out a ConfigMap volume as the kubelet does (``key -> ..data/key``, ``..data -> ..<stamp>``)."""
+    root.mkdir(mode=0o755)
+    stamp = root / "..2026_12_04_00_00_00.000000001"
+    stamp.mkdir(mode=0o755)
+    (stamp / key).write_text(text)
+    os.symlink(stamp.name, root / "..data")
+    os.symlink(f"..data/{key}", root / key)
+    return root
+
+
+def go_plugin_volumes(pod: Mapping[str, Any], node: Node) -> dict[str, Volume]:
+    """Return the Go plugin DaemonSet's volumes as the run's directories; its ConfigMap holds this
+    node's config under the node's name, with no resourcePrefix (the command line's applies)."""
+    root = node.kubelet_dir.parent
+    doc = json.loads((node.config_dir / "config.json").read_text())
+    for pool in doc["resourceList"]:
+        pool.pop("resourcePrefix", None)
+    volumes = {}
+    for volume in pod["volumes"]:
+        if "configMap" in volume:
+            path = configmap_volume(root / volume["name"], GO_PLUGIN_NODE, json.dumps(doc, indent=1))
+        elif volume.get("hostPath", {}).get("path") in GO_PLUGIN_HOST_PATHS:
+            path = root / GO_PLUGIN_HOST_PATHS[volume["hostPath"]["path"]]
+            path.mkdir(mode=0o755, exist_ok=True)
+        else:
+            raise CheckFailed(f"volume {volume['name']!r}: not one the check provides")
+        volumes[volume["name"]] = Volume(path)
+    return volumes
+
+
+def _flag(args: Sequence[str], name: str) -> str | None:
+    """Return the last ``--name=value`` among the container's arguments (the manifests use that form)."""
+    values = [a.partition("=")[2] for a in args if a.startswith(f"{name}=")]
+    return values[-1] if values else None
+
+
+async def run_go_plugin_container(
+    engine: Engine, image: str, manifest: Path, node: Node, *, log: list[str]
+) -> None:
+    """Run densedev's image in the SR-IOV network device plugin's DaemonSet, unchanged but for the image.
+
+    The only deviation is the simulated sysfs, mounted read-only at ``/host/sys`` with ``--sysfs-root``
+    after the manifest's arguments (as for densedev's own manifests).  The pools must register under the
+    command line's resource prefix with their full lists, an Allocate must answer with the devices'
+    variable (and CDI devices whose spec is on the host, with ``--use-cdi``), a PF's link must drive
+    its pool's health, and SIGTERM must end the container cleanly.
+    """
+    mode = manifest.stem
+    pod = daemonset_pod(manifest)
+    args = container_args(
+        pod,
+        go_plugin_volumes(pod, node),
+        network=f"ns:/run/netns/{node.netns}",
+        extra_volumes={SYSFS_IN_CONTAINER: node.sysfs},
+        extra_args=[f"--sysfs-root={SYSFS_IN_CONTAINER}"],
+        field_refs={"spec.nodeName": GO_PLUGIN_NODE},
+        image=await asyncio.to_thread(image_defaults, engine, image),
+        token_unused=True,
+    )
+    prefix = _flag(args, "--resource-prefix") or PREFIX  # the Go plugin's default: intel.com
+    expected = expected_pools(node.layout, prefix)
+    kubelet = _kubelet(node)
+    await kubelet.start()
+    try:
+        async with container(engine, image, args, mode) as name:
+            log.append(await wait_registered(kubelet, expected, mode))
+            log.append(await check_allocate(kubelet, expected, mode))
+            if "--use-cdi" in args:
+                log.append(await check_cdi(kubelet, expected, node.kubelet_dir.parent / "cdi", mode))
+            await flip_pf(kubelet, node, mode, log, prefix)
+            log.append(await terminate(engine, name, pod, mode, [node.kubelet_dir]))
+            said = await asyncio.to_thread(engine.logs, name)
+            notes = [line for line in said.splitlines() if "glog" in line or "--log-dir" in line]
+            log += [f"{mode}: {line.partition('msg=')[2] or line}" for line in notes]
+    finally:
+        await kubelet.stop()
+
+
+async def check_cdi(
+    kubelet: KubeletEmulator, expected: Mapping[str, set[str]], cdi_dir: Path, mode: str
+) -> str:
+    """Allocate one more device of the first pool: the answer names CDI devices a spec on the host has."""
+    resource = next(iter(expected))
+    one = sorted(expected[resource])[2:3]  # check_allocate took the first two
+    response = await kubelet.allocate(resource, one)
+    names = [d.name for d in response.cdi_devices]
+    specs = sorted(p.name for p in cdi_dir.iterdir()) if cdi_dir.is_dir() else []
+    known = {
+        f"{doc['kind']}={dev['name']}"
+        for spec in specs
+        for doc in [json.loads((cdi_dir / spec).read_text())]
+        for dev in doc.get("devices", [])
+    }
+    if not names or not set(names) <= known:
+        raise CheckFailed(f"{mode}: Allocate {resource} {one}: CDI devices {names}, specs {specs}")
+    return f"{mode}: --use-cdi: Allocate -> CDI devices {names}, spec {specs[0]} on the host's {cdi_dir.name}"
+
+
 @dataclass(frozen=True)
 class DraSide:
     """The DRA run's host side: the kubelet's plugin directories, the CDI dir and the API-server access."""
@@ -754,11 +912,13 @@ def _split(args: Sequence[str], image: str) -> list[str]:
     return [*args[:i], image, *args[i:]]
 
 
-async def flip_pf(kubelet: KubeletEmulator, node: Node, mode: str, log: list[str]) -> None:
+async def flip_pf(
+    kubelet: KubeletEmulator, node: Node, mode: str, log: list[str], prefix: str = PREFIX
+) -> None:
     """Take the first PF's link down and up in the node's namespace; its pool must follow."""
     pf = node.layout.pfs[0]
-    resource = f"{PREFIX}/sriov_{pf.netdev}"
-    other = f"{PREFIX}/{node.layout.vendor}_vfs"
+    resource = f"{prefix}/sriov_{pf.netdev}"
+    other = f"{prefix}/{node.layout.vendor}_vfs"
     await netns.aip(node.netns, "link", "set", pf.netdev, "down")
     await wait_for(
         kubelet,
@@ -862,6 +1022,12 @@ async def check(args: argparse.Namespace) -> list[str]:
                 engine, args.image, pod, fresh_kubelet_dir(node, run), netlink=netlink, log=log
             )
             log.append(f"{run}: the run took {time.monotonic() - t:.1f} s")
+        for i, manifest in enumerate(args.go_plugin_manifest):
+            t = time.monotonic()
+            # A short name: the kubelet dials the plugin's socket under this path (sun_path: 107 bytes).
+            run_node = fresh_kubelet_dir(node, f"go{i}")
+            await run_go_plugin_container(engine, args.image, manifest, run_node, log=log)
+            log.append(f"{manifest.stem}: the run took {time.monotonic() - t:.1f} s")
         if dra_pod is not None:
             t = time.monotonic()
             await run_dra_container(engine, args.image, dra_pod, fresh_kubelet_dir(node, "dra"), log=log)
@@ -883,6 +1049,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=None,
         help="deploy/overlays/dra rendered by `kubectl kustomize`: also run its container (DRA mode)",
+    )
+    parser.add_argument(
+        "--go-plugin-manifest",
+        type=Path,
+        action="append",
+        default=[],
+        help="a DaemonSet that runs the SR-IOV network device plugin's image: run densedev's in its place",
     )
     parser.add_argument("--work", type=Path, required=True, help="an empty directory for the nodes")
     args = parser.parse_args(argv)

@@ -34,8 +34,8 @@ import uvloop  # noqa: E402
 from densedev._proto import api_pb2  # noqa: E402
 from densedev.kubelet.feed import PoolFeed  # noqa: E402
 from densedev.kubelet.registration import PluginRunner  # noqa: E402
-from densedev.kubelet.watch import DirectoryWatch  # noqa: E402
 from densedev.kubelet.wire import ListEncoder  # noqa: E402
+from densedev.node.watch import DirectoryWatch  # noqa: E402
 from densedev.testing.kubelet import KubeletEmulator  # noqa: E402
 
 DEVICES = 8

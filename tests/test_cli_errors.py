@@ -80,6 +80,18 @@ def test_scan_and_run_refuse_a_root_that_is_not_sysfs(tmp_path: Path, child_env:
     assert "0 devices" in proc.stdout
 
 
+def test_a_root_that_is_a_symlink_loop_is_called_one(tmp_path: Path, child_env: dict[str, str]) -> None:
+    # Path.exists() is False for a loop (ELOOP) as for a missing path: it was reported as "does not exist".
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    for cmd in ("scan", "run"):
+        proc = densedev([cmd, "--sysfs-root", str(tmp_path / "a")], child_env)
+        assert proc.returncode == 2, proc.stderr
+        line = one_line(proc.stderr)
+        assert f"argument --sysfs-root: {tmp_path / 'a'} is a symlink loop" in line
+        assert "does not exist" not in line
+
+
 def test_help_shows_descriptions_defaults_and_examples(child_env: dict[str, str]) -> None:
     top = densedev(["--help"], child_env)
     assert top.returncode == 0
@@ -87,7 +99,8 @@ def test_help_shows_descriptions_defaults_and_examples(child_env: dict[str, str]
     for cmd in ("run", "scan", "check-config", "simulate", "demo"):
         assert cmd in top.stdout
     run = densedev(["run", "--help"], child_env)
-    assert "(default: /etc/pcidp/config.json)" in run.stdout
+    assert "(default: the first of /etc/pcidp/config.json," in " ".join(run.stdout.split())
+    assert "(default: None)" not in run.stdout  # no default: the help says what happens instead
     assert "example:" in run.stdout and "Run the device plugin daemon." in run.stdout
     sim = densedev(["simulate", "--help"], child_env)
     assert "(default: 256)" in sim.stdout and "--force" in sim.stdout

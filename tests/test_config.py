@@ -331,7 +331,7 @@ def test_all_problems_are_reported_at_once_with_pool_key_and_reason() -> None:
 @pytest.mark.parametrize(
     ("doc", "expected"),
     [
-        ([], "expected a JSON object with resourceList, got list"),
+        ([], "expected a JSON object with resourceList or configList, got list"),
         ({}, "resourceList: required (a list of resource pools)"),
         ({"resourceList": {}}, "resourceList: expected a list of resource objects, got object"),
         ({"resourceList": ["x"]}, "resourceList[0]: expected a resource object, got string"),

@@ -6,17 +6,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers.child import Child
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.kubelet.sockets import socket_name_for
@@ -41,58 +39,6 @@ def node(tmp_path: Path) -> Path:
     """A small simulated node with its config (3 pools)."""
     simnode.simulate(tmp_path / "node", pfs=2, vfs_per_pf=4, rdma=True)
     return tmp_path / "node"
-
-
-class Child:
-    """``densedev run`` in a child process, its stderr lines collected by a thread as they come."""
-
-    def __init__(self, args: list[str], env: dict[str, str], wrapper: Sequence[str] = ()) -> None:
-        self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "densedev.cli", "run", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self.lines: list[str] = []
-        self._q: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self._q.put(line.rstrip("\n"))
-
-    async def line_with(self, text: str) -> str:
-        """Wait (on the loop) for a stderr line containing ``text``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + GUARD
-        while loop.time() < deadline:
-            for line in self.lines:
-                if text in line:
-                    return line
-            try:
-                while True:
-                    self.lines.append(self._q.get_nowait())
-            except queue.Empty:
-                pass
-            if self.proc.poll() is not None and self._q.empty() and not self._reader.is_alive():
-                break
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no line with {text!r} in {self.lines}")
-
-    def stop(self) -> int:
-        """SIGTERM the daemon and return its exit code once every line is read."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=GUARD)
-        self._reader.join(GUARD)
-        assert self.proc.stderr is not None
-        self.proc.stderr.close()
-        while not self._q.empty():
-            self.lines.append(self._q.get_nowait())
-        return code
 
 
 def _run_args(node: Path, kdir: Path, *extra: str) -> list[str]:

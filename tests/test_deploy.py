@@ -408,7 +408,7 @@ def test_dockerfile_is_multi_stage_and_runs_the_daemon() -> None:
     entry = next(line for line in text.splitlines() if line.startswith("ENTRYPOINT"))
     cmd = next(line for line in text.splitlines() if line.startswith("CMD"))
     assert json.loads(entry.split(None, 1)[1]) == ["densedev"]
-    assert json.loads(cmd.split(None, 1)[1]) == ["run", "--config", "/etc/densedev/config.json"]
+    assert json.loads(cmd.split(None, 1)[1]) == ["run"]  # the config is found (cli.DEFAULT_CONFIGS)
     assert str(run_args(build("base")).config) == "/etc/densedev/config.json"
 
 
@@ -861,3 +861,41 @@ def test_a_non_root_uid_cannot_use_the_kubelet_dir(kubelet_like: tuple[Path, Pat
     assert got["plugin_socket"] == got["register"] == got["atomic_write"] == "errno 13"  # EACCES
     # netlink and the metrics port never needed root.
     assert got["rtnetlink"] == got["uevents"] == got["metrics_port"] == "ok"
+
+
+GO_PLUGIN_DAEMONSETS = sorted((ROOT / ".ci" / "daemonsets").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("manifest", GO_PLUGIN_DAEMONSETS, ids=lambda p: p.stem)
+def test_ci_runs_the_go_plugins_daemonsets_with_the_images_entrypoint(manifest: Path) -> None:
+    """The SR-IOV network device plugin's DaemonSets set no command and no user: the run takes the
+    image's ENTRYPOINT and USER (and refuses without them), expands $(NODE_NAME) as the kubelet does,
+    and densedev's parser reads what comes out as a run of the manifest's config file."""
+    from densedev.argv import go_plugin_argv
+
+    ic = load_image_check()
+    pod = ic.daemonset_pod(manifest)
+    volumes = {v["name"]: ic.Volume(Path(f"/node/{v['name']}")) for v in pod["volumes"]}
+    kw: dict[str, Any] = {
+        "network": "ns:/run/netns/node",
+        "field_refs": {"spec.nodeName": "node-a"},
+        "token_unused": True,  # a device plugin never reads the token these pods mount
+    }
+    with pytest.raises(ic.CheckFailed, match="runAsUser"):
+        ic.container_args(pod, volumes, **kw)
+    args = ic.container_args(pod, volumes, image=ic.ImageDefaults(("densedev",), ""), **kw)
+    split = args.index("--entrypoint=densedev") + 1
+    options, command = args[:split], args[split:]
+    assert {"--user=0:0", "--privileged", "--env=NODE_NAME=node-a"} <= set(options)
+    assert all("$(" not in a for a in command)
+    parsed = cli.build_parser("run").parse_args(go_plugin_argv(command)[0])
+    assert parsed.command == "run"
+    assert parsed.config == Path("/etc/pcidp/node-a")
+    assert parsed.log_level == "10"
+
+
+def test_ci_expands_container_variables_as_the_kubelet_does() -> None:
+    expand = load_image_check()._expand
+    env = {"NODE_NAME": "node-a"}
+    assert expand("--config-file=/etc/pcidp/$(NODE_NAME)", env) == "--config-file=/etc/pcidp/node-a"
+    assert expand("$(UNSET) $$(NODE_NAME) $$", env) == "$(UNSET) $(NODE_NAME) $"

@@ -275,3 +275,45 @@ async def test_without_the_api_server_the_kubelet_is_served_and_claims_unprepare
         await c.until(lambda: node.published() == by_name(pf1), "published once the API server answers")
         await c.until(lambda: daemon.registered()[0], "ready")
         assert (await c.dra_kubelet.prepare(DRIVER, [other]))[other[2]].error == ""
+
+
+async def test_one_bad_claim_in_a_prepare_call_fails_only_itself(node: Node) -> None:
+    # Issue 23, item 6: a request name CDI refuses raised inside Prepare and failed the whole call
+    # with INTERNAL, so the valid claim beside it was not prepared.
+    from densedev.testing.dra_kubelet import allocated_claim
+
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        await c.until(lambda: DRIVER in c.dra_kubelet.plugins, "the DRA plugin registered")
+        good = node.claim(pf1[0])
+        # Stored as a buggy or future API server might hand it out (the stand-in validates otherwise).
+        c.api.validate = False
+        result = {"request": "a b", "driver": DRIVER, "pool": NODE, "device": names.device_name(pf1[1])}
+        c.api.put_claim(allocated_claim("default", "bad", "0b5e1d6c-0000-4000-8000-000000000001", [result]))
+        c.api.validate = True
+        bad = ("default", "bad", "0b5e1d6c-0000-4000-8000-000000000001")
+        twice = node.claim(pf1[2])
+        answers = await c.dra_kubelet.prepare(DRIVER, [bad, good, twice, twice])
+        assert "is not a DNS label" in answers[bad[2]].error
+        assert answers[good[2]].error == "" and answers[twice[2]].error == ""
+        assert [d["device"] for d in answers[good[2]].devices] == [names.device_name(pf1[0])]
+        assert not node.spec(bad[2]).exists() and node.spec(good[2]).exists()
+
+
+async def test_the_daemon_counts_conflicting_slice_writes(node: Node) -> None:
+    """The publisher's conflict counter reaches the daemon's /metrics (it was built without the registry)."""
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        daemon = c.daemon
+        assert daemon is not None
+        await c.until(lambda: node.published() == by_name(pf1), "the DRA pool published")
+        slice_of = {
+            d["name"]: s["metadata"]["name"] for s in c.api.node_slices(NODE) for d in s["spec"]["devices"]
+        }
+        c.api.conflict_writes = {slice_of[names.device_name(pf1[0])]}  # another writer always wins it
+        daemon.set_links([(node.pf1.netdev, False)])
+        await c.until(
+            lambda: sample(daemon, "densedev_dra_slice_write_conflicts_total", driver=DRIVER) >= 2,
+            "conflicts counted in the daemon's metrics",
+        )
+        c.api.conflict_writes = set()

@@ -287,6 +287,66 @@ async def test_every_per_claim_error_fails_only_its_claim(node: Node, tmp_path: 
     assert not (tmp_path.parent / "etc").exists()
 
 
+async def test_a_request_name_cdi_refuses_fails_only_its_claim(node: Node) -> None:
+    # Request names are DNS labels (the API server validates them); one that is not would also make a
+    # CDI name the runtime refuses (space, leading '-', trailing '.'), and once failed the whole call.
+    good = node.claim(("vf", VF), name="good")
+    bad = [node.claim((request, VF2), name=f"bad{n}") for n, request in enumerate(["a b", "-x", "x.", "é"])]
+    results = await prepare(node.service, *bad, good)
+    assert results[good.uid].error == "" and [d.device_id for d in results[good.uid].devices] == [VF]
+    for ref in bad:
+        assert "is not a DNS label" in results[ref.uid].error, results[ref.uid]
+        assert not (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json").exists()
+    assert set(node.service.prepared) == {good.uid}
+
+
+async def test_a_bug_met_by_one_claim_fails_only_that_claim(
+    node: Node, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    good, broken = node.claim(("vf", VF), name="good"), node.claim(("vf", VF2), name="broken")
+    gate = node.service.gate
+
+    def failing(device_id: str) -> object:
+        if device_id == VF2:
+            raise RuntimeError("gate bug")
+        return gate(device_id)
+
+    monkeypatch.setattr(node.service, "gate", failing)
+    with caplog.at_level(logging.ERROR):
+        results = await prepare(node.service, broken, good)
+    assert results[good.uid].error == ""
+    assert "cannot prepare it: RuntimeError('gate bug')" in results[broken.uid].error
+    assert set(node.service.prepared) == {good.uid}
+
+
+async def test_a_device_listed_twice_is_answered_and_recorded_once(node: Node) -> None:
+    twice = node.claim(("vf", VF), ("vf", VF), ("vf", VF2))
+    result = (await prepare(node.service, twice))[twice.uid]
+    assert [(d.requests, d.device_id) for d in result.devices] == [(("vf",), VF), (("vf",), VF2)]
+    _nodes, env = edits(node.spec(twice.uid), [i for d in result.devices for i in d.cdi_ids])
+    assert env["PCIDEVICE_EXAMPLE_COM_VF_POOL"] == f"{VF},{VF2}"
+    # Named by two requests: one device to the kubelet, naming both.
+    both = node.claim(("a", VFIO), ("b", VFIO))
+    (d,) = (await prepare(node.service, both))[both.uid].devices
+    assert d.requests == ("a", "b") and len(d.cdi_ids) == 3
+
+
+async def test_ten_thousand_results_naming_two_devices_make_a_two_device_answer(
+    node: Node, tmp_path: Path
+) -> None:
+    many = node.claim(*[("vf", VF if n % 2 else VF2) for n in range(10_000)])
+    results = await prepare(node.service, many)
+    assert [d.device_id for d in results[many.uid].devices] == [VF2, VF]
+    # The checkpoint is the one a claim with the two results alone makes (same UID, another node).
+    other = Node(tmp_path / "other")
+    few = other.claim(("vf", VF2), ("vf", VF), uid=many.uid, name=many.name)
+    assert (await prepare(other.service, few))[few.uid] == results[many.uid]
+    checkpoint = (node.settings.plugin_dir / CHECKPOINT_NAME).read_bytes()
+    assert checkpoint == (other.settings.plugin_dir / CHECKPOINT_NAME).read_bytes().replace(
+        bytes(other.root), bytes(node.root)
+    )
+
+
 async def test_a_missing_device_node_fails_the_claim(node: Node) -> None:
     (node.dev_root / "vfio" / "83").unlink()
     ref = node.claim(("dpdk", VFIO))
@@ -398,21 +458,107 @@ async def test_claims_survive_a_killed_process(tmp_path: Path, child_env: dict[s
     assert "held elsewhere" in (await prepare(node.service, c))[c.uid].error
 
 
-async def test_an_untrustworthy_checkpoint_is_kept_aside_with_one_line(
+async def test_an_untrustworthy_checkpoint_fails_closed_with_one_line(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
     ref = node.claim(("vf", VF))
     await prepare(node.service, ref)
+    info = node.settings.devinfo_dir / devinfo.file_name("example.com", "vf_pool", VF)  # type: ignore[operator]
     path = node.settings.plugin_dir / CHECKPOINT_NAME
     doc = json.loads(path.read_text())
     doc["claims"][0]["devices"][0]["id"] = VF2  # a hand edit: the checksum no longer matches
     path.write_text(json.dumps(doc))
-    with caplog.at_level(logging.ERROR, logger="densedev.dra.claims"):
-        assert node.fresh().recover() == frozenset()
-    (line,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert "checksum mismatch" in line and "kept as checkpoint.json.bad-" in line
+    service = node.fresh()
+    with caplog.at_level(logging.ERROR):
+        # The claim the spec on disk names is held: its device, its spec and its device-info file.
+        assert service.recover() == {VF}
+    (line,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert "checksum mismatch" in fields["problem"] and fields["kept_as"].startswith("checkpoint.json.bad-")
+    assert ref.uid in fields["claims"] and fields["devices"] == 1
     kept = [p for p in node.settings.plugin_dir.iterdir() if p.name.startswith("checkpoint.json.bad-")]
     assert len(kept) == 1 and json.loads(kept[0].read_text()) == doc
+    assert node.spec(ref.uid)["kind"] == KIND and info.exists()
+    assert service.unsettled is not None and set(service.unsettled.claims) == {ref.uid}
+    # Another claim naming the device is refused while the lost record is unsettled.
+    other = node.claim(("vf", VF))
+    assert "held elsewhere (maybe: the record of prepared claims was lost" in (
+        (await prepare(service, other))[other.uid].error
+    )
+    # A restart before the kubelet settles it holds it still (recorded in a fresh checkpoint).
+    service = node.fresh()
+    assert service.recover() == {VF} and service.unsettled is not None
+    # The kubelet unprepares the old claim: released, and the device may be given again.
+    assert await service.unprepare([ref]) == {ref.uid: ""}
+    assert service.unsettled is None and service.withheld() == frozenset()
+    assert not (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json").exists()
+    assert (await prepare(service, other))[other.uid].error == ""
+    assert node.fresh().recover() == {VF}  # the new claim, on record
+
+
+async def test_a_prepare_of_an_unsettled_claim_records_it_again(node: Node) -> None:
+    first, second = node.claim(("vf", VF)), node.claim(("vf", VF2))
+    await prepare(node.service, first, second)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"")  # empty: lost
+    service = node.fresh()
+    assert service.recover() == {VF, VF2}
+    # The kubelet re-sends Prepare for the first: prepared again (same answer), on record again.
+    answer = (await prepare(service, first))[first.uid]
+    assert answer.error == "" and [d.device_id for d in answer.devices] == [VF]
+    assert set(service.prepared) == {first.uid}
+    assert service.unsettled is not None and set(service.unsettled.claims) == {second.uid}
+    # The first claim may not take the second's device, nor may a new claim.
+    third = node.claim(("vf", VF2))
+    assert "record of prepared claims was lost" in (await prepare(service, third))[third.uid].error
+    assert await service.unprepare([second]) == {second.uid: ""}
+    assert service.unsettled is None and service.withheld() == {VF}
+    assert (await prepare(service, third))[third.uid].error == ""
+
+
+async def test_the_driver_pool_is_withheld_while_unsettled(node: Node) -> None:
+    ref = node.claim(("vf", VF))
+    await prepare(node.service, ref)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"{}")
+    service = node.fresh()
+    service.recover()
+    # Every device the driver's pool could give counts as held (the daemon widens with its DRA pools).
+    assert service.widen([VF, VF2, VFIO]) and not service.widen([VF2])
+    assert service.withheld() == {VF, VF2, VFIO}
+    fresh = node.claim(("dpdk", VFIO))
+    assert "record of prepared claims was lost" in (await prepare(service, fresh))[fresh.uid].error
+    assert await service.unprepare([ref]) == {ref.uid: ""}
+    assert service.withheld() == frozenset()
+    assert (await prepare(service, fresh))[fresh.uid].error == ""
+
+
+async def test_an_unsettled_claim_whose_spec_was_removed_by_hand_is_released_at_restart(
+    node: Node,
+) -> None:
+    first, second = node.claim(("vf", VF)), node.claim(("vf", VF2))
+    await prepare(node.service, first, second)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"\x00" * 10)
+    assert node.fresh().recover() == {VF, VF2}
+    # The operator made sure no pod uses the first claim and removed its spec: settled by hand.
+    (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{first.uid}.json").unlink()
+    service = node.fresh()
+    assert service.recover() == {VF2}
+    (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{second.uid}.json").unlink()
+    service = node.fresh()
+    assert service.recover() == frozenset() and service.unsettled is None
+
+
+async def test_a_lost_checkpoint_with_no_spec_of_ours_holds_nothing(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    node.settings.plugin_dir.mkdir(parents=True)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"garbage")
+    service = node.fresh()
+    with caplog.at_level(logging.ERROR):
+        assert service.recover() == frozenset()
+    assert service.unsettled is None
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == [
+        "DRA checkpoint cannot be read; no CDI spec of ours names a claim, so none is held"
+    ]
 
 
 async def test_a_symlink_planted_at_the_checkpoint_is_never_read_or_written_through(
@@ -427,11 +573,14 @@ async def test_a_symlink_planted_at_the_checkpoint_is_never_read_or_written_thro
     path = node.settings.plugin_dir / CHECKPOINT_NAME
     path.unlink()
     path.symlink_to(victim)
-    assert node.fresh().recover() == frozenset()
+    # Not read through: the claim is held only because its spec on disk names it (fail closed).
+    service = node.fresh()
+    assert service.recover() == {VF} and service.prepared == {}
     path.unlink(missing_ok=True)
     path.symlink_to(victim)
     second = node.claim(("vf", VF2))
     service = node.fresh()
+    service.recover()
     assert (await prepare(service, second))[second.uid].error == ""
     assert victim.read_bytes() == before
     assert not path.is_symlink() and stat.S_ISREG(path.lstat().st_mode)
@@ -482,9 +631,10 @@ async def test_checkpoint_round_trip(node: Node) -> None:
     ref = node.claim(("vf", VF), ("dpdk", VFIO))
     await prepare(node.service, ref)
     loaded = Checkpoint(node.settings.plugin_dir, DRIVER).load()
-    assert loaded == dict(node.service.prepared)
-    # Another driver's checkpoint is not ours to trust.
-    assert Checkpoint(node.settings.plugin_dir, "other.example.com").load() == {}
+    assert loaded.claims == dict(node.service.prepared) and loaded.damage is None
+    # Another driver's checkpoint is not ours to trust: it is lost to us, and said so.
+    other = Checkpoint(node.settings.plugin_dir, "other.example.com").load()
+    assert other.claims == {} and other.damage is not None and "written for driver" in other.damage.problem
 
 
 async def test_a_cancelled_prepare_keeps_the_lock_until_its_writes_are_done(node: Node) -> None:
@@ -590,3 +740,37 @@ def test_checkpoint_bytes_round_trip_with_and_without_cached_entries(
         doc["claims"][0]["name"] += "x"
         with pytest.raises(CheckpointError, match="checksum"):
             decode_checkpoint(DRIVER, json.dumps(doc).encode())
+
+
+def test_the_unsettled_state_is_checksummed_with_the_claims() -> None:
+    from densedev.dra.claims import Unsettled, decode_record
+
+    unsettled = Unsettled({"uid-1": frozenset({VF}), "uid-2": frozenset()}, frozenset({VF2}), "lost")
+    data = encode_checkpoint(DRIVER, {}, None, unsettled)
+    assert decode_record(DRIVER, data).unsettled == unsettled
+    assert decode_record(DRIVER, encode_checkpoint(DRIVER, {})).unsettled is None
+    # A hand edit releasing a device (or a claim) is refused as any other: the file is then lost.
+    doc = json.loads(data)
+    doc["unsettled"]["devices"] = []
+    with pytest.raises(CheckpointError, match="checksum"):
+        decode_record(DRIVER, json.dumps(doc).encode())
+    doc = json.loads(data)
+    del doc["unsettled"]
+    with pytest.raises(CheckpointError, match="checksum"):
+        decode_record(DRIVER, json.dumps(doc).encode())
+
+
+def test_a_damaged_checkpoint_of_another_name_is_found_by_its_specs(tmp_path: Path) -> None:
+    from densedev.dra.checkpoints import find_checkpoints
+
+    plugins, cdi_dir = tmp_path / "plugins", tmp_path / "cdi"
+    cdi_dir.mkdir()
+    for name in ("old.example.com", "gone.example.com", "gpu.example.com"):
+        (plugins / name).mkdir(parents=True)
+    (plugins / "old.example.com" / CHECKPOINT_NAME).write_bytes(b"\x00garbage")
+    (plugins / "gone.example.com" / CHECKPOINT_NAME).symlink_to("nowhere")
+    (plugins / "gpu.example.com" / CHECKPOINT_NAME).write_text('{"checksum": 1, "v1": {}}')
+    (cdi_dir / "densedev_dra_old.example.com_uid-1.json").write_text("{}")
+    (cdi_dir / "densedev_dra_gone.example.com_uid-2.json").write_text("{}")
+    assert sorted(find_checkpoints(plugins, cdi_dir=cdi_dir)) == ["gone.example.com", "old.example.com"]
+    assert find_checkpoints(plugins) == []  # without the CDI dir: only readable checkpoints count

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
@@ -19,9 +21,10 @@ from helpers.waiting import eventually
 
 from densedev.dra import names, slices
 from densedev.dra.apiclient import ApiError, HttpClaimReader, ResourceClient
-from densedev.dra.publisher import Publisher, PublisherSettings
+from densedev.dra.publisher import WRITES_IN_FLIGHT, Publisher, PublisherSettings
 from densedev.model import Pool
 from densedev.node import scanner as discovery
+from densedev.ops.metrics import Metrics
 from densedev.pools import config
 from densedev.pools import select as selectors
 from densedev.testing import simnode
@@ -79,6 +82,7 @@ async def published(
     clock: Clock | None = None,
     before: Callable[[ResourceClient], Coroutine[Any, Any, None]] | None = None,
     drop_taints: bool = False,
+    metrics: Metrics | None = None,
     **knobs: Any,
 ) -> AsyncIterator[tuple[ApiServerStandIn, Publisher, ResourceClient]]:
     """A stand-in, a publisher of ``pools`` started against it and idle, and a second (kubelet's) client."""
@@ -89,7 +93,8 @@ async def published(
         if before is not None:
             await before(other)
         client = ResourceClient.for_url(srv.url)
-        pub = Publisher(client, PublisherSettings(NODE, DRIVER, **knobs), pools, clock=clock or Clock())
+        settings = PublisherSettings(NODE, DRIVER, **knobs)
+        pub = Publisher(client, settings, pools, clock=clock or Clock(), metrics=metrics)
         await pub.start()
         try:
             await asyncio.wait_for(pub.wait_idle(), 60)
@@ -453,3 +458,186 @@ async def test_a_generation_move_held_by_the_rate_limit_resumes_without_a_second
             (2, S)
         }
         assert pub.writes == 2 * S + 1  # every slice once at generation 2, none twice
+
+
+def _slice_of(srv: ApiServerStandIn, address: str) -> str:
+    """The name of the published slice holding the device of this PCI address."""
+    return _devices(srv)[names.device_name(address)]
+
+
+def _published(srv: ApiServerStandIn, address: str) -> bool:
+    return names.device_name(address) in _devices(srv)
+
+
+async def _one_pass(pub: Publisher) -> None:
+    """Wake the publisher and wait until it has made a pass."""
+    before = pub.passes
+    pub.poke()
+    await eventually(lambda: pub.passes > before, "a publishing pass")
+
+
+async def test_a_hung_write_holds_up_only_its_own_slice(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        a_dev, b_dev = node.pfs[0].vf_addresses[0], node.pfs[1].vf_addresses[0]
+        a, b = _slice_of(srv, a_dev), _slice_of(srv, b_dev)
+        tried = srv.tries[a]
+        srv.hang_writes = {a}  # the server takes slice A's write and never answers it
+        clock.now += 10
+        pub.update(unhealthy={a_dev})
+        await eventually(lambda: srv.hung[a] == 1, "slice A's write held at the stand-in")
+        # Both change now: B's write must not queue behind A's unanswered one, and A is not written a
+        # second time while its first write is still out.
+        clock.now += 10
+        a_dev2 = node.pfs[0].vf_addresses[1]
+        pub.update(unhealthy={a_dev, a_dev2, b_dev})
+        await eventually(lambda: not _published(srv, b_dev), "B's update stored while A's write hangs", 10.0)
+        await _one_pass(pub)
+        assert srv.tries[a] == tried + 1 and srv.hung[a] == 1
+        assert _published(srv, a_dev)  # A's write never went through
+        # The server answers again (504 for the held write, as an API server that gave up on it).
+        srv.hang_writes = set()
+        srv.release_hung()
+        await eventually(lambda: pub.retrying.keys() == {a}, "A backing off after its failed write")
+        clock.now += 60
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        # The newest state of A, not the one its hung write carried.
+        assert not _published(srv, a_dev) and not _published(srv, a_dev2)
+        assert srv.tries[a] == tried + 2 and srv.writes[a] == 2 and srv.writes[b] == 2
+        assert len(_devices(srv)) == N - 3
+
+
+async def test_a_hung_write_is_cut_and_retried(node: simnode.NodeLayout, pools: tuple[Pool, ...]) -> None:
+    clock = Clock()
+    metrics = Metrics()
+    async with published(pools, clock=clock, metrics=metrics) as (srv, pub, _):
+        a_dev = node.pfs[2].vf_addresses[7]
+        a = _slice_of(srv, a_dev)
+        tried = srv.tries[a]
+        # A short timeout for the hung writes only: the stand-in's schema checks take tens of ms a write.
+        pub.settings = dataclasses.replace(pub.settings, write_timeout_s=0.1)
+        srv.hang_writes = {a}
+        clock.now += 10
+        pub.update(unhealthy={a_dev})
+        # Cut after write_timeout_s (real time), then retried once its backoff is over (fake time).
+        await eventually(lambda: pub.retrying.keys() == {a}, "A's write cut and backing off")
+        assert pub.timeouts == 1 and srv.tries[a] == tried + 1
+        clock.now += 60
+        pub.poke()
+        await eventually(lambda: pub.timeouts == 2 and a in pub.retrying, "A's write retried and cut again")
+        assert srv.tries[a] == tried + 2
+        srv.hang_writes = set()
+        pub.settings = dataclasses.replace(pub.settings, write_timeout_s=30.0)
+        clock.now += 60
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert not _published(srv, a_dev) and srv.writes[a] == 2 and srv.tries[a] == tried + 3
+    body = metrics.registry.render().decode()
+    assert f'densedev_dra_slice_write_timeouts_total{{driver="{DRIVER}"}} 2.0' in body
+
+
+async def test_persistent_conflicts_back_off_with_growing_delays(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...], caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = Clock()
+    metrics = Metrics()
+    knobs: dict[str, Any] = {"backoff_min_s": 1.0, "backoff_max_s": 8.0}
+    with caplog.at_level(logging.INFO, logger="densedev.dra.publisher"):
+        async with published(pools, clock=clock, metrics=metrics, **knobs) as (srv, pub, _):
+            a_dev, b_dev = node.pfs[3].vf_addresses[200], node.pfs[0].vf_addresses[5]
+            a = _slice_of(srv, a_dev)
+            tried = srv.tries[a]
+            srv.conflict_writes = {a}  # another writer always wins slice A
+            clock.now += 10
+            pub.update(unhealthy={a_dev})
+            # A fresh read and one retry at once (a single conflict is optimistic concurrency at work),
+            # then nothing until the backoff is over, however many passes run meanwhile.
+            await eventually(lambda: srv.tries[a] >= tried + 2, "A's write and its retry")
+            await asyncio.sleep(0.2)  # room for a spinning publisher to show itself
+            spun = srv.tries[a] - tried
+            assert spun == 2, f"409s tried {spun} times while the clock stood still"
+            await eventually(lambda: pub.retrying.get(a, 0.0) > clock.now, "A backing off")
+            # Another slice is written meanwhile: the conflicts hold up nothing else.
+            pub.update(unhealthy={a_dev, b_dev})
+            await eventually(lambda: not _published(srv, b_dev), "B written while A backs off")
+            # Delays with jitter lie in [d/2, d], d doubling from 1 s to the 8 s cap: before d/2 no
+            # retry may come, by d exactly one. The stand-in counts every try.
+            for step, d in enumerate((1.0, 2.0, 4.0, 8.0, 8.0)):
+                before = srv.tries[a]
+                clock.now += d / 2 - 0.01
+                await _one_pass(pub)
+                assert srv.tries[a] == before, f"retry {step} came before {d / 2} s"
+                clock.now += d / 2 + 0.01
+                pub.poke()
+                await eventually(lambda n=before + 1: srv.tries[a] == n, f"retry {step} by {d} s")
+                # Backing off again, from the moment its 409 came (after the re-read).
+                await eventually(
+                    lambda: pub.retrying.get(a, 0.0) > clock.now, f"A backing off after retry {step}"
+                )
+                assert srv.tries[a] == before + 1
+            # The state changes while A backs off: the newest is what gets written once it can be.
+            a_dev2 = node.pfs[3].vf_addresses[201]
+            pub.update(unhealthy={a_dev2, b_dev})
+            srv.conflict_writes = set()
+            clock.now += 8
+            pub.poke()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            assert _published(srv, a_dev) and not _published(srv, a_dev2) and not _published(srv, b_dev)
+            assert srv.writes[a] == 2  # created, then the one write that got through
+            conflicts = srv.tries[a] - tried - 1
+            assert pub.conflicts == conflicts == 7
+    mine = [r for r in caplog.records if getattr(r, "fields", {}).get("slice") == a]
+    warned = [r for r in mine if r.levelno >= logging.WARNING]
+    assert len(warned) == 1, [r.getMessage() for r in warned]  # once per slice, not once per conflict
+    assert len(mine) == 2  # and one line when it went through
+    body = metrics.registry.render().decode()
+    assert f'densedev_dra_slice_write_conflicts_total{{driver="{DRIVER}"}} 7.0' in body
+
+
+async def test_writes_in_flight_are_bounded_when_every_write_hangs(
+    node: simnode.NodeLayout, pools: tuple[Pool, ...]
+) -> None:
+    clock = Clock()
+    # With taints, 64 devices a slice: twice as many slices as writes allowed in flight.
+    async with published(pools, clock=clock, taints=True) as (srv, pub, _):
+        assert len(srv.slices) == 2 * WRITES_IN_FLIGHT
+        by_name = {names.device_name(a): a for pf in node.pfs for a in pf.vf_addresses}
+        one_each = {by_name[s["spec"]["devices"][0]["name"]] for s in srv.node_slices(NODE)}
+        srv.hang_writes = set(srv.slices)
+        clock.now += 10
+        pub.update(unhealthy=one_each)  # a tainted device in every slice: every slice rewritten
+        await eventually(lambda: srv.holding >= WRITES_IN_FLIGHT, "the first writes held")
+        for _ in range(3):
+            await _one_pass(pub)
+        assert srv.holding == WRITES_IN_FLIGHT and sum(srv.hung.values()) == WRITES_IN_FLIGHT
+        # Released with 504s: those slices back off, the others' writes go out and through.
+        srv.hang_writes = set()
+        srv.release_hung()
+        await eventually(lambda: len(pub.retrying) == WRITES_IN_FLIGHT, "the held slices backing off")
+        clock.now += 60
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        tainted = [d["name"] for s in srv.node_slices(NODE) for d in s["spec"]["devices"] if d.get("taints")]
+        assert sorted(tainted) == sorted(names.device_name(a) for a in one_each)
+        assert set(srv.writes.values()) == {2} and srv.holding == 0
+
+
+async def test_creates_answered_404_back_off(pools: tuple[Pool, ...]) -> None:
+    clock = Clock()
+    async with published(pools, clock=clock) as (srv, pub, _):
+        # The server stops serving resource.k8s.io/v1 (a downgrade) and the kubelet wipes the slices: the
+        # creates get 404, which for a create means "not served", not "gone meanwhile".
+        srv.versions = ("v1beta1",)
+        clock.now += 10
+        srv.wipe_node(NODE)
+        await eventually(lambda: len(pub.retrying) == S, "every slice backing off")
+        await asyncio.sleep(0.2)  # room for a spinning publisher to show itself
+        assert srv.requests["POST unserved"] == S
+        srv.versions = ("v1", "v1beta1")
+        clock.now += 60
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert len(_devices(srv)) == N

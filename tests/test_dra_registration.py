@@ -359,7 +359,9 @@ async def test_the_kubelet_plugin_recovers_claims_before_its_sockets_exist(root:
     assert not plugin.plugin.endpoint.exists() and not plugin.plugin.registration_socket.exists()
 
 
-async def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(stack: Stack) -> None:
+async def test_a_failing_gate_fails_the_claim_with_a_bounded_error(stack: Stack) -> None:
+    # A bug met while planning one claim is that claim's error (issue 23, item 6), bounded as every
+    # per-claim error is; the call and the server live on.
     await stack.kubelet.wait_for(lambda: DRIVER in stack.kubelet.plugins, GUARD)
     healthy_gate = stack.node.service.gate
 
@@ -368,11 +370,9 @@ async def test_a_failing_gate_fails_the_call_with_a_bounded_internal_status(stac
 
     stack.node.service.gate = broken
     claim = stack.ref(("vf", VF))
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await stack.kubelet.prepare(DRIVER, [claim])
-    assert e.value.code() == grpc.StatusCode.INTERNAL
-    assert len(e.value.details() or "") < 1100
-    stack.node.service.gate = healthy_gate  # the server lives on: the next call works
+    error = (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]].error
+    assert "RuntimeError" in error and len(error) <= 1000
+    stack.node.service.gate = healthy_gate  # the next call works
     assert (await stack.kubelet.prepare(DRIVER, [claim]))[claim[2]].error == ""
 
 

@@ -2,12 +2,13 @@
 
 ``wire.encode_register_request`` and ``wire.encode_options`` must give exactly the bytes
 ``SerializeToString()`` gives (the kubelet parses them with the real classes), and
-``podresources.decode_held`` must read what the real classes write, and agree with them on anything both
+``node.holdings.decode_held`` must read what the real classes write, and agree with them on anything both
 accept.  Each direction is checked on messages hypothesis builds.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import grpc
@@ -18,8 +19,9 @@ from hypothesis import strategies as st
 
 from densedev._proto import api_pb2
 from densedev._proto import podresources_pb2 as pr
-from densedev.kubelet.podresources import PodResourcesClient, SourceUnavailable, decode_held
 from densedev.kubelet.wire import encode_options, encode_register_request
+from densedev.node.holdings import MAX_RECEIVE, PodResourcesClient, SourceUnavailable, decode_held
+from densedev.protowire import length_delimited
 
 text = st.text(max_size=300)  # past 127 bytes the lengths take two varint bytes
 flags = st.booleans()
@@ -197,3 +199,64 @@ def held_reply() -> bytes:
     devices = pr.ContainerDevices(resource_name="a/b", device_ids=["x"])
     pod = pr.PodResources(containers=[pr.ContainerResources(devices=[devices])])
     return bytes(pr.ListPodResourcesResponse(pod_resources=[pod]).SerializeToString())
+
+
+EIGHT_VFS = [f"0000:{b:02x}:{d:02x}.{f}" for b in (0x3B, 0x5E) for d in range(2) for f in (2, 3)]
+
+
+def large_reply(size: int) -> bytes:
+    """A List reply of at least ``size`` bytes: many pods, each one container holding 8 VFs and a DRA
+    claim's CDI devices (skipped whole by the decoder, which keeps this test's decode short)."""
+    names = b"".join(length_delimited(2, i.encode()) for i in EIGHT_VFS)
+    devices = length_delimited(1, b"example.com/sriov_a") + names
+    cdi = b"".join(
+        length_delimited(1, length_delimited(1, f"dra.example.com/vf=claim-{k:03d}".encode()))
+        for k in range(128)
+    )
+    claim = length_delimited(2, b"claim") + length_delimited(3, b"default") + length_delimited(4, cdi)
+    container = length_delimited(1, b"main") + length_delimited(2, devices) + length_delimited(5, claim)
+    pod = length_delimited(1, b"pod") + length_delimited(2, b"default") + length_delimited(3, container)
+    one = length_delimited(1, pod)
+    return one * (size // len(one) + 1)
+
+
+async def serve_list(socket: Path, reply: bytes) -> grpc.aio.Server:
+    """A PodResources socket whose List answers ``reply``."""
+
+    async def list_(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return reply
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "v1.PodResourcesLister", {"List": grpc.unary_unary_rpc_method_handler(list_)}
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"unix:{socket}")
+    await server.start()
+    return server
+
+
+async def test_a_60_mib_reply_is_decoded_off_the_event_loop(pr_dir: Path) -> None:
+    """Issue 23 item 7: a 60 MiB List reply decoded on the loop stalled it for most of a second."""
+    reply = large_reply(60 << 20)
+    assert 60 << 20 < len(reply) < MAX_RECEIVE
+    ran_in: list[str] = []
+
+    def decode(data: bytes) -> frozenset[tuple[str, str]]:
+        ran_in.append(threading.current_thread().name)
+        return decode_held(data)
+
+    server = await serve_list(pr_dir / "kubelet.sock", reply)
+    client = PodResourcesClient(pr_dir / "kubelet.sock", timeout=60, decode=decode)
+    try:
+        held = await client.list()
+    finally:
+        await client.close()
+        await server.stop(None)
+    assert held == {
+        ("example.com/sriov_a", f"0000:{b:02x}:{d:02x}.{f}")
+        for b in (0x3B, 0x5E)
+        for d in range(2)
+        for f in (2, 3)
+    }
+    assert len(ran_in) == 1 and ran_in[0].startswith("densedev-kubelet-")

@@ -61,6 +61,7 @@ def capture() -> Iterator[io.StringIO]:
         if handler not in saved_handlers:
             root.removeHandler(handler)
     root.setLevel(saved_level)
+    logging.getLogger("densedev").setLevel(logging.NOTSET)
 
 
 def lines(stream: io.StringIO) -> list[str]:
@@ -238,3 +239,12 @@ def test_summarise() -> None:
     assert summarise({"mlx5_0", "mlx5_1"}, noun="port").startswith("2 ports: ")
     with pytest.raises(ValueError, match="limit must be >= 0"):
         summarise(ids, limit=-1)
+
+
+def test_debug_is_densedevs_own_not_the_libraries(capture: io.StringIO) -> None:
+    """At debug (the SR-IOV operators' --log-level=10) gRPC's per-stream debug lines stay out."""
+    setup_logging("10", "kv", capture)
+    logging.getLogger("grpc._cython.cygrpc").debug("Loaded running loop")
+    logging.getLogger("densedev.kubelet.server").debug("ours")
+    logging.getLogger("grpc._cython.cygrpc").warning("theirs, a warning")
+    assert [parse_kv(line)["msg"] for line in lines(capture)] == ["ours", "theirs, a warning"]

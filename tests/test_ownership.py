@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import time
@@ -19,19 +20,33 @@ from typing import Any
 import grpc
 import pytest
 from helpers.node import GUARD_S, NO_FILES, PREFIX, Node, daemon_on, pool
+from helpers.pools import THREE, VF_A, VF_B, VF_C, cfg, ids
 
 from densedev._proto import api_pb2
 from densedev.alloc import cdi, devinfo
 from densedev.daemon import Daemon
-from densedev.kubelet.podresources import CHECKPOINT, PodResourcesClient, SourceUnavailable, read_checkpoint
+from densedev.kubelet.guard import GuardedService
 from densedev.kubelet.sockets import remove_stale_sockets, socket_name_for
 from densedev.model import RequestError
-from densedev.pools.ownership import GuardedService, Ownership, Source
+from densedev.node.holdings import (
+    CHECKPOINT,
+    MAX_CHECKPOINT_BYTES,
+    PodResourcesClient,
+    SourceUnavailable,
+    read_checkpoint,
+)
+from densedev.pools import select as selectors
+from densedev.pools.ownership import Ownership, Source
 from densedev.testing import simnode
 from densedev.testing.kubelet import KubeletEmulator
 
 P1 = f"{PREFIX}/p1"
 REST = f"{PREFIX}/rest"
+# Two pools of the hand-built sample VFs: x takes the iavf VF, y the other two.
+TWO = (
+    {"resourceName": "x", "selectors": {"drivers": ["iavf"]}},
+    {"resourceName": "y", "selectors": {"drivers": ["vfio-pci", "mlx5_core"]}},
+)
 
 
 def config(pools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -218,6 +233,132 @@ async def test_daemon_restarted_in_between_still_withholds(
         assert emu.double_holdings == []
 
 
+def break_checkpoint(path: Path, how: str) -> None:
+    """Leave the kubelet's checkpoint unreadable the way ``how`` says, for real on disk."""
+    if how == "corrupt":
+        path.write_bytes(b'{"Data": {"PodDeviceEntries": [{"PodUID": "u", "ResourceName"')  # cut short
+    elif how == "symlink":
+        target = path.with_name("elsewhere.json")
+        target.write_bytes(path.read_bytes())  # a well-formed copy: still refused behind a link
+        path.unlink()
+        path.symlink_to(target)
+    else:  # oversized: a sparse file one byte over the bound, no 64 MiB written
+        with path.open("r+b") as f:
+            f.truncate(MAX_CHECKPOINT_BYTES + 1)
+
+
+def unchecked(daemon: Daemon) -> float:
+    """The daemon's ``densedev_in_use_unchecked_devices`` gauge."""
+    for line in daemon.metrics.render().decode().splitlines():
+        if line.startswith("densedev_in_use_unchecked_devices "):
+            return float(line.split()[1])
+    raise AssertionError("no densedev_in_use_unchecked_devices")
+
+
+@pytest.mark.parametrize("broken", ["corrupt", "symlink", "oversized"])
+async def test_reload_with_no_readable_source_keeps_the_last_known_holdings(
+    node: Node,
+    kubelet: KubeletEmulator,
+    daemon_settings: dict[str, Any],
+    pr_dir: Path,
+    broken: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 23 item 2: a pod holds two VFs, PodResources and the checkpoint both fail, a reload moves
+    the VFs into another pool: they stay withheld, and only a read showing them free releases them."""
+    emu = kubelet
+    pf0, pf1 = node.layout.pfs
+    vfs = pf0.vf_addresses
+    held = [vfs[6], vfs[7]]
+    async with daemon_on(node, emu, **daemon_settings) as daemon:
+        await emu.create_pod("c1", {P1: held})
+        # A read after the allocation: from here the holdings are known from PodResources alone (the
+        # daemon's own Allocate answers are covered by it and dropped).
+        await daemon.ownership.refresh()
+        assert daemon.ownership.source is Source.PODRESOURCES
+        assert {d: daemon.ownership.held.get(d) for d in held} == {d: {P1} for d in held}
+        # Both sources fail: the kubelet's PodResources socket is gone, its checkpoint unreadable (and
+        # not rewritten meanwhile, as when the kubelet's writes fail).
+        (pr_dir / "kubelet.sock").unlink()
+        emu.write_checkpoint = False
+        break_checkpoint(node.kubelet_dir / CHECKPOINT, broken)
+        with caplog.at_level(logging.INFO, logger="densedev"):
+            # p1 shrinks to VFs 0-4: VF 5 (free) and VFs 6-7 (held by c1) fall into rest.
+            node.write_config(
+                config([pool("p1", [f"{pf0.netdev}#0-4"]), pool("rest", [pf0.netdev, pf1.netdev])])
+            )
+            await emu.wait_for(lambda: len(emu.devices(P1)) == 5 and vfs[5] in emu.devices(REST), GUARD_S)
+        assert not set(held) & set(emu.devices(REST))
+        assert daemon.ownership.source is Source.LAST_KNOWN
+        assert daemon.ownership.withheld == {REST: tuple(held)}
+        said = [r for r in caplog.records if r.getMessage() == "devices withheld: holder cannot be checked"]
+        assert len(said) == 1 and unchecked(daemon) == 2
+        await take_everything_listed(emu, REST, "c2")  # strict: a double holding raises
+        # The pod ends while nothing can be read: no read shows the VFs free, so they stay withheld.
+        emu.delete_pod("uid-c1")
+        polls = daemon.ownership.refreshes
+        await emu.wait_for(lambda: daemon.ownership.refreshes >= polls + 3, GUARD_S)
+        assert not set(held) & set(emu.devices(REST)) and unchecked(daemon) == 2
+        # The kubelet comes back (it rewrites its checkpoint and serves PodResources again): the first
+        # read shows the VFs free, and they join rest.
+        emu.write_checkpoint = True
+        await emu.restart()
+        await emu.wait_for(lambda: all(emu.devices(REST).get(i) == "Healthy" for i in held), GUARD_S)
+        assert daemon.ownership.source.checked and unchecked(daemon) == 0  # a read released them
+        await emu.create_pod("c3", {REST: held})
+        assert emu.double_holdings == []
+
+
+async def test_start_with_no_readable_source_lists_nothing_until_a_read(
+    node: Node,
+    kubelet: KubeletEmulator,
+    daemon_settings: dict[str, Any],
+    pr_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Neither PodResources nor the checkpoint readable at start: any device may be held under the
+    resource an earlier run listed it under, so no pool lists anything and no file goes, until a read."""
+    emu = kubelet
+    pf0, pf1 = node.layout.pfs
+    kw = {**daemon_settings, "cdi_dir": node.tmp / "cdi"}
+    spec = node.tmp / "cdi" / cdi.spec_file_name(P1)
+    async with daemon_on(node, emu, **kw) as first:
+        got = (await emu.create_pod("c1", {P1: 3}))[P1]
+        await first.stop()
+    # While the daemon is down p1 is removed (its VFs fall into rest), the PodResources socket goes
+    # and the checkpoint is left cut short.
+    node.write_config(config([pool("rest", [pf0.netdev, pf1.netdev])]))
+    (pr_dir / "kubelet.sock").unlink()
+    emu.write_checkpoint = False
+    break_checkpoint(node.kubelet_dir / CHECKPOINT, "corrupt")
+    seen = len(emu.updates(REST))
+    daemon = node.daemon(**kw)
+    with caplog.at_level(logging.INFO, logger="densedev"):
+        await daemon.start()
+    try:
+        await emu.wait_for(lambda: emu.registrations(REST) == 2 and len(emu.updates(REST)) > seen, GUARD_S)
+        assert all(not u.devices for u in emu.updates(REST)[seen:])  # not one device, not one message
+        assert daemon.ownership.source is Source.UNKNOWN and unchecked(daemon) == 16
+        said = [r for r in caplog.records if r.getMessage() == "devices withheld: holder cannot be checked"]
+        assert len(said) == 1
+        # Asked anyway (the kubelet would not ask for an unlisted device), the plugin refuses.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await emu.allocate(REST, [pf1.vf_addresses[0]], check=False)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # c1's containers restart from the kubelet's checkpointed response naming p1's CDI devices.
+        assert spec.exists()
+        # The kubelet comes back: the first read shows c1's VFs held under p1; rest lists the others.
+        emu.write_checkpoint = True
+        await emu.restart()
+        await emu.wait_for(lambda: len(emu.devices(REST)) == 13, GUARD_S)
+        assert not set(got) & set(emu.devices(REST))
+        assert daemon.ownership.source.checked and unchecked(daemon) == 0  # a read released them
+        await take_everything_listed(emu, REST, "c2")
+        assert spec.exists() and emu.double_holdings == []
+    finally:
+        await daemon.stop()
+
+
 # ---------------------------------------------------------------------------- the parts alone
 
 
@@ -265,7 +406,8 @@ async def test_own_answers_fill_the_gap_until_a_later_source_read(tmp_path: Path
             json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {}}, "Checksum": 1})
         )
 
-    assert not await own.refresh() and own.source is Source.OWN  # no checkpoint: nothing known
+    # No checkpoint in its directory is the kubelet's own "nothing allocated": a read, the first one.
+    assert await own.refresh() and own.source is Source.CHECKPOINT and own.known
     own.note_allocated("a.com/x", ["0000:3b:00.2"])
     assert await own.refresh() is False and own.held == {"0000:3b:00.2": {"a.com/x"}}
     write(None)  # the checkpoint does not show it yet (written just before the answer)
@@ -291,6 +433,56 @@ async def test_own_answers_fill_the_gap_until_a_later_source_read(tmp_path: Path
     now[0] += 0.1
     write(None)
     assert await own.refresh() and own.held == {}
+
+
+async def test_no_readable_source_fails_closed_and_only_a_read_releases(tmp_path: Path) -> None:
+    """The parts alone: unknown at start (every member withheld, every Allocate refused), then known,
+    then the last known holdings kept through unreadable files, released by a read showing them free."""
+    path = tmp_path / CHECKPOINT
+    raw = tuple(selectors.build_pools(cfg(*(dict(p, resourcePrefix="a.com") for p in TWO)), THREE))
+    x, y = (p.config.full_name for p in raw)
+    assert [ids(p) for p in raw] == [[VF_A.id], [VF_B.id, VF_C.id]]
+
+    def write(entries: dict[str, list[str]]) -> None:
+        rows = [{"ResourceName": r, "DeviceIDs": {"-1": i}} for r, i in entries.items()]
+        path.write_text(json.dumps({"Data": {"PodDeviceEntries": rows or None}, "Checksum": 1}))
+
+    os.mkfifo(path)  # a planted FIFO: not the kubelet's file, and it says nothing
+    own = Ownership(path)
+    assert not await own.refresh() and own.source is Source.UNKNOWN and not own.known
+    pools = own.filter(raw)
+    assert [ids(p) for p in pools] == [[], []]
+    assert own.withheld == {x: (VF_A.id,), y: (VF_B.id, VF_C.id)}
+    assert own.conflicts(x, [VF_A.id]) == {VF_A.id: frozenset({"unchecked"})}
+    with pytest.raises(RequestError, match="cannot be read yet") as refused:
+        GuardedService(x, _Inner(), own).allocate([VF_A.id])
+    assert refused.value.kind == RequestError.PRECONDITION
+    # Files: each pool's devices may be held under it by pods an earlier run served.
+    assert own.by_resource() == {x: {VF_A.id}, y: {VF_B.id, VF_C.id}} and own.may_be_held("a.com/gone")
+    path.unlink()
+    write({x: [VF_B.id]})  # a pod holds VF_B under x, which a reload moved into y
+    assert await own.refresh() and own.source is Source.CHECKPOINT and own.known
+    assert own.would_change()
+    own.filter(raw)
+    assert own.withheld == {y: (VF_B.id,)} and not own.may_be_held("a.com/gone")
+    # Unreadable again, three ways: what was known stays, and so does an answer given meanwhile.
+    own.note_allocated(x, [VF_A.id])
+    for plant in ("fifo", "symlink", "garbage"):
+        path.unlink()
+        if plant == "fifo":
+            os.mkfifo(path)
+        elif plant == "symlink":
+            path.symlink_to(tmp_path / "elsewhere")
+        else:
+            path.write_bytes(b"\x00{")
+        assert not await own.refresh() and own.source is Source.LAST_KNOWN and own.known
+        assert own.held == {VF_B.id: {x}, VF_A.id: {x}}
+        assert not own.would_change()
+    # A read that shows VF_B free releases it.
+    path.unlink()
+    write({x: [VF_A.id]})
+    assert await own.refresh() and own.source is Source.CHECKPOINT and own.held == {VF_A.id: {x}}
+    assert own.split(raw)[1] == {}
 
 
 def test_read_checkpoint_takes_the_kubelets_shape_and_refuses_planted_files(tmp_path: Path) -> None:

@@ -231,7 +231,7 @@ async def test_pools_hammered_by_kubelet_restarts_reloads_and_stops_during_start
     pools = [FakePool(pci_ids(32, bus=0x10 + i)) for i in range(HAMMERED_POOLS)]
     feeds = [PoolFeed(p.message()) for p in pools]
 
-    from densedev.kubelet.watch import DirectoryWatch
+    from densedev.node.watch import DirectoryWatch
 
     watch = DirectoryWatch(sock_dir)
     assert watch.start()

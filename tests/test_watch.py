@@ -12,7 +12,7 @@ from helpers.plugin import RESOURCE, FakePool, pci_ids
 
 from densedev.kubelet.feed import PoolFeed
 from densedev.kubelet.registration import PluginRunner
-from densedev.kubelet.watch import IN_CREATE, IN_DELETE, IN_IGNORED, DirectoryWatch, parse_events
+from densedev.node.watch import IN_CREATE, IN_DELETE, IN_IGNORED, DirectoryWatch, parse_events
 from densedev.testing.kubelet import KubeletEmulator
 
 GUARD = 10.0  # hang guards only

@@ -39,8 +39,9 @@ def early_scan_root(argv: Sequence[str]) -> str | None:
     The command is read as the command module reads it (``argv.command_word``); a run asking for help
     scans nothing.  The last ``--sysfs-root`` wins, as with argparse.
     """
-    from .argv import command_word
+    from .argv import command_word, go_plugin_argv
 
+    argv = go_plugin_argv(argv)[0]  # the Go plugin's command line is a run's
     if command_word(argv) != "run":
         return None
     if "-h" in argv or "--help" in argv:

@@ -16,12 +16,32 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from . import __version__, accel
-from .argv import command_word
+from .argv import command_word, go_plugin_argv
 from .model import DEFAULT_PREFIX
 from .node.ahead import ScanAhead
 from .node.layout import PCI_DEVICES, SYSFS_ROOT
 
 log = logging.getLogger("densedev.cli")
+
+# Where ``run`` looks for its config when no --config is given, in order: the SR-IOV network device
+# plugin's default, the RDMA shared device plugin's (its DaemonSet mounts a ConfigMap there and passes
+# no argument at all), and densedev's own manifests' path.  Swapping either plugin's image for densedev's
+# then finds the config where its DaemonSet put it.
+DEFAULT_CONFIGS = (
+    Path("/etc/pcidp/config.json"),
+    Path("/k8s-rdma-shared-dev-plugin/config.json"),
+    Path("/etc/densedev/config.json"),
+)
+
+
+def default_config(candidates: Sequence[Path] = DEFAULT_CONFIGS) -> Path:
+    """Return the first of ``candidates`` that exists, else the first (a missing file is named by it)."""
+    return next((p for p in candidates if p.exists()), candidates[0])
+
+
+# Where --use-cdi writes CDI specs: the directory the SR-IOV network device plugin writes them to, and
+# one of the two that containerd and CRI-O read by default (the CDI spec's /etc/cdi and /var/run/cdi).
+CDI_DIR = "/var/run/cdi"
 
 _T = TypeVar("_T")
 
@@ -52,6 +72,12 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
         if width is None:
             width = _terminal_columns() - 2
         super().__init__(prog, indent_increment, max_help_position, width)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        """Show a flag's default unless it is None (no default: the help says what happens instead)."""
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -150,7 +176,8 @@ def _add_common(p: argparse.ArgumentParser, level: str = "info") -> None:
         "--log-level",
         type=_log_level,
         default=os.environ.get("DENSEDEV_LOG_LEVEL", level),
-        help="debug, info, warning or error (env DENSEDEV_LOG_LEVEL)",
+        help="debug, info, warning or error, or a glog verbosity as the SR-IOV network device plugin takes "
+        "it: 0-3 is info, 4 and more debug (env DENSEDEV_LOG_LEVEL)",
     )
     p.add_argument(
         "--log-format",
@@ -257,7 +284,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "densedev run --config /etc/pcidp/config.json --metrics-addr :9477",
         )
         run.add_argument(
-            "--config", type=Path, default=Path("/etc/pcidp/config.json"), help="the config file"
+            "--config",
+            "--config-file",  # the SR-IOV network device plugin's name for it
+            dest="config",
+            type=Path,
+            default=None,
+            help="the config file (default: the first of "
+            + ", ".join(map(str, DEFAULT_CONFIGS))
+            + " that exists: where the plugins densedev replaces keep theirs)",
         )
         _add_sysfs_root(run)
         run.add_argument(
@@ -273,6 +307,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         )
         run.add_argument(
             "--cdi-dir", type=Path, default=None, help="write CDI specs here (e.g. /var/run/cdi)"
+        )
+        run.add_argument(
+            "--use-cdi",
+            action="store_true",
+            help=f"the SR-IOV network device plugin's CDI switch: CDI specs in {CDI_DIR} (or --cdi-dir)",
+        )
+        run.add_argument(
+            "--log-dir",
+            default=None,
+            help="accepted for the SR-IOV network device plugin's DaemonSets; densedev logs to stderr, "
+            "where the kubelet and kubectl logs read it",
         )
         run.add_argument(
             "--cdi-annotations",
@@ -476,7 +521,8 @@ def _cmd_scan(args: argparse.Namespace) -> int:
     from .pools import config as config_mod
     from .pools import select as selectors
 
-    table = discovery.scan(args.sysfs_root)
+    # The Scanner's scan: a device whose files do not answer is left out with one warning (node.stuck).
+    table = discovery.Scanner(args.sysfs_root).scan()
     for w in table.warnings:
         log.warning("scan: %s", w)
     if args.config is None:
@@ -621,6 +667,9 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
     problem = kubelet_dir_problem(args.kubelet_dir)
     if problem is not None:
         raise CommandError(f"--kubelet-dir {problem}", 2)
+    if args.config is None:
+        args.config = default_config()
+        log.info("config file %s (no --config given)", args.config)
     try:
         cfg = config_mod.load(args.config, default_prefix=args.resource_prefix)
     except config_mod.ConfigError as exc:
@@ -638,7 +687,7 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
         sysfs_root=args.sysfs_root,
         kubelet_dir=args.kubelet_dir,
         dev_root=args.dev_root,
-        cdi_dir=args.cdi_dir,
+        cdi_dir=args.cdi_dir if args.cdi_dir is not None or not args.use_cdi else Path(CDI_DIR),
         cdi_annotations=args.cdi_annotations,
         devinfo_dir=args.devinfo_dir if str(args.devinfo_dir) not in ("", ".") else None,
         resource_prefix=args.resource_prefix,
@@ -666,9 +715,22 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
+    # The start runs as a task beside the wait for a stop signal: whatever it waits for (the scanning
+    # child, a sysfs read that does not answer, the kubelet), SIGTERM ends it at once (issue 23, item 3).
+    starting = asyncio.ensure_future(daemon.start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
         try:
-            await daemon.start()
+            await asyncio.wait((starting, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not starting.done():
+                starting.cancel()
+            await starting
+        except asyncio.CancelledError:
+            if not stop.is_set():
+                raise  # not ours: the run itself is cancelled
+            log.info("stopped while starting")
+            await daemon.stop()
+            return 0
         except OSError as exc:
             # A busy or forbidden metrics port, an unreadable directory: the environment, not a bug.
             await daemon.stop()
@@ -679,6 +741,7 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
         finally:
             await daemon.stop()
     finally:
+        stopping.cancel()
         lock.release()
     return daemon.exit_code()
 
@@ -687,7 +750,7 @@ def _filename(exc: OSError) -> str:
     return f": {exc.filename}" if exc.filename else ""
 
 
-# The daemon scans in worker threads (asyncio.to_thread), which hold the GIL while they turn what they
+# The daemon scans in worker threads (densedev.workers), which hold the GIL while they turn what they
 # read into rows.  The event loop's thread, woken by a netlink event, asks for the GIL only after
 # waiting sys.getswitchinterval() (CPython's default 5 ms), so a health message could wait that long
 # during a scan; 1 ms keeps it to about a millisecond for a few more GIL hand-overs per scan.
@@ -713,7 +776,7 @@ def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = No
 
     ``scan_ahead`` is the child the entry point forked for ``run``'s first scan (``densedev.__main__``).
     """
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv, notes = go_plugin_argv(sys.argv[1:] if argv is None else argv)
     parser = build_parser(command_word(argv))
     args = parser.parse_args(argv)
     if args.command is None:
@@ -722,6 +785,10 @@ def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = No
             "dra-slices, dra-manifests"
         )
     _setup_logging(args)
+    for note in notes:
+        log.warning("%s", note)
+    if getattr(args, "log_dir", None) is not None:
+        log.info("--log-dir %s is not used: densedev logs to stderr, as Kubernetes expects", args.log_dir)
     # gRPC core writes its own lines (chttp2 GOAWAY notes, add_port errors) straight to stderr in its
     # own format; the daemon reports what matters itself, so they are off unless the user sets
     # GRPC_VERBOSITY (DEBUG, INFO, ERROR) to see them.  Read by gRPC core when it first initialises.

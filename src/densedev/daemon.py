@@ -26,15 +26,15 @@ from .dra.hooks import DraHooks
 from .health.handoff import Handoff
 from .health.intake import EventIntake
 from .health.tracker import HealthTracker, PoolUpdate
-from .kubelet.podresources import CHECKPOINT, PodResourcesClient
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
-from .kubelet.watch import DirectoryWatch
 from .model import Config, Device
 from .node import scanner as discovery
 from .node.ahead import ScanAhead
 from .node.events import MonitorOptions
+from .node.holdings import CHECKPOINT, PodResourcesClient
 from .node.rescans import RescanRequests
+from .node.watch import DirectoryWatch
 from .ops.logs import log_event
 from .ops.metrics import Metrics, MetricsServer, parse_addr
 from .pools import select as selectors
@@ -158,20 +158,26 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        ahead, self._scan_ahead = self._scan_ahead, None
-        table = self.rediscovery.scan(ahead)
+        # Kept on self while it is waited for: a stop meanwhile (SIGTERM cancels the start) kills the child.
+        ahead = self._scan_ahead
+        table = await self.rediscovery.scan(ahead)
+        self._scan_ahead = None
         # What running pods hold is known before any pool lists a device (the kubelet kept the
-        # allocations of pods that outlived a previous run of this daemon).
-        with contextlib.suppress(Exception):
+        # allocations of pods that outlived a previous run of this daemon).  If neither PodResources nor
+        # the checkpoint can be read, nothing is known: every pool lists nothing and every file stays
+        # until a read succeeds (docs/ownership.md, "fail closed").
+        try:
             await self.ownership.refresh()
+        except Exception:
+            log.exception("reading what pods hold failed; every device is withheld until a read succeeds")
         # Devices of prepared DRA claims are held before any pool of either API lists anything.
         self._dra.recover(self.config)
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
         self.tracker.replace(self.devices, pools)
         if not self.settings.netlink:
-            self.events.read_sysfs_links()
-        self.events.poll_rdma()
+            await self.events.read_sysfs_links()
+        await self.events.refresh_ports()
         # Each pool's first list carries its whole health: nothing of it is news for the first flush.
         self.tracker.collect()
         started = self.pools.take(pools, ())  # DRA pools are served by the DRA driver
@@ -179,8 +185,17 @@ class Daemon:
         self._dra.take(raw, pools, self.tracker)
         self.rediscovery.retain_held()
         # Files of devices pods or prepared DRA claims still hold stay, whichever pool wrote them
-        # (issue 12, section 5).
-        self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
+        # (issue 12, section 5).  Without a read of what pods hold, any of them may be a live pod's: the
+        # earlier run's files all stay (pruned again only at the next start).
+        if self.ownership.known:
+            self._leftovers.reconcile(list(self.pools.allocators().values()), self.ownership.by_resource())
+        else:
+            log_event(
+                log,
+                "files left by an earlier run kept",
+                level=logging.WARNING,
+                problem="what running pods hold cannot be read",
+            )
         self.pools.remove_stale_sockets(self.config.pools)
         await self._dra.start(self.config)
         await self.pools.start(started)
@@ -245,7 +260,7 @@ class Daemon:
     async def stop(self) -> None:
         """Stop event sources and servers, remove our sockets and files."""
         self.started = False
-        if self._scan_ahead is not None:  # stopped before its scan (start failed early)
+        if self._scan_ahead is not None:  # stopped before its scan was taken (a failed or cancelled start)
             self._scan_ahead.cancel()
             self._scan_ahead = None
         for t in self._tasks:

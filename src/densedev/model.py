@@ -56,6 +56,15 @@ class Preferred(StrEnum):
     NONE = "none"  # GetPreferredAllocation not offered: the kubelet picks
 
 
+class SharedScope(StrEnum):
+    """What one ID of a shared RDMA pool stands for: one RDMA device, or every RDMA device of the pool."""
+
+    DEVICE = "device"  # densedev's rdmaShared: N IDs per RDMA device, an ID brings its own device
+    # The RDMA shared device plugin's rdmaHcaMax: N IDs for the whole resource ("0" … "N-1"), and each
+    # ID brings the char devices of every HCA the resource selected (its Allocate returns them all).
+    POOL = "pool"
+
+
 class VdpaType(StrEnum):
     """A selector's ``vdpaType``: the vDPA bus driver a device's vDPA device must be bound to."""
 
@@ -201,6 +210,8 @@ class Selector(NamedTuple):
     pkeys: tuple[str, ...] = ()
     aux_types: tuple[str, ...] = ()
     ddp_profiles: tuple[str, ...] = ()
+    # The RDMA shared device plugin's ifNames (and its older "devices"): the function's first netdev.
+    if_names: tuple[str, ...] = ()
 
 
 class HealthPolicy(NamedTuple):
@@ -230,6 +241,7 @@ class PoolConfig(NamedTuple):
     exclude_topology: bool = False
     additional_info: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()  # address|"*" → k/v
     rdma_shared: int = 0  # >0: a shared RDMA pool with this many IDs per RDMA device (rdmaHcaMax)
+    rdma_scope: SharedScope = SharedScope.DEVICE  # POOL: rdma_shared IDs for the whole pool (rdmaHcaMax)
     health: HealthPolicy = HealthPolicy()
     preferred: Preferred = Preferred.PACK
     prestart: bool = False  # offer PreStartContainer (verifies presence and health before start)
@@ -268,6 +280,9 @@ class Pool(NamedTuple):
 
     config: PoolConfig
     members: tuple[PoolMember, ...]
+    # A pool-wide shared RDMA pool (SharedScope.POOL): every HCA an ID brings, which may be more than
+    # its members name when rdmaHcaMax is below the number of HCAs.  Empty for every other pool.
+    shared: tuple[Device, ...] = ()
 
 
 class RequestKind(StrEnum):

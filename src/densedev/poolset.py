@@ -64,6 +64,10 @@ def diff(old: Sequence[Pool], new: Sequence[Pool]) -> PoolChanges:
         reregister=reregister,
         to_dra=to_dra,
         replaced=tuple(
-            n for n in keep if before[n].members != after[n].members or before[n].config != after[n].config
+            n
+            for n in keep
+            if before[n].members != after[n].members
+            or before[n].config != after[n].config
+            or before[n].shared != after[n].shared  # the HCAs behind a pool-wide shared RDMA pool
         ),
     )

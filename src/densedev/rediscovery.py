@@ -72,16 +72,27 @@ class Rediscovery:
         self._handoff = handoff
         self._ibdev_cache: list[str] | None = None
 
-    def scan(self, ahead: ScanAhead | None = None) -> discovery.DeviceTable:
-        """Scan the whole node (start-up): take the scan ``ahead`` read, else scan on this thread."""
-        scanned = ahead.result() if ahead is not None else None
+    async def scan(self, ahead: ScanAhead | None = None) -> discovery.DeviceTable:
+        """Scan the whole node (start-up): take the scan ``ahead`` read, else scan in a worker thread.
+
+        Both wait in the scan's worker threads, never on the loop's: the loop stays free to take a
+        SIGTERM while a child or a read does not answer (issue 23, item 3).
+        """
+        scanned = await workers.run(Work.SCAN, ahead.result) if ahead is not None else None
         if scanned is not None:
             table = self.scanner.table_of(scanned.devices, scanned.warnings)
             elapsed = scanned.seconds
         else:
             # Timed from here: a child given up may have been waited for up to its timeout.
             t0 = time.perf_counter()
-            table = self.scanner.scan()
+            # Files the child was found blocked in: their devices are left out at once, not found again.
+            unanswered = ahead.unanswered if ahead is not None else frozenset()
+            scan = (
+                functools.partial(self.scanner.scan, unanswered=unanswered)
+                if unanswered
+                else self.scanner.scan
+            )
+            table = await workers.run(Work.SCAN, scan)
             elapsed = time.perf_counter() - t0
         self._note_scan(table, elapsed)
         self.table = table
@@ -185,7 +196,8 @@ class Rediscovery:
                 self._handoff.note(0)
             else:
                 self.retain_held()
-            self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
+            if self.ownership.known:  # else any spec may be a live pod's: all stay
+                self._leftovers.prune(list(self.pools.allocators().values()), self.ownership.by_resource())
 
     async def reconfigure(self, new: Config) -> poolset.PoolChanges:
         """Apply a new config: untouched pools keep their streams and registration.

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["Work", "pool", "run", "shutdown"]
+__all__ = ["Work", "pool", "run", "shutdown", "threads"]
 
 T = TypeVar("T")
 
@@ -129,6 +129,17 @@ async def run(kind: Work, fn: Callable[..., T], /, *args: Any, **kwargs: Any) ->
     ctx = contextvars.copy_context()
     call = functools.partial(ctx.run, fn, *args, **kwargs)
     return await asyncio.wrap_future(pool(kind).submit(call))
+
+
+def threads() -> list[threading.Thread]:
+    """Return every pool's threads (for checks that count what a process holds)."""
+    with _pools_lock:
+        pools = list(_pools.values())
+    found: list[threading.Thread] = []
+    for p in pools:
+        with p._lock:
+            found += p._threads
+    return found
 
 
 def shutdown() -> None:

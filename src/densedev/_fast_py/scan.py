@@ -371,11 +371,13 @@ class _Maps:
         "rootfd",
         "vdpa",
         "vf_map",
+        "wanted",
     )
 
     def __init__(self, rootfd: int, full: bool) -> None:
         self.rootfd = rootfd
         self.present: set[bytes] | None = None  # every address on the bus (full scans only)
+        self.wanted: set[bytes] | None = None  # the addresses a partial scan reads (full scans: None)
         # Device address → driver (full scans: a partial one reads fewer links than the listings hold).
         self.drivers = _driver_map(rootfd) if full else {}
         self.rdma = _rdma_map(rootfd)
@@ -565,7 +567,12 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> Devi
             parentfd = maps.parent_fd(busfd, link) if link_status == 0 else -1
             if parentfd >= 0:
                 pf_netdev = netdevs[0] if netdevs else ""
-                maps.pfs[dev] = (parentfd, pcie_root, _vf_ids(parentfd, vf0), group >= 0, numa, pf_netdev)
+                # A partial scan reads VF 0's uevent only if VF 0 is among its devices: one left out (its
+                # files do not answer: node.stuck) must not be read for its siblings either; they then
+                # read their own.
+                read_ids = maps.wanted is None or vf0 in maps.wanted
+                vf_ids = _vf_ids(parentfd, vf0) if read_ids else None
+                maps.pfs[dev] = (parentfd, pcie_root, vf_ids, group >= 0, numa, pf_netdev)
         else:
             total = 0
         link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
@@ -684,6 +691,8 @@ def scan_sysfs(
             names = _entries(busfd) if addresses is None else sorted(set(addresses))
             if addresses is None:
                 maps.present = set(names)
+            else:
+                maps.wanted = set(names)
             rows: list[Device] = []
             for name in names:
                 hit = maps.vf_map.get(name)

@@ -191,6 +191,7 @@ cdef class _ScanMaps:
                           # whether it has an IOMMU group)
     cdef dict parents     # parent dir (link text) → open fd, shared by its PFs
     cdef object present   # every address on the bus (a set of bytes; full scans only, else None)
+    cdef object wanted    # the addresses a partial scan reads (a set of bytes; full scans: None)
     cdef int rootfd
     cdef int helpers      # helper threads that may share the reads (0: this thread alone)
     cdef int gate         # helpers wait until this fd is readable (-1: they need not wait; see gated)
@@ -793,7 +794,8 @@ cdef list build_pci(pci_read *d, int busfd, bytes name, _ScanMaps maps, list war
             if d.bus.status == 0:
                 parentfd = maps.parent_fd(busfd, d.bus.buf, d.bus.n)
                 if parentfd >= 0:
-                    vf_ids = read_vf_ids(parentfd, vf0)
+                    # VF 0's uevent only if VF 0 is scanned (the twin says why)
+                    vf_ids = read_vf_ids(parentfd, vf0) if maps.wanted is None or vf0 in maps.wanted else None
                     maps.pfs[dev] = (
                         parentfd, pcie_root, vf_ids, d.group_v >= 0, d.numa_v, netdevs[0] if netdevs else ""
                     )
@@ -1299,6 +1301,7 @@ cdef tuple scan_tree(bytes root, tuple addresses, bint threads, int gate):
             if addresses is not None:
                 names = sorted(set(addresses))
             maps.present = set(names) if addresses is None else None
+            maps.wanted = None if addresses is None else set(names)
             rows = scan_pcis(busfd, names, maps, warnings)
             # The rows VFs and SFs hang off: PFs (and the other functions), a few dozen, not every VF.
             by_id = {r[DEV_ID]: r for r in rows if r[DEV_ROLE] != "vf"}

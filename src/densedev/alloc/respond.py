@@ -20,7 +20,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .. import accel, files, pci
-from ..model import Device, DeviceType, Pool, PoolConfig, Preferred, RequestError, RequestKind, VdpaType
+from ..model import (
+    Device,
+    DeviceType,
+    Pool,
+    PoolConfig,
+    Preferred,
+    RequestError,
+    RequestKind,
+    SharedScope,
+    VdpaType,
+)
 from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
@@ -347,6 +357,8 @@ class PoolAllocator:
         devices: dict[str, Device] = {}
         for m in pool.members:
             devices.setdefault(m.device.id, m.device)
+        for d in pool.shared:  # every HCA of a pool-wide shared RDMA pool, named by an ID or not
+            devices.setdefault(d.id, d)
         self._devices = tuple(devices.values())
         self._index = {m.id: i for i, m in enumerate(pool.members)}
         # What GetPreferredAllocation ranks with, built at its first call or by prepare(): ~5 ms of a
@@ -489,6 +501,10 @@ class PoolAllocator:
         unhealthy = [i for i in ids if not self._is_healthy(i)]
         if unhealthy:
             raise RequestError(RequestError.PRECONDITION, f"devices are unhealthy: {listing(unhealthy)}")
+        if self.config.rdma_scope == SharedScope.POOL:
+            # The RDMA shared device plugin's rdmaHcaMax: any one ID brings every HCA of the resource
+            # (its Allocate returns the char devices of all selected devices to each container).
+            return list(self._devices)
         devices: dict[str, Device] = {}
         for i in ids:
             d = self._members[i]

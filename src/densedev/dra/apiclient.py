@@ -35,8 +35,17 @@ from ..printable import clip
 from .slices import ApiVersion
 
 GROUP = "resource.k8s.io"
-REQUEST_TIMEOUT_S = 30.0  # every call but a watch; a hung API server must not hang the publisher
+REQUEST_TIMEOUT_S = 30.0  # reads (list, get, discovery); a watch has its own read timeout
+# Slice writes are cut sooner: the publisher retries a cut write (after a fresh read) and meanwhile
+# writes its other slices, so the bound only decides how long one slice's newest state can sit behind a
+# request nobody answers.  10 s is what the kubelet gives its own writes of node state: its heartbeat
+# client's timeout is nodeStatusUpdateFrequency, 10 s by default (cmd/kubelet/app/server.go); a healthy
+# API server answers a ResourceSlice write in milliseconds, and its own cut is --request-timeout, 60 s.
+WRITE_TIMEOUT_S = 10.0
 MAX_BODY = 16 << 20  # refuse a response larger than this (a 16k-device list is ~10 MiB of JSON)
+
+
+TIMEOUT = "Timeout"  # ApiError.reason of a request cut by our own timeout (status 0)
 
 
 class ApiError(Exception):
@@ -47,6 +56,11 @@ class ApiError(Exception):
         self.reason = reason
         self.message = clip(message, 300)
         super().__init__(f"{status} {reason}: {self.message}")
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether no answer came within the request's timeout (the server may still apply a write)."""
+        return self.status == 0 and self.reason == TIMEOUT
 
 
 class ClaimReader(Protocol):
@@ -140,7 +154,9 @@ class ResourceClient:
             )
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # aiohttp.ClientError, OSError, TimeoutError, ssl errors
+        except TimeoutError:  # aiohttp's timeouts are asyncio.TimeoutError, the builtin since 3.11
+            raise ApiError(0, TIMEOUT, f"{method} {path}: no answer within {timeout} s") from None
+        except Exception as exc:  # aiohttp.ClientError, OSError, ssl errors
             raise ApiError(0, type(exc).__name__, str(exc) or type(exc).__name__) from None
         if stream and 200 <= resp.status < 300:
             return resp
@@ -159,6 +175,8 @@ class ResourceClient:
             raise
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            raise ApiError(0, TIMEOUT, f"{method} {path}: response unfinished within {timeout} s") from None
         except Exception as exc:
             raise ApiError(0, type(exc).__name__, str(exc) or "response broke off") from None
         finally:
@@ -246,20 +264,24 @@ class ResourceClient:
         finally:
             resp.release()
 
-    async def create_slice(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def create_slice(self, obj: Mapping[str, Any], timeout: float = WRITE_TIMEOUT_S) -> dict[str, Any]:
         """Create a slice; return it as stored."""
-        return dict(await self._call("POST", f"{self._base()}/resourceslices", body=obj))
+        path = f"{self._base()}/resourceslices"
+        return dict(await self._call("POST", path, body=obj, timeout=timeout))
 
-    async def replace_slice(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    async def replace_slice(self, obj: Mapping[str, Any], timeout: float = WRITE_TIMEOUT_S) -> dict[str, Any]:
         """Replace a slice (PUT; 409 when ``metadata.resourceVersion`` is stale); return it as stored."""
-        name = quote(obj["metadata"]["name"], safe="")
-        return dict(await self._call("PUT", f"{self._base()}/resourceslices/{name}", body=obj))
+        path = f"{self._base()}/resourceslices/{quote(obj['metadata']['name'], safe='')}"
+        return dict(await self._call("PUT", path, body=obj, timeout=timeout))
 
-    async def get_slice(self, name: str) -> dict[str, Any]:
+    async def get_slice(self, name: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
         """Return one slice by name."""
-        return dict(await self._call("GET", f"{self._base()}/resourceslices/{quote(name, safe='')}"))
+        path = f"{self._base()}/resourceslices/{quote(name, safe='')}"
+        return dict(await self._call("GET", path, timeout=timeout))
 
-    async def delete_slice(self, name: str, uid: str = "", resource_version: str = "") -> None:
+    async def delete_slice(
+        self, name: str, uid: str = "", resource_version: str = "", timeout: float = WRITE_TIMEOUT_S
+    ) -> None:
         """Delete a slice, only if it still has this UID and resourceVersion when they are given."""
         pre: dict[str, str] = {}
         if uid:
@@ -267,7 +289,8 @@ class ResourceClient:
         if resource_version:
             pre["resourceVersion"] = resource_version
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": pre} if pre else None
-        await self._call("DELETE", f"{self._base()}/resourceslices/{quote(name, safe='')}", body=body)
+        path = f"{self._base()}/resourceslices/{quote(name, safe='')}"
+        await self._call("DELETE", path, body=body, timeout=timeout)
 
     async def delete_slices(self, field_selector: str) -> None:
         """Delete every slice matching a field selector at once (what the kubelet does at its start)."""

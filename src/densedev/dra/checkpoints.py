@@ -7,8 +7,11 @@ device-plugin-only node never imports those (issue 14: start-up).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
+from collections.abc import Collection
 from pathlib import Path
 
 from .. import files
@@ -19,6 +22,18 @@ log = logging.getLogger("densedev.dra.claims")
 
 CHECKPOINT_KIND = "DensedevDRACheckpoint"
 MAX_CHECKPOINT = 64 * 1024 * 1024  # a node's claims take kilobytes each; anything bigger is not ours
+SPEC_PREFIX = "densedev_dra_"  # not "densedev-": the device-plugin side prunes its densedev-*.json specs
+
+
+def spec_stem(driver: str) -> str:
+    """Return the start of every CDI spec file name of a driver's claims (``densedev_dra_<driver>_``)."""
+    part = driver if len(driver) <= 120 else hashlib.sha256(driver.encode()).hexdigest()[:32]
+    return f"{SPEC_PREFIX}{part}_"
+
+
+def specs_of(stem: str, cdi_entries: Collection[str]) -> list[str]:
+    """Return the CDI spec file names in ``cdi_entries`` that a driver of this stem wrote for claims."""
+    return [n for n in cdi_entries if n.startswith(stem) and n.endswith(".json")]
 
 
 def checkpoint_driver(directory: Path, name: str = CHECKPOINT_NAME) -> str | None:
@@ -44,23 +59,45 @@ def checkpoint_driver(directory: Path, name: str = CHECKPOINT_NAME) -> str | Non
     return driver if isinstance(driver, str) else None
 
 
-def find_checkpoints(plugins_dir: Path, name: str = CHECKPOINT_NAME) -> list[str]:
+def find_checkpoints(
+    plugins_dir: Path, name: str = CHECKPOINT_NAME, cdi_dir: Path | None = None
+) -> list[str]:
     """Return the drivers whose own directory under ``plugins_dir`` holds a densedev claims checkpoint.
 
     A directory counts when its checkpoint records the directory's own name as its driver (so a copied
     or moved directory is not taken for another driver's); one that does not is named in a warning
-    and left alone.
+    and left alone — unless it is a damaged checkpoint of ours: something is at its checkpoint path
+    and ``cdi_dir`` holds CDI specs a densedev driver of the directory's name wrote for claims.  Such a
+    driver is found too, so that its claims are held and its plugin served (fail closed: the record of
+    its claims is lost, not their use).
     """
     try:
         entries = files.list_names(plugins_dir)
     except OSError as e:
         log.warning("cannot list the kubelet plugins dir %s: %s", plugins_dir, e)
         return []
+    cdi_entries: list[str] | None = None
     found: list[str] = []
     for entry in entries:
         if entry.startswith("."):
             continue
         driver = checkpoint_driver(plugins_dir / entry, name)
+        if driver != entry and cdi_dir is not None and _present(plugins_dir / entry, name):
+            if cdi_entries is None:
+                try:
+                    cdi_entries = files.list_names(cdi_dir)
+                except OSError:
+                    cdi_entries = []
+            if specs_of(spec_stem(entry), cdi_entries):
+                log.warning(
+                    "DRA checkpoint %s is not a readable checkpoint of driver %r, but CDI specs of its "
+                    "claims are in %s: taken as its damaged checkpoint",
+                    plugins_dir / entry / name,
+                    entry,
+                    cdi_dir,
+                )
+                found.append(entry)
+                continue
         if driver is None:
             continue
         if driver != entry:
@@ -73,3 +110,18 @@ def find_checkpoints(plugins_dir: Path, name: str = CHECKPOINT_NAME) -> list[str
             continue
         found.append(driver)
     return found
+
+
+def _present(directory: Path, name: str) -> bool:
+    """Return whether anything (a file, a symlink, a FIFO...) is at ``directory/name``, never following it."""
+    try:
+        dirfd = files.open_dir(directory)
+    except OSError:
+        return False
+    try:
+        os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except OSError:
+        return False
+    finally:
+        os.close(dirfd)
+    return True

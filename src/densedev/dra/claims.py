@@ -14,6 +14,7 @@ import enum
 import json
 import logging
 import os
+import stat
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 from .. import files
 from ..model import Device, Pool, PoolConfig
+from ..printable import clip
 from . import CHECKPOINT_NAME
 from .checkpoints import CHECKPOINT_KIND, MAX_CHECKPOINT
 
@@ -170,18 +172,83 @@ def _canonical(value: Any) -> bytes:
     return files.canonical_json(value).encode()
 
 
+@dataclass(frozen=True)
+class Unsettled:
+    """What a lost checkpoint may have recorded: held until the kubelet's calls settle each claim.
+
+    ``claims`` are the UIDs the CDI specs left on disk name, each with the device IDs its spec names
+    (none when the spec itself cannot be read); ``devices`` every other device that may be held (the
+    driver's DRA pools while unsettled).  All of them count as held; a claim leaves the set when the
+    kubelet prepares it (it is recorded again) or unprepares it (released), and the state ends when no
+    claim is left (docs/ownership.md, "A DRA checkpoint that cannot be read").
+    """
+
+    claims: Mapping[str, frozenset[str]] = field(hash=False)
+    devices: frozenset[str] = frozenset()
+    reason: str = ""
+
+    def held(self) -> frozenset[str]:
+        """Return every device ID this state withholds."""
+        return self.devices.union(*self.claims.values())
+
+    def without(self, uids: Iterable[str]) -> Unsettled | None:
+        """Return the state with these claims settled (itself if none is in it); None once none is left."""
+        gone = set(uids)
+        left = {uid: ids for uid, ids in self.claims.items() if uid not in gone}
+        if len(left) == len(self.claims):
+            return self
+        if not left:
+            return None
+        return Unsettled(left, self.devices, self.reason)
+
+    def widened(self, device_ids: Iterable[str]) -> Unsettled:
+        """Return the state also withholding these devices (the driver's pool as it is now)."""
+        devices = self.devices.union(device_ids)
+        return self if devices == self.devices else Unsettled(self.claims, devices, self.reason)
+
+
+def _unsettled_doc(u: Unsettled) -> dict[str, Any]:
+    return {
+        "claims": {uid: sorted(ids) for uid, ids in u.claims.items()},
+        "devices": sorted(u.devices),
+        "reason": u.reason,
+    }
+
+
+def _unsettled_of(doc: Any) -> Unsettled:
+    """Return the unsettled state of a checkpoint; TypeError/ValueError if it is malformed."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("claims"), dict):
+        raise TypeError("unsettled is not an object with claims")
+    claims: dict[str, frozenset[str]] = {}
+    for uid, ids in doc["claims"].items():
+        if not isinstance(ids, list):
+            raise TypeError(f"unsettled claim {clip(str(uid), 80)}: devices are not a list")
+        claims[str(uid)] = frozenset(str(i) for i in ids)
+    if not claims:
+        raise ValueError("unsettled names no claim")
+    devices = doc.get("devices", [])
+    if not isinstance(devices, list):
+        raise TypeError("unsettled devices are not a list")
+    return Unsettled(claims, frozenset(str(i) for i in devices), str(doc.get("reason", "")))
+
+
 def encode_claim(claim: PreparedClaim) -> bytes:
     """Return the canonical JSON bytes of one checkpoint entry."""
     return _canonical(_claim_doc(claim))
 
 
 def encode_checkpoint(
-    driver: str, claims: Mapping[str, PreparedClaim], encoded: Mapping[str, bytes] | None = None
+    driver: str,
+    claims: Mapping[str, PreparedClaim],
+    encoded: Mapping[str, bytes] | None = None,
+    unsettled: Unsettled | None = None,
 ) -> bytes:
     """Return the checkpoint bytes: the claims sorted by UID and a CRC32 over their canonical JSON.
 
     ``encoded`` may hold entries already encoded (by UID): a node with hundreds of prepared claims
     rewrites its checkpoint on every call, and re-encoding them all was most of a Prepare's time.
+    ``unsettled`` (what a lost checkpoint may have held) is recorded too, under the same checksum, so
+    a restart before the kubelet settled it still holds it; a checkpoint without it is as it always was.
     """
     cached = encoded or {}
     entries = b"[" + b",".join(cached.get(uid) or encode_claim(claims[uid]) for uid in sorted(claims)) + b"]"
@@ -189,17 +256,52 @@ def encode_checkpoint(
     # so that decoding and re-encoding the entries gives back exactly the checksummed bytes.  Atomic
     # renames rule out torn files; the checksum catches hand edits and disk corruption, which would
     # otherwise silently free devices that pods still use.
-    head = _canonical({"checksum": zlib.crc32(entries)})[:-1]
-    tail = _canonical({"driver": driver, "kind": CHECKPOINT_KIND, "version": CHECKPOINT_VERSION})[1:]
-    return head + b',"claims":' + entries + b"," + tail + b"\n"
+    rest: dict[str, Any] = {"driver": driver, "kind": CHECKPOINT_KIND, "version": CHECKPOINT_VERSION}
+    summed = entries
+    if unsettled is not None:
+        rest["unsettled"] = _unsettled_doc(unsettled)
+        summed += _canonical(rest["unsettled"])
+    head = _canonical({"checksum": zlib.crc32(summed)})[:-1]
+    return head + b',"claims":' + entries + b"," + _canonical(rest)[1:] + b"\n"
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be trusted (not JSON, wrong kind, bad checksum, bad entry)."""
 
 
+class Recorded(NamedTuple):
+    """What a checkpoint holds: the prepared claims by UID, and what a lost checkpoint left unsettled."""
+
+    claims: dict[str, PreparedClaim]
+    unsettled: Unsettled | None = None
+
+
+class Damage(NamedTuple):
+    """A checkpoint that could not be read: what is wrong, and where the file was kept for an operator."""
+
+    problem: str
+    kept_as: str
+
+
+class Loaded(NamedTuple):
+    """The result of reading a checkpoint: what it records, or (``damage`` set) that it is lost."""
+
+    recorded: Recorded
+    damage: Damage | None = None
+
+    @property
+    def claims(self) -> dict[str, PreparedClaim]:
+        """The prepared claims on record (none when the checkpoint is lost: see ``damage``)."""
+        return self.recorded.claims
+
+
 def decode_checkpoint(driver: str, data: bytes) -> dict[str, PreparedClaim]:
     """Return the claims of checkpoint bytes by UID, or raise CheckpointError saying what is wrong."""
+    return decode_record(driver, data).claims
+
+
+def decode_record(driver: str, data: bytes) -> Recorded:
+    """Return what checkpoint bytes record, or raise CheckpointError saying what is wrong."""
     try:
         doc = json.loads(data)
     except ValueError as e:
@@ -211,7 +313,11 @@ def decode_checkpoint(driver: str, data: bytes) -> dict[str, PreparedClaim]:
     if doc.get("driver") != driver:
         raise CheckpointError(f"written for driver {doc.get('driver')!r}, not {driver!r}")
     entries = doc.get("claims")
-    if not isinstance(entries, list) or doc.get("checksum") != zlib.crc32(_canonical(entries)):
+    raw_unsettled = doc.get("unsettled")
+    if not isinstance(entries, list):
+        raise CheckpointError("checksum mismatch")
+    summed = _canonical(entries) + (b"" if raw_unsettled is None else _canonical(raw_unsettled))
+    if doc.get("checksum") != zlib.crc32(summed):
         raise CheckpointError("checksum mismatch")
     claims: dict[str, PreparedClaim] = {}
     for n, entry in enumerate(entries):
@@ -220,7 +326,13 @@ def decode_checkpoint(driver: str, data: bytes) -> dict[str, PreparedClaim]:
         except (KeyError, TypeError, ValueError, OSError) as e:
             raise CheckpointError(f"claim entry {n} is malformed: {e!r}") from None
         claims[claim.ref.uid] = claim
-    return claims
+    unsettled = None
+    if raw_unsettled is not None:
+        try:
+            unsettled = _unsettled_of(raw_unsettled)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"unsettled state is malformed: {e}") from None
+    return Recorded(claims, unsettled)
 
 
 class Checkpoint:
@@ -237,42 +349,42 @@ class Checkpoint:
         """The checkpoint file's path."""
         return self.directory / self.name
 
-    def load(self) -> dict[str, PreparedClaim]:
-        """Return the recorded claims by UID; none when there is no file.
+    def load(self) -> Loaded:
+        """Return what the checkpoint records; nothing when there is no file.
 
-        A file that cannot be trusted is moved aside (kept for an operator, never deleted) with one
-        error line, and the daemon starts with no recorded claims; a symlink or other non-file at the
-        path is ignored the same way, and never read through.
+        A file that cannot be trusted — not JSON, a bad checksum, another driver's, a symlink, a FIFO, a
+        directory, too big — is never read through and never deleted: it is moved aside (kept for an
+        operator) and ``damage`` says so.  The caller must then treat what it may have recorded as held
+        (``NodeService.recover``): its claims are lost, not gone.
         """
         try:
             dirfd = files.open_dir(self.directory)
         except FileNotFoundError:
-            return {}
+            return Loaded(Recorded({}))
+        except OSError as e:
+            # A plugin dir we cannot open (a symlink, no permission) may still hold a checkpoint.
+            return Loaded(Recorded({}), Damage(f"cannot be opened: {e.strerror or e}", "(not moved)"))
         try:
             try:
                 st = os.stat(self.name, dir_fd=dirfd, follow_symlinks=False)
             except FileNotFoundError:
-                return {}
+                return Loaded(Recorded({}))
+            # Bounded and non-blocking (files.read_if_regular: O_NOFOLLOW|O_NONBLOCK, size checked
+            # before reading): a FIFO, a symlink loop or a 200 MiB file costs one open and one fstat.
             data = files.read_if_regular(dirfd, self.name, limit=MAX_CHECKPOINT)
             if data is None:
-                problem = "is not a regular file of at most 64 MiB (a symlink, or unreadable)"
+                problem = f"is not a regular file of at most {MAX_CHECKPOINT >> 20} MiB ({_kind_of(st)})"
             else:
                 try:
-                    return decode_checkpoint(self.driver, data)
+                    return Loaded(decode_record(self.driver, data))
                 except CheckpointError as e:
-                    problem = str(e)
+                    problem = clip(str(e), 300)
             aside = f"{self.name}.bad-{os.getpid()}-{st.st_ino}"
             try:
                 os.rename(self.name, aside, src_dir_fd=dirfd, dst_dir_fd=dirfd)
             except OSError as e:
                 aside = f"(not moved: {e.strerror})"
-            log.error(
-                "DRA checkpoint %s %s; starting with no prepared claims, the file is kept as %s",
-                self.path,
-                problem,
-                aside,
-            )
-            return {}
+            return Loaded(Recorded({}), Damage(problem, aside))
         finally:
             os.close(dirfd)
 
@@ -281,7 +393,7 @@ class Checkpoint:
         files.remove(self.directory, self.name)
         self._encoded = {}
 
-    def save(self, claims: Mapping[str, PreparedClaim]) -> None:
+    def save(self, claims: Mapping[str, PreparedClaim], unsettled: Unsettled | None = None) -> None:
         """Replace the checkpoint with ``claims`` (atomic: a crash leaves the old or the new file)."""
         cache = self._encoded
         encoded = {}
@@ -289,9 +401,28 @@ class Checkpoint:
             hit = cache.get(uid)
             encoded[uid] = hit[1] if hit is not None and hit[0] is claim else encode_claim(claim)
         files.write_atomic(
-            self.directory, self.name, encode_checkpoint(self.driver, claims, encoded), mode=CHECKPOINT_MODE
+            self.directory,
+            self.name,
+            encode_checkpoint(self.driver, claims, encoded, unsettled),
+            mode=CHECKPOINT_MODE,
         )
         self._encoded = {uid: (claims[uid], data) for uid, data in encoded.items()}
+
+
+def _kind_of(st: os.stat_result) -> str:
+    """Name what is at a path by its lstat (for the line saying why a checkpoint was not read)."""
+    mode = st.st_mode
+    for test, name in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a device"),
+        (stat.S_ISBLK, "a device"),
+    ):
+        if test(mode):
+            return name
+    return f"{st.st_size} bytes" if st.st_size > MAX_CHECKPOINT else "unreadable"
 
 
 class PoolGate:

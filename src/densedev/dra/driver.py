@@ -27,18 +27,21 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..alloc import cdi
 from ..health.tracker import HealthTracker, PoolUpdate
-from ..kubelet.watch import DirectoryWatch
 from ..model import Pool, PoolApi
+from ..node.watch import DirectoryWatch
 from ..ops.logs import log_event
 from . import DraSettings
 from .apiclient import HttpClaimReader, ResourceClient
 from .claims import PoolGate
 from .plugin import KubeletPlugin
 from .publisher import Publisher, PublisherSettings
+
+if TYPE_CHECKING:
+    from ..ops.metrics import Metrics
 
 log = logging.getLogger("densedev.dra.driver")
 
@@ -79,10 +82,12 @@ class DraDriver:
         on_claims: Callable[[], None],
         client_factory: ClientFactory | None = None,
         watch: DirectoryWatch | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.driver = driver
         self._factory = client_factory
+        self._metrics = metrics  # the publisher's counts of conflicting and cut slice writes
         self._tracker: HealthTracker | None = None  # the daemon's, from take_health: it alone holds health
         self.gate = PoolGate(on_node, (), self._healthy, holder)
         self._reader = _LateReader()
@@ -117,8 +122,8 @@ class DraDriver:
         return self.plugin.recover()
 
     def claimed(self) -> frozenset[str]:
-        """Return the device IDs prepared claims hold now."""
-        return frozenset(self.plugin.service.held())
+        """Return the device IDs prepared claims hold now (and, while unsettled, what a lost record may)."""
+        return self.plugin.service.withheld()
 
     def _healthy(self, device_id: str) -> bool:
         """Return whether the tracker advertises the device healthy (the gate's question at Prepare)."""
@@ -136,16 +141,21 @@ class DraDriver:
     def done(self) -> bool:
         """Return whether the driver holds no prepared claim and answers no kubelet call (may stop)."""
         service = self.plugin.service
-        return not service.prepared and service.calls == 0
+        return not service.prepared and service.unsettled is None and service.calls == 0
 
     def needed(self) -> bool:
         """Return whether the driver must run: DRA pools are configured or claims are still prepared."""
-        return bool(self.pools) or bool(self.plugin.service.prepared)
+        service = self.plugin.service
+        return bool(self.pools) or bool(service.prepared) or service.unsettled is not None
 
     def take_pools(
         self, raw: Sequence[Pool], listed: Sequence[Pool], withheld: Mapping[str, Sequence[str]]
-    ) -> None:
-        """Take the daemon's pools (as configured, and as listed in its order) and what is withheld."""
+    ) -> bool:
+        """Take the daemon's pools (as configured, and as listed in its order) and what is withheld.
+
+        Return whether the devices the driver holds grew: while a lost checkpoint is unsettled every
+        device of its DRA pools counts as held (and stays so should a reload move it to another pool).
+        """
         pools = tuple(p for p in raw if p.config.api is PoolApi.DRA)
         # A rescan or an ownership change re-applies every pool; the slices are re-planned only when
         # the DRA pools themselves changed (a new plan costs a pass over their devices).
@@ -158,6 +168,7 @@ class DraDriver:
             self.gate.set_pools(self.pools)
         if self.publisher is not None:
             self.publisher.update(pools=self.pools if replan else None, withheld=self.withheld)
+        return self.plugin.service.widen(m.device.id for p in pools for m in p.members)
 
     def retire(self, renamed_to: str) -> None:
         """Offer nothing more: withdraw every slice, refuse new claims, keep the prepared ones' Unprepare.
@@ -291,7 +302,7 @@ class DraDriver:
             taints=self.settings.taints,
             min_write_interval_s=self.settings.min_write_interval_s,
         )
-        publisher = Publisher(self.client, settings, self.pools)
+        publisher = Publisher(self.client, settings, self.pools, metrics=self._metrics)
         publisher.update(withheld=self.withheld, unhealthy=self._unhealthy())
         await publisher.start()
         self.publisher = publisher

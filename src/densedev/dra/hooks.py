@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from .driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.dra.driver")  # the driver's lines, wherever in the package they start
+_DEFAULT_CDI_DIR = Path("/var/run/cdi")  # alloc.cdi.DEFAULT_CDI_DIR, not imported for it at every start
 
 
 class _Retiring:
@@ -101,7 +102,9 @@ class DraHooks:
         self._retry: asyncio.Task[None] | None = None
         self._retry_for: DraDriver | None = None
         self._g_claims: Gauge | None = None
+        self._g_unsettled: Gauge | None = None
         self._claims_series: set[tuple[str, str]] = set()
+        self._unsettled_series: set[str] = set()
 
     def recover(self, config: Config) -> None:
         """Make the driver ``config`` names (retiring a renamed one) and hold what every driver's claims hold.
@@ -134,7 +137,9 @@ class DraHooks:
         """At the daemon's start: make the drivers whose checkpoints a rename left retiring ones."""
         from .checkpoints import find_checkpoints  # light: no claims, gRPC or API client
 
-        for other in find_checkpoints(dra.plugins_dir):
+        # A damaged checkpoint of a retired name counts when our CDI specs name its claims (fail closed).
+        cdi_dir = self._cdi_dir if self._cdi_dir is not None else _DEFAULT_CDI_DIR
+        for other in find_checkpoints(dra.plugins_dir, cdi_dir=cdi_dir):
             if other != name:
                 driver = self._build(other)
                 driver.recover()
@@ -178,6 +183,7 @@ class DraHooks:
             holder=self._holder,
             on_claims=self._claims_changed,
             client_factory=self._client,
+            metrics=self._metrics,
         )
 
     def _retire(self, driver: DraDriver, renamed_to: str, *, found: bool = False) -> None:
@@ -204,7 +210,7 @@ class DraHooks:
         while True:
             while not driver.done() and not record.reactivated:
                 delay: float | None = None
-                if not driver.started and driver.plugin.service.prepared:
+                if not driver.started and driver.needed():  # prepared or unsettled claims
                     # Its plugin for Unprepare, its publisher to delete slices a previous run left.
                     attempt += 1
                     if await self._try_start(driver, attempt):
@@ -262,7 +268,7 @@ class DraHooks:
                 out.append(holder)
                 continue
             ref = record.driver.plugin.service.held().get(device_id)
-            what = f"claim {ref}" if ref is not None else "a claim"
+            what = f"claim {ref}" if ref is not None else "maybe a claim (its checkpoint was lost)"
             out.append(f"{what} of driver {record.driver.driver}, renamed to {record.renamed_to}")
         return ", ".join(out) or None
 
@@ -277,12 +283,15 @@ class DraHooks:
         self._count_claims()
 
     def _count_claims(self) -> None:
-        """Set the prepared-claims gauge, per driver and state (active or retiring)."""
+        """Set the prepared-claims gauge, per driver and state (active or retiring), and the unsettled one."""
         counts: dict[tuple[str, str], int] = {}
+        drivers = [] if self.driver is None else [self.driver]
+        drivers.extend(r.driver for r in self.retiring.values())
         if self.driver is not None:
             counts[(self.driver.driver, "active")] = len(self.driver.plugin.service.prepared)
         for name, record in self.retiring.items():
             counts[(name, "retiring")] = len(record.driver.plugin.service.prepared)
+        self._count_unsettled(drivers)
         if self._metrics is None or (not counts and self._g_claims is None):
             return
         gauge = self._g_claims
@@ -299,16 +308,42 @@ class DraHooks:
             gauge.labels(name, state).set(n)
         self._claims_series = set(counts)
 
+    def _count_unsettled(self, drivers: Sequence[DraDriver]) -> None:
+        """Set the gauges of what lost checkpoints leave held: claims unaccounted for, devices withheld."""
+        unsettled = {d.driver: d.plugin.service.unsettled for d in drivers}
+        live = {name: u for name, u in unsettled.items() if u is not None}
+        if self._metrics is None or (not live and self._g_unsettled is None):
+            return
+        gauge = self._g_unsettled
+        if gauge is None:
+            gauge = self._g_unsettled = Gauge(
+                "densedev_dra_unsettled",
+                "What a DRA checkpoint that could not be read leaves held until the kubelet settles it: "
+                "claims named by the CDI specs left on disk, and devices withheld, by driver.",
+                ["driver", "what"],
+                registry=self._metrics.registry,
+            )
+        for name in self._unsettled_series - live.keys():
+            for what in ("claims", "devices"):
+                gauge.remove(name, what)
+        for name, u in live.items():
+            gauge.labels(name, "claims").set(len(u.claims))
+            gauge.labels(name, "devices").set(len(u.held()))
+        self._unsettled_series = set(live)
+
     def take(self, raw: Sequence[Pool], pools: Sequence[Pool], health: HealthTracker) -> None:
         """Hand the driver a new pool set (as configured, and as listed) and the owner of its health."""
         self._last = (raw, pools, health)
         if self.driver is None:
             return
         try:
-            self.driver.take_pools(raw, pools, self.ownership.withheld)
+            grew = self.driver.take_pools(raw, pools, self.ownership.withheld)
             self.driver.take_health(health)
         except Exception:
             log.exception("DRA: taking the new pools failed")
+        else:
+            if grew:
+                self._claims_changed()  # an unsettled driver holds its pool's devices: withhold them
         self._count(health, None)
 
     def take_changes(self, updates: Mapping[str, PoolUpdate], health: HealthTracker) -> None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -37,14 +38,18 @@ from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
 from ..kubelet.lifecycle import unary
 from ..model import DeviceType, PoolConfig, RequestError
-from ..ops.logs import log_event
+from ..ops.logs import log_event, summarise
 from ..printable import clip, listing
 from ..workers import Work
 from . import names
+from .checkpoints import SPEC_PREFIX as SPEC_PREFIX
+from .checkpoints import spec_stem as spec_stem
+from .checkpoints import specs_of
 from .claims import (
     Checkpoint,
     ClaimReader,
     ClaimRef,
+    Damage,
     Denied,
     DeviceGate,
     Grant,
@@ -52,17 +57,20 @@ from .claims import (
     PreparedClaim,
     PreparedDevice,
     Refusal,
+    Unsettled,
 )
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CDI_CLASS = "claim"
-SPEC_PREFIX = "densedev_dra_"  # not "densedev-": the device-plugin side prunes its densedev-*.json specs
+MAX_SPEC = 16 * 1024 * 1024  # a claim's spec is kilobytes; a bigger file is read as naming no device
 MAX_ERROR_CHARS = 1000  # per-claim errors end up in a pod event; a status in gRPC trailers (8 KiB)
 READ_TIMEOUT = 30.0  # the kubelet gives each call 45 s (defaultClientCallTimeout): answer before it
 # Kubernetes UIDs are UUIDs; accept what could be one, because the UID goes into file and CDI names.
 _UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}")
+# Request names are DNS labels (resource.k8s.io DeviceRequest.name); they go into CDI names too.
+_REQUEST = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
 
 SERVICE_V1 = "k8s.io.kubelet.pkg.apis.dra.v1.DRAPlugin"
 SERVICE_V1BETA1 = "k8s.io.kubelet.pkg.apis.dra.v1beta1.DRAPlugin"
@@ -91,12 +99,6 @@ class NodeSettings:
     dev_root: Path = Path("/dev")
 
 
-def spec_stem(driver: str) -> str:
-    """Return the start of every CDI spec file name of a driver's claims (``densedev_dra_<driver>_``)."""
-    part = driver if len(driver) <= 120 else hashlib.sha256(driver.encode()).hexdigest()[:32]
-    return f"{SPEC_PREFIX}{part}_"
-
-
 class NodeService:
     """Prepares and unprepares claims for one driver on one node; the state survives restarts."""
 
@@ -119,6 +121,11 @@ class NodeService:
         self._stem = spec_stem(settings.driver)
         self._claims: dict[str, PreparedClaim] = {}
         self._holders: dict[str, ClaimRef] = {}
+        # What a lost checkpoint may have recorded (None: nothing unaccounted for); see ``recover``.
+        self._unsettled: Unsettled | None = None
+        # ``widen`` runs on the loop, a call's settling in its worker thread: each changes the state
+        # under this lock, from what it is then (neither may undo the other).
+        self._unsettled_lock = threading.Lock()
         self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
         self._lock = asyncio.Lock()
         self.prepares = 0  # calls answered, for tests and metrics
@@ -145,27 +152,162 @@ class NodeService:
         """Return the device IDs that prepared claims hold, each with the claim holding it."""
         return self._holders
 
+    @property
+    def unsettled(self) -> Unsettled | None:
+        """What a lost checkpoint may have recorded, held until the kubelet settles it (None: nothing)."""
+        return self._unsettled
+
+    def withheld(self) -> frozenset[str]:
+        """Return every device ID held here: prepared claims' and, while unsettled, all it withholds."""
+        held = frozenset(self._holders)
+        return held if self._unsettled is None else held | self._unsettled.held()
+
+    def widen(self, device_ids: Iterable[str]) -> bool:
+        """While unsettled, withhold these devices too (the driver's pool now); return whether that grew.
+
+        In memory only: every start recomputes it from the pools then configured.
+        """
+        ids = frozenset(device_ids)
+        with self._unsettled_lock:  # a call's worker thread may settle claims meanwhile
+            if self._unsettled is None:
+                return False
+            wider = self._unsettled.widened(ids)
+            grew = wider is not self._unsettled
+            self._unsettled = wider
+        return grew
+
     def recover(self) -> frozenset[str]:
         """Load the checkpoint, remove our CDI specs of claims it does not know; return held device IDs.
 
-        Call before anything is served: ownership must count these devices as taken first.
+        Call before anything is served: ownership must count these devices as taken first.  A checkpoint
+        that cannot be read fails closed (``_lost``): nothing of ours on disk is removed, and what it may
+        have recorded is held until the kubelet settles it.
         """
-        self._commit(self._checkpoint.load())
+        loaded = self._checkpoint.load()
+        self._commit(loaded.claims)
+        self._unsettled = self._still_unsettled(loaded.recorded.unsettled)
         for claim in self._claims.values():
             for i in claim.info:
                 self._writer(i.prefix, i.name).adopt([i.device_id])
+        if loaded.damage is not None:
+            self._lost(loaded.damage)
         # A crash between writing a spec and recording its claim, or an Unprepare that removed the
-        # record but not the file: the kubelet does not know the claim as ours.
+        # record but not the file: the kubelet does not know the claim as ours.  (Specs of unsettled
+        # claims stay: the kubelet may know them.)
         self._prune_specs()
         if self._claims:
             log.info(
                 "recovered %d prepared DRA claims holding %d devices", len(self._claims), len(self._holders)
             )
-        return frozenset(self._holders)
+        if self._unsettled is not None and loaded.damage is None:
+            log_event(
+                log,
+                "DRA claims of a lost checkpoint still unsettled; their devices stay withheld",
+                level=logging.WARNING,
+                driver=self.driver,
+                claims=len(self._unsettled.claims),
+                devices=len(self._unsettled.held()),
+                reason=self._unsettled.reason,
+            )
+        return self.withheld()
+
+    def _still_unsettled(self, unsettled: Unsettled | None) -> Unsettled | None:
+        """Return the recorded unsettled state without the claims whose CDI spec is no longer on disk.
+
+        The spec is the evidence the claim may be live; an operator who has made sure no pod uses a
+        claim removes its spec to settle it by hand (docs/ownership.md), a restart then releases it.
+        """
+        if unsettled is None:
+            return None
+        try:
+            entries = set(files.list_names(self.settings.cdi_dir))
+        except OSError:
+            return unsettled  # cannot tell: all stay held
+        gone = [uid for uid in unsettled.claims if self._spec_file(uid) not in entries]
+        if gone:
+            log_event(
+                log,
+                "DRA claims of a lost checkpoint settled by hand: their CDI specs were removed",
+                level=logging.WARNING,
+                driver=self.driver,
+                claims=summarise(sorted(gone), noun="claim"),
+            )
+        return unsettled.without(gone)
+
+    def _lost(self, damage: Damage) -> None:
+        """Fail closed on a checkpoint that cannot be read: hold every claim our CDI specs still name.
+
+        Prepare writes a claim's spec before it records the claim or answers the kubelet, so the specs
+        on disk name every claim the lost file could have recorded (and perhaps a few it never did).
+        Each stays held — its spec and device-info files kept, its devices and every device of the
+        driver's pool (``widen``) withheld from every other claim and pool — until the kubelet prepares
+        it (recorded again) or unprepares it (released).  The state is recorded in a fresh checkpoint
+        at once, so a restart before that holds it still.
+        """
+        claims = self._spec_claims()
+        reason = f"checkpoint {self._checkpoint.path} {damage.problem}"
+        if claims:
+            self._unsettled = Unsettled(claims, frozenset(), clip(reason, 300))
+        saved = "recorded in a fresh checkpoint"
+        try:
+            self._checkpoint.save(self._claims, self._unsettled)
+        except OSError as e:
+            saved = f"held in memory only (cannot write a fresh checkpoint: {e.strerror or e})"
+        held = self._unsettled.held() if self._unsettled is not None else frozenset()
+        log_event(
+            log,
+            "DRA checkpoint cannot be read; the claims our CDI specs name are kept held until the kubelet "
+            "prepares or unprepares each (their CDI specs and device-info files kept, their devices and "
+            "the driver's pool withheld)"
+            if claims
+            else "DRA checkpoint cannot be read; no CDI spec of ours names a claim, so none is held",
+            level=logging.ERROR,
+            driver=self.driver,
+            checkpoint=str(self._checkpoint.path),
+            problem=damage.problem,
+            kept_as=damage.kept_as,
+            claims=summarise(sorted(claims), noun="claim") if claims else "-",
+            devices=len(held),
+            state=saved if claims else "-",
+        )
+
+    def _spec_claims(self) -> dict[str, frozenset[str]]:
+        """Return the claim UIDs our CDI specs on disk name, each with the device IDs its spec names."""
+        try:
+            entries = files.list_names(self.settings.cdi_dir)
+        except OSError as e:
+            log.warning("cannot list CDI dir %s: %s", self.settings.cdi_dir, e)
+            return {}
+        out: dict[str, frozenset[str]] = {}
+        for name in specs_of(self._stem, entries):
+            uid = name[len(self._stem) : -len(".json")]
+            if not _UID.fullmatch(uid) or uid in self._claims:
+                continue
+            out[uid] = self._spec_devices(name, uid)
+        return out
+
+    def _spec_devices(self, name: str, uid: str) -> frozenset[str]:
+        """Return the device IDs a claim's CDI spec names (``<uid>-<device name>`` entries); bounded."""
+        data = files.read_regular(self.settings.cdi_dir, name, limit=MAX_SPEC)
+        try:
+            doc = json.loads(data) if data is not None else None
+            entries = doc.get("devices") if isinstance(doc, dict) else None
+        except ValueError:
+            entries = None
+        ids: set[str] = set()
+        for entry in entries if isinstance(entries, list) else ():
+            cdi_name = entry.get("name") if isinstance(entry, dict) else None
+            if isinstance(cdi_name, str) and cdi_name.startswith(f"{uid}-"):
+                device_id = names.pci_address(cdi_name[len(uid) + 1 :])
+                if device_id is not None:
+                    ids.add(device_id)
+        return frozenset(ids)
 
     def _prune_specs(self) -> None:
-        """Remove this driver's CDI specs (and temp files) of claims not prepared."""
+        """Remove this driver's CDI specs (and temp files) of claims neither prepared nor unsettled."""
         keep = {c.spec_file for c in self._claims.values()}
+        if self._unsettled is not None:
+            keep.update(self._spec_file(uid) for uid in self._unsettled.claims)
         try:
             entries = files.list_names(self.settings.cdi_dir)
         except OSError as e:
@@ -180,10 +322,13 @@ class NodeService:
                     files.remove(self.settings.cdi_dir, name)
                     log.info("removed CDI spec %s of no prepared claim", self.settings.cdi_dir / name)
 
+    def _spec_file(self, uid: str) -> str:
+        return f"{self._stem}{uid}.json"
+
     def remove_state(self) -> None:
         """Remove the checkpoint and the driver's CDI specs: it stops for good (renamed, no claim left)."""
-        if self._claims:
-            raise RuntimeError(f"DRA {self.driver}: {len(self._claims)} claims are still prepared")
+        if self._claims or self._unsettled is not None:
+            raise RuntimeError(f"DRA {self.driver}: claims are still prepared or unsettled")
         self._checkpoint.remove()
         self._prune_specs()
 
@@ -232,7 +377,12 @@ class NodeService:
             if ref.uid in out or ref.uid in todo:
                 continue
             problem = _ref_problem(ref)
-            if not problem and self.refusing and ref.uid not in self._claims:
+            if (
+                not problem
+                and self.refusing
+                and ref.uid not in self._claims
+                and not self._is_unsettled(ref.uid)
+            ):
                 problem = clip(f"claim {ref}: {self.refusing}", MAX_ERROR_CHARS)
                 log.warning("DRA prepare refused: %s", problem)
             if problem:
@@ -265,6 +415,13 @@ class NodeService:
                     out[ref.uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
                     log.warning("DRA prepare refused: %s", e)
                     continue
+                except Exception as e:
+                    # Our bug, met by this claim only: its own error, the others are prepared.
+                    log.exception("DRA prepare of claim %s failed", ref)
+                    out[ref.uid] = PrepareResult(
+                        error=clip(f"claim {ref}: cannot prepare it: {clip(repr(e), 300)}", MAX_ERROR_CHARS)
+                    )
+                    continue
                 plans[ref.uid] = plan
                 for device_id in plan.held():
                     reserved[device_id] = ref
@@ -286,6 +443,9 @@ class NodeService:
         self._changed()
         return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
 
+    def _is_unsettled(self, uid: str) -> bool:
+        return self._unsettled is not None and uid in self._unsettled.claims
+
     async def _read(self, ref: ClaimRef) -> Mapping[str, Any] | str:
         """Return the claim object, or the per-claim error saying why it could not be read."""
         try:
@@ -304,7 +464,21 @@ class NodeService:
         """Return what preparing the claim makes, or raise ClaimError; writes nothing."""
         results = self._our_results(ref, obj)
         problems: list[str] = []
-        granted: list[tuple[str, str, str, str, bool, Grant]] = []  # request, pool, name, id, admin, grant
+        # request, pool, name, id, admin, grant: one entry per (request, device), in result order
+        granted: list[tuple[str, str, str, str, bool, Grant]] = []
+        seen: set[tuple[str, str, str, bool]] = set()
+        unsettled = self._unsettled
+        others_unsettled: frozenset[str] = frozenset()
+        if unsettled is not None:
+            # A claim the lost checkpoint may have recorded may take what its allocation names, but
+            # not a device another such claim's spec names; any other claim is refused every device
+            # the state withholds (the driver's whole pool).
+            if ref.uid in unsettled.claims:
+                others_unsettled = frozenset().union(
+                    *(ids for uid, ids in unsettled.claims.items() if uid != ref.uid)
+                )
+            else:
+                others_unsettled = unsettled.held()
         for r in results:
             request = r.get("request")
             pool, name = r.get("pool"), r.get("device")
@@ -312,6 +486,14 @@ class NodeService:
             if not isinstance(request, str) or not isinstance(pool, str) or not isinstance(name, str):
                 problems.append(f"malformed allocation result {clip(repr(dict(r)), 200)}")
                 continue
+            base = request.split("/", 1)[0]
+            if base and not _REQUEST.fullmatch(base):
+                problems.append(f"request name {clip(repr(base), 80)} is not a DNS label")
+                continue
+            key = (base, pool, name, admin)
+            if key in seen:
+                continue  # the same device listed twice for one request: answered and recorded once
+            seen.add(key)
             label = f"{pool}/{name}"
             if pool != self.pool:
                 problems.append(f"{label}: {Refusal.NOT_ON_NODE.value} (this node's pool is {self.pool})")
@@ -332,7 +514,14 @@ class NodeService:
             if holder is not None and holder.uid != ref.uid and not admin:
                 problems.append(f"{label} ({device_id}): {Refusal.HELD.value} (claim {holder})")
                 continue
-            granted.append((request.split("/", 1)[0], pool, name, device_id, admin, verdict))
+            if device_id in others_unsettled and not admin and unsettled is not None:
+                problems.append(
+                    f"{label} ({device_id}): {Refusal.HELD.value} (maybe: the record of prepared claims "
+                    f"was lost — {clip(unsettled.reason, 200)}; withheld until the kubelet prepares or "
+                    f"unprepares the {len(unsettled.claims)} claims it cannot account for)"
+                )
+                continue
+            granted.append((base, pool, name, device_id, admin, verdict))
         if problems:
             raise ClaimError(f"claim {ref}: cannot prepare {listing(problems, width=MAX_ERROR_CHARS)}")
         return self._build(ref, granted)
@@ -392,15 +581,31 @@ class NodeService:
                         info.setdefault(key, InfoFile(*key, doc))
             request_name = f"{ref.uid}_{request or 'claim'}"
             request_names[request] = request_name
+            _qualified(self.kind, request_name, ref)  # a name CDI refuses is this claim's error
             entries[request_name] = cdi.device_entry(request_name, (), env)
-        prepared: list[PreparedDevice] = []
+        # One answer per device, naming every request it serves (a device listed twice, or by two
+        # requests, is one device to the kubelet and one entry in the checkpoint).
+        order: dict[str, tuple[str, str]] = {}  # device ID -> pool, DRA name; in result order
+        requests_of: dict[str, list[str]] = {}
+        cdi_ids: dict[str, list[str]] = {}
+        holds: set[str] = set()  # devices a result without admin access names: the claim holds them
         first: set[str] = set()
         for request, pool, name, device_id, admin, _grant in granted:
-            ids = [cdi.qualified_name(self.kind, device_names[device_id])]
+            if device_id not in order:
+                order[device_id] = (pool, name)
+                requests_of[device_id] = []
+                cdi_ids[device_id] = [_qualified(self.kind, device_names[device_id])]
+            if not admin:
+                holds.add(device_id)
+            if request not in requests_of[device_id]:
+                requests_of[device_id].append(request)
             if request not in first:
                 first.add(request)
-                ids.append(cdi.qualified_name(self.kind, request_names[request]))
-            prepared.append(PreparedDevice((request,), pool, name, device_id, tuple(ids), admin))
+                cdi_ids[device_id].append(_qualified(self.kind, request_names[request]))
+        prepared = [
+            PreparedDevice(tuple(requests_of[d]), pool, name, d, tuple(cdi_ids[d]), d not in holds)
+            for d, (pool, name) in order.items()
+        ]
         spec_file = files.check_name(f"{self._stem}{ref.uid}.json")
         spec = cdi.spec_document(self.kind, entries.values())
         return PreparedClaim(ref, tuple(prepared), spec_file, spec, tuple(info.values()))
@@ -409,7 +614,8 @@ class NodeService:
         """Write every plan's files, then the checkpoint; return an error (or "") per claim UID.
 
         Runs in a worker thread under the lock (fsync must not stall the event loop); the state is
-        replaced only after the checkpoint holds it.
+        replaced only after the checkpoint holds it.  An unsettled claim prepared here is settled: it
+        is on record again.  Its files are never removed on a failure (a container may use them).
         """
         errors: dict[str, str] = {}
         claims = dict(self._claims)
@@ -418,25 +624,44 @@ class NodeService:
                 self._write_files(plan)
             except OSError as e:
                 errors[uid] = f"claim {plan.ref}: cannot write its files: {e}"
-                if uid not in claims:
+                if uid not in claims and not self._is_unsettled(uid):
                     with contextlib.suppress(OSError):
                         self._remove_files(plan, claims)
                 continue
             claims[uid] = plan
             errors[uid] = ""
-        if claims != self._claims:
+        unsettled = self._unsettled.without(claims) if self._unsettled is not None else None
+        if claims != self._claims or unsettled is not self._unsettled:
             try:
-                self._checkpoint.save(claims)
+                self._checkpoint.save(claims, unsettled)
             except OSError as e:
                 for uid, plan in plans.items():
                     if uid not in self._claims and not errors[uid]:
                         errors[uid] = f"claim {plan.ref}: cannot record it in {self._checkpoint.path}: {e}"
                         del claims[uid]
-                        with contextlib.suppress(OSError):
-                            self._remove_files(plan, claims)
+                        if not self._is_unsettled(uid):
+                            with contextlib.suppress(OSError):
+                                self._remove_files(plan, claims)
                 return errors
         self._commit(claims)
+        self._settle(claims, "prepared")
         return errors
+
+    def _settle(self, uids: Iterable[str], how: str) -> None:
+        """Settle these claims of the unsettled state; one line when the last of it is settled."""
+        with self._unsettled_lock:
+            before = self._unsettled
+            if before is None:
+                return
+            self._unsettled = before.without(uids)
+            done = self._unsettled is None
+        if done:
+            log_event(
+                log,
+                "DRA claims of the lost checkpoint all settled by the kubelet; their devices are released",
+                driver=self.driver,
+                last=how,
+            )
 
     def _write_files(self, claim: PreparedClaim) -> None:
         files.write_atomic(self.settings.cdi_dir, claim.spec_file, cdi.spec_bytes(claim.spec))
@@ -464,9 +689,20 @@ class NodeService:
     def _drop(self, uids: Sequence[str]) -> dict[str, str]:
         errors: dict[str, str] = {}
         claims = dict(self._claims)
+        released: list[str] = []  # unsettled claims unprepared: released
         for uid in dict.fromkeys(uids):
             claim = claims.pop(uid, None)
             if claim is None:
+                if self._is_unsettled(uid):
+                    # The lost record's claim: its spec goes (its device-info files are those of
+                    # devices the pools rewrite or a later start's reconcile removes).
+                    try:
+                        files.remove(self.settings.cdi_dir, files.check_name(self._spec_file(uid)))
+                    except OSError as e:
+                        errors[uid] = clip(f"claim {uid}: cannot remove its CDI spec: {e}", MAX_ERROR_CHARS)
+                        continue
+                    released.append(uid)
+                    log.info("DRA claim %s (unsettled) unprepared", uid)
                 continue  # never prepared here, or unprepared already: success (kubelet retries)
             try:
                 self._remove_files(claim, claims)
@@ -475,17 +711,30 @@ class NodeService:
                 errors[uid] = clip(f"claim {claim.ref}: cannot remove its files: {e}", MAX_ERROR_CHARS)
                 continue
             log.info("DRA claim %s unprepared", claim.ref)
-        if claims != self._claims:
+        unsettled = (
+            self._unsettled.without(released) if self._unsettled is not None and released else self._unsettled
+        )
+        if claims != self._claims or unsettled is not self._unsettled:
             try:
-                self._checkpoint.save(claims)
+                self._checkpoint.save(claims, unsettled)
             except OSError as e:
                 # The files are gone but the record stays: a repeated Unprepare finishes the job.
                 for uid in uids:
-                    if uid in self._claims and uid not in claims:
+                    if (uid in self._claims and uid not in claims) or uid in released:
                         errors[uid] = f"cannot update {self._checkpoint.path}: {e}"
                 return errors
             self._commit(claims)
+            self._settle(released, "unprepared")
         return errors
+
+
+def _qualified(kind: str, device: str, ref: ClaimRef | None = None) -> str:
+    """Return the CDI name of one of a claim's entries; ClaimError if CDI refuses the name."""
+    try:
+        return cdi.qualified_name(kind, device)
+    except cdi.CdiError as e:
+        where = f"claim {ref}: " if ref is not None else ""
+        raise ClaimError(f"{where}{clip(str(e), 300)}") from None
 
 
 def _warn_shared_pools(ref: ClaimRef, groups: Mapping[str, Mapping[PoolConfig, object]]) -> None:

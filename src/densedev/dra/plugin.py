@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..alloc import cdi, devinfo
-from ..kubelet.watch import DirectoryWatch
+from ..node.watch import DirectoryWatch
 from .claims import ClaimReader, DeviceGate
 from .health import RESEND_SECONDS, HealthStream
 from .node import NodeService, NodeSettings, handlers
@@ -81,7 +81,7 @@ class KubeletPlugin:
         if not self._recovered:
             self.service.recover()
             self._recovered = True
-        return frozenset(self.service.held())
+        return self.service.withheld()
 
     async def start(self) -> frozenset[str]:
         """Recover prepared claims (unless done already), then serve; return the device IDs they hold."""

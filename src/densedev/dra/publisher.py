@@ -7,7 +7,9 @@ Two tasks on the daemon's loop, neither of which may die of an exception:
   is refused, every ``resync_s``), so a slice deleted by someone else is seen either way;
 * the **syncer** compares what the builder wants with the mirror and writes the difference: deletes
   of stale slices of ours first (with UID and resourceVersion preconditions), then updates, then
-  creates, as the official helper orders them.
+  creates, as the official helper orders them.  Each write is a task of its own, at most
+  ``WRITES_IN_FLIGHT`` of them sending at once and never two for one slice; a pass starts them and
+  does not wait, so one slice's write that gets no answer holds up that slice alone.
 
 Incremental: a change (``update``) re-derives every slice's state from bitmaps-cheap set lookups, but
 writes only slices whose state differs from the server's.  Bursts are coalesced (``coalesce_s``) and
@@ -20,8 +22,12 @@ generation and check ``resourceSliceCount``.  Devices never move between slices 
 slices, the slice count or a device's slice changes (a reload, a rescan, slices left by another
 version), every slice moves to generation + 1.
 
-Conflicts (409) are retried at once after a fresh read of that slice; a slice gone under an update
-(404) is created again; other failures back off exponentially (0.5 s to 30 s) and re-list.
+Failures are the slice's own: a conflict (409) is retried at once after a fresh read of that slice,
+and a second one in a row, a write cut by ``write_timeout_s`` (10 s; the slice is read again before it
+is retried, since the server may have applied it) or any other error backs that slice off, jittered,
+from 0.5 s doubling to 30 s, with one log line per run of failures; a slice gone under an update (404)
+is created again.  A retry, like every write, carries the newest state the slice should have, never the
+one the failed write carried.  Conflicts and cut writes are counted (``densedev_dra_slice_write_*``).
 """
 
 from __future__ import annotations
@@ -29,19 +35,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..backoff import Backoff
 from ..model import Pool
-from .apiclient import ApiError, ResourceClient
+from ..ops.logs import log_event
+from .apiclient import WRITE_TIMEOUT_S, ApiError, ResourceClient
 from .slices import ApiVersion, SliceBuilder, SliceState, node_owner
+
+if TYPE_CHECKING:
+    from ..ops.metrics import Metrics
 
 log = logging.getLogger("densedev.dra.publisher")
 
-MAX_CONFLICT_RETRIES = 5  # per slice per pass; then the backoff takes over
-WRITES_IN_FLIGHT = 8  # concurrent slice writes of one pass
+# Slice writes in flight at once, over every pass: the API server works on one while we encode the
+# next, and a start's creates do not queue one behind another, yet a node of hundreds of slices does not
+# open hundreds of requests at once: client-go's default client allows a burst of 10 (rest.Config
+# DefaultBurst), and API Priority and Fairness gives a service account's requests (the workload-low
+# level) a small share of the server's seats.
+WRITES_IN_FLIGHT = 8
+
+
+class _Job(NamedTuple):
+    """What one slice should become: ``want`` rendered from ``state``, or deleted (``want`` None)."""
+
+    state: SliceState | None
+    want: dict[str, Any] | None
+    generation: int
+    slices: int  # resourceSliceCount
+    owned: bool
 
 
 @dataclass(frozen=True)
@@ -55,8 +81,9 @@ class PublisherSettings:
     coalesce_s: float = 0.002  # fold a burst of updates into one pass
     resync_s: float = 60.0  # re-list this often when watching is not possible
     watch_timeout_s: int = 300  # the server ends each watch after this; the reflector re-lists
-    backoff_min_s: float = 0.5
+    backoff_min_s: float = 0.5  # failed writes (per slice) and failed passes back off between these
     backoff_max_s: float = 30.0
+    write_timeout_s: float = WRITE_TIMEOUT_S  # a slice write (or its re-read) unanswered this long is cut
 
 
 def _rv_int(rv: str) -> int | None:
@@ -88,8 +115,12 @@ class Publisher:
         pools: Sequence[Pool] = (),
         *,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self._client = client
+        self._metrics = metrics
+        self._rand = rand
         self.settings = settings
         self._clock = clock
         self._pools: Sequence[Pool] = pools
@@ -106,10 +137,18 @@ class Publisher:
         self._written: dict[str, tuple[Any, ...]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._field_selector = f"spec.nodeName={settings.node},spec.driver={settings.driver}"
+        self._gate = asyncio.Semaphore(WRITES_IN_FLIGHT)
+        self._running: dict[str, asyncio.Task[None]] = {}  # name → its write task (one at most)
+        self._jobs: dict[str, _Job] = {}  # name → what its running write should make it (newest)
+        self._failures: dict[str, Backoff] = {}  # name → the backoff of its run of failed writes
+        self._unsure: set[str] = set()  # slices whose last write was cut: read before writing again
+        self.retrying: dict[str, float] = {}  # name → clock time its next write may go (after failures)
+        self.passes = 0  # syncer passes made, for tests
         self.writes = 0  # successful creates, updates and deletes
-        self.conflicts = 0
+        self.conflicts = 0  # writes answered 409
+        self.timeouts = 0  # writes cut for want of an answer
         self.errors = 0
-        self.deferred: set[str] = set()  # slices waiting for their rate limit
+        self.deferred: set[str] = set()  # slices waiting for their rate limit or backoff
         # The API server dropped the taints we wrote (DRADeviceTaints is off: alpha in 1.33-1.35, and
         # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
         self.taints_dropped = False
@@ -152,13 +191,16 @@ class Publisher:
         ]
 
     async def stop(self) -> None:
-        """Stop both tasks (slices stay published: the kubelet wipes them if the driver goes away)."""
-        for t in self._tasks:
+        """Stop both tasks and every write (slices stay published: the kubelet wipes them later)."""
+        tasks = [*self._tasks, *self._running.values()]
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         self._tasks = []
+        self._running.clear()
+        self._jobs.clear()
 
     @property
     def version(self) -> ApiVersion:
@@ -274,6 +316,7 @@ class Publisher:
                 if self._owner is None:
                     await self._lookup_owner()
                 wait = await self.sync_once()
+                self.passes += 1
                 delay = self.settings.backoff_min_s
             except asyncio.CancelledError:
                 raise
@@ -286,9 +329,9 @@ class Publisher:
                 wait = delay
                 delay = min(delay * 2, self.settings.backoff_max_s)
             if wait is None:
-                if not self._wake.is_set():
+                if not self._running and not self._wake.is_set():
                     self._idle.set()
-                continue
+                continue  # idle, or writes out: each one's end wakes the syncer
             # Something is deferred (rate limit) or failed: come back then, or earlier when woken.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait)
@@ -338,7 +381,13 @@ class Publisher:
         return current
 
     async def sync_once(self) -> float | None:
-        """Write what differs; return seconds until a deferred write may go, or None when all is done."""
+        """Start the writes of what differs; return seconds until a deferred one may go, else None.
+
+        Writes run as tasks of their own (``_run``), a few at a time: the pass never waits for one, so
+        a write that gets no answer holds up its own slice only.  A slice with a write out is not
+        written again until it ends (its end wakes the syncer for another pass); what it should hold
+        meanwhile is kept in ``_jobs``, replaced by every pass, and read again before any retry.
+        """
         builder = self.builder()
         states = builder.states(self._unhealthy, self._withheld)
         generation = self._plan_generation(states)
@@ -350,36 +399,27 @@ class Publisher:
 
         def allowed(name: str) -> bool:
             nonlocal wait
+            until = self.retrying.get(name)
             last = self._last_write.get(name)
-            if last is None or now - last >= interval:
+            if until is not None and until > now:
+                left = until - now  # backing off after a failed write
+            elif until is None and last is not None and now - last < interval:
+                left = last + interval - now  # rate limit
+            else:
                 return True
-            left = last + interval - now
             wait = left if wait is None else min(wait, left)
             self.deferred.add(name)
             return False
 
+        # Deletes first, then updates, then creates, as the official helper orders them: tasks take the
+        # gate in the order they are made.
+        jobs: dict[str, _Job] = {}
         wanted = {st.name for st in states}
-        for name in [n for n in self._mirror if n not in wanted]:
-            if not allowed(name):
-                continue
-            stale = self._mirror[name]
-            try:
-                await self._client.delete_slice(
-                    name, stale["metadata"].get("uid", ""), stale["metadata"].get("resourceVersion", "")
-                )
-            except ApiError as exc:
-                if exc.status == 409:
-                    self.conflicts += 1
-                    await self._refresh(name)
-                    wait = 0.0
-                    continue
-                if exc.status != 404:
-                    raise
-            self._mirror.pop(name, None)
-            self._wrote(name)
-
+        for name in self._mirror:
+            if name not in wanted:
+                jobs[name] = _Job(None, None, generation, 0, False)
         count = len(states)
-        todo: list[tuple[SliceState, dict[str, Any]]] = []
+        creates: list[tuple[str, _Job]] = []
         for st in states:
             held = self._mirror.get(st.name)
             if held is not None:
@@ -387,69 +427,172 @@ class Publisher:
                 sent = self._written.get(st.name)
                 if sent == (held["metadata"].get("resourceVersion"), st, generation, count, bool(owner)):
                     continue
-            want = builder.render(st, generation, count, owner)
-            if held is not None and self._same(held, want):
+            job = self._jobs.get(st.name)
+            key = (st, generation, count, bool(owner))
+            if job is None or (job.state, job.generation, job.slices, job.owned) != key:
+                # Rendered only when it is not the job of a write already out: at a start, every
+                # write's end makes a pass while the others are still out.
+                want = builder.render(st, generation, count, owner)
+                if held is not None and self._same(held, want):
+                    continue
+                job = _Job(st, want, generation, count, bool(owner))
+            if held is None:
+                creates.append((st.name, job))
+            else:
+                jobs[st.name] = job
+        jobs.update(creates)
+
+        # Slices that need nothing any more: a queued write is dropped, a backoff forgotten.
+        for name in [n for n in self._jobs if n not in jobs]:
+            del self._jobs[name]
+        for name in [n for n in self.retrying if n not in jobs and n not in self._running]:
+            self._forget_failures(name)
+        for name, job in jobs.items():
+            if name in self._running:
+                self._jobs[name] = job  # the newest content, for the write's retry or the next pass
                 continue
-            if allowed(st.name):
-                todo.append((st, want))
-        if not todo:
-            return wait
-        # A few writes in flight at once: the API server works on one while we encode the next (a
-        # PF's two slices go out together; a start's creates do not queue one behind the other).
-        gate = asyncio.Semaphore(WRITES_IN_FLIGHT)
-
-        async def one(st: SliceState, want: dict[str, Any]) -> bool:
-            async with gate:
-                return await self._write(st, want, generation, count, bool(owner))
-
-        done = await asyncio.gather(*(one(st, want) for st, want in todo), return_exceptions=True)
-        for result in done:
-            if isinstance(result, BaseException):
-                raise result
-        if self.taints_dropped and self._builder is None:
-            return 0.0  # the layout changes (see _write): again at once
-        if not all(done):
-            wait = 0.0 if wait is None else min(wait, self.settings.backoff_min_s)
+            if not allowed(name):
+                continue
+            self._jobs[name] = job
+            self._running[name] = asyncio.create_task(self._run(name), name=f"dra-write-{name}")
         return wait
 
-    async def _write(
-        self, st: SliceState, want: dict[str, Any], generation: int, count: int, owned: bool
-    ) -> bool:
-        """Create or replace one slice, retrying conflicts after a fresh read; False if they never end."""
-        for _attempt in range(MAX_CONFLICT_RETRIES):
-            have = self._mirror.get(st.name)
-            if have is not None and self._same(have, want):
-                return True
+    async def _run(self, name: str) -> None:
+        """Write one slice (under the gate of writes in flight); on failure, back it off alone."""
+        try:
+            async with self._gate:
+                await self._apply(name)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a re-read that failed, or a bug: that slice backs off all the same
+            if not isinstance(exc, ApiError):
+                log.exception("dra: writing ResourceSlice %s failed", name)
+            self._count(name, exc)
+            self._back_off(name, exc)
+        finally:
+            self._jobs.pop(name, None)
+            self._running.pop(name, None)
+            self.poke()  # another pass: the newest state may differ from what this write carried
+
+    async def _apply(self, name: str) -> None:
+        """Bring one slice to its newest job; a conflict is retried at once once, then backed off."""
+        timeout = self.settings.write_timeout_s
+        retried = False
+        while (job := self._jobs.get(name)) is not None:
+            if name in self._unsure:
+                await self._refresh(name)  # a write cut short may have been applied: read what is there
+                self._unsure.discard(name)
+            have = self._mirror.get(name)
             try:
-                if have is None:
-                    stored = await self._client.create_slice(want)
-                else:
-                    want["metadata"]["resourceVersion"] = have["metadata"]["resourceVersion"]
-                    stored = await self._client.replace_slice(want)
+                if job.want is None:
+                    if have is not None:
+                        meta = have["metadata"]
+                        await self._client.delete_slice(
+                            name, meta.get("uid", ""), meta.get("resourceVersion", ""), timeout=timeout
+                        )
+                        self._wrote(name)
+                    self._mirror.pop(name, None)
+                elif have is None or not self._same(have, job.want):
+                    await self._put(job, have, timeout)
             except ApiError as exc:
-                if exc.status == 409:
-                    # Stale resourceVersion, or created meanwhile: read it fresh and go again.
-                    self.conflicts += 1
-                    await self._refresh(st.name)
-                    continue
                 if exc.status == 404 and have is not None:
-                    self._mirror.pop(st.name, None)  # deleted under us: create it
+                    # Gone under an update: create it; under a delete: done.  (A create's 404 is no
+                    # such thing: the version is not served, and that backs off like any error.)
+                    self._mirror.pop(name, None)
                     continue
-                raise
-            self._mirror[st.name] = stored
-            self._wrote(st.name)
-            if self._taints_lost(st, stored):
-                if not self.taints_dropped:
-                    log.warning(
-                        "dra: the API server dropped device taints (feature gate DRADeviceTaints off?); "
-                        "withdrawing unhealthy devices from the slices instead"
-                    )
-                self.taints_dropped = True
-                self._builder = None
-                return True
-            self._written[st.name] = (stored["metadata"].get("resourceVersion"), st, generation, count, owned)
-            return True
-        return False
+                self._count(name, exc)
+                if exc.status == 409:
+                    # Stale resourceVersion, created meanwhile, or a delete's precondition failed.
+                    await self._refresh(name)
+                    if not retried and name not in self._failures:
+                        # One conflict is optimistic concurrency at work (client-go's RetryOnConflict
+                        # retries at once after a fresh read); a second one in a row is contention.
+                        retried = True
+                        continue
+                self._back_off(name, exc)
+                return
+            self._succeeded(name)
+            return
+
+    async def _put(self, job: _Job, have: dict[str, Any] | None, timeout: float) -> None:
+        """Create or replace one slice from ``job`` (raises ApiError) and take in what was stored."""
+        st, want = job.state, job.want
+        assert st is not None and want is not None
+        if have is None:
+            stored = await self._client.create_slice(want, timeout=timeout)
+        else:
+            want = {
+                **want,
+                "metadata": {**want["metadata"], "resourceVersion": have["metadata"]["resourceVersion"]},
+            }
+            stored = await self._client.replace_slice(want, timeout=timeout)
+        self._mirror[st.name] = stored
+        self._wrote(st.name)
+        if self._taints_lost(st, stored):
+            if not self.taints_dropped:
+                log.warning(
+                    "dra: the API server dropped device taints (feature gate DRADeviceTaints off?); "
+                    "withdrawing unhealthy devices from the slices instead"
+                )
+            self.taints_dropped = True
+            self._builder = None  # the layout changes: the pass this write's end wakes re-plans
+            return
+        self._written[st.name] = (
+            stored["metadata"].get("resourceVersion"),
+            st,
+            job.generation,
+            job.slices,
+            job.owned,
+        )
+
+    def _count(self, name: str, exc: Exception) -> None:
+        """Count a failed write (or re-read) of one slice by its kind."""
+        if isinstance(exc, ApiError) and exc.status == 409:
+            self.conflicts += 1
+            if self._metrics is not None:
+                self._metrics.record_slice_conflict(self.settings.driver)
+        elif isinstance(exc, ApiError) and exc.timed_out:
+            self.timeouts += 1
+            if self._metrics is not None:
+                self._metrics.record_slice_timeout(self.settings.driver)
+            self._unsure.add(name)  # it may have been applied: read the slice before writing it again
+        else:
+            self.errors += 1
+
+    def _back_off(self, name: str, exc: Exception) -> None:
+        """Hold the slice's next write back by its own growing, jittered delay; log its first failure."""
+        tries = self._failures.get(name)
+        first = tries is None
+        if tries is None:
+            s = self.settings
+            # Jittered so that a node's slices refused together (one API server) come back spread out.
+            tries = self._failures[name] = Backoff(
+                s.backoff_min_s, s.backoff_max_s, jitter=0.5, rand=self._rand
+            )
+        delay = tries.next()
+        self.retrying[name] = self._clock() + delay
+        if first:
+            # One line per slice per run of failures, not one per failure (409s can come back-to-back).
+            log_event(
+                log,
+                "dra: ResourceSlice write failed; retrying it alone with backoff",
+                level=logging.WARNING,
+                slice=name,
+                error=str(exc) if isinstance(exc, ApiError) else type(exc).__name__,
+                retry_s=round(delay, 3),
+            )
+
+    def _succeeded(self, name: str) -> None:
+        tries = self._failures.get(name)
+        if tries is not None:
+            log_event(
+                log, "dra: ResourceSlice written after failed attempts", slice=name, retries=tries.attempt
+            )
+            self._forget_failures(name)
+
+    def _forget_failures(self, name: str) -> None:
+        self._failures.pop(name, None)
+        self.retrying.pop(name, None)
 
     @staticmethod
     def _taints_lost(state: SliceState, stored: dict[str, Any]) -> bool:
@@ -475,7 +618,7 @@ class Publisher:
     async def _refresh(self, name: str) -> None:
         self._layout_checked = None
         try:
-            self._mirror[name] = await self._client.get_slice(name)
+            self._mirror[name] = await self._client.get_slice(name, timeout=self.settings.write_timeout_s)
         except ApiError as exc:
             if exc.status != 404:
                 raise

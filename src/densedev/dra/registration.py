@@ -28,7 +28,7 @@ import grpc
 from .. import files
 from .._proto import pluginregistration_pb2 as reg_pb
 from ..kubelet.lifecycle import SocketServer, unary
-from ..kubelet.watch import DirectoryWatch
+from ..node.watch import DirectoryWatch
 from ..printable import clip
 from . import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR
 

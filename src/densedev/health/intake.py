@@ -70,15 +70,17 @@ class EventIntake:
     async def resync(self, changed: bool) -> None:
         """After a rescan: read link states and RDMA ports again for the table, and note a possible change."""
         if changed and self._monitors is None:
-            self.read_sysfs_links()
+            await self.read_sysfs_links()
         if self._link_monitor is not None:
             self._link_monitor.resync()  # netlink is the truth on a real node: ask for every link again
         await self.refresh_ports()
         self.handoff.note(0)
 
-    def read_sysfs_links(self) -> None:
-        """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes)."""
-        self.tracker.set_links(self.scanner.operstates(discovery.netdev_names(self._devices())))
+    async def read_sysfs_links(self) -> None:
+        """Take link state from sysfs ``operstate`` (only without netlink: simulated nodes), read in a
+        worker thread (a file may not answer: the scanner bounds it)."""
+        names = discovery.netdev_names(self._devices())
+        self.tracker.set_links(await workers.run(Work.SCAN, self.scanner.operstates, names))
 
     def request_rescan(self, address: str | None = None) -> None:
         """Ask for a rescan soon: of one PCI device (and its VFs if a PF), or of everything."""
@@ -118,12 +120,6 @@ class EventIntake:
         relevant, address = discovery.uevent_target(event)
         if relevant:
             self.request_rescan(address)
-
-    def poll_rdma(self) -> None:
-        """Read RDMA port states now, on the caller's thread (start-up, before anything is served)."""
-        ibdevs = self._rdma_devices()
-        if ibdevs:
-            self._take_ports(self.scanner.rdma_ports(ibdevs))
 
     def _take_ports(self, ports: Sequence[tuple[str, int, int, int]]) -> None:
         self.tracker.set_rdma_ports((ib, port, state) for ib, port, state, _phys in ports)

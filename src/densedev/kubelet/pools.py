@@ -17,14 +17,15 @@ from ..alloc.respond import AllocationSettings, PoolAllocator
 from ..backoff import backoff_delay
 from ..health.tracker import HealthTracker, PoolUpdate
 from ..model import Pool, PoolApi, PoolConfig
+from ..node.watch import DirectoryWatch
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import MeteredService, Metrics
-from ..pools.ownership import GuardedService, Ownership
+from ..pools.ownership import Ownership
 from .feed import PoolFeed
+from .guard import GuardedService
 from .registration import PluginRunner
 from .server import PoolService
 from .sockets import remove_stale_sockets, socket_name_for
-from .watch import DirectoryWatch
 from .wire import ListEncoder
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ class PoolSet(Mapping[str, PoolRuntime]):
         for n in changes.stopped:
             runtime = self._runtimes.pop(n, None)
             if runtime is not None:
-                deleted = n in changes.removed and n not in self._ownership.resources_held()
+                deleted = n in changes.removed and not self._ownership.may_be_held(n)
                 await self._stop_runtime(runtime, deleted=deleted)
             if n in changes.removed:
                 self._metrics.remove_pool(n)

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 
 from ..files import FileIdentity, identify
+from ..node.watch import DirectoryWatch
 from .feed import PoolFeed
 from .server import PluginServer, PoolService
-from .watch import DirectoryWatch
 from .wire import encode_register_request
 
 log = logging.getLogger(__name__)

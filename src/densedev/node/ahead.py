@@ -17,13 +17,20 @@ slower, the daemon waiting for it).  It writes its rows to a private memory file
 and exits; the daemon decodes the rows when it reaches its scan (~4 ms at 4,096 VFs,
 ~15 ms at 16,384).
 
-Whatever goes wrong — no fork, a child killed, stopped past the timeout, or a truncated result — the
-daemon scans in its own process, as it would without this (``ScanAhead.result`` returns None and says
-why in one warning).  The child reads sysfs only: it decides nothing, holds nothing, and exits.
+Whatever goes wrong — no fork, a child killed, stopped, blocked in a read that does not answer (a hung
+driver's sysfs file), slower than the timeout, or a truncated result — the daemon scans in its own
+process, as it would without this (``ScanAhead.result`` returns None and says why in one warning).  A
+stopped or blocked child is given up at the first look (``CHECK_S``), not at the timeout: the daemon's
+own scan leaves a device that does not answer out (``node.stuck``).  The child reads sysfs only: it
+decides nothing, holds nothing, and exits; and it dies with the daemon (``PR_SET_PDEATHSIG``), so a
+daemon killed while the child scans leaves none behind.  ``result`` runs on a worker thread (the daemon's
+event loop must stay free to take SIGTERM) and ``cancel`` may come from the loop meanwhile: a lock
+orders them, so the descriptors are closed and the child reaped once, by whichever comes last.
 """
 
 from __future__ import annotations
 
+import _thread
 import marshal
 import os
 import select
@@ -41,7 +48,9 @@ if TYPE_CHECKING:  # imported where used: this module loads before the fork, the
 # marshal, not pickle: the rows hold only str, int, bool and tuples, which marshal writes and reads
 # ~3x faster, and nothing in them names a class to import.
 FORMAT = 1
-DEFAULT_TIMEOUT_S = 30.0  # a scan that blocks this long (a hung driver's sysfs file) is given up
+DEFAULT_TIMEOUT_S = 30.0  # a child still scanning (neither stopped nor blocked) this long is given up
+CHECK_S = 1.0  # how often a waited-for child is looked at: stopped, or blocked in a read (node.stuck)
+PR_SET_PDEATHSIG = 1  # include/uapi/linux/prctl.h
 REAP_WAIT_S = 1.0  # how long a killed child is waited for
 REAP_FIRST_POLL_S, REAP_POLL_S = 0.0005, 0.01  # polls for its end, doubling from the first
 DONE = b"\x01"  # the child's word on the pipe once its whole result is in the memory file
@@ -84,6 +93,12 @@ class ScanAhead:
         self._timeout_s = timeout_s
         self._open = True
         self._reaped = False
+        # result() (a worker thread) and cancel() (the loop) may overlap: the lock orders them, and while
+        # result() waits, cancel() only kills the child, leaving the descriptors and the reaping to it.
+        self._lock = _thread.allocate_lock()
+        self._waiting = False
+        # Files the child was found blocked in: the daemon's own scan leaves their devices out at once.
+        self.unanswered: frozenset[str] = frozenset()
 
     @classmethod
     def start(
@@ -101,6 +116,7 @@ class ScanAhead:
             fds += (done_r, done_w)
             gate_r, gate_w = os.pipe2(os.O_CLOEXEC)  # daemon -> child: end of file once it waits
             fds += (gate_r, gate_w)
+            parent = os.getpid()
             pid = os.fork()
         except (AttributeError, OSError) as exc:
             for fd in fds:
@@ -108,7 +124,7 @@ class ScanAhead:
             _log().debug("scan ahead: cannot fork (%s): scanning in the daemon", exc)
             return None
         if pid == 0:  # pragma: no cover - the child; its result is checked by the parent's tests
-            _child(root, threads, data_fd, done_w, gate_r, parents=(done_r, gate_w))
+            _child(root, threads, data_fd, done_w, gate_r, parents=(done_r, gate_w), parent=parent)
         os.close(done_w)
         os.close(gate_r)
         return cls(pid, done_r, data_fd, timeout_s, root, gate_w)
@@ -118,10 +134,16 @@ class ScanAhead:
         return os.fsencode(sysfs_root) == self.root
 
     def result(self) -> Scanned | None:
-        """Wait for the child and return its scan; None (with a warning) if it did not give one."""
-        if not self._open:
-            return None
+        """Wait for the child and return its scan; None (with a warning) if it did not give one.
+
+        Blocking (up to the timeout): the daemon calls it on a worker thread.
+        """
+        with self._lock:
+            if not self._open or self._waiting:
+                return None
+            self._waiting = True
         try:
+            _log().debug("scan ahead: waiting for child %d's scan", self.pid)
             self._open_gate()  # this process waits from now: the child's helper threads may run
             why = self._wait()
             if why is None:
@@ -138,12 +160,27 @@ class ScanAhead:
             _log().warning("scan ahead: %s: scanning in the daemon instead", why)
             return None
         finally:
+            with self._lock:
+                self._waiting = False
             self.cancel()
 
     def cancel(self) -> None:
-        """Stop the child if it still runs, reap it and close the files (idempotent)."""
-        if not self._open:
-            return
+        """Stop the child if it still runs, reap it and close the files (idempotent; from any thread)."""
+        with self._lock:
+            if not self._open:
+                return
+            if self._waiting:
+                # result() waits on another thread: killed, the child ends its wait (end of file), and
+                # result() reaps it and closes the files on its way out.
+                if not self._reaped:
+                    try:
+                        os.kill(self.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        return  # exited already: result() sees its end of file
+                return
+            self._close()
+
+    def _close(self) -> None:
         self._open = False
         if not self._reaped:
             # Not reaped yet, so the pid is still the child's (a reaped pid may be reused).
@@ -180,18 +217,39 @@ class ScanAhead:
 
     def _wait(self) -> str | None:
         """Wait for the child's word that its result is whole; why it gave none, or None."""
-        # A signal does not cut the wait short: select resumes with the time left (PEP 475).
-        ready, _, _ = select.select([self._done_fd], [], [], self._timeout_s)
-        if not ready:
-            return f"the scanning child {self.pid} gave no result in {self._timeout_s:g} s"
+        deadline = time.monotonic() + self._timeout_s
+        while True:
+            # A signal does not cut the wait short: select resumes with the time left (PEP 475).
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self._done_fd], [], [], max(0.0, min(CHECK_S, left)))
+            if ready:
+                break
+            if time.monotonic() >= deadline:
+                return f"the scanning child {self.pid} gave no result in {self._timeout_s:g} s"
+            why = self._stuck()
+            if why is not None:
+                return why
         if os.read(self._done_fd, 1) == DONE:
             return None  # the child is exiting: cancel() reaps it once the result is decoded
         # End of file without DONE: every copy of the write end is closed, i.e. the child has exited.
-        _, status = os.waitpid(self.pid, 0)
-        self._reaped = True
+        with self._lock:
+            _, status = os.waitpid(self.pid, 0)
+            self._reaped = True
         if os.WIFSIGNALED(status):
             return f"the scanning child was killed by signal {os.WTERMSIG(status)}"
         return f"the scanning child exited {os.WEXITSTATUS(status)} without a result"
+
+    def _stuck(self) -> str | None:
+        """Why the child, not done yet, will not be (stopped, or blocked in a read); None if it may be."""
+        from . import stuck
+
+        if stuck.is_stopped(self.pid):
+            return f"the scanning child {self.pid} is stopped"
+        blocked = stuck.stuck_files(os.fsdecode(self.root), self.pid)
+        if blocked:
+            self.unanswered = blocked
+            return f"the scanning child's read of {min(blocked)} does not answer"
+        return None
 
     def _read(self) -> Scanned | str:
         """Decode the child's result, or say why it cannot be."""
@@ -212,12 +270,33 @@ class ScanAhead:
         return Scanned(tuple(devices), warnings, float(seconds))
 
 
+def _die_with(parent: int) -> None:  # pragma: no cover - the child's
+    """Have the kernel SIGKILL this process when the thread that forked it ends; exit if it has already."""
+    import ctypes  # ~3 ms in the child, beside the daemon's ~100 ms of imports: off the start's path
+
+    # prctl(2): PR_SET_PDEATHSIG fires when the parent *thread* exits; the fork is made on the main
+    # thread (densedev.__main__ or the command's dispatch), which lives as long as the daemon does.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died between the fork and the prctl: then no signal will come, and this
+    # process has been handed to another (init, or a subreaper) already.
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def _child(  # pragma: no cover
-    root: bytes, threads: bool, data_fd: int, done_w: int, gate_r: int, parents: tuple[int, ...]
+    root: bytes,
+    threads: bool,
+    data_fd: int,
+    done_w: int,
+    gate_r: int,
+    parents: tuple[int, ...],
+    parent: int,
 ) -> None:
     """The forked child: scan, write the result, say DONE, exit — never return into the parent's code."""
     code = 1  # whatever the child raises ends here: the parent scans itself
     try:
+        _die_with(parent)
         for fd in parents:  # the daemon's ends: the gate's end of file must come from the daemon alone
             os.close(fd)
         # The parent's handlers are Python functions meant for the daemon (SIGTERM raises to stop

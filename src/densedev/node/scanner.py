@@ -8,15 +8,18 @@ poll, and looks up optional human-readable names in ``pci.ids``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from .. import accel, pci
 from ..model import Device, Pool, Role
+from ..ops.logs import log_event
 from ..printable import columns
+from . import stuck
 from .layout import NET_CLASS, PCI_DEVICES, SYSFS_ROOT
 from .table import DeviceTable
 
@@ -29,6 +32,7 @@ __all__ = [
     "DeviceTable",
     "PciNames",
     "Rescan",
+    "ScanRead",
     "Scanner",
     "format_devices",
     "netdev_names",
@@ -43,6 +47,19 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+# A scan's rows and warnings from (addresses or None for all, threads), as ``accel.scan_sysfs`` gives them.
+ScanRead = Callable[[tuple[bytes, ...] | None, bool], tuple[tuple[Device, ...], tuple[str, ...]]]
+
+# Devices one read may find hung, one after another, before it gives up (each costs the thread blocked
+# in it): more at once is not one bad driver but a sysfs that does not answer.
+MAX_UNANSWERED = 16
+# The most a sysfs attribute's read hands out: fs/sysfs/file.c sysfs_kf_seq_show() fills one PAGE_SIZE
+# buffer (4096 bytes on x86-64 and arm64's default), so one read of a page is all there is; a longer
+# file is not a sysfs attribute and its tail is not read.
+ATTR_MAX = 4096
 
 # Where distributions install the PCI ID database (pciutils / hwdata); optional.
 PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/share/pci.ids")
@@ -93,16 +110,21 @@ def scan(
     return _table(accel.scan_sysfs(_root(sysfs_root), None, threads), previous)
 
 
-def rescan_devices(sysfs_root: str | Path, addresses: Iterable[str]) -> DeviceTable:
+def rescan_devices(
+    sysfs_root: str | Path, addresses: Iterable[str], *, read: ScanRead | None = None
+) -> DeviceTable:
     """Scan only the given PCI addresses (and the subfunctions of any PF among them).
 
     An address that no longer exists is absent from the result (with a warning); merge the result
-    into the full table with ``DeviceTable.merged(result, addresses)``.
+    into the full table with ``DeviceTable.merged(result, addresses)``.  ``read`` scans instead of
+    ``accel.scan_sysfs`` (the ``Scanner``'s, bounded).
     """
     wanted = tuple(sorted({os.fsencode(a) for a in addresses}))
     if not wanted:
         return DeviceTable(())
-    return _table(accel.scan_sysfs(_root(sysfs_root), wanted))
+    if read is None:
+        return _table(accel.scan_sysfs(_root(sysfs_root), wanted))
+    return _table(read(wanted, True))
 
 
 def pf_family(sysfs_root: str | Path, pf_address: str) -> tuple[str, ...]:
@@ -122,7 +144,13 @@ def pf_family(sysfs_root: str | Path, pf_address: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def rescan_pf(sysfs_root: str | Path, pf_address: str, previous: DeviceTable | None = None) -> DeviceTable:
+def rescan_pf(
+    sysfs_root: str | Path,
+    pf_address: str,
+    previous: DeviceTable | None = None,
+    *,
+    read: ScanRead | None = None,
+) -> DeviceTable:
     """Rescan one PF and all its VFs (after a ``sriov_numvfs`` write or a rebind).
 
     With ``previous`` the result is that table with the PF's old and new family replaced; VFs that
@@ -130,7 +158,7 @@ def rescan_pf(sysfs_root: str | Path, pf_address: str, previous: DeviceTable | N
     """
     family = pf_family(sysfs_root, pf_address)
     # Only what exists now is scanned: VFs the kernel destroyed are dropped from the table, not warned.
-    fresh = rescan_devices(sysfs_root, family)
+    fresh = rescan_devices(sysfs_root, family, read=read)
     if previous is None:
         return fresh
     scope = set(family) | {d.id for d in previous.devices if d.pf == pf_address}
@@ -284,14 +312,115 @@ class Rescan(NamedTuple):
 
 
 class Scanner:
-    """Owns one sysfs root: full scans, targeted rescans, interface operstates and RDMA port states."""
+    """Owns one sysfs root: full scans, targeted rescans, interface operstates and RDMA port states.
 
-    def __init__(self, sysfs_root: str | Path = SYSFS_ROOT) -> None:
+    Every read runs on a thread of its own under a deadline (``node.stuck``): a device whose files do
+    not answer is left out with one warning, every other device is read, and the device is read again
+    once the read blocked in it has returned (or its file was replaced), at the next rescan.
+    """
+
+    def __init__(self, sysfs_root: str | Path = SYSFS_ROOT, *, deadline_s: float = stuck.DEADLINE_S) -> None:
         self.root = Path(sysfs_root)
+        self._deadline_s = deadline_s
+        # Files found hung, one record per reader: a hung RDMA port file leaves its device's scan alone.
+        self._hung_scan = stuck.HungFiles()
+        self._hung_ports = stuck.HungFiles()
+        self._hung_links = stuck.HungFiles()
+        # Devices found hung in a file their VFs' reads go through too (a PF's numa_node): while that
+        # file is on record, the VFs are left out with the device, not lost to it one thread at a time.
+        self._through: set[str] = set()
 
-    def scan(self, previous: DeviceTable | None = None, *, threads: bool = True) -> DeviceTable:
-        """Scan the whole node (see ``scan``)."""
-        return scan(self.root, previous, threads=threads)
+    def scan(
+        self, previous: DeviceTable | None = None, *, threads: bool = True, unanswered: Iterable[str] = ()
+    ) -> DeviceTable:
+        """Scan the whole node (see ``scan``), leaving out devices whose files do not answer.
+
+        ``unanswered``: files another process was found blocked in (the scanning child, ``node.ahead``);
+        their devices are left out of this scan (and read again at the next).
+        """
+        return _table(self.read(None, threads, unanswered), previous)
+
+    def read(
+        self, addresses: tuple[bytes, ...] | None, threads: bool = True, unanswered: Iterable[str] = ()
+    ) -> tuple[tuple[Device, ...], tuple[str, ...]]:
+        """Return ``accel.scan_sysfs`` of these addresses (None: all), without the devices that do not answer.
+
+        A device found hung is left out and the rest read again; a device read again through another
+        (a PF's ``numa_node`` is read for its VFs) takes that other's VFs with it.
+        """
+        skip = {d for d in map(stuck.device_of, self._hung_scan.outstanding()) if d}
+        for path in sorted(unanswered):
+            device = stuck.device_of(path)
+            if device and device not in skip:
+                skip.add(device)
+                self._warn(device, path)
+        self._through &= skip
+        family = set(self._through)  # devices whose VFs are left out too
+        for attempt in range(MAX_UNANSWERED + 1):
+            wanted = self._without(addresses, skip, family) if skip else addresses
+            try:
+                return self._bounded(
+                    functools.partial(accel.scan_sysfs, _root(self.root), wanted, threads), self._hung_scan
+                )
+            except stuck.Unanswered as exc:
+                for path in sorted(exc.paths):
+                    device = stuck.device_of(path)
+                    # No device to leave out, or left out with its VFs and still read: give this read up.
+                    if not device or device in family or attempt == MAX_UNANSWERED:
+                        raise
+                    if device in skip:  # warned already: now its VFs go with it
+                        log.debug("discovery: %s is read for its VFs too: leaving them out", device)
+                        family.add(device)
+                        self._through.add(device)
+                        continue
+                    skip.add(device)
+                    self._warn(device, path)
+        raise AssertionError("unreachable")
+
+    def _without(
+        self, addresses: tuple[bytes, ...] | None, skip: set[str], family: set[str]
+    ) -> tuple[bytes, ...]:
+        """The addresses (None: every function on the bus) less those skipped and the VFs of ``family``."""
+        drop = set(skip)
+        for pf in family:
+            drop.update(pf_family(self.root, pf))
+        if addresses is None:
+            try:
+                # A listing (getdents) runs no driver code: it does not hang with a driver.
+                addresses = tuple(sorted(os.listdir(os.fsencode(self.root / PCI_DEVICES))))
+            except OSError:
+                addresses = ()
+        return tuple(a for a in addresses if os.fsdecode(a) not in drop)
+
+    def _bounded(self, fn: Callable[[], _T], hung: stuck.HungFiles) -> _T:
+        return stuck.call(fn, self.root, hung, deadline_s=self._deadline_s)
+
+    def _warn(self, what: str, path: str) -> None:
+        log_event(
+            log,
+            "sysfs read does not answer",
+            level=logging.WARNING,
+            device=what,
+            file=path,
+            skipped="until it answers",
+        )
+
+    def _skipping(
+        self, hung: stuck.HungFiles, key: Callable[[str], str], read: Callable[[frozenset[str]], _T]
+    ) -> _T:
+        """Return ``read(skipped)``, bounded; each file that hangs adds its name (``key``) to ``skipped``."""
+        skip = {k for k in map(key, hung.outstanding()) if k}
+        for attempt in range(MAX_UNANSWERED + 1):
+            try:
+                return self._bounded(functools.partial(read, frozenset(skip)), hung)
+            except stuck.Unanswered as exc:
+                for path in sorted(exc.paths):
+                    name = key(path)
+                    if not name or name in skip or attempt == MAX_UNANSWERED:
+                        raise
+                    skip.add(name)
+                    self._warn(name, path)
+        raise AssertionError("unreachable")
 
     def table_of(self, devices: tuple[Device, ...], warnings: tuple[str, ...]) -> DeviceTable:
         """Hold a whole scan's rows read elsewhere (``node.ahead``) as this scanner's scan does."""
@@ -314,9 +443,9 @@ class Scanner:
                 os.path.join(self.root, PCI_DEVICES, address, "sriov_totalvfs")
             )
             if is_pf:
-                new = rescan_pf(self.root, address, new)
+                new = rescan_pf(self.root, address, new, read=self.read)
             else:
-                new = new.merged(rescan_devices(self.root, [address]), [address])
+                new = new.merged(rescan_devices(self.root, [address], read=self.read), [address])
         # A merged table keeps the Devices it did not rescan: mostly identity checks.
         return Rescan(new, False, new.devices != table.devices)
 
@@ -324,19 +453,43 @@ class Scanner:
         """Read ``class/net/<if>/operstate`` for the named interfaces (simulated nodes carry no netlink).
 
         A real node's first netlink dump overrides these; on a simulated tree they are the only truth.
-        Unreadable files are skipped: the interface may just have left the host namespace.
+        Unreadable files are skipped: the interface may just have left the host namespace; so is one
+        that does not answer (with one warning).
         """
+        names = list(ifnames)
+        if not names:
+            return []
+        return self._skipping(
+            self._hung_links,
+            functools.partial(stuck.after, directory="net"),
+            functools.partial(self._operstates, names),
+        )
+
+    def _operstates(self, ifnames: list[str], skip: frozenset[str]) -> list[tuple[str, bool]]:
         out: list[tuple[str, bool]] = []
         base = os.path.join(os.fspath(self.root), NET_CLASS)
         for name in ifnames:
+            if name in skip:
+                continue
             try:
-                with open(os.path.join(base, name, "operstate"), "rb") as f:
-                    state = f.read().strip()
+                fd = os.open(os.path.join(base, name, "operstate"), os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue
+            try:
+                state = os.read(fd, ATTR_MAX).strip()  # one page at most, as the kernel hands out
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
             out.append((name, state in (b"up", b"unknown")))
         return out
 
     def rdma_ports(self, ibdevs: Iterable[str]) -> tuple[tuple[str, int, int, int], ...]:
-        """Return ``(ibdev, port, state, phys_state)`` for every port of these RDMA devices."""
-        return read_rdma_ports(self.root, ibdevs)
+        """Return ``(ibdev, port, state, phys_state)`` for every port of these RDMA devices (those whose
+        files do not answer left out, with one warning)."""
+        names = list(ibdevs)
+        return self._skipping(
+            self._hung_ports,
+            functools.partial(stuck.after, directory="infiniband"),
+            lambda skip: read_rdma_ports(self.root, [i for i in names if i not in skip]),
+        )

@@ -154,10 +154,19 @@ class _StderrHandler(_DensedevHandler):
         return sys.stderr
 
 
+# A glog verbosity (the SR-IOV network device plugin's --log-level=N) from which densedev logs at debug:
+# Kubernetes' logging conventions make V(4) "debug level verbosity"; below it, glog's always-on info.
+GLOG_DEBUG_FROM = 4
+
+
 def parse_level(level: str | int) -> int:
-    """Return the logging level for a name such as ``"info"`` (or pass an int through)."""
+    """Return the logging level for a name such as ``"info"`` or a glog verbosity such as ``"10"`` (an int
+    is passed through)."""
     if isinstance(level, int):
         return level
+    text = level.strip()
+    if text.isdecimal():
+        return logging.DEBUG if int(text) >= GLOG_DEBUG_FROM else logging.INFO
     try:
         return LEVELS[level.strip().lower()]
     except KeyError:
@@ -176,7 +185,11 @@ def setup_logging(level: str = "info", fmt: str = "kv", stream: IO[str] | None =
         root.removeHandler(old)
         old.close()
     root.addHandler(handler)
-    root.setLevel(numeric)
+    # Debug is densedev's own: the libraries' debug lines (gRPC's "Loaded running loop" for every
+    # stream, asyncio's, aiohttp's) say nothing about the node, and the SR-IOV operators run the
+    # plugin at glog verbosity 10, which is debug here.
+    root.setLevel(max(numeric, logging.INFO))
+    logging.getLogger("densedev").setLevel(numeric if numeric < logging.INFO else logging.NOTSET)
 
 
 def log_event(logger: logging.Logger, msg: str, /, level: int = logging.INFO, **fields: object) -> None:

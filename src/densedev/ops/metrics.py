@@ -506,6 +506,20 @@ class Metrics:
             registry=r,
         )
 
+        # --- DRA ResourceSlice writes that did not go through (each is retried after a backoff)
+        self.dra_slice_conflicts = Counter(
+            "densedev_dra_slice_write_conflicts",
+            "ResourceSlice writes the API server refused with 409 Conflict (another writer), by driver.",
+            ["driver"],
+            registry=r,
+        )
+        self.dra_slice_timeouts = Counter(
+            "densedev_dra_slice_write_timeouts",
+            "ResourceSlice writes cut for want of an answer within the write timeout, by driver.",
+            ["driver"],
+            registry=r,
+        )
+
         self.loop_lag = Gauge(
             "densedev_event_loop_lag_seconds",
             "How late the event loop ran the health monitor's last tick.",
@@ -643,6 +657,14 @@ class Metrics:
     def record_task_restart(self, task: str) -> None:
         """Count a daemon loop restarted after an exception."""
         self.task_restarts.labels(task).inc()
+
+    def record_slice_conflict(self, driver: str) -> None:
+        """Count a ResourceSlice write of ``driver`` refused with 409 Conflict."""
+        self.dra_slice_conflicts.labels(driver).inc()
+
+    def record_slice_timeout(self, driver: str) -> None:
+        """Count a ResourceSlice write of ``driver`` cut by the write timeout."""
+        self.dra_slice_timeouts.labels(driver).inc()
 
     def record_reload(self, ok: bool, when: float | None = None) -> None:
         """Count a config reload attempt; a refused one sets the last-reload-successful gauge to 0."""

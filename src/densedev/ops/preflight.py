@@ -24,14 +24,32 @@ def sysfs_root_problem(root: Path) -> str | None:
     A node with no matching devices is fine; a root without the PCI bus view is a typo or a missing
     mount, and a daemon scanning it would serve nothing without a word.
     """
-    if not root.exists():
-        return f"{root} does not exist"
+    problem = _path_problem(root)
+    if problem is not None:
+        return problem
     if not root.is_dir():
         return f"{root} is not a directory"
     # Every Linux sysfs has bus/pci/devices (drivers/pci/pci-driver.c registers the bus at boot), even on
     # a machine without PCI devices; the kernel's class/ and devices/ views hang off the same root.
     if not (root / PCI_DEVICES).is_dir():
         return f"{root} is not a sysfs tree: it has no {PCI_DEVICES} directory"
+    return None
+
+
+def _path_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be reached (absent, a symlink loop, not searchable), or None.
+
+    ``Path.exists`` says False for every one of these (it swallows ELOOP): the user is told which.
+    """
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:
+            return f"{path} does not exist"
+        if exc.errno == errno.ELOOP:
+            # path_resolution(7): more than 40 links followed, as a link that leads back to itself does.
+            return f"{path} is a symlink loop (its links lead back to themselves)"
+        return f"{path} cannot be reached: {exc.strerror}"
     return None
 
 

@@ -11,6 +11,13 @@ What is held comes from the PodResources API (the supported source), else the ku
 (the fallback), plus this daemon's own Allocate answers, which fill the gap between an answer and the
 moment a source shows it.  ``Ownership.held`` is a plain map ``device ID → resource names`` that
 other parts (file reconciliation at start) may consult.
+
+Both records fail closed (STYLE lesson 13; issue 23 item 2).  When neither can be read, the last
+successful read's holdings stay, with every Allocate answer since: every allocation in this run passes
+through this daemon's Allocate, so they are all that can have changed, except releases, which wait for
+a read that shows them.  Before any read has succeeded in this run nothing is known at all: a device
+could be held under any resource an earlier run listed it under, so every pool member is withheld and
+every pool's files count as held until a source answers.
 """
 
 from __future__ import annotations
@@ -25,22 +32,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import workers
-from ..kubelet.podresources import (
-    Held,
-    PodResourcesClient,
-    SourceUnavailable,
-    checkpoint_identity,
-    read_checkpoint,
-)
-from ..kubelet.server import PoolService
-from ..kubelet.watch import DirectoryWatch
-from ..model import Pool, PoolApi, RequestError
+from ..model import Pool, PoolApi
+from ..node.holdings import Held, PodResourcesClient, SourceUnavailable, checkpoint_identity, read_checkpoint
 from ..ops.logs import log_event, summarise
 from ..ops.metrics import Counter, Gauge, Registry
 from ..workers import Work
 
 if TYPE_CHECKING:
-    from .._proto import api_pb2
+    from ..node.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,9 @@ POLL_S = 5.0  # PodResources poll while nothing is withheld (the kubelet allows 
 FAST_POLL_S = 0.25  # while devices are withheld: a release is seen well within a second
 MIN_REFRESH_S = 0.1  # checkpoint rewrites (one per ListAndWatch message) refresh at most this often
 OWN_GRACE_S = 5.0  # an Allocate answer counts as held until a source read this much later covers it
+# The holder a device counts as held by while nothing could be read since start: no resource name
+# (no "/"), so every pool, whatever its resource or API, withholds the device.
+UNCHECKED = "unchecked"
 # The holder name of devices prepared DRA claims hold: not a valid extended resource name (it has no
 # "/"), so it can never be mistaken for a device-plugin pool.
 DRA_CLAIMS = "dra-claims"
@@ -68,7 +70,16 @@ class Source(Enum):
 
     PODRESOURCES = "podresources"
     CHECKPOINT = "checkpoint"
-    OWN = "own"  # neither source readable: only this daemon's Allocate answers since start
+    # Neither source readable now: the last successful read's holdings and this daemon's Allocate
+    # answers since, kept until a read shows a device free.
+    LAST_KNOWN = "last-known"
+    UNKNOWN = "unknown"  # no source has been readable since start: every pool member withheld
+    OWN = "own"  # no source configured: only this daemon's Allocate answers (tools and tests)
+
+    @property
+    def checked(self) -> bool:
+        """Whether the holdings are as current as the configured sources allow (the last read succeeded)."""
+        return self in (Source.PODRESOURCES, Source.CHECKPOINT, Source.OWN)
 
 
 def device_id_of(member_id: str) -> str:
@@ -97,7 +108,10 @@ class Ownership:
         self.grace_s = grace_s
         self._clock = clock
         self.held: dict[str, frozenset[str]] = {}  # device ID → resource names holding it
-        self.source = Source.OWN
+        # Until a first read succeeds nothing is known (fail closed); with no source to read, the own
+        # Allocate answers are all there will ever be.
+        self.source = Source.UNKNOWN if checkpoint is not None or client is not None else Source.OWN
+        self._base: Held | None = None  # the last successful read (None: none yet in this run)
         self.refreshes = 0
         self._own: dict[tuple[str, str], float] = {}  # (resource, ID) → when this daemon allocated it
         self._claimed: dict[str, frozenset[str]] = {}  # holder → device IDs prepared DRA claims hold
@@ -109,7 +123,7 @@ class Ownership:
         self._last_refresh = -1e9
         self._wake: asyncio.Event | None = None  # set by run(): wakes its loop early
         self._lock: asyncio.Lock | None = None
-        self._g_withheld = self._g_in_use = self._c_failures = None
+        self._g_withheld = self._g_in_use = self._g_unchecked = self._c_failures = None
         if registry is not None:
             self._g_withheld = Gauge(
                 "densedev_pool_withheld_devices",
@@ -121,6 +135,12 @@ class Ownership:
                 "densedev_devices_in_use",
                 "Devices running pods hold (any resource), by the source the view came from.",
                 ["source"],
+                registry=registry,
+            )
+            self._g_unchecked = Gauge(
+                "densedev_in_use_unchecked_devices",
+                "Pool members withheld on holdings no source can confirm now (none is readable): the last "
+                "known holdings, or every member while nothing could be read since start.",
                 registry=registry,
             )
             self._c_failures = Counter(
@@ -135,16 +155,33 @@ class Ownership:
         """Return device ID → resource names of every device running pods hold (as last refreshed)."""
         return self.held
 
+    @property
+    def known(self) -> bool:
+        """Whether what pods hold has been read at least once in this run (or no source is configured)."""
+        return self.source is not Source.UNKNOWN
+
     def resources_held(self) -> set[str]:
-        """Return every resource name running pods hold devices under."""
-        return {r for rs in self.held.values() for r in rs}
+        """Return every resource name running pods hold devices under (while unknown: may hold)."""
+        return set(self.by_resource())
+
+    def may_be_held(self, resource: str) -> bool:
+        """Return whether running pods may hold devices under ``resource`` (always, while unknown)."""
+        return not self.known or resource in self.resources_held()
 
     def by_resource(self) -> dict[str, set[str]]:
-        """Return resource name → device IDs running pods hold under it."""
+        """Return resource name → device IDs running pods hold under it.
+
+        While nothing could be read since start, a pool's devices may be held under its resource by pods
+        an earlier run served: each pool of the last ``filter`` counts as holding all of them, so their
+        files stay (the kubelet restarts those pods' containers from responses naming them).
+        """
         out: dict[str, set[str]] = {}
         for device, resources in self.held.items():
             for r in resources:
                 out.setdefault(r, set()).add(device)
+        if not self.known:
+            for pool in self._raw:
+                out.setdefault(pool.config.full_name, set()).update(m.device.id for m in pool.members)
         return out
 
     def note_allocated(self, resource: str, ids: Iterable[str]) -> None:
@@ -157,7 +194,9 @@ class Ownership:
             self.held[d] = self.held.get(d, frozenset()) | {resource}
 
     def conflicts(self, resource: str, ids: Iterable[str]) -> dict[str, frozenset[str]]:
-        """Return the IDs that running pods hold under another resource, with those resources."""
+        """Return the IDs that running pods hold (or, while unknown, may hold) under another resource."""
+        if not self.known:
+            return {i: frozenset((UNCHECKED,)) for i in ids}
         out: dict[str, frozenset[str]] = {}
         for i in ids:
             others = self.held.get(device_id_of(i), frozenset()) - {resource}
@@ -178,7 +217,7 @@ class Ownership:
         self._last_refresh = started
         self.refreshes += 1
         base: Held | None = None
-        source = Source.OWN
+        source: Source = Source.OWN if self.source is Source.OWN else Source.UNKNOWN
         if self.client is not None:
             try:
                 base = await self.client.list()
@@ -193,26 +232,39 @@ class Ownership:
                 self._failed(Source.CHECKPOINT, str(exc))
         if base is not None:
             self._failures.pop(source.value, None)
+            self._base = base
             # An answer is covered once a read that began after it shows the allocation (from then on
             # the source says when it ends); one the source never shows (admission failed after our
             # answer) counts until a read that began a grace period after it.
             cutoff = started - self.grace_s
             self._own = {k: t for k, t in self._own.items() if t > cutoff and not (t < started and k in base)}
+        elif self._base is not None:
+            # Fail closed: no read says a device was released, so the last known holdings stay (and the
+            # own answers, uncovered by any read since).
+            source = Source.LAST_KNOWN
+        was_known = self.known
         if source is not self.source:
-            log_event(log, "in-use devices read from", source=source.value)
+            if source.checked:
+                log_event(log, "in-use devices read from", source=source.value)
+            else:
+                kept = "the last known holdings" if self._base is not None else "every pool member withheld"
+                why = {"source": source.value, "kept": kept}
+                log_event(log, "in-use devices cannot be checked", level=logging.WARNING, **why)
             self.source = source
-        pairs = set(base or ()) | self._own.keys()
+        pairs = set(self._base or ()) | self._own.keys()
         held: dict[str, set[str]] = {}
         for resource, i in pairs:
             held.setdefault(device_id_of(i), set()).add(resource)
         self._kubelet_held = {d: frozenset(r) for d, r in held.items()}
         frozen = self._with_claims()
-        changed = frozen != self.held or self._claims_moved
+        # The first successful read since start changes what is withheld even when nothing is held.
+        changed = frozen != self.held or self._claims_moved or was_known != self.known
         self._claims_moved = False
         self.held = frozen
         if self._g_in_use is not None:
             for s in Source:
                 self._g_in_use.labels(s.value).set(len(frozen) if s is source else 0)
+        self._count_unchecked()
         return changed
 
     def set_claimed(
@@ -262,6 +314,11 @@ class Ownership:
     # ------------------------------------------------------------------------------ withholding
     def split(self, pools: Sequence[Pool]) -> tuple[tuple[Pool, ...], dict[str, tuple[str, ...]]]:
         """Return the pools without members held under another resource, and those members per pool."""
+        if not self.known:
+            # Nothing read since start: any member may be held under a resource an earlier run listed
+            # it under, which the kubelet would count apart from this pool's (fail closed).
+            unknown = {p.config.full_name: tuple(m.id for m in p.members) for p in pools if p.members}
+            return tuple(p._replace(members=()) for p in pools), unknown
         if not self.held:
             return tuple(pools), {}
         out: list[Pool] = []
@@ -276,7 +333,7 @@ class Ownership:
             if drop:
                 gone = set(drop)
                 withheld[name] = tuple(drop)
-                pool = Pool(pool.config, tuple(m for m in pool.members if m.id not in gone))
+                pool = pool._replace(members=tuple(m for m in pool.members if m.id not in gone))
             out.append(pool)
         return tuple(out), withheld
 
@@ -293,12 +350,15 @@ class Ownership:
 
     def _report(self, withheld: dict[str, tuple[str, ...]]) -> None:
         names = [p.config.full_name for p in self._raw]
+        unchecked: dict[str, list[str]] = {}  # pool → members newly withheld on holdings none can confirm
         for name in sorted(set(names) | self.withheld.keys()):
             before = set(self.withheld.get(name, ()))
             now = withheld.get(name, ())
             added = [i for i in now if i not in before]
             released = sorted(before - set(now))
-            if added:
+            if added and not self.source.checked:
+                unchecked[name] = added
+            elif added:
                 under = sorted({r for i in added[:64] for r in self.held.get(device_id_of(i), ())} - {name})
                 log_event(
                     log,
@@ -319,9 +379,26 @@ class Ownership:
                     self._g_withheld.remove(name)
             for name in names:
                 self._g_withheld.labels(name).set(len(withheld.get(name, ())))
+        if unchecked:
+            # One line for the whole apply (a start with nothing readable withholds every pool's members).
+            log_event(
+                log,
+                "devices withheld: holder cannot be checked",
+                level=logging.WARNING,
+                source=self.source.value,
+                pools=summarise(sorted(unchecked), limit=4, noun="pool"),
+                count=sum(map(len, unchecked.values())),
+                devices=summarise([i for ids in unchecked.values() for i in ids]),
+            )
         if withheld and not self.withheld and self._wake is not None:
             self._wake.set()  # the loop may sleep a slow poll: switch it to fast polling now
         self.withheld = withheld
+        self._count_unchecked()
+
+    def _count_unchecked(self) -> None:
+        if self._g_unchecked is not None:
+            count = 0 if self.source.checked else sum(map(len, self.withheld.values()))
+            self._g_unchecked.set(count)
 
     # ------------------------------------------------------------------------------ the loop
     async def run(self, on_change: Callable[[], Awaitable[None]], watch: DirectoryWatch | None) -> None:
@@ -370,38 +447,3 @@ class Ownership:
             if self.client is not None:
                 with contextlib.suppress(Exception):
                     await self.client.close()
-
-
-class GuardedService:
-    """A pool's kubelet calls, refusing devices held under another resource and recording allocations."""
-
-    def __init__(self, resource: str, inner: PoolService, ownership: Ownership) -> None:
-        self.resource = resource
-        self.inner = inner
-        self.ownership = ownership
-
-    def options(self) -> tuple[bool, bool]:
-        """Return the pool's options."""
-        return self.inner.options()
-
-    def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
-        """Refuse IDs running pods hold under another resource; otherwise allocate and record them."""
-        clash = self.ownership.conflicts(self.resource, ids)
-        if clash:
-            under = sorted({r for rs in clash.values() for r in rs})
-            raise RequestError(
-                RequestError.PRECONDITION,
-                f"{self.resource}: devices held by running pods under another resource "
-                f"({summarise(under, limit=2, noun='resource')}): {summarise(sorted(clash))}",
-            )
-        response = self.inner.allocate(ids)
-        self.ownership.note_allocated(self.resource, ids)
-        return response
-
-    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
-        """Answer GetPreferredAllocation."""
-        return self.inner.preferred(available, must_include, size)
-
-    def prestart(self, ids: Sequence[str]) -> None:
-        """Answer PreStartContainer."""
-        self.inner.prestart(ids)

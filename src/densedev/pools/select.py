@@ -36,6 +36,7 @@ from ..model import (
     PoolMember,
     Role,
     Selector,
+    SharedScope,
     VdpaType,
 )
 from ..printable import columns, listing
@@ -219,6 +220,11 @@ def _compile(sel: Selector, device_type: DeviceType, table: _Table) -> list[Filt
     if sel.aux_types:
         aux_types = frozenset(sel.aux_types)
         filters.append(lambda devs: [d for d in devs if d.aux_type in aux_types])
+    if sel.if_names:
+        # The RDMA shared device plugin names a function by its first netdev (utils.GetNetNames()[0],
+        # in directory order, which Go's ReadDir sorts, as the scan sorts netdevs).
+        if_names = frozenset(sel.if_names)
+        filters.append(lambda devs: [d for d in devs if d.netdevs and d.netdevs[0] in if_names])
     return filters
 
 
@@ -268,13 +274,22 @@ def build_pools(config: Config, devices: Sequence[Device]) -> tuple[Pool, ...]:
             # A shared pool hands out one RDMA device to many pods (rdmaHcaMax): it needs one to share.
             chosen = [d for d in chosen if d.rdma_device]
         chosen_ids = [d.id for d in chosen]
-        if pc.rdma_shared > 0:
+        if pc.rdma_shared > 0 and pc.rdma_scope == SharedScope.POOL:
+            # rdmaHcaMax IDs for the whole resource, named as the RDMA shared device plugin names them;
+            # each brings every HCA at allocation (alloc.respond), and is laid on one HCA in turn so
+            # that every HCA's health and port state is watched through some ID.
+            members = (
+                tuple(PoolMember(str(k), chosen[k % len(chosen)]) for k in range(pc.rdma_shared))
+                if chosen
+                else ()
+            )
+        elif pc.rdma_shared > 0:
             shares = range(pc.rdma_shared)
             members = tuple(PoolMember(shared_id(d.id, k), d) for d in chosen for k in shares)
         else:
             members = tuple(map(_make_member, zip(chosen_ids, chosen, strict=True)))
         taken.update(chosen_ids)
-        pools.append(Pool(pc, members))
+        pools.append(Pool(pc, members, tuple(chosen) if pc.rdma_scope == SharedScope.POOL else ()))
     return tuple(pools)
 
 
@@ -335,6 +350,8 @@ def selector_reason(sel: Selector, device_type: DeviceType, d: Device, pf_link: 
         return f"vdpaType: vDPA driver {d.vdpa_driver or 'none'} is not {VdpaType(sel.vdpa_type).driver}"
     if sel.aux_types and d.aux_type not in sel.aux_types:
         return f"auxTypes: {d.aux_type or 'none'} not in {_show(sel.aux_types)}"
+    if sel.if_names and (not d.netdevs or d.netdevs[0] not in sel.if_names):
+        return f"ifNames: {d.netdevs[0] if d.netdevs else 'no netdev'} not in {_show(sel.if_names)}"
     return None
 
 

@@ -205,9 +205,20 @@ class ApiServerStandIn:
         self.writes: Counter[str] = Counter()  # per slice name: creates + updates + deletes
         self.requests: Counter[str] = Counter()  # per "METHOD kind" ("PUT resourceslices", "GET node" ...)
         self.rejected: list[str] = []  # every 422 message, for tests to show
+        self.tries: Counter[str] = Counter()  # per slice name: every write request, whatever its answer
         # Faults: the next ``fail_writes`` writes get 500; ``on_write(method, name)`` runs as a write
         # arrives, before it is checked (another writer slipping in: a real 409 follows).
         self.fail_writes = 0
+        # Writes to these slice names are read and then never answered (a server, proxy or etcd that
+        # accepted the request and went silent): held until ``release_hung`` or ``stop``, then answered
+        # 504 without being applied; ``hung`` counts the requests held so far, per name, ``holding`` the
+        # ones held now.
+        self.hang_writes: set[str] = set()
+        self.hung: Counter[str] = Counter()
+        self.holding = 0
+        self._release = asyncio.Event()
+        # Every write to these slice names gets 409 Conflict (another writer that always wins).
+        self.conflict_writes: set[str] = set()
         self.fail_discovery = 0  # the next N API discoveries get 503 (a server still starting)
         # While set, every watch is refused with this status (403: RBAC grants list but not watch; 405:
         # a proxy or aggregated server that does not serve watches).
@@ -246,7 +257,8 @@ class ApiServerStandIn:
         return self.url
 
     async def stop(self) -> None:
-        """End every watch and stop listening."""
+        """End every watch, answer every held write, and stop listening."""
+        self.release_hung()
         for w in self._watchers:
             w.queue.put_nowait(None)
         if self._runner is not None:
@@ -285,6 +297,11 @@ class ApiServerStandIn:
         mutate(obj)
         self._store("MODIFIED", obj)
 
+    def release_hung(self) -> None:
+        """Answer every write held so far with 504, unapplied; later writes to ``hang_writes`` hang again."""
+        self._release.set()
+        self._release = asyncio.Event()
+
     def wipe_node(self, node: str) -> int:
         """Delete the node's slices as the kubelet's deletecollection does at its start; return how many."""
         gone = [n for n, s in self.slices.items() if (s.get("spec") or {}).get("nodeName") == node]
@@ -302,6 +319,7 @@ class ApiServerStandIn:
     def _version(self, request: web.Request) -> str:
         v = request.match_info["v"]
         if v not in self.versions:
+            self.requests[f"{request.method} unserved"] += 1
             raise web.HTTPNotFound(text=json.dumps({"kind": "Status", "code": 404, "reason": "NotFound"}))
         return v
 
@@ -356,13 +374,31 @@ class ApiServerStandIn:
         except ValueError:
             raise web.HTTPBadRequest(text="body is not JSON") from None
 
-    def _fault(self, method: str, name: str) -> web.Response | None:
+    async def _fault(self, method: str, name: str) -> web.Response | None:
+        self.tries[name] += 1
         if self.on_write is not None:
             self.on_write(method, name)
+        if name in self.hang_writes:
+            await self._hold(name)
+            # The kube-apiserver's answer to a request it gave up on (its --request-timeout).
+            return _status(504, "Timeout", "stand-in: held write released, not applied")
+        if name in self.conflict_writes:
+            return _status(
+                409, "Conflict", f'Operation cannot be fulfilled on resourceslices.{GROUP} "{name}": stand-in'
+            )
         if self.fail_writes > 0:
             self.fail_writes -= 1
             return _status(500, "InternalError", "stand-in: injected failure")
         return None
+
+    async def _hold(self, name: str) -> None:
+        """Hold a request until ``release_hung`` (or ``stop``)."""
+        self.hung[name] += 1
+        self.holding += 1
+        try:
+            await self._release.wait()
+        finally:
+            self.holding -= 1
 
     def _invalid(self, exc: _Invalid, name: str) -> web.Response:
         message = f'ResourceSlice.{GROUP} "{name}" is invalid: {exc}'
@@ -462,7 +498,7 @@ class ApiServerStandIn:
         obj = await self._body(request)
         self.requests["POST resourceslices"] += 1
         name = str((obj.get("metadata") or {}).get("name", "")) if isinstance(obj, dict) else ""
-        if (fault := self._fault("POST", name)) is not None:
+        if (fault := await self._fault("POST", name)) is not None:
             return fault
         try:
             self._check_write(obj, version, None)
@@ -491,7 +527,7 @@ class ApiServerStandIn:
         name = request.match_info["name"]
         obj = await self._body(request)
         self.requests["PUT resourceslices"] += 1
-        if (fault := self._fault("PUT", name)) is not None:
+        if (fault := await self._fault("PUT", name)) is not None:
             return fault
         old = self.slices.get(name)
         if old is None:
@@ -519,7 +555,7 @@ class ApiServerStandIn:
         self._version(request)
         name = request.match_info["name"]
         self.requests["DELETE resourceslices"] += 1
-        if (fault := self._fault("DELETE", name)) is not None:
+        if (fault := await self._fault("DELETE", name)) is not None:
             return fault
         old = self.slices.get(name)
         if old is None:

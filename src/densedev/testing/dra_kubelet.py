@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 
 from .._proto import dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
-from ..kubelet.watch import DirectoryWatch
+from ..node.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
 

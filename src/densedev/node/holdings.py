@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
-from .. import files
+from .. import files, workers
 from ..protowire import fields
+from ..workers import Work
 
 DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 CHECKPOINT = "kubelet_internal_checkpoint"
@@ -71,11 +73,18 @@ def decode_held(data: bytes) -> Held:
 
 
 class PodResourcesClient:
-    """Calls ``List`` on the kubelet's PodResources socket; reconnects after any failure."""
+    """Calls ``List`` on the kubelet's PodResources socket; reconnects after any failure.
 
-    def __init__(self, socket: Path, timeout: float = 2.0) -> None:
+    ``decode`` turns the reply's bytes into what is held (``decode_held``; a test passes one that notes
+    the thread it ran in).
+    """
+
+    def __init__(
+        self, socket: Path, timeout: float = 2.0, *, decode: Callable[[bytes], Held] = decode_held
+    ) -> None:
         self.socket = Path(socket)
         self.timeout = timeout
+        self._decode = decode
         self._channel: grpc.aio.Channel | None = None
         self._list: grpc.aio.UnaryUnaryMultiCallable | None = None
 
@@ -104,7 +113,9 @@ class PodResourcesClient:
             details = (exc.details() or "")[:200]
             raise SourceUnavailable(f"{self.socket}: List: {exc.code().name} {details}") from None
         try:
-            return decode_held(response)
+            # Off the loop: a List of a large node is tens of MiB, and decoding 60 MiB in Python takes
+            # most of a second (issue 23 item 7) that no health flush or Allocate may wait for.
+            return await workers.run(Work.KUBELET, self._decode, response)
         except ValueError as exc:  # UnicodeDecodeError included
             # As after an RPC error (a reply the generated classes failed to parse was one): not the
             # kubelet we knew, so a fresh channel next time.
@@ -132,9 +143,19 @@ def read_checkpoint(path: Path) -> Held:
     Opened without following symlinks and only if a regular file of bounded size: the kubelet's
     directory is writable by other device plugins.  The Checksum is not verified (the kubelet's is an
     FNV hash of a Go-specific dump of Data); entries that do not have the documented shape are skipped.
+
+    No file in an existing directory is the kubelet's own "nothing allocated": its device manager writes
+    the checkpoint after every allocation (allocateContainerResources ends in writeCheckpoint, always by
+    a rename, so it is never briefly absent) and reads a missing one as empty state at its start.  A file
+    that exists but cannot be read (not JSON, a symlink, a FIFO, over the bound, no permission) says
+    nothing and raises SourceUnavailable: the caller keeps what it knew.
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if os.path.isdir(path.parent):
+            return frozenset()
+        raise SourceUnavailable(f"{path.parent}: no such directory") from None
     except OSError as exc:
         raise SourceUnavailable(f"{path}: {exc.strerror}") from None
     try:
