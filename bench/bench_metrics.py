@@ -62,7 +62,8 @@ def filled(pools: int) -> tuple[Metrics, list[str]]:
 
 async def scrape_times(m: Metrics, repeat: int) -> tuple[float, float]:
     """Return the median seconds of a GET /metrics over loopback and the worst loop stall meanwhile."""
-    server = MetricsServer(m, lambda: (True, "ok"), "127.0.0.1", 0)
+    # Every scrape renders (no kept body): the figure is a render's cost as a scrape sees it.
+    server = MetricsServer(m, lambda: (True, "ok"), "127.0.0.1", 0, min_render_interval_s=0)
     await server.start()
     samples = []
     loop = asyncio.get_running_loop()

@@ -200,19 +200,47 @@ def test_flags_agree_with_mounts(target: str) -> None:
     assert args.log_format == "kv" and args.log_level == "info"
     host, port = parse_addr(args.metrics_addr)
     assert port == 9477
-    assert host == ("" if name in ("metrics", "full") else "127.0.0.1")
+    # Never every address of the node (the pod is on the host network): loopback, or with the metrics
+    # component the pod IP, which on the host network is the node's address in the cluster.
+    assert host == ("$(POD_IP)" if name in ("metrics", "full") else "127.0.0.1")
+
+
+def env_var(objs: tuple[dict[str, Any], ...], name: str) -> dict[str, Any]:
+    [var] = [v for v in container(objs).get("env", []) if v["name"] == name]
+    return var
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_variables_in_args_are_the_containers_own(target: str) -> None:
+    # The kubelet expands $(NAME) in args only for a NAME in the container's env; any other is passed
+    # on verbatim, and --metrics-addr=[$(POD_IP)]:9477 would then fail to bind.
+    objs = build(target)
+    names = {v["name"] for v in container(objs).get("env", [])}
+    for arg in container(objs)["args"]:
+        for part in arg.split("$(")[1:]:
+            assert part.split(")", 1)[0] in names, arg
+
+
+@pytest.mark.parametrize("target", ["overlays/metrics", "overlays/full"])
+@pytest.mark.parametrize("pod_ip", ["10.0.0.5", "fd00:10::5"])
+def test_metrics_bind_the_pod_ip_of_either_family(target: str, pod_ip: str) -> None:
+    objs = build(target)
+    assert env_var(objs, "POD_IP")["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    expanded = run_args(objs).metrics_addr.replace("$(POD_IP)", pod_ip)
+    assert parse_addr(expanded) == (pod_ip, 9477)
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_probes_hit_the_health_endpoints(target: str) -> None:
     objs = build(target)
     c = container(objs)
-    _, port = parse_addr(run_args(objs).metrics_addr)
+    host, port = parse_addr(run_args(objs).metrics_addr)
     paths = {}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         get = c[probe]["httpGet"]
-        # The pod is on the host network: 127.0.0.1 is the node's loopback, where the base binds.
-        assert (get["host"], get["port"]) == ("127.0.0.1", port), probe
+        # The pod is on the host network: 127.0.0.1 is the node's loopback, where the base binds; with
+        # the metrics component the daemon binds the pod IP, which the kubelet probes when no host is set.
+        assert (get.get("host", "$(POD_IP)"), get["port"]) == (host, port), probe
         paths[probe] = get["path"]
     assert paths == {"startupProbe": "/healthz", "livenessProbe": "/healthz", "readinessProbe": "/readyz"}
 

@@ -9,9 +9,10 @@ without ``--metrics-addr`` never loads it.  Series are labelled by ``resource`` 
 resource name, ``intel.com/sriov_a``), never by device: a node has thousands of devices and a label per
 device would make every scrape as large as the device table.
 
-``MetricsServer`` is a deliberately small HTTP/1.1 server on the running event loop
-(``asyncio.start_server``): GET or HEAD of three paths, one response per connection.  Serving it on the
-daemon's own loop is the point — a liveness probe answered by it proves the loop still turns.
+``MetricsServer`` is a deliberately small HTTP/1.1 server on the running event loop (a protocol per
+connection, accepted by its own loop of ``sock_accept``): GET or HEAD of three paths, one response per
+connection, every resource a client can take bounded (see the class).  Serving it on the daemon's own
+loop is the point — a liveness probe answered by it proves the loop still turns.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ import logging
 import math
 import os
 import re
+import resource
+import socket
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from .. import __version__, accel, workers
 from ..model import Health, RequestError
@@ -598,9 +602,9 @@ class Metrics:
         if not resources:
             return
         gone = frozenset(resources)
-        for resource in gone:
-            self._pools.pop(resource, None)
-            self._reasons.pop(resource, None)
+        for name in gone:
+            self._pools.pop(name, None)
+            self._reasons.pop(name, None)
         for metric in (
             self.pool_devices,
             self.pool_unhealthy,
@@ -782,13 +786,51 @@ _REASONS = {
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    500: "Internal Server Error",
     503: "Service Unavailable",
 }
 _MAX_REQUEST = 8192  # request line and headers; we serve three fixed paths, nothing needs more
+_REFUSE_WAIT_S = 0.5  # what a connection beyond max_connections has to send its request
+# The kernel's queue of connections not yet accepted (capped by net.core.somaxconn): where clients
+# beyond every cap wait, costing the daemon nothing.
+_BACKLOG = 1024
 
 
 class MetricsServer:
-    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1 on the running event loop."""
+    """Serves ``/metrics``, ``/healthz`` and ``/readyz`` over HTTP/1.1 on the running event loop.
+
+    Anyone who reaches the address may connect, so every resource a client can take is bounded (issue
+    23, item 4: 400 clients looping on ``/metrics`` made a PF flip reach the kubelet 30x later):
+
+    * renders: at most one at a time, in ``Work.METRICS``'s thread; every scrape that arrives while it
+      runs waits for it and gets its body, and a body younger than ``min_render_interval_s`` is served
+      as it is.  A render is pure Python under the GIL (~10 ms for 16 busy pools, ~100 ms for 64 on a
+      2-core VM, bench_metrics.py) and takes that time from the loop whichever thread runs it, so the
+      interval, not the thread, is what bounds its share of the loop: 1 s allows 1-10 % however many
+      clients scrape.  Prometheus scrapes every 15-60 s, so a body at most ~1 s old is as fresh as any
+      scrape can tell;
+    * scrapes waiting on a render: at most ``max_waiting_scrapes``; more get 503;
+    * connections: at most ``max_connections`` are served; up to ``max_extra_connections`` more (and
+      never more than half the process's descriptor limit, so the kubelet's sockets and the daemon's
+      files always have theirs) have half a second to send their request and get 503 unless they ask
+      for ``/healthz`` or ``/readyz``; beyond both, nothing more is accepted until one closes (clients
+      wait in the kernel's queue);
+    * answers to ``/metrics`` not waiting on a render (the kept body, and both 503s): at most
+      ``scrape_answers_per_s`` (100, bursts of 20), the others held in turn.  A client looping on the
+      endpoint is only as fast as its answers: answered at once, 400 of them made 2,000+ requests a
+      second and took a core between them and the daemon; paced, they sit idle on open sockets.
+      Prometheus needs one answer per target every 15-60 s;
+    * a client's time: its request line and headers must arrive within ``read_timeout_s`` (the whole
+      head, not each read, so trickling a byte a second does not stretch it), and its answer must be
+      sent (after its turn or its render) and taken within ``write_timeout_s`` of it; then the
+      connection is cut.
+
+    Each connection is a protocol (``_Connection``) driven by the loop's callbacks, not a task with
+    streams: a scrape served from the kept body costs the loop three callbacks, so a flood of them
+    leaves it the time its health messages need.  ``/healthz`` and ``/readyz`` are answered as soon as
+    their request is in: never behind a render, the scrape caps or the pacing; a probe waits only when
+    ``max_connections`` + ``max_extra_connections`` clients are all inside their deadlines.
+    """
 
     def __init__(
         self,
@@ -800,7 +842,14 @@ class MetricsServer:
         lag_interval_s: float = 1.0,
         max_lag_s: float = 5.0,
         lag_window_s: float = 30.0,
-        read_timeout_s: float = 10.0,
+        read_timeout_s: float = 5.0,
+        write_timeout_s: float = 10.0,
+        max_connections: int = 64,
+        max_extra_connections: int = 1024,
+        max_waiting_scrapes: int = 16,
+        min_render_interval_s: float = 1.0,
+        scrape_answers_per_s: float = 100.0,
+        scrape_answer_burst: int = 20,
     ) -> None:
         self.metrics = metrics
         self.ready = ready
@@ -810,35 +859,125 @@ class MetricsServer:
         self._lag_interval = lag_interval_s
         self._max_lag = max_lag_s
         self._lag_window = lag_window_s
-        self._read_timeout = read_timeout_s
-        self._server: asyncio.Server | None = None
+        self.read_timeout = read_timeout_s
+        self.write_timeout = write_timeout_s
+        self._max_connections = max_connections
+        self._max_extra = max_extra_connections
+        self._max_waiting = max_waiting_scrapes
+        self._min_interval = min_render_interval_s
+        self._pace = scrape_answers_per_s
+        self._burst = float(scrape_answer_burst)
+        self._tokens = self._burst
+        self._tokens_at = -math.inf
+        self._held: deque[tuple[_Connection, int, bytes, bool]] = deque()
+        self._pacer: asyncio.TimerHandle | None = None
+        self._sockets: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task[None]] = []
+        self._room = asyncio.Event()
         self._monitor: asyncio.Task[None] | None = None
-        self._clients: set[asyncio.Task[None]] = set()
+        self._connections: set[_Connection] = set()  # every open one, served or being refused
+        self._serving = 0
+        self._refusing = 0
+        self._refused_logged = -math.inf
+        # The last rendered exposition and when it was finished (loop time); the render running and
+        # the scrapes waiting for it.
+        self._body: bytes | None = None
+        self._body_at = -math.inf
+        self._render: asyncio.Future[bytes] | None = None
+        self._waiters: list[tuple[_Connection, bool]] = []
+
+    @property
+    def _waiting(self) -> int:
+        return len(self._waiters)
 
     async def start(self) -> None:
         """Bind and start serving, and start the loop-lag monitor."""
-        # An empty host binds every address (IPv4 and IPv6), as ":9477" means to Go and Prometheus users.
-        self._server = await asyncio.start_server(
-            self._accept, self.host or None, self.port, limit=_MAX_REQUEST
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY:
+            self._max_extra = max(0, min(self._max_extra, soft // 2 - self._max_connections))
+        self._sockets = await self._listen()
+        self.port = self._sockets[0].getsockname()[1]
+        self._acceptors = [
+            asyncio.create_task(self._accept(sock), name="metrics-accept") for sock in self._sockets
+        ]
         self._monitor = asyncio.create_task(self._watch_lag(), name="metrics-loop-lag")
         log.info("metrics and health endpoints on %s:%d", self.host or "*", self.port)
 
+    async def _listen(self) -> list[socket.socket]:
+        """Bind the listening sockets: every address for an empty host, else each the host resolves to."""
+        if not self.host:
+            # Every address, IPv4 and IPv6, as ":9477" means to Go and Prometheus users.
+            if socket.has_dualstack_ipv6():
+                return [_bind(("::", self.port), socket.AF_INET6, dualstack=True)]
+            return [_bind(("0.0.0.0", self.port), socket.AF_INET)]
+        # A name may need a resolver: off the loop, with the other start-up reads.
+        infos = await workers.run(
+            Work.CONFIG,
+            socket.getaddrinfo,
+            self.host,
+            self.port,
+            0,
+            socket.SOCK_STREAM,
+            0,
+            socket.AI_PASSIVE,
+        )
+        socks: list[socket.socket] = []
+        try:
+            for family, _, _, _, addr in dict.fromkeys(infos):
+                socks.append(_bind(addr, family))
+        except OSError:
+            for sock in socks:
+                sock.close()
+            raise
+        return socks
+
+    async def _accept(self, sock: socket.socket) -> None:
+        """Accept connections while there is room for them; meanwhile they wait in the kernel's queue."""
+        loop = asyncio.get_running_loop()
+        while True:
+            while len(self._connections) >= self._max_connections + self._max_extra:
+                self._room.clear()
+                await self._room.wait()
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError as exc:  # out of descriptors (EMFILE) and the like: try again shortly
+                log.warning("metrics endpoint cannot accept a connection: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                await loop.connect_accepted_socket(lambda: _Connection(self), conn)
+            except OSError:
+                conn.close()  # reset before it could be served
+            except Exception:  # the endpoint must outlive any one connection
+                conn.close()
+                log.exception("metrics endpoint failed to take a connection")
+
     async def stop(self) -> None:
-        """Stop listening, end open connections and the monitor."""
-        if self._server is not None:
-            self._server.close()
-        tasks = [t for t in (self._monitor, *self._clients) if t is not None]
-        for task in tasks:
+        """Stop listening, drop open connections, stop waiting for a render, end the monitor."""
+        for task in self._acceptors:
             task.cancel()
-        for task in tasks:
+        for task in self._acceptors:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
-        self._monitor = None
+        self._acceptors = []
+        for sock in self._sockets:
+            sock.close()
+        self._sockets = []
+        if self._pacer is not None:
+            self._pacer.cancel()
+            self._pacer = None
+        self._held.clear()
+        if self._render is not None:
+            self._render.cancel()  # the thread finishes its render unobserved
+            self._render = None
+        self._waiters.clear()
+        for conn in list(self._connections):
+            conn.drop()
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
 
     # ----------------------------------------------------------------------------------- health
     async def _watch_lag(self) -> None:
@@ -870,72 +1009,233 @@ class MetricsServer:
             )
         return True, f"ok, event loop lag {self.lag.last:.4f}s"
 
-    # ----------------------------------------------------------------------------------- HTTP
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._clients.add(task)
-        try:
-            await self._handle(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the client went away or sent garbage; nothing to answer
-        except asyncio.CancelledError:
-            pass  # server stopping
-        except Exception:  # never let a request take down the daemon
-            log.exception("metrics endpoint failed a request")
-        finally:
-            self._clients.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
+    # ----------------------------------------------------------------------------------- connections
+    def _opened(self, conn: _Connection) -> bool:
+        """Admit a new connection; False: it is beyond the cap and is to be refused (or was dropped)."""
+        self._connections.add(conn)
+        if self._serving < self._max_connections:
+            self._serving += 1
+            return True
+        now = asyncio.get_running_loop().time()
+        if now - self._refused_logged >= 60:
+            self._refused_logged = now
+            log.warning(
+                "metrics endpoint refusing connections: %d open (max %d); more refusals are not logged "
+                "for a minute",
+                self._serving,
+                self._max_connections,
+            )
+        self._refusing += 1
+        return False
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._read_timeout)
-        except asyncio.LimitOverrunError:
-            await self._respond(writer, 400, b"request header too large\n", head_only=False)
-            return
+    def _closed(self, conn: _Connection, admitted: bool) -> None:
+        self._connections.discard(conn)
+        if admitted:
+            self._serving -= 1
+        else:
+            self._refusing -= 1
+        self._room.set()
+
+    def _dispatch(self, conn: _Connection, head: bytes, admitted: bool) -> None:
+        """Answer one request head, now or when the render it waits for ends; a connection beyond the
+        cap (not ``admitted``) is answered only on the health paths."""
         request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
         parts = request_line.split(" ")
         if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-            await self._respond(writer, 400, b"malformed request line\n", head_only=False)
+            conn.respond(400, b"malformed request line\n", head_only=False)
             return
         method, target, _ = parts
         path = target.split("?", 1)[0]
         if method not in ("GET", "HEAD"):
-            await self._respond(writer, 405, b"only GET and HEAD\n", head_only=False, allow=True)
+            conn.respond(405, b"only GET and HEAD\n", head_only=False, allow=True)
             return
         head_only = method == "HEAD"
-        if path == "/metrics":
-            # Rendering is pure Python and grows with pools x histogram buckets (~40 ms for 64 busy
-            # pools): in a worker thread the GIL's switch interval (5 ms) bounds how long the loop,
-            # and with it every ListAndWatch send, waits; prometheus-client guards its values with locks.
-            body = await workers.run(Work.METRICS, self.metrics.render)
-            await self._respond(writer, 200, body, head_only, CONTENT_TYPE)
-        elif path == "/healthz":
+        if path == "/healthz":
             ok, detail = self.health()
-            await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
+            conn.respond(200 if ok else 503, detail.encode() + b"\n", head_only)
         elif path == "/readyz":
             try:
                 ok, detail = self.ready()
             except Exception as exc:  # a broken readiness callable means "not ready", not a crash
                 ok, detail = False, f"readiness check failed: {exc!r}"
-            await self._respond(writer, 200 if ok else 503, detail.encode() + b"\n", head_only)
+            conn.respond(200 if ok else 503, detail.encode() + b"\n", head_only)
+        elif not admitted:
+            self._paced(conn, 503, b"too many connections\n", head_only)
+        elif path == "/metrics":
+            self._scrape(conn, head_only)
         else:
-            await self._respond(writer, 404, b"not found; try /metrics, /healthz, /readyz\n", head_only)
+            conn.respond(404, b"not found; try /metrics, /healthz, /readyz\n", head_only)
 
-    async def _respond(
+    # ----------------------------------------------------------------------------------- renders
+    def _scrape(self, conn: _Connection, head_only: bool) -> None:
+        """Answer a scrape with the kept body, or queue it for the running render (starting one)."""
+        loop = asyncio.get_running_loop()
+        if self._body is not None and loop.time() - self._body_at < self._min_interval:
+            self._paced(conn, 200, self._body, head_only)
+            return
+        if len(self._waiters) >= self._max_waiting:
+            self._paced(conn, 503, b"too many scrapes waiting for a render\n", head_only)
+            return
+        self._waiters.append((conn, head_only))
+        if self._render is None:
+            # Rendering is pure Python and grows with pools x histogram buckets: in the metrics thread,
+            # the GIL's switch interval (5 ms) bounds how long the loop waits behind it at a time.
+            self._render = asyncio.ensure_future(workers.run(Work.METRICS, self.metrics.render))
+            self._render.add_done_callback(self._rendered)
+
+    def _rendered(self, render: asyncio.Future[bytes]) -> None:
+        """Hand the render's body (or its failure, logged once) to every scrape that waited for it."""
+        if render is not self._render:
+            return  # cancelled by stop(), which dropped the waiting connections
+        self._render = None
+        waiters, self._waiters = self._waiters, []
+        exc = render.exception()
+        if exc is not None:
+            log.error("rendering /metrics failed", exc_info=exc)
+            for conn, head_only in waiters:
+                conn.respond(500, b"rendering the metrics failed; see the daemon's log\n", head_only)
+            return
+        body = render.result()
+        self._body, self._body_at = body, asyncio.get_running_loop().time()
+        for conn, head_only in waiters:
+            conn.respond(200, body, head_only, CONTENT_TYPE)
+
+    def _paced(self, conn: _Connection, status: int, body: bytes, head_only: bool) -> None:
+        """Answer a scrape now if the pace allows, else hold it until its turn."""
+        if not self._held and self._take():
+            self._answer(conn, status, body, head_only)
+            return
+        self._held.append((conn, status, body, head_only))
+        if self._pacer is None:
+            self._pacer = asyncio.get_running_loop().call_later(1 / self._pace, self._release)
+
+    @staticmethod
+    def _answer(conn: _Connection, status: int, body: bytes, head_only: bool) -> None:
+        conn.respond(status, body, head_only, CONTENT_TYPE if status == 200 else None, retry=status == 503)
+
+    def _take(self) -> bool:
+        """Take one answer's token from the bucket (refilled at the pace, holding a burst at most)."""
+        now = asyncio.get_running_loop().time()
+        self._tokens = min(self._burst, self._tokens + (now - self._tokens_at) * self._pace)
+        self._tokens_at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+    def _release(self) -> None:
+        """Answer the held scrapes whose turn has come (those whose clients left take no turn)."""
+        self._pacer = None
+        while self._held:
+            conn, status, body, head_only = self._held[0]
+            if not conn.open:
+                self._held.popleft()
+                continue
+            if not self._take():
+                break
+            self._held.popleft()
+            self._answer(conn, status, body, head_only)
+        if self._held:
+            self._pacer = asyncio.get_running_loop().call_later(1 / self._pace, self._release)
+
+    def _forget(self, conn: _Connection) -> None:
+        """Stop holding a place in the render queue for a connection that went away."""
+        self._waiters = [w for w in self._waiters if w[0] is not conn]
+
+
+def _bind(addr: Any, family: int, dualstack: bool = False) -> socket.socket:
+    """A non-blocking listening socket on ``addr``; a failure says which address, as asyncio's does."""
+    try:
+        sock = socket.create_server(addr, family=family, backlog=_BACKLOG, dualstack_ipv6=dualstack)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise OSError(exc.errno, f"error while attempting to bind on address {addr!r}: {reason}") from None
+    sock.setblocking(False)
+    return sock
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection of ``MetricsServer``: one request head in, one answer out, then closed."""
+
+    __slots__ = ("_admitted", "_buf", "_done", "_server", "_timer", "_transport")
+
+    def __init__(self, server: MetricsServer) -> None:
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._buf = b""
+        self._admitted = False  # under the cap (else only a health path is answered)
+        self._done = False  # the head was read (or the connection refused): nothing more is taken in
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport; uvloop's provide its methods without deriving from asyncio.Transport.
+        self._transport = transport = cast(asyncio.Transport, transport)
+        server = self._server
+        loop = asyncio.get_running_loop()
+        self._admitted = server._opened(self)
+        # One deadline for the whole head: a client trickling a byte at a time is cut all the same.
+        # One beyond the cap gets less: a probe or a scraper sends its request at once.
+        wait = server.read_timeout if self._admitted else min(server.read_timeout, _REFUSE_WAIT_S)
+        self._timer = loop.call_later(wait, self.drop)
+
+    def data_received(self, data: bytes) -> None:
+        if self._done:
+            return  # one request per connection; whatever follows its head is not read
+        self._buf += data
+        end = self._buf.find(b"\r\n\r\n", 0, _MAX_REQUEST + 4)
+        if end < 0:
+            if len(self._buf) >= _MAX_REQUEST + 4:
+                self.respond(400, b"request header too large\n", head_only=False)
+            return
+        self._done = True
+        if self._timer is not None:
+            # The head is in; its answer may wait its turn or a render, for a while only.
+            self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(self._server.write_timeout, self.drop)
+        try:
+            self._server._dispatch(self, self._buf[:end], self._admitted)
+        except Exception:  # never let a request take down the daemon, nor leave its client hanging
+            log.exception("metrics endpoint failed a request")
+            self.respond(500, b"internal error; see the daemon's log\n", head_only=False)
+
+    def eof_received(self) -> bool:
+        # A client may half-close after its request and still read the answer (a render may be
+        # running); one that half-closes before a whole head has nothing to be answered.
+        return self._done
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._transport is None:
+            return
+        self._transport = None
+        if self._done:
+            self._server._forget(self)
+        self._server._closed(self, self._admitted)
+
+    @property
+    def open(self) -> bool:
+        """Whether the client is still there to be answered."""
+        return self._transport is not None and not self._transport.is_closing()
+
+    def drop(self) -> None:
+        """Cut the connection now, unanswered or with its answer half sent (its deadline passed)."""
+        if self._transport is not None:
+            self._transport.abort()
+
+    def respond(
         self,
-        writer: asyncio.StreamWriter,
         status: int,
         body: bytes,
         head_only: bool,
-        content_type: str = "text/plain; charset=utf-8",
+        content_type: str | None = None,
         allow: bool = False,
+        retry: bool = False,
     ) -> None:
+        """Send one answer and close (``retry``: a 503 that says when to come back)."""
         headers = [
             f"HTTP/1.1 {status} {_REASONS[status]}",
-            f"Content-Type: {content_type}",
+            f"Content-Type: {content_type or 'text/plain; charset=utf-8'}",
             f"Content-Length: {len(body)}",
             "Cache-Control: no-store",
             # One request per connection: scrapers and probes open a connection each time anyway, and
@@ -944,7 +1244,21 @@ class MetricsServer:
         ]
         if allow:
             headers.append("Allow: GET, HEAD")
-        writer.write(("\r\n".join(headers) + "\r\n\r\n").encode("latin-1"))
-        if not head_only:
-            writer.write(body)
-        await writer.drain()
+        if retry:
+            headers.append("Retry-After: 1")
+        head = ("\r\n".join(headers) + "\r\n\r\n").encode("latin-1")
+        self._done = True
+        self._send([head] if head_only else [head, body])
+
+    def _send(self, data: list[bytes]) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # gone while its render ran
+        transport.writelines(data)
+        transport.close()  # after what was written is sent
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if transport.get_write_buffer_size():
+            # What the kernel would not take yet waits for the client to read it, for a while only.
+            self._timer = asyncio.get_running_loop().call_later(self._server.write_timeout, self.drop)
