@@ -360,6 +360,21 @@ def test_decode_round_trips_pyroute2_replies(rows: list[tuple[Any, ...]]) -> Non
     assert decode_vfs(pr2_reply(states)) == tuple(states)
 
 
+@settings(max_examples=500, deadline=None)
+@given(data=st.data())
+def test_decoders_refuse_garbage_with_one_error(data: st.DataObject) -> None:
+    # Hostile or corrupted bytes: a reply that decodes, or VfNetlinkError — never another exception.
+    base = bytearray(pr2_reply(STATES[:2]))
+    for _ in range(data.draw(st.integers(1, 8))):
+        base[data.draw(st.integers(0, len(base) - 1))] = data.draw(st.integers(0, 255))
+    raw = data.draw(st.sampled_from([bytes(base), bytes(base[: data.draw(st.integers(0, len(base)))])]))
+    for decode in (decode_vfs, decode_mtu, decode_ack):
+        try:
+            decode(raw)
+        except VfNetlinkError as exc:
+            assert "\n" not in exc.reason and len(exc.reason) < 200
+
+
 # ------------------------------------------------------------------------------ client on a fake kernel
 class FakeKernel:
     """The far end of a datagram socketpair standing in for the kernel: answers with what a test scripts."""
@@ -459,6 +474,17 @@ def test_client_refuses_malformed_framing(fake: FakeKernel) -> None:
     assert info.value.errno == 74
 
 
+async def test_client_runs_on_its_worker_pool(fake: FakeKernel) -> None:
+    # The way the event loop calls it: on the NETLINK pool's threads, never on the loop's.
+    from densedev import workers
+    from densedev.workers import Work
+
+    fake.script.append(lambda seq: [with_seq(pr2_reply(STATES), seq), ack(seq)])
+    c = client(fake)
+    assert await workers.run(Work.NETLINK, c.read_vfs, 4) == tuple(STATES)
+    assert workers.pool(Work.NETLINK).size == workers.SIZES[Work.NETLINK]
+
+
 def test_client_sends_nothing_for_a_bad_value(fake: FakeKernel) -> None:
     with pytest.raises(ValueError):
         client(fake, timeout_s=0.2).set_vf(3, 0, VfSettings(vlan=5000))
@@ -527,3 +553,21 @@ def test_kernel_unknown_link(veth: tuple[str, int]) -> None:
             with pytest.raises(VfNetlinkError) as info:
                 call()
             assert info.value.errno == 19  # ENODEV
+
+
+@pytest.mark.netns
+def test_kernel_answer_only_from_the_kernel(veth: tuple[str, int]) -> None:
+    # Another process (here a second netlink socket) may write to our port: its forged refusal, queued
+    # ahead of the kernel's answer with our next sequence number, must not be taken for the answer.
+    from densedev.node.events import NETLINK_ROUTE, open_netlink_socket, resolve_netns
+
+    ns, index = veth
+    with VfNetlink(ns) as c:
+        port = c._sock.getsockname()[0]
+        forger = open_netlink_socket(NETLINK_ROUTE, 0, resolve_netns(ns))
+        try:
+            forger.sendto(ack(c._seq % 0xFFFFFFFF + 1, 1), (port, 0))  # EPERM
+            c.set_mtu(index, 1400)
+            assert c.read_mtu(index) == 1400
+        finally:
+            forger.close()

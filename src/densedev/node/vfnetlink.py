@@ -8,8 +8,8 @@ back with ``RTM_GETLINK`` and ``IFLA_EXT_MASK`` = ``RTEXT_FILTER_VF``.  The VF's
 
 This is not a hot path (one message per Prepare or Unprepare), so it is plain Python and not in
 ``_fast.pyx``.  The encoders are pure: values in, bytes out, checked byte for byte against pyroute2's
-encoder in the tests.  The client blocks on its socket: callers on the event loop run it through
-``densedev.workers.run(Work.FILES, ...)``.
+encoder in the tests.  The client blocks: callers on the event loop run it through
+``densedev.workers.run(Work.NETLINK, ...)``.
 
 The kernel applies one message's VF attributes one after the other and stops at the first refusal, so a
 message with several settings can be left half-applied on real hardware: whoever sets a VF reads its
@@ -411,10 +411,13 @@ def decode_ack(msg: bytes) -> tuple[int, str]:
 class VfNetlink:
     """A blocking rtnetlink client for VF settings and MTUs, one socket, in one network namespace.
 
-    Every call blocks until the kernel answers or ``timeout_s`` passes: run it off the event loop with
-    ``densedev.workers.run(Work.FILES, ...)``.  Calls from several threads take turns on the socket.
-    Every failure — a refusal (NLMSG_ERROR), no answer in time, a reply larger than ``max_reply`` or
-    that does not decode — raises :class:`VfNetlinkError` with a one-line reason.
+    Every call blocks: run it off the event loop with ``densedev.workers.run(Work.NETLINK, ...)``.
+    ``timeout_s`` bounds the wait for the answer, but not the send: the kernel runs an rtnetlink request
+    in the sending thread (netlink_unicast_kernel() calls rtnetlink_rcv()), under rtnl_lock, so a driver
+    whose ndo_set_vf_* waits on its firmware holds the caller's thread until it returns — which is why
+    these calls have their own pool.  Calls from several threads take turns on the socket.  Every
+    failure — a refusal (NLMSG_ERROR), no answer in time, a reply larger than ``max_reply`` or that does
+    not decode, a socket error — raises :class:`VfNetlinkError` with a one-line reason.
     """
 
     def __init__(
