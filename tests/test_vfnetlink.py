@@ -91,7 +91,14 @@ def pr2_reply(states: list[VfState], extra: bool = True) -> bytes:
             attrs.append(
                 (
                     "IFLA_VF_VLAN_LIST",
-                    {"attrs": [("IFLA_VF_VLAN_INFO", {"vf": vf, "vlan": 1, "qos": 0, "proto": 0x8100})]},
+                    {
+                        "attrs": [
+                            (
+                                "IFLA_VF_VLAN_INFO",
+                                {"vf": vf, "vlan": st_.vlan, "qos": st_.qos, "proto": st_.vlan_proto},
+                            )
+                        ]
+                    },
                 )
             )
             attrs.append(("IFLA_VF_TX_RATE", {"vf": vf, "tx_rate": 7}))
@@ -233,6 +240,17 @@ def test_restore_settings_put_back_every_value() -> None:
     }
 
 
+def test_8021ad_vlan_is_read_and_not_restorable() -> None:
+    # IFLA_VF_VLAN always sets 802.1Q: a VF on a QinQ VLAN cannot be put back by it, so reading its
+    # restore settings refuses — before the caller has changed anything.
+    qinq = STATES[0]._replace(vlan_proto=0x88A8)
+    (got,) = decode_vfs(pr2_reply([qinq]))
+    assert got == qinq
+    with pytest.raises(ValueError, match="0x88a8"):
+        got.settings()
+    assert STATES[1]._replace(vlan_proto=0x88A8).settings().vlan == 0  # no VLAN: nothing to lose
+
+
 def test_decode_link_without_vfs() -> None:
     assert decode_vfs(_pr2(RTM_NEWLINK, 3, 1, [("IFLA_IFNAME", "veth0"), ("IFLA_MTU", 1500)], 0)) == ()
 
@@ -351,6 +369,7 @@ def test_encode_round_trips_through_pyroute2(s: VfSettings, index: int, vf: int,
             st.none() | st.booleans(),
             st.sampled_from(LinkState),
             st.none() | st.booleans(),
+            st.sampled_from([0x8100, 0x88A8]),
         ),
         max_size=8,
     )

@@ -66,6 +66,9 @@ _VF_MAC = struct.Struct("=I32s")
 _VF_VLAN = struct.Struct("=III")
 _VF_RATE = struct.Struct("=III")
 _VF_SETTING = struct.Struct("=II")
+#   struct ifla_vf_vlan_info { __u32 vf, vlan, qos; __be16 vlan_proto; };  (in IFLA_VF_VLAN_LIST)
+_VF_VLAN_INFO = struct.Struct("=III")
+_BE16 = struct.Struct(">H")
 
 RTM_NEWLINK = 16
 RTM_GETLINK = 18
@@ -93,6 +96,9 @@ IFLA_VF_SPOOFCHK = 4
 IFLA_VF_LINK_STATE = 5
 IFLA_VF_RATE = 6
 IFLA_VF_TRUST = 9
+IFLA_VF_VLAN_LIST = 12
+IFLA_VF_VLAN_INFO = 1
+ETH_P_8021Q = 0x8100  # the VLAN protocol IFLA_VF_VLAN sets (ndo_set_vf_vlan(..., htons(ETH_P_8021Q)))
 RTEXT_FILTER_VF = 1
 
 _U32_MAX = 0xFFFFFFFF
@@ -154,9 +160,20 @@ class VfState(NamedTuple):
     spoofchk: bool | None  # None: the driver does not report it (the kernel sends -1)
     link_state: int  # a LinkState value
     trust: bool | None  # None: the driver does not report it (the kernel sends -1)
+    vlan_proto: int = ETH_P_8021Q  # from IFLA_VF_VLAN_LIST; 0x88a8 is an 802.1ad (QinQ) VLAN
 
     def settings(self) -> VfSettings:
-        """Return the settings that put these exact values back (for a restore at Unprepare)."""
+        """Return the settings that put these exact values back (for a restore at Unprepare).
+
+        Raises ValueError for a VF on an 802.1ad VLAN: IFLA_VF_VLAN would put it back as 802.1Q, so a
+        caller that reads first refuses to configure such a VF before anything is changed.  A tri-state
+        the driver does not report (None) is left out, as it cannot have been changed through it.
+        """
+        if self.vlan and self.vlan_proto != ETH_P_8021Q:
+            raise ValueError(
+                f"VF {self.vf} has VLAN {self.vlan} with protocol 0x{self.vlan_proto:04x}, which only"
+                " 802.1Q settings could not restore"
+            )
         return VfSettings(
             mac=self.mac,
             vlan=self.vlan,
@@ -331,6 +348,14 @@ def _vf_state(buf: bytes, start: int, end: int) -> VfState:
             raise _malformed("short IFLA_VF_RATE")
         _vf, low, high = _VF_RATE.unpack_from(buf, span[0])
     link_state = _setting(buf, _first(attrs, IFLA_VF_LINK_STATE), "LINK_STATE")
+    proto = ETH_P_8021Q
+    span = _first(attrs, IFLA_VF_VLAN_LIST)
+    if span is not None:
+        info = _first(_attrs(buf, *span), IFLA_VF_VLAN_INFO)
+        if info is not None:
+            if info[1] - info[0] < _VF_VLAN_INFO.size + _BE16.size:
+                raise _malformed("short IFLA_VF_VLAN_INFO")
+            proto = _BE16.unpack_from(buf, info[0] + _VF_VLAN_INFO.size)[0]
     return VfState(
         vf=vf,
         mac=":".join(f"{b:02x}" for b in raw[:6]),
@@ -341,6 +366,7 @@ def _vf_state(buf: bytes, start: int, end: int) -> VfState:
         spoofchk=_tristate(_setting(buf, _first(attrs, IFLA_VF_SPOOFCHK), "SPOOFCHK")),
         link_state=LinkState.AUTO if link_state is None else link_state,
         trust=_tristate(_setting(buf, _first(attrs, IFLA_VF_TRUST), "TRUST")),
+        vlan_proto=proto,
     )
 
 
