@@ -504,6 +504,12 @@ async def test_client_runs_on_its_worker_pool(fake: FakeKernel) -> None:
     assert workers.pool(Work.NETLINK).size == workers.SIZES[Work.NETLINK]
 
 
+def test_client_missing_namespace_is_the_same_error(tmp_path: Path) -> None:
+    with pytest.raises(VfNetlinkError, match=r"open rtnetlink in namespace gone: ENOENT") as info:
+        VfNetlink("gone", netns_dir=tmp_path)
+    assert info.value.errno == 2 and "\n" not in info.value.reason  # ENOENT
+
+
 def test_client_sends_nothing_for_a_bad_value(fake: FakeKernel) -> None:
     with pytest.raises(ValueError):
         client(fake, timeout_s=0.2).set_vf(3, 0, VfSettings(vlan=5000))

@@ -171,8 +171,8 @@ class VfState(NamedTuple):
         """
         if self.vlan and self.vlan_proto != ETH_P_8021Q:
             raise ValueError(
-                f"VF {self.vf} has VLAN {self.vlan} with protocol 0x{self.vlan_proto:04x}, which only"
-                " 802.1Q settings could not restore"
+                f"VF {self.vf} has VLAN {self.vlan} with protocol 0x{self.vlan_proto:04x}, which"
+                " IFLA_VF_VLAN (802.1Q only) could not restore"
             )
         return VfSettings(
             mac=self.mac,
@@ -181,9 +181,8 @@ class VfState(NamedTuple):
             min_tx_rate=self.min_tx_rate,
             max_tx_rate=self.max_tx_rate,
             spoofchk=self.spoofchk,
-            link_state=LinkState(self.link_state)
-            if self.link_state in LinkState._value2member_map_
-            else None,
+            # A state outside the enum (none is defined) is left alone rather than guessed.
+            link_state=LinkState(self.link_state) if 0 <= self.link_state <= LinkState.DISABLE else None,
             trust=self.trust,
         )
 
@@ -458,18 +457,28 @@ class VfNetlink:
         self._timeout_s = timeout_s
         self._max_reply = max_reply
         if sock is None:
-            path = resolve_netns(netns, netns_dir) if netns else None
-            # The kernel queues one reply even when it is larger than the buffer (netlink_attachskb()
-            # only refuses once the queue already exceeds it), so a modest buffer suffices.
-            sock = open_netlink_socket(NETLINK_ROUTE, 0, path, rcvbuf=max(max_reply, 1 << 16))
-            for option in (NETLINK_CAP_ACK, NETLINK_EXT_ACK):
-                # Kernels before 4.3 / 4.12 lack these: plain errors then, without an explanation.
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(SOL_NETLINK, option, 1)
+            sock = self._open(netns, netns_dir, max(max_reply, 1 << 16))
         self._sock = sock
         self._buf = bytearray(max_reply)
         self._lock = threading.Lock()
         self._seq = int.from_bytes(os.urandom(2), "little")  # not 0: tell our replies from stale ones
+
+    @staticmethod
+    def _open(netns: str | None, netns_dir: Path, rcvbuf: int) -> socket.socket:
+        # The kernel queues one reply even when it is larger than the buffer (netlink_attachskb() only
+        # refuses once the queue already exceeds it), so a modest buffer suffices.
+        try:
+            path = resolve_netns(netns, netns_dir) if netns else None
+            sock = open_netlink_socket(NETLINK_ROUTE, 0, path, rcvbuf=rcvbuf)
+        except OSError as exc:  # no such namespace, no permission to enter it, no sockets left
+            err = exc.errno or errno.ENOENT
+            where = f"namespace {clip(netns, 60)}" if netns else "this namespace"
+            raise VfNetlinkError(err, f"open rtnetlink in {where}: {_strerror(err)}") from None
+        for option in (NETLINK_CAP_ACK, NETLINK_EXT_ACK):
+            # Kernels before 4.3 / 4.12 lack these: plain errors then, without an explanation.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(SOL_NETLINK, option, 1)
+        return sock
 
     def close(self) -> None:
         """Close the socket."""
