@@ -36,6 +36,7 @@ class Work(Enum):
     CONFIG = "config"  # config file loads
     FILES = "files"  # Allocate's and Prepare's files: CDI specs, device-info, the DRA checkpoint
     METRICS = "metrics"  # /metrics renders (the scrape path, which anyone on its address may flood)
+    NETLINK = "netlink"  # rtnetlink requests that change links (VF settings, MTUs: node/vfnetlink.py)
 
 
 # Threads per kind.  Scans run Cython with the GIL released and may block in a hung driver's read, so
@@ -46,6 +47,9 @@ SIZES: dict[Work, int] = {
     Work.CONFIG: 1,
     Work.FILES: 4,
     Work.METRICS: 1,
+    # The kernel runs an rtnetlink request in the sending thread, under rtnl_lock, and a driver's
+    # ndo_set_vf_* may wait there on its firmware: a stuck one holds these threads, not the files'.
+    Work.NETLINK: 2,
 }
 
 
