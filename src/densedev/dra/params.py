@@ -546,3 +546,91 @@ def plan(config: Any, results: Sequence[Result], driver: str) -> Plan:
     if problems:
         return Plan({}, tuple(dict.fromkeys(problems)))
     return Plan(configs, ())
+
+
+# ---- checking objects before they are applied (``densedev dra-check-params``) -------------------------
+
+CHECKED_KINDS = ("ResourceClaimTemplate", "ResourceClaim", "DeviceClass")
+
+
+class Checked(NamedTuple):
+    """What checking one object found: its label, the effective config per request, the refusals."""
+
+    label: str  # "ResourceClaimTemplate default/dpdk"
+    configs: Mapping[str, VfConfig]  # request → effective config, for requests our entries reach
+    problems: tuple[Problem, ...]
+    other_drivers: tuple[str, ...]  # drivers of opaque entries not ours (a typo'd name is skipped here)
+
+
+def _get(doc: Any, *path: str) -> Any:
+    for key in path:
+        if not isinstance(doc, dict):
+            return None
+        doc = doc.get(key)
+    return doc
+
+
+def _request_names(devices: Any) -> list[str]:
+    """Return a claim spec's request names, subrequests as ``main/sub`` (what results and config name)."""
+    names: list[str] = []
+    requests = _get(devices, "requests")
+    for r in requests if isinstance(requests, list) else []:
+        name = _get(r, "name")
+        if not isinstance(name, str):
+            continue
+        subs = _get(r, "firstAvailable")
+        sub_names = [s.get("name") for s in subs if isinstance(s, dict)] if isinstance(subs, list) else []
+        if sub_names:
+            names.extend(f"{name}/{s}" for s in sub_names if isinstance(s, str))
+        else:
+            names.append(name)
+    return names
+
+
+def check_object(doc: Mapping[str, Any], driver: str) -> Checked:
+    """Check the opaque config for ``driver`` of a ResourceClaimTemplate, ResourceClaim or DeviceClass.
+
+    A claim with an allocation is checked as Prepare would read it (the allocation's config, class entries
+    included); otherwise its spec.  A DeviceClass's entries reach every request that picks the class,
+    labelled ``*``.
+    """
+    kind = doc.get("kind")
+    name, ns = _get(doc, "metadata", "name"), _get(doc, "metadata", "namespace")
+    shown = "/".join(clip(str(x), 63) for x in (ns, name) if isinstance(x, str)) or "(no name)"
+    label = f"{clip(str(kind), 40)} {shown}"
+    source: Source | None = None
+    requests: list[str]
+    if kind == "DeviceClass":
+        config, source, requests = _get(doc, "spec", "config"), Source.CLASS, [ALL_REQUESTS]
+    elif kind == "ResourceClaim" and isinstance(_get(doc, "status", "allocation"), dict):
+        config = _get(doc, "status", "allocation", "devices", "config")
+        results = _get(doc, "status", "allocation", "devices", "results")
+        found = [_get(r, "request") for r in results] if isinstance(results, list) else []
+        requests = list(dict.fromkeys(r for r in found if isinstance(r, str)))
+    else:
+        devices = _get(doc, "spec", "spec", "devices") if kind == "ResourceClaimTemplate" else None
+        devices = _get(doc, "spec", "devices") if kind == "ResourceClaim" else devices
+        config, source, requests = _get(devices, "config"), Source.CLAIM, _request_names(devices)
+    entries, broken = read_entries(config, driver, source=source)
+    problems: list[Problem] = []
+    labels = requests or [ALL_REQUESTS]
+    for where, field, reason in broken:
+        problems.extend(Problem(r, field, reason, where) for r in labels)
+    if source is Source.CLAIM:
+        known = set(requests) | {r.split("/", 1)[0] for r in requests}
+        for e in entries:
+            problems.extend(
+                Problem(r, "requests", "names no request of this claim", e.where)
+                for r in e.requests
+                if r not in known
+            )
+    configs: dict[str, VfConfig] = {}
+    for request in labels:
+        if not any(e.covers(request) for e in entries):
+            continue
+        cfg, found_problems = effective(entries, request)
+        problems.extend(found_problems)
+        configs[request] = cfg
+    others = [_get(c, "opaque", "driver") for c in config] if isinstance(config, list) else []
+    other_drivers = tuple(dict.fromkeys(clip(d, 63) for d in others if isinstance(d, str) and d != driver))
+    return Checked(label, configs, tuple(dict.fromkeys(problems)), other_drivers)
