@@ -205,7 +205,8 @@ def cmd_check_params(args: argparse.Namespace) -> int:
             settings = {k: v for k, v in cfg.to_json().items() if k not in ("apiVersion", "kind")}
             print(f"{shown}: {c.label}: OK, request {clip(request, 64)}: {json.dumps(settings)}")
         for other in c.other_drivers:
-            print(f"{shown}: {c.label}: note: config for driver {other} is not checked (not {clip(args.driver, 63)})")
+            ours = clip(args.driver, 63)
+            print(f"{shown}: {c.label}: note: config for driver {other} is not checked (not {ours})")
     return 0
 
 

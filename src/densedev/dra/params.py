@@ -537,7 +537,7 @@ def plan(config: Any, results: Sequence[Result], driver: str) -> Plan:
                 Problem(
                     r.request,
                     "parameters",
-                    f"{r.device} is also in request {asked_by[r.device]}, asked otherwise",
+                    f"{r.device} is also in request {asked_by[r.device]}, which asks otherwise",
                 )
             )
             continue
