@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.devices import dev
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -210,6 +211,22 @@ def test_a_request_and_field_from_outside_cannot_break_the_line() -> None:
     assert "\x1b" not in line and "\\x1b" in line and "x\\nvlan: unknown field" in line
 
 
+def test_facts_of_a_scanned_vf_take_the_pfs_link_type() -> None:
+    ib_pf = dev("0000:3b:00.0", Role.PF, link_type="infiniband", pf="", pf_netdev="")
+    vfio_vf = dev("0000:3b:00.2", driver="vfio-pci", link_type="", netdevs=())
+    # vfio-bound: no netdev of its own, but its PF's says InfiniBand, so a VLAN is refused for what it is.
+    facts = params.facts_of(vfio_vf, ib_pf)
+    assert facts == DeviceFacts(Role.VF, LinkType.INFINIBAND, "vfio-pci", False)
+    assert params.check_device(VfConfig(vlan=3), facts) == [("vlan", "does not apply to an InfiniBand VF")]
+    # Without the PF in the table, the VF's own netdev's type stands in; with neither, nothing is sent.
+    assert params.facts_of(dev("0000:3b:00.3", link_type="ether"), None).link_type is LinkType.ETHER
+    assert params.facts_of(vfio_vf, None).link_type is LinkType.NONE
+    assert params.facts_of(dev("0000:3b:00.4", pf_netdev=""), ib_pf).link_type is LinkType.NONE
+    assert params.facts_of(ib_pf, None, admin_access=True) == DeviceFacts(
+        Role.PF, LinkType.INFINIBAND, "mlx5_core", True
+    )
+
+
 # ---- merging: class entries first, then the claim's, later fields win --------------------------------
 
 
@@ -392,6 +409,14 @@ def test_any_json_parameters_give_a_config_or_refusals(doc: Any) -> None:
         assert params.parse_parameters(parsed.to_json()) == parsed  # what was read reads back the same
     else:
         assert parsed and all(isinstance(f, str) and why and "\n" not in why for f, why in parsed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(doc=_json)
+def test_the_size_measured_is_that_of_compact_json(doc: Any) -> None:
+    exact = len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    assert params._encoded_size(doc, 1 << 30) == exact
+    assert params._encoded_size(doc, 10) >= min(exact, 11)  # stops past the limit, never short of it
 
 
 @settings(max_examples=200, deadline=None)

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple
 
-from ..model import Role
+from ..model import Device, Role
 from ..printable import clip
 
 API_VERSION = "net.densedev.io/v1alpha1"
@@ -179,6 +179,24 @@ class DeviceFacts(NamedTuple):
     admin_access: bool = False  # the result has adminAccess: it shares the device and configures nothing
 
 
+def facts_of(device: Device, pf: Device | None, *, admin_access: bool = False) -> DeviceFacts:
+    """Return a scanned device's facts; a VF's link type is its PF's, whose netdev carries VF settings.
+
+    ``pf`` is the VF's PF from the same device table (None when it is not there).  A VF whose PF netdev
+    is unknown gets ``LinkType.NONE``, so the PF-side settings are refused rather than tried blind.
+    """
+    if device.role == Role.VF:
+        if not device.pf_netdev:
+            link = LinkType.NONE
+        elif pf is not None and pf.link_type:
+            link = LinkType(pf.link_type)
+        else:  # the VF's own netdev is of its PF's type (one port); none while vfio-bound
+            link = LinkType(device.link_type)
+    else:
+        link = LinkType(device.link_type)
+    return DeviceFacts(Role(device.role), link, device.driver, admin_access)
+
+
 class Problem(NamedTuple):
     """One refusal: the request it stops, the field, the reason, and which config entry asked."""
 
@@ -259,7 +277,7 @@ def _encoded_size(value: Any, limit: int) -> int:
         if isinstance(v, dict):
             size += 1 + max(len(v) - 1, 0) + len(v)  # braces, commas, colons
             for k, item in v.items():
-                size += len(json.dumps(str(k)).encode())
+                size += len(json.dumps(str(k), ensure_ascii=False).encode("utf-8", "surrogatepass"))
                 stack.append(item)
             size += 1
         elif isinstance(v, list):
