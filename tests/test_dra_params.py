@@ -470,6 +470,21 @@ def test_the_templates_are_the_ones_the_docs_show_and_kubernetes_takes() -> None
         SchemaChecker().check(yaml.safe_load(text), "1.34")  # and the API server would take it
 
 
+def test_the_output_the_docs_show_is_what_the_command_prints(child_env: dict[str, str]) -> None:
+    section = DOCS.read_text().split("## Claim parameters", 1)[1]
+    shown = re.search(r"\$ densedev dra-check-params vlan-vf.yaml\n(.*?)\n", section)
+    assert shown is not None
+    done = subprocess.run(
+        [sys.executable, "-m", "densedev.cli", "dra-check-params", "vlan-vf.yaml"],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=child_env,
+        cwd=DATA,
+    )
+    assert (done.returncode, done.stdout) == (0, shown[1] + "\n")
+
+
 BROKEN = [
     # (template, (old, new) edit, the line expected after "<file>: ResourceClaimTemplate default/<name>: ")
     (
