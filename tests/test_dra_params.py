@@ -142,6 +142,12 @@ DEVICE_REFUSALS = [
     (vf(vlan=5), PF, "vlan", "set through the PF for a VF; this device is a pf"),
     (
         vf(driver="vfio-pci"),
+        DeviceFacts(Role.VF, LinkType.ETHER, "iavf", iommu_group=-1),
+        "driver",
+        "vfio-pci needs an IOMMU group and this VF has none",
+    ),
+    (
+        vf(driver="vfio-pci"),
         DeviceFacts(Role.PCI, LinkType.NONE, "ixgbe"),
         "driver",
         "this device is a pci",
@@ -172,6 +178,8 @@ DEVICE_ACCEPTS = [
     (vf(mtu=9000), PF),  # a whole PF handed out: its own netdev
     (vf(vlan=0, minTxRateMbps=500, maxTxRateMbps=0), ETH_VF),  # max 0 is "no limit": any min
     (vf(), ADMIN_VF),  # nothing asked: admin access is fine
+    (vf(driver="vfio-pci"), DeviceFacts(Role.VF, LinkType.ETHER, "iavf", iommu_group=12)),
+    (vf(driver="iavf"), DeviceFacts(Role.VF, LinkType.ETHER, "vfio-pci", iommu_group=-1)),
 ]
 
 
@@ -216,15 +224,16 @@ def test_facts_of_a_scanned_vf_take_the_pfs_link_type() -> None:
     vfio_vf = dev("0000:3b:00.2", driver="vfio-pci", link_type="", netdevs=())
     # vfio-bound: no netdev of its own, but its PF's says InfiniBand, so a VLAN is refused for what it is.
     facts = params.facts_of(vfio_vf, ib_pf)
-    assert facts == DeviceFacts(Role.VF, LinkType.INFINIBAND, "vfio-pci", False)
+    assert facts == DeviceFacts(Role.VF, LinkType.INFINIBAND, "vfio-pci", False, -1)
     assert params.check_device(VfConfig(vlan=3), facts) == [("vlan", "does not apply to an InfiniBand VF")]
     # Without the PF in the table, the VF's own netdev's type stands in; with neither, nothing is sent.
     assert params.facts_of(dev("0000:3b:00.3", link_type="ether"), None).link_type is LinkType.ETHER
     assert params.facts_of(vfio_vf, None).link_type is LinkType.NONE
     assert params.facts_of(dev("0000:3b:00.4", pf_netdev=""), ib_pf).link_type is LinkType.NONE
     assert params.facts_of(ib_pf, None, admin_access=True) == DeviceFacts(
-        Role.PF, LinkType.INFINIBAND, "mlx5_core", True
+        Role.PF, LinkType.INFINIBAND, "mlx5_core", True, -1
     )
+    assert params.facts_of(dev("0000:3b:00.5", iommu_group=40), None).iommu_group == 40
 
 
 # ---- merging: class entries first, then the claim's, later fields win --------------------------------

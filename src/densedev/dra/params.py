@@ -177,6 +177,7 @@ class DeviceFacts(NamedTuple):
     link_type: LinkType  # for a VF: the PF's netdev's (rtnetlink goes through it); ``NONE`` when none
     driver: str  # the driver bound now; "" when none
     admin_access: bool = False  # the result has adminAccess: it shares the device and configures nothing
+    iommu_group: int | None = None  # its IOMMU group, -1 when it has none; None: not known here
 
 
 def facts_of(device: Device, pf: Device | None, *, admin_access: bool = False) -> DeviceFacts:
@@ -194,7 +195,7 @@ def facts_of(device: Device, pf: Device | None, *, admin_access: bool = False) -
             link = LinkType(device.link_type)
     else:
         link = LinkType(device.link_type)
-    return DeviceFacts(Role(device.role), link, device.driver, admin_access)
+    return DeviceFacts(Role(device.role), link, device.driver, admin_access, device.iommu_group)
 
 
 class Problem(NamedTuple):
@@ -512,6 +513,9 @@ def check_device(cfg: VfConfig, facts: DeviceFacts) -> list[tuple[str, str]]:
     for f in asked:
         if f is Field.DRIVER and not is_vf:
             problems.append((f.value, f"only a VF's driver is rebound; this device is a {facts.role}"))
+        elif f is Field.DRIVER and cfg.driver == VFIO_PCI and facts.iommu_group == -1:
+            # vfio-pci binds only a device in an IOMMU group (or vfio's no-IOMMU mode, which gives one).
+            problems.append((f.value, "vfio-pci needs an IOMMU group and this VF has none"))
         elif f in NETDEV_FIELDS and cfg.driver is None and (not bound or bound in USERSPACE_DRIVERS):
             # (a driver asked in the same config is check_config's: one line per cause)
             now = f"bound to {bound}" if bound else "bound to no driver"
