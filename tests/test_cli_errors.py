@@ -40,7 +40,11 @@ def one_line(stderr: str) -> str:
     ("args", "expected"),
     [
         (["--bogus"], "densedev: error: unrecognized arguments: --bogus"),
-        ([], "densedev: error: a command is required"),
+        (
+            [],
+            "densedev: error: a command is required: one of run, scan, check-config, simulate, demo, "
+            "kubelet-emulator, dra-slices, dra-manifests, dra-check-params",
+        ),
         (["run", "--metrics-addr", "bogus"], "argument --metrics-addr: metrics address 'bogus' has no port"),
         (["run", "--metrics-addr", ":99999"], "port 99999 is out of range 0-65535"),
         (["run", "--log-level", "bogus"], "argument --log-level: log level 'bogus' is not one of"),

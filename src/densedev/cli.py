@@ -780,10 +780,9 @@ def main(argv: Sequence[str] | None = None, *, scan_ahead: ScanAhead | None = No
     parser = build_parser(command_word(argv))
     args = parser.parse_args(argv)
     if args.command is None:
-        parser.error(
-            "a command is required: one of run, scan, check-config, simulate, demo, kubelet-emulator, "
-            "dra-slices, dra-manifests"
-        )
+        from .dra import commands as dra_commands
+
+        parser.error(f"a command is required: one of {', '.join((*_OWN_COMMANDS, *dra_commands.COMMANDS))}")
     _setup_logging(args)
     for note in notes:
         log.warning("%s", note)
