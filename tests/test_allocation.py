@@ -510,3 +510,35 @@ def test_any_mix_of_devices_gives_one_consistent_response(
                         and value.replace("/dev/vfio/", "/dev/vfio/noiommu-") in hosts
                     )
     assert all(n.permissions == "rw" for n in parts.devices)
+
+
+def test_subfunctions_that_ask_for_vhost_net_get_it(tmp_path: Path, dev_root: Path) -> None:
+    # The SR-IOV plugin's v3.11 takes needVhostNet in an auxNetDevice selector (its PR #682); a file
+    # written for it must load here and give the SF's containers /dev/vhost-net and /dev/net/tun.
+    from densedev.pools.config import parse
+
+    text = json.dumps(
+        {
+            "resourceList": [
+                {
+                    "resourceName": "sf_vhost",
+                    "resourcePrefix": "nvidia.com",
+                    "deviceType": "auxNetDevice",
+                    "selectors": {"auxTypes": ["sf"], "needVhostNet": True},
+                }
+            ]
+        }
+    )
+    (config,) = parse(text).pools
+    touch(dev_root, "/dev/vhost-net", "/dev/net/tun")
+    sf = dev("mlx5_core.sf.4", role=Role.SF, aux_type="sf", vf_index=4, netdevs=("enp59s0f0s4",))
+    alloc = PoolAllocator(pool_of(config, [sf]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["mlx5_core.sf.4"])
+    assert nodes(resp) == [("/dev/vhost-net", "/dev/vhost-net", "rw"), ("/dev/net/tun", "/dev/net/tun", "rw")]
+    info = json.loads(resp.envs["PCIDEVICE_NVIDIA_COM_SF_VHOST_INFO"])["mlx5_core.sf.4"]
+    assert info["vhost"] == {"net-mount": "/dev/vhost-net", "tun-mount": "/dev/net/tun"}
+    # Required, as for VFs: a node that is missing fails the request naming it.
+    (dev_root / "net" / "tun").unlink()
+    with pytest.raises(RequestError) as err:
+        alloc.allocate(["mlx5_core.sf.4"])
+    assert err.value.kind == RequestError.PRECONDITION and "/dev/net/tun" in err.value.message
