@@ -148,6 +148,18 @@ def vdpa_path(device: Device) -> str:
 RDMA_NODE_CLASSES = ("infiniband_verbs", "infiniband_mad", "infiniband_cm")
 
 
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _listing(dirfd: int, name: str) -> list[str]:
+    """Return the names in subdirectory ``name`` of ``dirfd`` (not following a symlink there)."""
+    fd = os.open(name, _O_DIR | os.O_NOFOLLOW, dir_fd=dirfd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 def rdma_now(sysfs_root: Path, device: Device) -> Device:
     """Return ``device`` with its RDMA device and char devices as sysfs shows them now.
 
@@ -155,23 +167,34 @@ def rdma_now(sysfs_root: Path, device: Device) -> Device:
     reloaded (its minors, hence the ``uverbsN`` names, renumbered), the RDMA device re-created by a
     driver reset, or renamed (``rdma dev set … name``).  Those class devices raise uevents of their
     own subsystems, which no rescan follows, so the SR-IOV network device plugin (v3.11, its issue
-    #565) reads them at Allocate; so does densedev, for RDMA pools only.  Four listings of kernfs
-    directories (no driver callback runs, and a function has a handful of entries) per device.
-    An unreadable directory counts as empty: the caller then refuses the device (fail closed).
+    #565) reads them at Allocate; so does densedev, for RDMA pools only.  What is read: the function's
+    directory listing, then the listings of those of its ``infiniband``/``infiniband_*`` directories
+    that exist.  Only kernfs directory listings, where no driver callback runs (attribute reads can
+    block in a driver; listings cannot), and a function has a few dozen entries at most.  An
+    unreadable function counts as one without RDMA: the caller then refuses the device (fail closed).
     """
     bus = layout.PCI_DEVICES if pci.is_address(device.id) else layout.AUX_DEVICES
-    function = sysfs_root / bus / device.id
+    ibdev = ""
     nodes: list[str] = []
-    for cls in RDMA_NODE_CLASSES:
-        try:
-            nodes += (f"/dev/infiniband/{n}" for n in files.list_names(function / cls))
-        except OSError:
-            continue
     try:
-        ibdevs = files.list_names(function / "infiniband")
+        # The bus entry is the kernel's link into devices/: followed, as every scan does.
+        fd = os.open(sysfs_root / bus / device.id, _O_DIR)
     except OSError:
-        ibdevs = []
-    ibdev = ibdevs[0] if ibdevs else ""
+        fd = -1
+    if fd >= 0:
+        try:
+            present = set(os.listdir(fd))
+            if "infiniband" in present:
+                ibdevs = sorted(_listing(fd, "infiniband"))
+                ibdev = ibdevs[0] if ibdevs else ""
+            for cls in RDMA_NODE_CLASSES:
+                if cls in present:
+                    nodes += (f"/dev/infiniband/{n}" for n in _listing(fd, cls))
+        except OSError:
+            # Gone while read (the function removed or its driver unbound): nothing is there now.
+            ibdev, nodes = "", []
+        finally:
+            os.close(fd)
     fresh = tuple(sorted(nodes))
     if ibdev == device.rdma_device and fresh == device.rdma_nodes:
         return device  # the common case: the record is current, the same object goes on
