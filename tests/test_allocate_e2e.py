@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -732,3 +733,102 @@ async def test_a_node_that_appears_later_gets_its_cdi_entry_at_allocate(
     # The runtime resolves the name the response carries: the spec holds it by now.
     assert unordered_nodes(json.loads(spec.read_text())) == unordered_nodes(expected_spec(kind))
     assert set(files(node.devinfo_dir)) == {devinfo_path(node, "uio_vf", d).name for d in kind.ids}
+
+
+# ------------------------------------------------------------------- RDMA char devices read at Allocate
+
+
+def move_class_device(node: Node, cls: str, name: str, src: str, dst: str, new_name: str) -> None:
+    """Move a class device (``infiniband_verbs/uverbs3``) from one function to another, as re-creation does.
+
+    The kernel removes the old class device and adds the new one under its parent function, with the
+    ``class/<cls>/<name>`` link following; the char devices' own uevents (subsystems infiniband_verbs
+    and infiniband_mad) are none of the ones densedev rescans on, and a simulated node sends none.
+    """
+    old = Path(node.function_path(src)) / cls / name
+    new = Path(node.function_path(dst)) / cls / new_name
+    new.parent.mkdir(exist_ok=True)
+    old.rename(new)
+    link = node.sysfs / "class" / cls / new_name
+    link.unlink(missing_ok=True)
+    link.symlink_to(os.path.relpath(new, link.parent))
+
+
+def swap_char_devices(node: Node, a: str, b: str) -> None:
+    """Give ``a`` the uverbs/umad of ``b`` and the other way round (a module reload's renumbering)."""
+    na, nb = node.char_nodes(a), node.char_nodes(b)
+    for kind, cls in (("uverbs", "infiniband_verbs"), ("umad", "infiniband_mad")):
+        move_class_device(node, cls, na[kind], a, b, na[kind] + ".tmp")
+        move_class_device(node, cls, nb[kind], b, a, nb[kind])
+        move_class_device(node, cls, na[kind] + ".tmp", b, b, na[kind])
+        (node.sysfs / "class" / cls / (na[kind] + ".tmp")).unlink()
+
+
+async def test_rdma_char_devices_renumbered_after_start_are_read_at_allocate(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    """ib_uverbs/ib_umad reloaded in another order: two VFs swap their char devices, one ibdev renamed.
+
+    Discovery's record of VF a now names VF b's char devices: handing them out would give a's
+    container b's RDMA device (held by another pod, maybe).  The SR-IOV plugin reads them at
+    Allocate since v3.11 (its #565); so does densedev.
+    """
+    kinds = node.kinds()
+    a, b = kinds["rdma_vf"].ids
+    na, nb = node.char_nodes(a), node.char_nodes(b)
+    swap_char_devices(node, a, b)
+    (ibdev_a,) = os.listdir(node.function_path(a) + "/infiniband")
+    (Path(node.function_path(a)) / "infiniband" / ibdev_a).rename(
+        Path(node.function_path(a)) / "infiniband" / "rdma_vf_a"
+    )
+    assert node.char_nodes(a) == nb and node.char_nodes(b) == na
+    # What each VF now has, read from the tree: a's container must get nb's nodes and the new name.
+    section, nodes = node.rdma_parts(a, "rdma_vf_a")
+    assert section["uverbs"] == f"/dev/infiniband/{nb['uverbs']}"
+
+    resp = await kubelet.allocate(res("rdma_vf"), [a])
+    name = env_of("rdma_vf")
+    assert json.loads(resp.envs[f"{name}_INFO"]) == {a: {"generic": {"deviceID": a}, "rdma": section}}
+    # CDI on (this module's default): the nodes travel in the spec the response names.
+    assert [c.name for c in resp.cdi_devices] == [f"{res('rdma_vf')}={a}"]
+    spec = json.loads(spec_path(node, "rdma_vf").read_text())
+    (entry,) = [e for e in spec["devices"] if e["name"] == a]
+    got = {(n["path"], n["hostPath"], n["permissions"]) for n in entry["containerEdits"]["deviceNodes"]}
+    assert got == set(nodes)
+    assert f"/dev/infiniband/{na['uverbs']}" not in {n[1] for n in got}
+    doc = json.loads(devinfo_path(node, "rdma_vf", a).read_text())
+    assert doc["pci"]["rdma-device"] == "rdma_vf_a"
+
+
+@pytest.mark.parametrize("cdi", [False], ids=["devices"])
+async def test_rdma_char_devices_read_at_allocate_without_cdi(
+    node: Node, cdi: bool, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    """The same with CDI off: the response's device specs name the VF's char devices of now."""
+    a, b = node.kinds()["rdma_vf"].ids
+    swap_char_devices(node, a, b)
+    (ibdev_a,) = os.listdir(node.function_path(a) + "/infiniband")
+    _, nodes = node.rdma_parts(a, ibdev_a)
+    resp = await kubelet.allocate(res("rdma_vf"), [a])
+    assert list(resp.cdi_devices) == []
+    assert {(d.container_path, d.host_path, d.permissions) for d in resp.devices} == set(nodes)
+
+
+async def test_an_rdma_device_gone_after_start_is_refused_not_handed_out_bare(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    """The VF's RDMA device left the host (a driver reset, or exclusive mode moved it to a pod's netns)."""
+    kinds = node.kinds()
+    a, b = kinds["rdma_vf"].ids
+    fn = Path(node.function_path(a))
+    for cls in ("infiniband", "infiniband_verbs", "infiniband_mad"):
+        for name in os.listdir(fn / cls):
+            link = node.sysfs / "class" / cls / name
+            link.unlink()
+        shutil.rmtree(fn / cls)
+    code, text = await refused(kubelet, "rdma_vf", [a])
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and a in text, text
+    assert not devinfo_path(node, "rdma_vf", a).exists()
+    # The other VF is untouched and still allocates.
+    resp = await kubelet.allocate(res("rdma_vf"), [b])
+    assert env_of("rdma_vf") in resp.envs

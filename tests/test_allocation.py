@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -510,3 +512,101 @@ def test_any_mix_of_devices_gives_one_consistent_response(
                         and value.replace("/dev/vfio/", "/dev/vfio/noiommu-") in hosts
                     )
     assert all(n.permissions == "rw" for n in parts.devices)
+
+
+def test_subfunctions_that_ask_for_vhost_net_get_it(tmp_path: Path, dev_root: Path) -> None:
+    # The SR-IOV plugin's v3.11 takes needVhostNet in an auxNetDevice selector (its PR #682); a file
+    # written for it must load here and give the SF's containers /dev/vhost-net and /dev/net/tun.
+    from densedev.pools.config import parse
+
+    text = json.dumps(
+        {
+            "resourceList": [
+                {
+                    "resourceName": "sf_vhost",
+                    "resourcePrefix": "nvidia.com",
+                    "deviceType": "auxNetDevice",
+                    "selectors": {"auxTypes": ["sf"], "needVhostNet": True},
+                }
+            ]
+        }
+    )
+    (config,) = parse(text).pools
+    touch(dev_root, "/dev/vhost-net", "/dev/net/tun")
+    sf = dev("mlx5_core.sf.4", role=Role.SF, aux_type="sf", vf_index=4, netdevs=("enp59s0f0s4",))
+    alloc = PoolAllocator(pool_of(config, [sf]), settings(tmp_path, dev_root), lambda _id: True)
+    resp = alloc.allocate(["mlx5_core.sf.4"])
+    assert nodes(resp) == [("/dev/vhost-net", "/dev/vhost-net", "rw"), ("/dev/net/tun", "/dev/net/tun", "rw")]
+    info = json.loads(resp.envs["PCIDEVICE_NVIDIA_COM_SF_VHOST_INFO"])["mlx5_core.sf.4"]
+    assert info["vhost"] == {"net-mount": "/dev/vhost-net", "tun-mount": "/dev/net/tun"}
+    # Required, as for VFs: a node that is missing fails the request naming it.
+    (dev_root / "net" / "tun").unlink()
+    with pytest.raises(RequestError) as err:
+        alloc.allocate(["mlx5_core.sf.4"])
+    assert err.value.kind == RequestError.PRECONDITION and "/dev/net/tun" in err.value.message
+
+
+# -- RDMA char devices read at Allocate, against a simulated node's tree ---------------------------
+
+
+@pytest.fixture
+def roce(tmp_path: Path, dev_root: Path) -> tuple[Path, list[Device]]:
+    """A simulated node's sysfs with 2 PFs x 2 RoCE VFs, scanned; /dev stand-ins for every char device."""
+    from densedev.node import scanner
+    from densedev.testing import simnode
+
+    sysfs = tmp_path / "sys"
+    simnode.build_node(sysfs, pfs=2, vfs_per_pf=2, rdma=True)
+    vfs = [d for d in scanner.scan(sysfs).devices if d.rdma_device and d.pf]
+    touch(dev_root, "/dev/infiniband/rdma_cm", *(n for d in vfs for n in d.rdma_nodes))
+    return sysfs, vfs
+
+
+def rdma_allocator(tmp_path: Path, dev_root: Path, sysfs: Path, vfs: list[Device]) -> PoolAllocator:
+    s = AllocationSettings(
+        cdi_dir=None, devinfo_dir=tmp_path / "devinfo", dev_root=dev_root, sysfs_root=sysfs
+    )
+    return PoolAllocator(pool_of(RDMA, vfs), s, lambda _id: True)
+
+
+def test_a_symlink_planted_for_a_class_dir_is_refused_not_followed(
+    tmp_path: Path, dev_root: Path, roce: tuple[Path, list[Device]]
+) -> None:
+    # sysfs never has a symlink there; one pointing at another VF's char devices must not hand those
+    # out: the VF is refused (fail closed), the other VF still allocates with its own.
+    sysfs, vfs = roce
+    a, b = vfs[0], vfs[1]
+    fn_a = Path(os.path.realpath(sysfs / "bus/pci/devices" / a.id))
+    fn_b = Path(os.path.realpath(sysfs / "bus/pci/devices" / b.id))
+    shutil.rmtree(fn_a / "infiniband_verbs")
+    (fn_a / "infiniband_verbs").symlink_to(fn_b / "infiniband_verbs")
+    alloc = rdma_allocator(tmp_path, dev_root, sysfs, vfs)
+    with pytest.raises(RequestError) as err:
+        alloc.allocate([a.id])
+    assert err.value.kind == RequestError.PRECONDITION and a.id in err.value.message
+    assert not (tmp_path / "devinfo").exists() or not any((tmp_path / "devinfo").iterdir())
+    resp = alloc.allocate([b.id])
+    assert {n[1] for n in nodes(resp)} == {*b.rdma_nodes, "/dev/infiniband/rdma_cm"}
+
+
+def test_a_function_gone_from_sysfs_is_refused(
+    tmp_path: Path, dev_root: Path, roce: tuple[Path, list[Device]]
+) -> None:
+    # The VF was destroyed after the last rescan (sriov_numvfs lowered): its record still names char
+    # devices whose numbers the kernel may give to the next function that registers.
+    sysfs, vfs = roce
+    (sysfs / "bus/pci/devices" / vfs[0].id).unlink()
+    alloc = rdma_allocator(tmp_path, dev_root, sysfs, vfs)
+    with pytest.raises(RequestError) as err:
+        alloc.prestart([vfs[0].id])
+    assert err.value.kind == RequestError.PRECONDITION and vfs[0].id in err.value.message
+
+
+def test_an_unchanged_function_keeps_its_record(
+    tmp_path: Path, dev_root: Path, roce: tuple[Path, list[Device]]
+) -> None:
+    # The common case costs no new record: the same Device object goes on (no CDI entry rebuilt).
+    from densedev.alloc.respond import rdma_now
+
+    sysfs, vfs = roce
+    assert all(rdma_now(sysfs, d) is d for d in vfs)

@@ -31,6 +31,7 @@ from ..model import (
     SharedScope,
     VdpaType,
 )
+from ..node import layout
 from ..pools.config import env_var_name
 from ..printable import listing
 from . import cdi, devinfo, leftovers
@@ -64,6 +65,8 @@ class AllocationSettings(NamedTuple):
     devinfo_dir: Path | None = devinfo.DEFAULT_DEVINFO_DIR
     dev_root: Path = DEFAULT_DEV_ROOT  # where to check which nodes exist (the host's /dev, maybe remounted)
     cdi_annotations: bool = False  # also return the cdi.k8s.io/ annotation (runtimes before CRI CDI fields)
+    # Where RDMA char devices are re-read at Allocate (see rdma_now); None: discovery's record is used.
+    sysfs_root: Path | None = None
 
 
 class NodeSpec(NamedTuple):
@@ -137,6 +140,65 @@ def vdpa_path(device: Device) -> str:
     if device.vdpa.startswith("vhost-vdpa-"):
         return f"/dev/{device.vdpa}"
     return f"/dev/vhost-{device.vdpa.replace('vdpa', 'vdpa-', 1)}"
+
+
+# The class directories a function holds its RDMA char devices in, as discovery reads them (uverbsN;
+# umadN and issmN; ucmN): each class device's parent is the function (drivers/infiniband/core/
+# uverbs_main.c, user_mad.c, ucma.c set dev.parent to the ib_device's parent).
+RDMA_NODE_CLASSES = ("infiniband_verbs", "infiniband_mad", "infiniband_cm")
+
+
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def _listing(dirfd: int, name: str) -> list[str]:
+    """Return the names in subdirectory ``name`` of ``dirfd`` (not following a symlink there)."""
+    fd = os.open(name, _O_DIR | os.O_NOFOLLOW, dir_fd=dirfd)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def rdma_now(sysfs_root: Path, device: Device) -> Device:
+    """Return ``device`` with its RDMA device and char devices as sysfs shows them now.
+
+    Discovery's record can be stale by the time a container is allocated: ib_uverbs or ib_umad
+    reloaded (its minors, hence the ``uverbsN`` names, renumbered), the RDMA device re-created by a
+    driver reset, or renamed (``rdma dev set … name``).  Those class devices raise uevents of their
+    own subsystems, which no rescan follows, so the SR-IOV network device plugin (v3.11, its issue
+    #565) reads them at Allocate; so does densedev, for RDMA pools only.  What is read: the function's
+    directory listing, then the listings of those of its ``infiniband``/``infiniband_*`` directories
+    that exist.  Only kernfs directory listings, where no driver callback runs (attribute reads can
+    block in a driver; listings cannot), and a function has a few dozen entries at most.  An
+    unreadable function counts as one without RDMA: the caller then refuses the device (fail closed).
+    """
+    bus = layout.PCI_DEVICES if pci.is_address(device.id) else layout.AUX_DEVICES
+    ibdev = ""
+    nodes: list[str] = []
+    try:
+        # The bus entry is the kernel's link into devices/: followed, as every scan does.
+        fd = os.open(sysfs_root / bus / device.id, _O_DIR)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        try:
+            present = set(os.listdir(fd))
+            if "infiniband" in present:
+                ibdevs = sorted(_listing(fd, "infiniband"))
+                ibdev = ibdevs[0] if ibdevs else ""
+            for cls in RDMA_NODE_CLASSES:
+                if cls in present:
+                    nodes += (f"/dev/infiniband/{n}" for n in _listing(fd, cls))
+        except OSError:
+            # Gone while read (the function removed or its driver unbound): nothing is there now.
+            ibdev, nodes = "", []
+        finally:
+            os.close(fd)
+    fresh = tuple(sorted(nodes))
+    if ibdev == device.rdma_device and fresh == device.rdma_nodes:
+        return device  # the common case: the record is current, the same object goes on
+    return device._replace(rdma_device=ibdev, rdma_nodes=fresh)
 
 
 _RDMA_KEYS = (("uverbs", "uverbs"), ("umad", "umad"), ("issm", "issm"), ("ucm", ""))
@@ -521,9 +583,35 @@ class PoolAllocator:
             devices.setdefault(d.id, d)
         return list(devices.values())
 
+    def _current(self, devices: list[Device]) -> list[Device]:
+        """Return the devices with their RDMA char devices re-read from sysfs (RDMA pools only).
+
+        A device that had an RDMA device at discovery and has none now (driver reset in progress, or
+        the RDMA device moved to a pod's namespace in exclusive mode) is refused rather than handed
+        out without it.
+        """
+        root = self.settings.sysfs_root
+        if root is None or not wants_rdma(self.config):
+            return devices
+        out: list[Device] = []
+        lost: list[str] = []
+        for d in devices:
+            if not (d.rdma_device or d.rdma_nodes):
+                out.append(d)
+                continue
+            now = rdma_now(root, d)
+            if d.rdma_device and not now.rdma_device:
+                lost.append(f"{d.id} (was {d.rdma_device})")
+            out.append(now)
+        if lost:
+            raise RequestError(
+                RequestError.PRECONDITION, f"no RDMA device under sysfs now: {listing(lost, width=120)}"
+            )
+        return out
+
     def allocate(self, ids: Sequence[str]) -> api_pb2.ContainerAllocateResponse:
         """Return the container's response for ``ids``; nothing is written unless every check passed."""
-        devices = self._check(ids, RequestError.INVALID)
+        devices = self._current(self._check(ids, RequestError.INVALID))
         kind = self.kind if self._cdi is not None else None
         parts, per_device = build_response(
             self.config, devices, self.settings.dev_root, kind, self.settings.cdi_annotations
@@ -589,7 +677,7 @@ class PoolAllocator:
 
     def prestart(self, ids: Sequence[str]) -> None:
         """Verify the devices are still in the pool, healthy, and have their nodes, just before start."""
-        devices = self._check(ids, RequestError.PRECONDITION)
+        devices = self._current(self._check(ids, RequestError.PRECONDITION))
         build_response(self.config, devices, self.settings.dev_root)
 
     def claim(self) -> leftovers.PoolClaim:

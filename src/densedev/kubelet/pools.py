@@ -60,6 +60,7 @@ class PoolRuntime:
             AllocationSettings(
                 cdi_dir=settings.cdi_dir,
                 devinfo_dir=settings.devinfo_dir,
+                sysfs_root=settings.sysfs_root,
                 dev_root=settings.dev_root,
                 cdi_annotations=settings.cdi_annotations,
             ),

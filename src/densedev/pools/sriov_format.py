@@ -72,7 +72,8 @@ _SELECTOR_KEYS_BY_TYPE: dict[DeviceType, tuple[str, ...]] = {
         "ddpProfiles",
     ),
     DeviceType.ACCELERATOR: _COMMON_SELECTOR_KEYS,
-    DeviceType.AUX_NET_DEVICE: (*_COMMON_SELECTOR_KEYS, *_NET_SELECTOR_KEYS, "auxTypes"),
+    # needVhostNet on subfunctions: the plugin's v3.11 (its PR #682) accepts it there too.
+    DeviceType.AUX_NET_DEVICE: (*_COMMON_SELECTOR_KEYS, *_NET_SELECTOR_KEYS, "needVhostNet", "auxTypes"),
 }
 _ALL_SELECTOR_KEYS = tuple(dict.fromkeys(k for keys in _SELECTOR_KEYS_BY_TYPE.values() for k in keys))
 _POOL_KEYS = (
