@@ -9,8 +9,10 @@ netdev: link type, link health, pools and the device-info document.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -22,10 +24,12 @@ from densedev.alloc.devinfo import info_document
 from densedev.health.tracker import HealthTracker
 from densedev.model import Device
 from densedev.node import scanner
+from densedev.node.events import LinkMonitor, LinkTuple, link_states
 from densedev.node.scanner import Scanner, netdev_names
 from densedev.pools import config as config_mod
 from densedev.pools import select
 from densedev.testing import simnode
+from densedev.testing.netns import aip, ip
 
 REAL_PCI = Path("/sys/bus/pci/devices")
 
@@ -194,3 +198,45 @@ def test_densedev_simulate_vendor_virtio(tmp_path: Path, capsys: pytest.CaptureF
     assert cli.main(["simulate", "--out", str(tmp_path / "big"), "--vendor", "virtio", "--pfs", "30"]) == 1
     err = capsys.readouterr().err
     assert "do not fit bus 0" in err and "Traceback" not in err and not (tmp_path / "big").exists()
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0, reason="creating a network namespace needs root")
+@pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2's ip is not installed")
+async def test_rtnetlink_link_down_of_the_virtio_netdev_makes_its_nic_unhealthy(
+    vm: simnode.NodeLayout, netns: str
+) -> None:
+    """The kernel's own link events, for a veth named as the virtio NIC's interface, reach its function."""
+    table = scanner.scan(vm.root)
+    pools = select.build_pools(config_mod.load(vm.root / "config.json"), table.devices)
+    tracker = HealthTracker(table.devices, pools)
+    tracker.collect()
+    nic = vm.pfs[0]
+    (pool,) = (p for p in pools if any(m.device.id == nic.address for m in p.members))
+    ip(netns, "link", "add", nic.netdev, "type", "veth", "peer", "name", "peer0")
+    ip(netns, "link", "set", "peer0", "up")
+    ip(netns, "link", "set", nic.netdev, "up")
+    seen: dict[str, bool] = {}
+    changed = asyncio.Event()
+
+    def on_links(batch: tuple[LinkTuple, ...]) -> None:
+        states, _gone = link_states(batch)
+        tracker.set_links(states)
+        seen.update(states)
+        changed.set()
+
+    async def until(name: str, up: bool) -> None:
+        while seen.get(name) is not up:
+            changed.clear()
+            await changed.wait()
+
+    monitor = LinkMonitor(on_links, lambda: None, netns=netns)
+    await monitor.start()
+    try:
+        await asyncio.wait_for(until(nic.netdev, True), 20.0)
+        assert tracker.unhealthy_devices(pool.config.full_name) == ()
+        await aip(netns, "link", "set", nic.netdev, "down")
+        await asyncio.wait_for(until(nic.netdev, False), 20.0)
+        assert tracker.unhealthy_devices(pool.config.full_name) == (nic.address,)
+    finally:
+        monitor.stop()
