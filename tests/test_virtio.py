@@ -240,3 +240,33 @@ async def test_rtnetlink_link_down_of_the_virtio_netdev_makes_its_nic_unhealthy(
         assert tracker.unhealthy_devices(pool.config.full_name) == (nic.address,)
     finally:
         monitor.stop()
+
+
+def test_pfnames_selects_the_vfs_of_a_pf_whose_netdev_is_below_its_virtio_device(
+    impl: ModuleType, tmp_path: Path
+) -> None:
+    """A virtio-net PF with VFs (VIRTIO_F_SR_IOV: virtio_pci_common.c virtio_pci_sriov_configure).
+
+    pfNames selects a PF's children by the PF's interface name (docs/config.md): the VFs take it from
+    the PF's netdev, which here sits at ``<pf>/virtio<N>/net/<if>``.
+    """
+    layout = simnode.build_node(tmp_path, pfs=2, vfs_per_pf=3)
+    pf = layout.pfs[0]
+    dev = Path(os.path.realpath(tmp_path / "bus/pci/devices" / pf.address))
+    (dev / "virtio7").mkdir()
+    os.rename(dev / "net", dev / "virtio7/net")
+    (tmp_path / "class/net" / pf.netdev).unlink()
+    os.symlink(
+        os.path.relpath(dev / "virtio7/net" / pf.netdev, tmp_path / "class/net"),
+        tmp_path / "class/net" / pf.netdev,
+    )
+    devices, warnings = impl.scan_sysfs(os.fsencode(tmp_path), None)
+    assert warnings == ()
+    rows = {d.id: d for d in devices}
+    assert rows[pf.address].netdevs == (pf.netdev,) and rows[pf.address].link_type == "ether"
+    assert all(rows[vf].pf_netdev == pf.netdev for vf in pf.vf_addresses)
+    cfg = config_mod.parse(
+        json.dumps({"resourceList": [{"resourceName": "v", "selectors": {"pfNames": [f"{pf.netdev}#0-1"]}}]})
+    )
+    (pool,) = select.build_pools(cfg, devices)
+    assert [m.device.id for m in pool.members] == list(pf.vf_addresses[:2])
