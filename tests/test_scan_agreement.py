@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from densedev.model import Device
-from densedev.testing.simnode import bind_driver, build_node, move_netdev_to_pod, set_num_vfs
+from densedev.testing.simnode import add_virtio_vdpa, bind_driver, build_node, move_netdev_to_pod, set_num_vfs
 
 # Ways a real node's sysfs goes wrong under a scanner (device removed, half-written attributes,
 # odd links), plus the ordinary changes the kernel makes.
@@ -34,6 +34,8 @@ MESS = (
     "long_int",  # an integer too long for the kernel's %d
     "sriov_off",  # sriov_numvfs set to 0: the PF's VFs are destroyed
     "class_link",  # an RDMA class link (read to find a node's function) points somewhere odd
+    "virtio_vdpa",  # a vDPA device bound to virtio_vdpa: its netdev under <fn>/[vdpaN/]virtioM/net/
+    "net_link",  # a class/net link of a virtio-like shape that names no real function or directory
 )
 ATTRS = (
     "uevent",  # ids and DRIVER= in one file; anything short of complete ids: the files decide
@@ -52,7 +54,7 @@ trees = st.fixed_dictionaries(
     {
         "pfs": st.integers(0, 3),
         "vfs": st.integers(0, 4),
-        "vendor": st.sampled_from(["mellanox", "intel"]),
+        "vendor": st.sampled_from(["mellanox", "intel", "virtio"]),
         "rdma": st.booleans(),
         "extras": st.booleans(),
         "numa": st.integers(1, 2),
@@ -101,15 +103,32 @@ def _apply(root: Path, kind: str, pick: int, attr: str, junk: bytes) -> None:
     elif kind == "bad_virtfn" and (dev / "virtfn0").is_symlink() and not (dev / "virtfnX").is_symlink():
         os.symlink("../" + (junk.hex() or "0"), dev / "virtfn-1")
         (dev / "virtfnX").symlink_to("nowhere")
-    elif kind == "to_pod" and (dev / "net").is_dir() and os.listdir(dev / "net"):
-        move_netdev_to_pod(root, name)
+    elif kind == "to_pod":
+        with contextlib.suppress(FileNotFoundError):  # no host interface: nothing to move
+            move_netdev_to_pod(root, name)
     elif kind == "unbind" and (dev / "driver").is_symlink():
         bind_driver(root, name, None)
     elif kind == "vfio":
         bind_driver(root, name, "vfio-pci")
-    elif kind == "bad_type" and (dev / "net").is_dir():
-        for ifname in os.listdir(dev / "net"):
-            (dev / "net" / ifname / "type").write_bytes(junk)
+    elif kind == "bad_type":
+        for net in (dev / "net", *dev.glob("virtio*/net"), *dev.glob("vdpa*/virtio*/net")):
+            for ifname in os.listdir(net) if net.is_dir() else ():
+                (net / ifname / "type").write_bytes(junk)
+    elif kind == "virtio_vdpa":
+        add_virtio_vdpa(root, name, f"vd{pick}", software=pick % 2 == 1)
+    elif kind == "net_link":
+        odd = (
+            "virtio1/net/e",  # relative, nothing before the virtio device
+            "/virtio1/net/e",
+            "vdpa0/virtio1/net/e",
+            f"../../devices/{name}/virtio1a/net/e",  # not virtio<N>
+            f"../../devices/{name}/virtio/net/e",
+            f"../../devices/{name}/vdpa0/virtio7/net/e",  # names the function, no such directory
+            f"../../devices/{name}/vdpax/virtio7/net/e",
+            f"../../devices/{name}//virtio3//net/e/",
+        )
+        (root / "class/net" / f"odd{pick}").unlink(missing_ok=True)
+        os.symlink(odd[pick % len(odd)], root / "class/net" / f"odd{pick}")
     elif kind == "sriov_off" and (dev / "virtfn0").is_symlink():
         with contextlib.suppress(OSError, ValueError):  # earlier mess may have broken the PF's files
             set_num_vfs(root, name, 0)
@@ -142,7 +161,7 @@ def test_extension_and_twin_agree_on_generated_trees(both: tuple[ModuleType, Mod
             vendor=tree["vendor"],
             rdma=tree["rdma"],
             numa_nodes=tree["numa"],
-            extras=tree["extras"],
+            extras=tree["extras"] and tree["vendor"] != "virtio",  # a VM's node has no SR-IOV extras
         )
         for kind, pick, attr, junk in tree["mess"]:
             _apply(root, kind, pick, attr, junk)

@@ -220,7 +220,7 @@ def _add_node_shape(p: argparse.ArgumentParser, least: int) -> None:
     """Add the simulated node's shape: --pfs, --vfs-per-pf (each at least ``least``) and --vendor."""
     p.add_argument("--pfs", type=_int_at_least(least), default=16, help="physical functions")
     p.add_argument("--vfs-per-pf", type=_int_at_least(least), default=256, help="virtual functions per PF")
-    p.add_argument("--vendor", choices=("mellanox", "intel"), default="mellanox", help="NIC model")
+    p.add_argument("--vendor", choices=("mellanox", "intel", "virtio"), default="mellanox", help="NIC model")
 
 
 def _add_seconds(p: argparse.ArgumentParser) -> None:

@@ -181,12 +181,30 @@ def _parent(link: bytes) -> bytes:
     return parts[-2] if len(parts) >= 2 else b""
 
 
+def _numbered(name: bytes, prefix: bytes) -> bool:
+    """Whether ``name`` is ``prefix`` followed by a decimal number (``virtio2``, ``vdpa0``)."""
+    return len(name) > len(prefix) and name.startswith(prefix) and name[len(prefix) :].isdigit()
+
+
 def _class_owner(link: bytes, cls: bytes) -> bytes:
-    """``../../devices/.../<function>/<cls>/<node>`` → ``<function>``; b"" for any other shape."""
+    """``../../devices/.../<function>/<cls>/<node>`` → ``<function>``; b"" for any other shape.
+
+    A virtio NIC's interface is not the function's own: virtio_net binds the virtio device the
+    transport registers below it (drivers/virtio/virtio_pci_common.c virtio_pci_probe sets
+    ``vp_dev->vdev.dev.parent = &pci_dev->dev``; virtio.c names it ``virtio<N>``), so the link reads
+    ``<function>/virtio<N>/net/<if>``, and the function owns it.  virtio_vdpa parents its virtio device on
+    the vDPA device's DMA device (virtio_vdpa.c virtio_vdpa_probe): the function for a hardware vDPA
+    device, the ``vdpa<N>`` device itself for a software one, ``<function>/vdpa<N>/virtio<M>/net/<if>``.
+    """
     parts = link.rstrip(b"/").split(b"/")
     if len(parts) < 3 or parts[-2] != cls:
         return b""
-    return parts[-3]
+    owner = parts[-3]
+    if cls == b"net" and len(parts) >= 4 and _numbered(owner, b"virtio"):
+        owner = parts[-4]
+        if len(parts) >= 5 and _numbered(owner, b"vdpa"):
+            owner = parts[-5]
+    return owner
 
 
 def _rdma_map(rootfd: int) -> dict[bytes, list[str]]:
@@ -345,9 +363,18 @@ def _driver_map(rootfd: int) -> dict[bytes, bytes]:
     return out
 
 
-def _link_type(dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: list[str]) -> str:
-    """``ether``/``infiniband`` from ``<prefix>net/<if>/type`` (ARPHRD); "" for any other type."""
+def _link_type(
+    dirfd: int, prefix: bytes, ifname: bytes, dev: str, warnings: list[str], rootfd: int = -1
+) -> str:
+    """``ether``/``infiniband`` from ``<prefix>net/<if>/type`` (ARPHRD); "" for any other type.
+
+    An interface the class map gave the function that is not in its ``net/`` sits deeper (a virtio
+    NIC's ``virtio<N>/net/<if>``: see _class_owner): then, and only then, ``class/net/<if>`` names the
+    same directory, so a function whose ``net/`` holds it never pays for the second open.
+    """
     status, data = _read(dirfd, prefix + b"net/" + ifname + b"/type")
+    if status == 2 and rootfd >= 0:
+        status, data = _read(rootfd, b"class/net/" + ifname + b"/type")
     if status != 0:
         return ""  # the interface left the host namespace between listing and reading: no link type
     value = _int(data)
@@ -453,7 +480,11 @@ def _scan_vf(maps: _Maps, name: bytes, warnings: list[str]) -> Device | None:
         return None
     warnings.extend(said)
     netdevs, ibdev, nodes = _functions(maps, name)
-    link_type = _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
+    link_type = (
+        _link_type(parentfd, name + b"/", os.fsencode(netdevs[0]), dev, warnings, maps.rootfd)
+        if netdevs
+        else ""
+    )
     uios = _listdir(parentfd, name + b"/uio") if "uio" in driver else []
     vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
     # NUMA node and PF netdev are its PF's (see the module docstring), its index its virtfn link's.
@@ -575,7 +606,9 @@ def _scan_pci(busfd: int, name: bytes, maps: _Maps, warnings: list[str]) -> Devi
                 maps.pfs[dev] = (parentfd, pcie_root, vf_ids, group >= 0, numa, pf_netdev)
         else:
             total = 0
-        link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), dev, warnings) if netdevs else ""
+        link_type = (
+            _link_type(devfd, b"", os.fsencode(netdevs[0]), dev, warnings, maps.rootfd) if netdevs else ""
+        )
         # uio/uioN exists only under a uio driver (igb_uio, uio_pci_generic, ...): drivers/uio/uio.c.
         uios = _listdir(devfd, b"uio") if "uio" in driver else []
         vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))
@@ -647,7 +680,11 @@ def _scan_sfs(rootfd: int, by_id: dict[str, Device], maps: _Maps, warnings: list
                         why = _why(sf_status) if sf_status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                link_type = _link_type(devfd, b"", os.fsencode(netdevs[0]), sf, warnings) if netdevs else ""
+                link_type = (
+                    _link_type(devfd, b"", os.fsencode(netdevs[0]), sf, warnings, maps.rootfd)
+                    if netdevs
+                    else ""
+                )
             finally:
                 os.close(devfd)
             vdpa_name, vdpa_driver = maps.vdpa.get(name, ("", ""))

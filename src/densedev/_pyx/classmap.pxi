@@ -29,9 +29,32 @@ cdef bint class_owner(const char *buf, Py_ssize_t n, const char *c, Py_ssize_t c
     k = e3
     while k > 0 and buf[k - 1] != 47:
         k -= 1
+    # A netdev below ``<function>/virtio<N>/`` (or ``<function>/vdpa<N>/virtio<M>/``) is the function's:
+    # see the twin's _class_owner.  Only a class/net link named so takes the extra steps.
+    if cn == 3 and memcmp(c, b"net", 3) == 0 and k > 0 and numbered(buf + k, e3 - k, b"virtio", 6):
+        e3 = k - 1
+        k = e3
+        while k > 0 and buf[k - 1] != 47:
+            k -= 1
+        if k > 0 and numbered(buf + k, e3 - k, b"vdpa", 4):
+            e3 = k - 1
+            k = e3
+            while k > 0 and buf[k - 1] != 47:
+                k -= 1
     at[0] = k
     ln[0] = e3 - k
     return e3 > k
+
+
+cdef inline bint numbered(const char *s, Py_ssize_t n, const char *prefix, Py_ssize_t pn) noexcept nogil:
+    """Whether ``s[:n]`` is ``prefix`` followed by decimal digits (``virtio2``, ``vdpa0``)."""
+    cdef Py_ssize_t i
+    if n <= pn or memcmp(s, prefix, pn) != 0:
+        return False
+    for i in range(pn, n):
+        if s[i] < 48 or s[i] > 57:
+            return False
+    return True
 
 
 # ------------------------------------------------------------------ class maps, in C

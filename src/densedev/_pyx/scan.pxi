@@ -488,9 +488,23 @@ cdef const char *first_netdev(_ScanMaps maps, bytes name) noexcept:
     return maps.cmaps[CLS_NET].e[i].name if i >= 0 else NULL
 
 
-cdef str link_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings):
-    """The link type of a ``net/<if>/type`` read (the twin's _link_type)."""
+cdef str link_type_name(int status, const char *buf, Py_ssize_t n, str ifname, str dev, list warnings,
+                        int rootfd):
+    """The link type of a ``net/<if>/type`` read (the twin's _link_type).
+
+    Absent there, the interface the class map gave the function may sit deeper (a virtio NIC's
+    ``virtio<N>/net/<if>``): only then is ``class/net/<if>/type`` read, the same directory.
+    """
     cdef long v
+    cdef char again[READ_MAX + 1]
+    cdef bytes path
+    cdef const char *cpath
+    if status == 2 and rootfd >= 0:
+        path = b"class/net/" + _os.fsencode(ifname) + b"/type"
+        cpath = path
+        with nogil:
+            status = read_attr(rootfd, cpath, again, &n)
+        buf = again
     if status != 0:
         return ""  # the interface left the host namespace between listing and reading
     if not parse_int(buf, n, &v):
@@ -503,7 +517,7 @@ cdef str link_type_name(int status, const char *buf, Py_ssize_t n, str ifname, s
     return ""
 
 
-cdef str read_link_type(int devfd, str ifname, str dev, list warnings):
+cdef str read_link_type(int devfd, str ifname, str dev, list warnings, int rootfd):
     cdef char buf[READ_MAX + 1]
     cdef Py_ssize_t n
     cdef int status
@@ -511,7 +525,7 @@ cdef str read_link_type(int devfd, str ifname, str dev, list warnings):
     cdef const char *cpath = path
     with nogil:
         status = read_attr(devfd, cpath, buf, &n)
-    return link_type_name(status, buf, n, ifname, dev, warnings)
+    return link_type_name(status, buf, n, ifname, dev, warnings, rootfd)
 
 
 # ------------------------------------------------------------------ uevent
@@ -803,7 +817,7 @@ cdef list build_pci(pci_read *d, int busfd, bytes name, _ScanMaps maps, list war
             total = 0
         if netdevs:
             a = &d.net_type
-            link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings)
+            link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings, maps.rootfd)
         else:
             link_type = ""
         if d.uio.oom:
@@ -961,7 +975,7 @@ cdef object build_vf(vf_read *v, bytes name, str pf, long index, _ScanMaps maps,
     if v.group_bad:
         warnings.append(f"{dev}: iommu_group: not a group number")
     netdevs, ibdev, nodes = functions_of(maps, name)
-    link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings) if netdevs else ""
+    link_type = link_type_name(a.status, a.buf, a.n, netdevs[0], dev, warnings, maps.rootfd) if netdevs else ""
     if v.uio.oom:
         raise MemoryError("sysfs scan: out of memory listing a directory")
     uio = fs_str(v.uio.names[0], strlen(v.uio.names[0])) if v.uio.count else ""
@@ -1188,7 +1202,7 @@ cdef list scan_sfs(int rootfd, dict by_id, list rows, _ScanMaps maps, list warni
                         why = _why(status) if status else "not an integer"
                         warnings.append(f"{sf}: sfnum: {why}")
                     sfnum = -1
-                link_type = read_link_type(devfd, netdevs[0], sf, warnings) if netdevs else ""
+                link_type = read_link_type(devfd, netdevs[0], sf, warnings, maps.rootfd) if netdevs else ""
             finally:
                 close(devfd)
             pf_netdevs = parent[DEV_NETDEVS]

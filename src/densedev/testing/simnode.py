@@ -59,7 +59,14 @@ _VENDORS = {
     "mellanox": _Vendor(0x15B3, 0x101D, 0x101E, "mlx5_core", "mlx5_core", 0x0016, True),
     # E810-C: PF 1592 (ice), adaptive VF 1889 (iavf); iRDMA exists but is off by default.
     "intel": _Vendor(0x8086, 0x1592, 0x1889, "ice", "iavf", 0x0002, False),
+    # A VM's virtio-net NIC (modern, non-transitional 1af4:1041, QEMU's subsystem 1af4:1041): virtio-pci
+    # binds the function, virtio_net the virtio<N> device below it; no VFs.  See _Writer.virtio_nic.
+    "virtio": _Vendor(0x1AF4, 0x1041, 0x1041, "virtio-pci", "", 0x1041, False),
 }
+# The virtio device id of a network card (virtio spec 5 "Device Types": 1) and its transport's bus.
+_VIRTIO_NET_ID = 1
+_VIRTIO_DEVICES = "bus/virtio/devices"
+_VIRTIO_DRIVERS = "bus/virtio/drivers"
 # PF vendor:device → the driver its VFs bind to when created (what the kernel's autoprobe would pick).
 _VF_DRIVERS = {
     (0x15B3, 0x101D): "mlx5_core",
@@ -161,6 +168,7 @@ class _Writer:
                 "iommu": 0,
                 "uio": 0,
                 "vdpa": 0,
+                "virtio": 0,
                 "names": {},  # device id → [ifname, ibdev]: what udev / the RDMA core would name it again
             }
         self._made: set[str] = set()
@@ -347,6 +355,60 @@ class _Writer:
         w(ndir + "/phys_port_name", f"{port_name}\n")
         rel = os.path.relpath(ndir, self.root)
         self.link(f"../../{rel}", os.path.join(self.root, layout.NET_CLASS, ifname))
+
+    def virtio_dev(self, parent: str, driver: str) -> str:
+        """A ``virtio<N>`` device below ``parent`` bound to ``driver``, as a VM's /sys has it; return its dir.
+
+        drivers/virtio/virtio.c register_virtio_device() names it ``virtio<N>`` (one index over the
+        node) and puts it on the virtio bus; its ``driver`` link is its own (virtio_net), not the
+        parent's.  The files are the ones a real virtio-net device shows (device, vendor, features,
+        modalias, status, uevent).
+        """
+        self.state.setdefault("virtio", 0)  # a node written before virtio devices existed here
+        n = self.counter("virtio")
+        path = f"{parent}/virtio{n}"
+        self.mkdir(path)
+        w = self.write
+        w(path + "/device", f"0x{_VIRTIO_NET_ID:04x}\n")
+        w(path + "/vendor", "0x1af4\n")
+        w(path + "/features", "1" * 8 + "0" * 120 + "\n")
+        modalias = f"virtio:d{_VIRTIO_NET_ID:08X}v00001AF4"
+        w(path + "/modalias", modalias + "\n")
+        w(path + "/status", "0x0000000f\n")  # ACKNOWLEDGE | DRIVER | DRIVER_OK | FEATURES_OK
+        w(path + "/uevent", f"DRIVER={driver}\nMODALIAS={modalias}\n")
+        up = self.up_to_root(path)
+        self.mkdir(os.path.join(self.root, _VIRTIO_DRIVERS, driver))
+        self.link(f"{up}/{_VIRTIO_DRIVERS}/{driver}", path + "/driver")
+        self.link(f"{up}/bus/virtio", path + "/subsystem")
+        rel = os.path.relpath(path, self.root)
+        self.mkdir(os.path.join(self.root, _VIRTIO_DEVICES))
+        self.link(f"../../../{rel}", os.path.join(self.root, _VIRTIO_DEVICES, f"virtio{n}"))
+        self.link(f"../../../../{rel}", os.path.join(self.root, _VIRTIO_DRIVERS, driver, f"virtio{n}"))
+        return path
+
+    def virtio_netdev(self, vdev: str, ifname: str) -> None:
+        """virtio_net's interface on a virtio device: ``net/<if>`` whose ``device`` link names that device."""
+        self.netdev(vdev, ifname)
+        self.link(f"../../../{os.path.basename(vdev)}", f"{vdev}/net/{ifname}/device")
+
+    def virtio_nic(self, parent: str, bdf: str, numa: int, ifname: str) -> str:
+        """A virtio-net PCI function as on a VM: its interface is ``<bdf>/virtio<N>/net/<if>``, not ``net/``.
+
+        drivers/virtio/virtio_pci_common.c virtio_pci_probe() registers the virtio device with the
+        function as its parent; virtio_net (drivers/net/virtio_net.c) registers the netdev on that
+        device.  No SR-IOV files, no IOMMU group (a VM without a vIOMMU), as on this kind of VM.
+        """
+        spec = _VENDORS["virtio"]
+        path = f"{parent}/{bdf}"
+        self.mkdir(path)
+        self.pci_files(
+            path, bdf, spec.vendor, spec.pf_device, 0x020000, spec.vendor, spec.subsystem_device, numa, None
+        )
+        self.bind(path, spec.pf_driver)
+        self.bus_link(path, bdf)
+        self.virtio_netdev(self.virtio_dev(path, "virtio_net"), ifname)
+        self.names[bdf] = [ifname, ""]
+        return path
 
     def next_ibdev(self, prefix: str) -> str:
         numbers: dict[str, int] = self.state["ibdev"]  # type: ignore[assignment]
@@ -610,6 +672,8 @@ def build_node(
     """Write a simulated node of ``pfs`` SR-IOV PFs with ``vfs_per_pf`` VFs each under ``root``.
 
     Two PFs share one dual-port NIC behind its own root port; NICs are spread over ``numa_nodes``.
+    ``vendor="virtio"`` writes a VM's node instead: ``pfs`` virtio-net functions and no VFs
+    (``vfs_per_pf`` and ``rdma`` do not apply; see _build_virtio).
     ``progress(done, total)`` is called after each PF's VFs are written (the slow part).
     """
     if vendor not in _VENDORS:
@@ -621,6 +685,8 @@ def build_node(
     root = Path(root)
     w = _Writer(root)
     w.ensure_base()
+    if vendor == "virtio":
+        return _build_virtio(w, pfs, numa_nodes, extras)
     nics = (pfs + 1) // 2
     # Routing IDs a NIC's functions use: 2 PFs then 2 x vfs_per_pf VFs (offset 2, stride 1).
     buses_per_nic = 1 + (2 + 2 * vfs_per_pf + 255) // 256
@@ -665,6 +731,31 @@ def build_node(
     extra = _build_extras(w, bus, numa_nodes) if extras else None
     w.save()
     return NodeLayout(root=root, pfs=tuple(out), vendor=vendor, rdma=rdma, extras=extra)
+
+
+def _build_virtio(w: _Writer, nics: int, numa_nodes: int, extras: bool) -> NodeLayout:
+    """A VM's node: ``nics`` virtio-net functions on the host bridge's bus 0 (slots 3 on), ``eth0`` on.
+
+    As QEMU lays them out (and this project's CI VM shows): ``devices/pci0000:00/0000:00:<slot>.0``,
+    no root port in between; each function standalone, with no VFs (virtio-net offers SR-IOV only with
+    VIRTIO_F_SR_IOV, which QEMU's virtio-net does not).
+    """
+    if extras:
+        raise ValueError("vendor 'virtio': the extras are SR-IOV hardware; a VM's node has none")
+    if nics > 29:
+        raise ValueError(f"{nics} virtio NICs do not fit bus 0 (slots 3-31)")
+    top = os.path.join(w.root, "devices", "pci0000:00")
+    w.mkdir(top)
+    out = []
+    for i in range(nics):
+        bdf = _bdf(0, (3 + i) << 3)
+        ifname = f"eth{i}"
+        numa = i * numa_nodes // max(nics, 1)
+        w.virtio_nic(top, bdf, numa, ifname)
+        out.append(SimPF(address=bdf, netdev=ifname, numa_node=numa, vf_addresses=(), vf_netdevs=(),
+                         ibdev="", vendor="virtio"))  # fmt: skip
+    w.save()
+    return NodeLayout(root=Path(w.root), pfs=tuple(out), vendor="virtio")
 
 
 def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
@@ -854,15 +945,52 @@ def bind_driver(
         w.save()
 
 
+def _net_dirs(path: str) -> list[str]:
+    """A function's ``net/``, or where a virtio NIC's or a vDPA device's netdev sits deeper instead."""
+    if os.path.isdir(path + "/net"):
+        return [path + "/net"]
+    found = []
+    for entry in _listdir(path):
+        if entry.startswith("virtio"):
+            found.append(f"{path}/{entry}/net")
+        elif entry.startswith("vdpa"):
+            found.extend(
+                f"{path}/{entry}/{sub}/net" for sub in _listdir(f"{path}/{entry}") if sub.startswith("virtio")
+            )
+    return [d for d in found if os.path.isdir(d)]
+
+
 def move_netdev_to_pod(root: Path | str, address: str) -> None:
     """Move a function's interface into a pod's network namespace: net/ and class/net go, identity stays."""
     path = _device_path(root, address)
-    names = _listdir(path + "/net")
+    dirs = _net_dirs(path)
+    names = [(d, n) for d in dirs for n in _listdir(d)]
     if not names:
         raise FileNotFoundError(errno.ENOENT, f"{address} has no host interface to move")
-    for ifname in names:
+    for d, ifname in names:
         _unlink(os.path.join(str(root), layout.NET_CLASS, ifname))
-        shutil.rmtree(f"{path}/net/{ifname}")
+        shutil.rmtree(f"{d}/{ifname}")
+
+
+def add_virtio_vdpa(root: Path | str, address: str, ifname: str, *, software: bool = False) -> str:
+    """Give a function a vDPA device bound to virtio_vdpa, whose netdev virtio_net makes; return its name.
+
+    drivers/virtio/virtio_vdpa.c virtio_vdpa_probe() parents the virtio device on the vDPA device's DMA
+    device: the function itself for a hardware vDPA device (mlx5_vdpa, ifcvf), so the netdev is at
+    ``<function>/virtio<N>/net/<if>``; the ``vdpa<N>`` device for a software one (vdpa_sim, VDUSE:
+    ``software=True``), at ``<function>/vdpa<N>/virtio<M>/net/<if>``.
+    """
+    w = _Writer(Path(root))
+    path = _device_path(root, address)
+    name = f"vdpa{w.counter('vdpa')}"
+    vdpa_path = f"{path}/{name}"
+    w.mkdir(vdpa_path)
+    w.mkdir(os.path.join(w.root, layout.VDPA_DRIVERS, "virtio_vdpa"))
+    w.link(f"{w.up_to_root(vdpa_path)}/{layout.VDPA_DRIVERS}/virtio_vdpa", vdpa_path + "/driver")
+    w.link(f"../../../{os.path.relpath(vdpa_path, w.root)}", os.path.join(w.root, layout.VDPA_DEVICES, name))
+    w.virtio_netdev(w.virtio_dev(vdpa_path if software else path, "virtio_net"), ifname)
+    w.save()
+    return name
 
 
 def set_rdma_port(root: Path | str, ibdev: str, port: int, state: int) -> None:
@@ -894,6 +1022,18 @@ def write_config(
     """
     spec = _VENDORS[layout.vendor]
     half = max(1, len(layout.pfs) // 2)
+    if layout.vendor == "virtio":
+        # No VFs to select by pfNames (which selects a PF's children): the NICs themselves, half by
+        # address, the rest by their ids and driver.
+        nics: list[dict[str, object]] = [
+            {"resourceName": "virtio_first", "resourcePrefix": prefix,
+             "selectors": {"pciAddresses": [pf.address for pf in layout.pfs[:half]]}},
+            {"resourceName": "virtio_nics", "resourcePrefix": prefix,
+             "selectors": {"vendors": [f"{spec.vendor:04x}"], "devices": [f"{spec.pf_device:04x}"],
+                           "drivers": [spec.pf_driver]}},
+        ]  # fmt: skip
+        _write_json(path, {"resourceList": nics, **(top or {})})
+        return
     resources: list[dict[str, object]] = [
         {
             "resourceName": f"sriov_{pf.netdev}",
@@ -924,9 +1064,13 @@ def write_config(
                 "selectors": {"pciAddresses": [pf.address for pf in layout.pfs], "isRdma": True},
             }
         )
+    _write_json(path, {"resourceList": resources, **(top or {})})
+
+
+def _write_json(path: Path | str, doc: Mapping[str, object]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump({"resourceList": resources, **(top or {})}, f, indent=2)
+        json.dump(doc, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
 
