@@ -109,6 +109,8 @@ class Daemon:
             dev_root=settings.dev_root,
             client_factory=dra_client,
             metrics=self.metrics,
+            pod_resources=settings.pod_resources_socket,
+            pod_resources_poll_s=settings.in_use_poll_s,
         )
         self.pools = PoolSet(
             settings,
