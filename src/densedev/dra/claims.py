@@ -232,6 +232,10 @@ class Unsettled:
             return self
         return self._left(self.claims, dict(named), False)
 
+    def unawaited(self) -> Unsettled | None:
+        """Return the state without waiting for PodResources (a run that does not read them)."""
+        return self if not self.pending else self._left(self.claims, self.named, False)
+
     def widened(self, device_ids: Iterable[str]) -> Unsettled:
         """Return the state also withholding these devices (the driver's pool as it is now)."""
         devices = self.devices.union(device_ids)

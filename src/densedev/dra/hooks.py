@@ -47,6 +47,7 @@ from . import DraSettings
 
 if TYPE_CHECKING:
     from ..health.tracker import HealthTracker, PoolUpdate
+    from ..node.holdings import PodResourcesClient
     from ..ops.metrics import Metrics
     from .driver import ClientFactory, DraDriver
 
@@ -212,49 +213,77 @@ class DraHooks:
             return  # not started yet: start() watches
         self._view = asyncio.create_task(self._kubelet_view(self._pod_resources), name="dra-podresources")
 
+    async def first_view(self) -> None:
+        """At the start, before any pool lists a device: one bounded PodResources read if it is awaited.
+
+        A checkpoint lost together with a claim's CDI spec leaves a claim only the kubelet can name; a
+        device-plugin pool that now covers its device must not list it even once.  A failed read
+        changes nothing (the background reads go on, ``_kubelet_view``).
+        """
+        if self._pod_resources is None:
+            return
+        if not any((u := d.plugin.service.unsettled) is not None and u.pending for d in self._drivers()):
+            return
+        from ..node.holdings import PodResourcesClient
+
+        client = PodResourcesClient(self._pod_resources)
+        try:
+            await self._read_view(client, failing=False)
+        finally:
+            await client.close()
+
+    async def _read_view(self, client: PodResourcesClient, *, failing: bool) -> bool:
+        """Read PodResources once and hand our drivers' claim uses to every unsettled driver.
+
+        Return whether the read failed (one line when reads start failing, one when they answer again).
+        """
+        from functools import partial
+
+        from ..node.holdings import SourceUnavailable, decode_pod_resources
+
+        drivers = [d for d in self._drivers() if d.plugin.service.unsettled is not None]
+        if not drivers:
+            return False
+        try:
+            view = await client.read(
+                partial(decode_pod_resources, drivers=frozenset(d.driver for d in drivers))
+            )
+        except SourceUnavailable as exc:
+            if not failing:
+                log_event(
+                    log,
+                    "DRA: cannot read the kubelet's PodResources; what a lost checkpoint leaves unsettled "
+                    "stays held",
+                    level=logging.WARNING,
+                    error=str(exc),
+                )
+            return True
+        if failing:
+            log_event(log, "DRA: the kubelet's PodResources answer again")
+        changed = False
+        for driver in drivers:
+            try:
+                changed |= await driver.plugin.service.observe(view.claims)
+            except Exception:
+                log.exception("DRA %s: taking the kubelet's PodResources failed", driver.driver)
+        if changed:
+            self._claims_changed()
+        return False
+
     async def _kubelet_view(self, socket: Path) -> None:
         """Hand each successful PodResources read to every unsettled driver until none is left.
 
         Evidence for the claims a lost checkpoint may have recorded (docs/ownership.md): a claim a running
         pod uses under our driver is held even when no CDI spec names it.  A failed read changes nothing
-        (fail closed); one line when reads start failing and one when they answer again.
+        (fail closed).
         """
-        from functools import partial
-
-        from ..node.holdings import PodResourcesClient, SourceUnavailable, decode_pod_resources
+        from ..node.holdings import PodResourcesClient
 
         client = PodResourcesClient(socket)
         failing = False
         try:
-            while True:
-                drivers = [d for d in self._drivers() if d.plugin.service.unsettled is not None]
-                if not drivers:
-                    return
-                names = frozenset(d.driver for d in drivers)
-                try:
-                    view = await client.read(partial(decode_pod_resources, drivers=names))
-                except SourceUnavailable as exc:
-                    if not failing:
-                        log_event(
-                            log,
-                            "DRA: cannot read the kubelet's PodResources; what a lost checkpoint leaves "
-                            "unsettled stays held",
-                            level=logging.WARNING,
-                            error=str(exc),
-                        )
-                    failing = True
-                else:
-                    if failing:
-                        log_event(log, "DRA: the kubelet's PodResources answer again")
-                    failing = False
-                    changed = False
-                    for driver in drivers:
-                        try:
-                            changed |= await driver.plugin.service.observe(view.claims)
-                        except Exception:
-                            log.exception("DRA %s: taking the kubelet's PodResources failed", driver.driver)
-                    if changed:
-                        self._claims_changed()
+            while any(d.plugin.service.unsettled is not None for d in self._drivers()):
+                failing = await self._read_view(client, failing=failing)
                 await asyncio.sleep(self._pod_resources_poll_s)
         finally:
             await client.close()

@@ -293,7 +293,9 @@ class NodeService:
                 driver=self.driver,
                 claims=summarise(sorted(gone), noun="claim"),
             )
-        return unsettled.without(gone)
+        left = unsettled.without(gone)
+        # Waiting for PodResources a run does not read would hold the pool for good.
+        return left.unawaited() if left is not None and not self.kubelet_view else left
 
     def _lost(self, damage: Damage) -> None:
         """Fail closed on a checkpoint that cannot be read: hold every claim our CDI specs still name.
