@@ -547,6 +547,7 @@ class DraHooks:
             t for t in (self._retry, self._view, *(r.task for r in self.retiring.values())) if t is not None
         ]
         self._retry, self._view = None, None
+        self._pod_resources = None  # stopped: no read starts again
         for task in tasks:
             task.cancel()
         for task in tasks:
