@@ -774,3 +774,127 @@ def test_a_damaged_checkpoint_of_another_name_is_found_by_its_specs(tmp_path: Pa
     (cdi_dir / "densedev_dra_gone.example.com_uid-2.json").write_text("{}")
     assert sorted(find_checkpoints(plugins, cdi_dir=cdi_dir)) == ["gone.example.com", "old.example.com"]
     assert find_checkpoints(plugins) == []  # without the CDI dir: only readable checkpoints count
+
+
+def test_the_unsettled_state_records_claims_podresources_named_and_a_pending_read() -> None:
+    from densedev.dra.claims import Unsettled, decode_record
+
+    named = {("team", "nic"): frozenset({VF}), ("team", "gone"): frozenset()}
+    unsettled = Unsettled({}, frozenset({VF2}), "lost", named, pending=False)
+    assert decode_record(DRIVER, encode_checkpoint(DRIVER, {}, None, unsettled)).unsettled == unsettled
+    waiting = Unsettled({}, frozenset(), "lost", pending=True)
+    data = encode_checkpoint(DRIVER, {}, None, waiting)
+    assert decode_record(DRIVER, data).unsettled == waiting
+    # A state of spec-named claims alone is recorded byte for byte as before.
+    plain = Unsettled({"uid-1": frozenset({VF})}, frozenset(), "lost")
+    assert b"named" not in encode_checkpoint(DRIVER, {}, None, plain)
+    doc = json.loads(data)
+    del doc["unsettled"]["pending"]
+    with pytest.raises(CheckpointError):
+        decode_record(DRIVER, json.dumps(doc).encode())
+
+
+def test_a_named_claim_is_settled_by_namespace_and_name_and_by_a_read_that_no_longer_shows_it() -> None:
+    from densedev.dra.claims import Unsettled
+
+    state = Unsettled({"uid-1": frozenset({VF})}, frozenset(), "lost", pending=True)
+    read = state.observed({("team", "nic"): frozenset({VF2})})
+    assert read is not None and not read.pending and read.held() == {VF, VF2}
+    assert read.holds("any-uid", ("team", "nic")) and not read.holds("any-uid", ("team", "other"))
+    assert read.others("uid-1", ("x", "y")) == {VF2}
+    # Unprepare of that claim (by namespace and name) releases its devices; the spec's claim stays.
+    after = read.without(["uid-x"], [("team", "nic")])
+    assert after is not None and after.held() == {VF}
+    # A read that no longer shows it releases it too; the state ends once nothing is left.
+    assert read.observed({}) is not None and read.observed({}).held() == {VF}  # type: ignore[union-attr]
+    only_named = Unsettled({}, frozenset({"0000:99:00.7"}), "lost", {("team", "nic"): frozenset({VF2})})
+    assert only_named.observed({}) is None
+    assert only_named.without([], [("team", "nic")]) is None
+    # Pending until the first read: with nothing named, a successful read ends it.
+    assert Unsettled({}, frozenset({"0000:99:00.7"}), "lost", pending=True).observed({}) is None
+    assert Unsettled({}, frozenset(), "lost", pending=True).unawaited() is None
+
+
+async def test_a_lost_checkpoint_awaits_podresources_and_holds_the_claims_they_name(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    from densedev.node.holdings import ClaimUse
+
+    first, second = node.claim(("vf", VF)), node.claim(("vf", VF2))
+    await prepare(node.service, first, second)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"garbage")
+    for ref in (first, second):  # both specs lost too: no file of ours names either claim
+        (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json").unlink()
+    service = node.fresh()
+    service.kubelet_view = True
+    with caplog.at_level(logging.ERROR):
+        assert service.recover() == frozenset()
+    assert "until the kubelet's PodResources say" in caplog.records[-1].getMessage()
+    # Until the first read, the driver's pool is withheld.
+    assert service.widen([VF, VF2, VFIO]) and service.withheld() == {VF, VF2, VFIO}
+
+    def use(ref: ClaimRef, device_id: str, *, driver: str = DRIVER, pool: str = NODE) -> ClaimUse:
+        return ClaimUse(driver, ref.namespace, ref.name, pool, names.device_name(device_id))
+
+    stray = node.claim(("vf", VFIO), name="stray")
+    assert await service.observe(
+        [
+            use(first, VF),
+            use(second, VF2),
+            use(stray, VFIO, driver="other.example.com"),
+            use(stray, VFIO, pool="x"),
+        ]
+    )
+    unsettled = service.unsettled
+    assert unsettled is not None and not unsettled.pending
+    assert dict(unsettled.named) == {
+        (first.namespace, first.name): frozenset({VF}),
+        (second.namespace, second.name): frozenset({VF2}),
+    }
+    # Recorded: a restart holds them still (and reads PodResources again).
+    again = node.fresh()
+    again.kubelet_view = True
+    assert again.recover() >= {VF, VF2}
+    # A new claim is refused the pool; the first claim's own Prepare takes its device, not the second's.
+    fresh = node.claim(("dpdk", VFIO))
+    assert "record of prepared claims was lost" in (await prepare(service, fresh))[fresh.uid].error
+    assert (await prepare(service, first))[first.uid].error == ""
+    assert (service.unsettled is not None) and set(service.unsettled.named) == {
+        (second.namespace, second.name)
+    }
+    # The first is on record now: a read still showing it does not make it unsettled again.
+    assert not await service.observe([use(first, VF), use(second, VF2)])
+    # The second's pod ends: a read no longer showing it releases it, and the state ends.
+    assert await service.observe([use(first, VF)])
+    assert service.unsettled is None and service.withheld() == {VF}
+    assert not await service.observe([use(second, VF2)])  # settled: reads change nothing any more
+    assert (await prepare(service, fresh))[fresh.uid].error == ""
+
+
+async def test_an_unprepare_releases_a_claim_podresources_named(node: Node) -> None:
+    from densedev.node.holdings import ClaimUse
+
+    ref = node.claim(("vf", VF))
+    await prepare(node.service, ref)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"")
+    (node.settings.cdi_dir / f"densedev_dra_{DRIVER}_{ref.uid}.json").unlink()
+    service = node.fresh()
+    service.kubelet_view = True
+    service.recover()
+    assert await service.observe([ClaimUse(DRIVER, ref.namespace, ref.name, NODE, names.device_name(VF))])
+    assert service.withheld() == {VF}
+    assert await service.unprepare([ref]) == {ref.uid: ""}
+    assert service.unsettled is None and service.withheld() == frozenset()
+    assert node.fresh().recover() == frozenset()  # recorded released
+
+
+async def test_without_podresources_a_recorded_wait_for_them_ends_at_restart(node: Node) -> None:
+    node.settings.plugin_dir.mkdir(parents=True)
+    (node.settings.plugin_dir / CHECKPOINT_NAME).write_bytes(b"garbage")
+    service = node.fresh()
+    service.kubelet_view = True
+    service.recover()
+    assert service.unsettled is not None and service.unsettled.pending
+    # Started again without the PodResources socket: nothing would ever read them.
+    service = node.fresh()
+    assert service.recover() == frozenset() and service.unsettled is None

@@ -20,7 +20,15 @@ from hypothesis import strategies as st
 from densedev._proto import api_pb2
 from densedev._proto import podresources_pb2 as pr
 from densedev.kubelet.wire import encode_options, encode_register_request
-from densedev.node.holdings import MAX_RECEIVE, PodResourcesClient, SourceUnavailable, decode_held
+from densedev.node.holdings import (
+    MAX_RECEIVE,
+    ClaimUse,
+    PodHoldings,
+    PodResourcesClient,
+    SourceUnavailable,
+    decode_held,
+    decode_pod_resources,
+)
 from densedev.protowire import length_delimited
 
 text = st.text(max_size=300)  # past 127 bytes the lengths take two varint bytes
@@ -133,6 +141,141 @@ def test_any_bytes_both_accept_decode_alike(data: bytes) -> None:
     except ValueError:
         return
     assert real is not None and mine == real
+
+
+OURS = "vf.densedev.io"
+DRIVERS = frozenset({OURS, "dra.example.com"})
+claim_resources = st.builds(
+    lambda driver, pool, device, cdi: pr.ClaimResource(
+        driver_name=driver,
+        pool_name=pool,
+        device_name=device,
+        cdi_devices=[pr.CDIDevice(name=n) for n in cdi],
+    ),
+    st.sampled_from([OURS, "dra.example.com", "gpu.example.com", ""]),
+    st.text(max_size=20),
+    st.text(max_size=30),
+    st.lists(st.text(max_size=30), max_size=2),
+)
+dynamic = st.builds(
+    lambda name, namespace, resources: pr.DynamicResource(
+        claim_name=name, claim_namespace=namespace, claim_resources=resources
+    ),
+    st.text(max_size=20),
+    st.text(max_size=20),
+    st.lists(claim_resources, max_size=3),
+)
+dra_containers = st.builds(
+    lambda name, devs, dyn: pr.ContainerResources(name=name, devices=devs, dynamic_resources=dyn),
+    st.text(max_size=10),
+    st.lists(devices, max_size=2),
+    st.lists(dynamic, max_size=3),
+)
+dra_responses = st.builds(
+    lambda pods: pr.ListPodResourcesResponse(
+        pod_resources=[pr.PodResources(name=n, namespace=ns, containers=cs) for n, ns, cs in pods]
+    ),
+    st.lists(
+        st.tuples(st.text(max_size=10), st.text(max_size=10), st.lists(dra_containers, max_size=3)),
+        max_size=3,
+    ),
+)
+
+
+def holdings_by_protobuf(response: pr.ListPodResourcesResponse, drivers: frozenset[str]) -> PodHoldings:
+    """What the generated classes read from a reply: devices, and the claim devices of ``drivers``."""
+    return PodHoldings(
+        held_by_protobuf(response),
+        frozenset(
+            ClaimUse(r.driver_name, d.claim_namespace, d.claim_name, r.pool_name, r.device_name)
+            for pod in response.pod_resources
+            for container in pod.containers
+            for d in container.dynamic_resources
+            for r in d.claim_resources
+            if r.driver_name in drivers
+        ),
+    )
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(dra_responses)
+def test_dynamic_resources_decode_as_the_generated_classes_read_them(
+    response: pr.ListPodResourcesResponse,
+) -> None:
+    data = response.SerializeToString()
+    assert decode_pod_resources(data, DRIVERS) == holdings_by_protobuf(response, DRIVERS)
+    # Without drivers asked for, no claim is read (the device-plugin side's decode costs no more).
+    assert decode_pod_resources(data) == PodHoldings(held_by_protobuf(response))
+    assert decode_held(data) == held_by_protobuf(response)
+
+
+@hypothesis_settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300))
+def test_any_bytes_decode_with_claims_alike_or_are_refused(data: bytes) -> None:
+    # Never an exception but ValueError (the client's one line); where both read the bytes, they agree.
+    try:
+        real: PodHoldings | None = holdings_by_protobuf(pr.ListPodResourcesResponse.FromString(data), DRIVERS)
+    except Exception:
+        real = None
+    try:
+        mine = decode_pod_resources(data, DRIVERS)
+    except ValueError:
+        return
+    assert real is not None and mine == real
+
+
+@hypothesis_settings(max_examples=300, deadline=None)
+@given(dra_responses, st.data())
+def test_dynamic_resources_mangled_decode_alike_or_are_refused(
+    response: pr.ListPodResourcesResponse, data: st.DataObject
+) -> None:
+    # Real replies with a byte flipped or cut: near-valid input reaches the nested claim messages.
+    raw = bytearray(response.SerializeToString())
+    if raw:
+        at = data.draw(st.integers(0, len(raw) - 1))
+        raw[at] = data.draw(st.integers(0, 255))
+        raw = raw[: data.draw(st.integers(at, len(raw)))]
+    try:
+        real: PodHoldings | None = holdings_by_protobuf(
+            pr.ListPodResourcesResponse.FromString(bytes(raw)), DRIVERS
+        )
+    except Exception:
+        real = None
+    try:
+        mine = decode_pod_resources(bytes(raw), DRIVERS)
+    except ValueError:
+        return
+    if real is not None:
+        assert mine == real
+
+
+def test_claim_fields_in_any_order_and_of_wrong_wire_types_are_read_as_protobuf_reads_them() -> None:
+    resource = (
+        length_delimited(3, b"node-a")
+        + length_delimited(4, b"pci-0000-3b-02-2")
+        + length_delimited(2, OURS.encode())
+    )
+    other = length_delimited(2, b"gpu.example.com") + length_delimited(4, b"gpu-0")
+    # claim_resources first, then the namespace, a claim_name as a varint (skipped), then the name.
+    claim = (
+        length_delimited(4, resource)
+        + length_delimited(4, other)
+        + length_delimited(3, b"team")
+        + b"\x10\x07"
+        + length_delimited(2, b"nic")
+    )
+    container = length_delimited(5, claim)
+    data = length_delimited(1, length_delimited(3, container))
+    expected = ClaimUse(OURS, "team", "nic", "node-a", "pci-0000-3b-02-2")
+    assert decode_pod_resources(data, DRIVERS).claims == {expected}
+    assert decode_pod_resources(data, DRIVERS) == holdings_by_protobuf(
+        pr.ListPodResourcesResponse.FromString(data), DRIVERS
+    )
+    for cut in range(1, len(data)):
+        with pytest.raises(ValueError):
+            decode_pod_resources(data[:cut], DRIVERS)
+    with pytest.raises(ValueError):
+        decode_pod_resources(data.replace(b"team", b"te\xffm"), DRIVERS)
 
 
 def test_a_reply_cut_short_or_not_utf8_is_refused() -> None:

@@ -109,6 +109,8 @@ class Daemon:
             dev_root=settings.dev_root,
             client_factory=dra_client,
             metrics=self.metrics,
+            pod_resources=settings.pod_resources_socket,
+            pod_resources_poll_s=settings.in_use_poll_s,
         )
         self.pools = PoolSet(
             settings,
@@ -172,6 +174,8 @@ class Daemon:
             log.exception("reading what pods hold failed; every device is withheld until a read succeeds")
         # Devices of prepared DRA claims are held before any pool of either API lists anything.
         self._dra.recover(self.config)
+        # ... and so are those of claims only the kubelet's PodResources name (a lost DRA checkpoint).
+        await self._dra.first_view()
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
         self.tracker.replace(self.devices, pools)

@@ -229,3 +229,68 @@ async def test_the_driver_pool_stays_withheld_when_a_reload_moves_it_while_unset
         assert await c.dra_kubelet.unprepare(A, [held]) == {held[2]: ""}
         await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0 + pf1), GUARD_S)
         assert c.kubelet.double_holdings == []
+
+
+async def test_a_claim_whose_spec_was_lost_too_is_held_while_podresources_show_a_pod_using_it(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Checkpoint and CDI spec both lost: only the PodResources name the claim, and that holds it."""
+    pf0, pf1 = node.pf0.vf_addresses, node.pf1.vf_addresses
+    async with cluster(node) as c:
+        await c.until(lambda: A in c.dra_kubelet.plugins, "the DRA plugin registered")
+        held = node.claim(pf1[0])
+        assert (await c.dra_kubelet.prepare(A, [held]))[held[2]].error == ""
+        c.kubelet.run_dra_pod("default", "user", c.dra_kubelet.claim_uses(held[2]))
+        await c.stop_daemon()
+        await c.until(lambda: A not in c.dra_kubelet.plugins, "the stopped plugin dropped")
+
+        _flip(node.plugins_dir / A / "checkpoint.json")
+        node.spec(held[2]).unlink()  # no file of ours names the claim any more
+        # PF 1's VFs now in a device-plugin pool: the one the running pod's claim uses must not be listed.
+        node.write([pool("dp", [node.pf0.netdev, node.pf1.netdev])])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            daemon = await c.start_daemon()
+        assert daemon.ownership.held.get(pf1[0]), "held before anything is served"
+        assert sample(daemon, "densedev_dra_unsettled", driver=A, what="claims") == 1
+        (line,) = [r for r in caplog.records if "PodResources were read" in r.getMessage()]
+        assert f"default/{held[1]}" in line.fields["held"]  # type: ignore[attr-defined]
+        await c.kubelet.wait_for(lambda: set(c.kubelet.devices(DP)) == set(pf0 + pf1[1:]), GUARD_S)
+        with pytest.raises(KubeletError, match=r"not free|unknown devices"):
+            await c.kubelet.create_pod("p1", {DP: [pf1[0]]})
+        await c.stop_daemon()
+
+        # Back to a DRA pool: no other claim gets the device while the pod runs, across a restart.
+        node.write(pools(node))
+        daemon = await c.start_daemon()
+        await c.until(lambda: A in c.dra_kubelet.plugins, "the DRA plugin registered again")
+        other = node.claim(pf1[0])
+        refused = (await c.dra_kubelet.prepare(A, [other]))[other[2]].error
+        assert "record of prepared claims was lost" in refused, refused
+        assert c.kubelet.double_holdings == []
+
+        # The pod ends: a successful read that no longer shows the claim releases it (no spec names it).
+        c.kubelet.end_dra_pod("default", "user")
+        await c.until(lambda: daemon.ownership.held.get(pf1[0]) is None, "released once no pod uses it")
+        assert sample(daemon, "densedev_dra_unsettled", driver=A, what="claims") == 0
+        assert (await c.dra_kubelet.prepare(A, [other]))[other[2]].error == ""
+
+
+async def test_a_claim_named_only_by_podresources_is_released_by_its_unprepare(node: Node) -> None:
+    pf1 = node.pf1.vf_addresses
+    async with cluster(node) as c:
+        await c.until(lambda: A in c.dra_kubelet.plugins, "the DRA plugin registered")
+        held = node.claim(pf1[2])
+        assert (await c.dra_kubelet.prepare(A, [held]))[held[2]].error == ""
+        c.kubelet.run_dra_pod("default", "user", c.dra_kubelet.claim_uses(held[2]))
+        await c.stop_daemon()
+        await c.until(lambda: A not in c.dra_kubelet.plugins, "the stopped plugin dropped")
+        _empty(node.plugins_dir / A / "checkpoint.json")
+        node.spec(held[2]).unlink()
+        daemon = await c.start_daemon()
+        await c.until(lambda: A in c.dra_kubelet.plugins, "the DRA plugin served for the lost claim")
+        assert daemon.ownership.held.get(pf1[2])
+        # The kubelet unprepares it (the pod is terminating; List may still show it meanwhile).
+        assert await c.dra_kubelet.unprepare(A, [held]) == {held[2]: ""}
+        assert daemon.ownership.held.get(pf1[2]) is None
+        assert sample(daemon, "densedev_dra_unsettled", driver=A, what="claims") == 0

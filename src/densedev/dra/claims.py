@@ -17,7 +17,7 @@ import os
 import stat
 import zlib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -172,47 +172,91 @@ def _canonical(value: Any) -> bytes:
     return files.canonical_json(value).encode()
 
 
+ClaimName = tuple[str, str]  # (namespace, name): how PodResources names a claim (it gives no UID)
+
+
 @dataclass(frozen=True)
 class Unsettled:
-    """What a lost checkpoint may have recorded: held until the kubelet's calls settle each claim.
+    """What a lost checkpoint may have recorded: held until the kubelet's view settles each claim.
 
     ``claims`` are the UIDs the CDI specs left on disk name, each with the device IDs its spec names
-    (none when the spec itself cannot be read); ``devices`` every other device that may be held (the
-    driver's DRA pools while unsettled).  All of them count as held; a claim leaves the set when the
-    kubelet prepares it (it is recorded again) or unprepares it (released), and the state ends when no
-    claim is left (docs/ownership.md, "A DRA checkpoint that cannot be read").
+    (none when the spec itself cannot be read); ``named`` the claims the kubelet's PodResources showed
+    running pods using under our driver and pool, by namespace and name, each with its device IDs;
+    ``pending`` that PodResources has not been read since the loss (it may name claims no spec does);
+    ``devices`` every other device that may be held (the driver's DRA pools while unsettled).  All of
+    them count as held; a claim leaves the set when the kubelet prepares it (it is recorded again) or
+    unprepares it (released), a named one also when a successful PodResources read no longer shows it,
+    and the state ends when nothing is left (docs/ownership.md, "A DRA checkpoint that cannot be read").
     """
 
     claims: Mapping[str, frozenset[str]] = field(hash=False)
     devices: frozenset[str] = frozenset()
     reason: str = ""
+    named: Mapping[ClaimName, frozenset[str]] = field(default_factory=dict, hash=False)
+    pending: bool = False
 
     def held(self) -> frozenset[str]:
         """Return every device ID this state withholds."""
-        return self.devices.union(*self.claims.values())
+        return self.devices.union(*self.claims.values(), *self.named.values())
 
-    def without(self, uids: Iterable[str]) -> Unsettled | None:
-        """Return the state with these claims settled (itself if none is in it); None once none is left."""
-        gone = set(uids)
-        left = {uid: ids for uid, ids in self.claims.items() if uid not in gone}
-        if len(left) == len(self.claims):
-            return self
-        if not left:
+    def holds(self, uid: str, name: ClaimName) -> bool:
+        """Return whether the claim (by UID, or by namespace and name as PodResources gave it) is in it."""
+        return uid in self.claims or name in self.named
+
+    def others(self, uid: str, name: ClaimName) -> frozenset[str]:
+        """Return the device IDs every entry but this claim's names (what it may not take)."""
+        return frozenset().union(
+            *(ids for u, ids in self.claims.items() if u != uid),
+            *(ids for n, ids in self.named.items() if n != name),
+        )
+
+    def _left(
+        self, claims: Mapping[str, frozenset[str]], named: Mapping[ClaimName, frozenset[str]], pending: bool
+    ) -> Unsettled | None:
+        if not claims and not named and not pending:
             return None
-        return Unsettled(left, self.devices, self.reason)
+        return replace(self, claims=claims, named=named, pending=pending)
+
+    def without(self, uids: Iterable[str], names: Iterable[ClaimName] = ()) -> Unsettled | None:
+        """Return the state with these claims settled (itself if none is in it); None once none is left."""
+        gone, gone_names = set(uids), set(names)
+        left = {uid: ids for uid, ids in self.claims.items() if uid not in gone}
+        named = {n: ids for n, ids in self.named.items() if n not in gone_names}
+        if len(left) == len(self.claims) and len(named) == len(self.named):
+            return self
+        return self._left(left, named, self.pending)
+
+    def observed(self, named: Mapping[ClaimName, frozenset[str]]) -> Unsettled | None:
+        """Return the state after a successful PodResources read that showed these claims (and no other)."""
+        if not self.pending and named == self.named:
+            return self
+        return self._left(self.claims, dict(named), False)
+
+    def unawaited(self) -> Unsettled | None:
+        """Return the state without waiting for PodResources (a run that does not read them)."""
+        return self if not self.pending else self._left(self.claims, self.named, False)
 
     def widened(self, device_ids: Iterable[str]) -> Unsettled:
         """Return the state also withholding these devices (the driver's pool as it is now)."""
         devices = self.devices.union(device_ids)
-        return self if devices == self.devices else Unsettled(self.claims, devices, self.reason)
+        return self if devices == self.devices else replace(self, devices=devices)
 
 
 def _unsettled_doc(u: Unsettled) -> dict[str, Any]:
-    return {
+    doc: dict[str, Any] = {
         "claims": {uid: sorted(ids) for uid, ids in u.claims.items()},
         "devices": sorted(u.devices),
         "reason": u.reason,
     }
+    # Only when set: a state of spec-named claims alone is recorded as it always was.
+    if u.named:
+        doc["named"] = [
+            {"namespace": ns, "name": name, "devices": sorted(ids)}
+            for (ns, name), ids in sorted(u.named.items())
+        ]
+    if u.pending:
+        doc["pending"] = True
+    return doc
 
 
 def _unsettled_of(doc: Any) -> Unsettled:
@@ -224,12 +268,23 @@ def _unsettled_of(doc: Any) -> Unsettled:
         if not isinstance(ids, list):
             raise TypeError(f"unsettled claim {clip(str(uid), 80)}: devices are not a list")
         claims[str(uid)] = frozenset(str(i) for i in ids)
-    if not claims:
+    named: dict[ClaimName, frozenset[str]] = {}
+    raw_named = doc.get("named", [])
+    if not isinstance(raw_named, list):
+        raise TypeError("unsettled named claims are not a list")
+    for entry in raw_named:
+        if not isinstance(entry, dict) or not isinstance(entry.get("devices"), list):
+            raise TypeError("an unsettled named claim is not an object with devices")
+        named[(str(entry.get("namespace", "")), str(entry.get("name", "")))] = frozenset(
+            str(i) for i in entry["devices"]
+        )
+    pending = doc.get("pending", False) is True
+    if not claims and not named and not pending:
         raise ValueError("unsettled names no claim")
     devices = doc.get("devices", [])
     if not isinstance(devices, list):
         raise TypeError("unsettled devices are not a list")
-    return Unsettled(claims, frozenset(str(i) for i in devices), str(doc.get("reason", "")))
+    return Unsettled(claims, frozenset(str(i) for i in devices), str(doc.get("reason", "")), named, pending)
 
 
 def encode_claim(claim: PreparedClaim) -> bytes:

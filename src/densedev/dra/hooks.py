@@ -47,6 +47,7 @@ from . import DraSettings
 
 if TYPE_CHECKING:
     from ..health.tracker import HealthTracker, PoolUpdate
+    from ..node.holdings import PodResourcesClient
     from ..ops.metrics import Metrics
     from .driver import ClientFactory, DraDriver
 
@@ -85,8 +86,14 @@ class DraHooks:
         dev_root: Path,
         client_factory: ClientFactory | None = None,
         metrics: Metrics | None = None,
+        pod_resources: Path | None = None,
+        pod_resources_poll_s: float = 5.0,
     ) -> None:
         self.settings = settings  # None: DRA is off (pools with "api": "dra" are not served)
+        # The kubelet's PodResources socket, read while a lost checkpoint is unsettled (``_kubelet_view``).
+        self._pod_resources = pod_resources
+        self._pod_resources_poll_s = pod_resources_poll_s
+        self._view: asyncio.Task[None] | None = None
         self._metrics = metrics  # the DRA pools' device gauges, as the device-plugin pools have them
         self.ownership = ownership
         self._on_node = on_node
@@ -173,7 +180,7 @@ class DraHooks:
         from .driver import DraDriver  # only now: a device-plugin-only node never loads the DRA side
 
         assert self.settings is not None
-        return DraDriver(
+        driver = DraDriver(
             self.settings,
             name,
             cdi_dir=self._cdi_dir,
@@ -185,6 +192,101 @@ class DraHooks:
             client_factory=self._client,
             metrics=self._metrics,
         )
+        # Before its recover: a lost checkpoint then waits for the kubelet's view (``_kubelet_view``).
+        driver.plugin.service.kubelet_view = self._pod_resources is not None
+        return driver
+
+    def _drivers(self) -> list[DraDriver]:
+        drivers = [] if self.driver is None else [self.driver]
+        drivers.extend(r.driver for r in self.retiring.values())
+        return drivers
+
+    def _watch_kubelet(self) -> None:
+        """Read PodResources in the background while some driver's lost checkpoint is unsettled."""
+        if self._pod_resources is None or (self._view is not None and not self._view.done()):
+            return
+        if not any(d.plugin.service.unsettled is not None for d in self._drivers()):
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # not started yet: start() watches
+        self._view = asyncio.create_task(self._kubelet_view(self._pod_resources), name="dra-podresources")
+
+    async def first_view(self) -> None:
+        """At the start, before any pool lists a device: one bounded PodResources read if it is awaited.
+
+        A checkpoint lost together with a claim's CDI spec leaves a claim only the kubelet can name; a
+        device-plugin pool that now covers its device must not list it even once.  A failed read
+        changes nothing (the background reads go on, ``_kubelet_view``).
+        """
+        if self._pod_resources is None:
+            return
+        if not any((u := d.plugin.service.unsettled) is not None and u.pending for d in self._drivers()):
+            return
+        from ..node.holdings import PodResourcesClient
+
+        client = PodResourcesClient(self._pod_resources)
+        try:
+            await self._read_view(client, failing=False)
+        finally:
+            await client.close()
+
+    async def _read_view(self, client: PodResourcesClient, *, failing: bool) -> bool:
+        """Read PodResources once and hand our drivers' claim uses to every unsettled driver.
+
+        Return whether the read failed (one line when reads start failing, one when they answer again).
+        """
+        from functools import partial
+
+        from ..node.holdings import SourceUnavailable, decode_pod_resources
+
+        drivers = [d for d in self._drivers() if d.plugin.service.unsettled is not None]
+        if not drivers:
+            return False
+        try:
+            view = await client.read(
+                partial(decode_pod_resources, drivers=frozenset(d.driver for d in drivers))
+            )
+        except SourceUnavailable as exc:
+            if not failing:
+                log_event(
+                    log,
+                    "DRA: cannot read the kubelet's PodResources; what a lost checkpoint leaves unsettled "
+                    "stays held",
+                    level=logging.WARNING,
+                    error=str(exc),
+                )
+            return True
+        if failing:
+            log_event(log, "DRA: the kubelet's PodResources answer again")
+        changed = False
+        for driver in drivers:
+            try:
+                changed |= await driver.plugin.service.observe(view.claims)
+            except Exception:
+                log.exception("DRA %s: taking the kubelet's PodResources failed", driver.driver)
+        if changed:
+            self._claims_changed()
+        return False
+
+    async def _kubelet_view(self, socket: Path) -> None:
+        """Hand each successful PodResources read to every unsettled driver until none is left.
+
+        Evidence for the claims a lost checkpoint may have recorded (docs/ownership.md): a claim a running
+        pod uses under our driver is held even when no CDI spec names it.  A failed read changes nothing
+        (fail closed).
+        """
+        from ..node.holdings import PodResourcesClient
+
+        client = PodResourcesClient(socket)
+        failing = False
+        try:
+            while any(d.plugin.service.unsettled is not None for d in self._drivers()):
+                failing = await self._read_view(client, failing=failing)
+                await asyncio.sleep(self._pod_resources_poll_s)
+        finally:
+            await client.close()
 
     def _retire(self, driver: DraDriver, renamed_to: str, *, found: bool = False) -> None:
         """Retire ``driver`` (see the module docstring); its task serves it until it can stop."""
@@ -281,6 +383,7 @@ class DraHooks:
             if record.driver.done():
                 record.wake.set()  # its last claim is gone and the kubelet answered: it may stop
         self._count_claims()
+        self._watch_kubelet()
 
     def _count_claims(self) -> None:
         """Set the prepared-claims gauge, per driver and state (active or retiring), and the unsettled one."""
@@ -327,7 +430,7 @@ class DraHooks:
             for what in ("claims", "devices"):
                 gauge.remove(name, what)
         for name, u in live.items():
-            gauge.labels(name, "claims").set(len(u.claims))
+            gauge.labels(name, "claims").set(len(u.claims) + len(u.named))
             gauge.labels(name, "devices").set(len(u.held()))
         self._unsettled_series = set(live)
 
@@ -372,6 +475,7 @@ class DraHooks:
 
     async def start(self, config: Config) -> None:
         """Start the DRA driver when it is needed; on failure one line, and retries in the background."""
+        self._watch_kubelet()
         if self._pending is not None:
             await self._replace_stopped(config)
         dra = self.driver
@@ -439,8 +543,11 @@ class DraHooks:
 
         A retiring driver's checkpoint stays too: the next start finds it and retires it again.
         """
-        tasks = [t for t in (self._retry, *(r.task for r in self.retiring.values())) if t is not None]
-        self._retry = None
+        tasks = [
+            t for t in (self._retry, self._view, *(r.task for r in self.retiring.values())) if t is not None
+        ]
+        self._retry, self._view = None, None
+        self._pod_resources = None  # stopped: no read starts again
         for task in tasks:
             task.cancel()
         for task in tasks:

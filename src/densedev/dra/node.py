@@ -38,6 +38,7 @@ from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
 from ..kubelet.lifecycle import unary
 from ..model import DeviceType, PoolConfig, RequestError
+from ..node.holdings import ClaimUse
 from ..ops.logs import log_event, summarise
 from ..printable import clip, listing
 from ..workers import Work
@@ -126,6 +127,9 @@ class NodeService:
         # ``widen`` runs on the loop, a call's settling in its worker thread: each changes the state
         # under this lock, from what it is then (neither may undo the other).
         self._unsettled_lock = threading.Lock()
+        # Whether the kubelet's PodResources will be read while unsettled (``observe``): a lost
+        # checkpoint then holds the pool until the first read said which claims running pods use.
+        self.kubelet_view = False
         self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
         self._lock = asyncio.Lock()
         self.prepares = 0  # calls answered, for tests and metrics
@@ -175,6 +179,63 @@ class NodeService:
             grew = wider is not self._unsettled
             self._unsettled = wider
         return grew
+
+    async def observe(self, uses: Iterable[ClaimUse]) -> bool:
+        """Take a successful PodResources read (our driver's claim uses); return whether what is held changed.
+
+        While unsettled, a claim a running pod uses under this driver and pool is held by namespace and
+        name (PodResources gives no UID), with the devices it names, whether or not a CDI spec names it;
+        a named claim no longer shown is released (a spec naming it holds it still, by UID).  A claim
+        prepared here already is on record and not counted (matched by namespace and name: the kubelet
+        lets one claim of a name be prepared on a node at a time, newer UIDs of the name being refused
+        while an older is cached, kubelet-dra.md "Before calling").  A failed read is never passed here.
+        """
+        async with self._lock:  # no Prepare or Unprepare meanwhile: one writer of the checkpoint at a time
+            return await self._observe(uses)
+
+    async def _observe(self, uses: Iterable[ClaimUse]) -> bool:
+        named: dict[tuple[str, str], set[str]] = {}
+        recorded = {(c.ref.namespace, c.ref.name) for c in self._claims.values()}
+        for use in uses:
+            if use.driver != self.driver or use.pool != self.pool:
+                continue
+            key = (use.namespace, use.name)
+            if key in recorded:
+                continue
+            device_id = names.pci_address(use.device)
+            ids = named.setdefault(key, set())
+            if device_id is not None:
+                ids.add(device_id)
+        with self._unsettled_lock:  # a call's worker thread may settle claims meanwhile
+            before = self._unsettled
+            if before is None:
+                return False
+            after = before.observed({k: frozenset(v) for k, v in named.items()})
+            self._unsettled = after
+        if after is before:
+            return False
+        now = set(after.named) if after is not None else set()
+        added = sorted(f"{ns}/{n}" for ns, n in now - before.named.keys())
+        gone = sorted(f"{ns}/{n}" for ns, n in before.named.keys() - now)
+        log_event(
+            log,
+            "DRA claims of a lost checkpoint: the kubelet's PodResources were read; the claims running "
+            "pods use under this driver are held by namespace and name until unprepared or gone"
+            if after is not None
+            else "DRA claims of the lost checkpoint all settled by the kubelet; their devices are released",
+            level=logging.WARNING if after is not None else logging.INFO,
+            driver=self.driver,
+            held=summarise(added, noun="claim") if added else "-",
+            released=summarise(gone, noun="claim") if gone else "-",
+            last="podresources",
+        )
+        try:  # so that a restart holds what PodResources named
+            await _in_thread(self._checkpoint.save, self._claims, after)
+        except OSError as e:  # held in memory all the same; the next save records it
+            log.warning(
+                "DRA %s: cannot record the unsettled state in %s: %s", self.driver, self._checkpoint.path, e
+            )
+        return True
 
     def recover(self) -> frozenset[str]:
         """Load the checkpoint, remove our CDI specs of claims it does not know; return held device IDs.
@@ -232,7 +293,9 @@ class NodeService:
                 driver=self.driver,
                 claims=summarise(sorted(gone), noun="claim"),
             )
-        return unsettled.without(gone)
+        left = unsettled.without(gone)
+        # Waiting for PodResources a run does not read would hold the pool for good.
+        return left.unawaited() if left is not None and not self.kubelet_view else left
 
     def _lost(self, damage: Damage) -> None:
         """Fail closed on a checkpoint that cannot be read: hold every claim our CDI specs still name.
@@ -246,21 +309,33 @@ class NodeService:
         """
         claims = self._spec_claims()
         reason = f"checkpoint {self._checkpoint.path} {damage.problem}"
-        if claims:
-            self._unsettled = Unsettled(claims, frozenset(), clip(reason, 300))
+        # A claim whose spec was lost too is named only by the kubelet: until its PodResources have
+        # been read (``observe``), every device of the pool may be one (pending).
+        pending = self.kubelet_view
+        if claims or pending:
+            self._unsettled = Unsettled(claims, frozenset(), clip(reason, 300), pending=pending)
         saved = "recorded in a fresh checkpoint"
         try:
             self._checkpoint.save(self._claims, self._unsettled)
         except OSError as e:
             saved = f"held in memory only (cannot write a fresh checkpoint: {e.strerror or e})"
         held = self._unsettled.held() if self._unsettled is not None else frozenset()
+        if claims:
+            what = (
+                "DRA checkpoint cannot be read; the claims our CDI specs name are kept held until the "
+                "kubelet prepares or unprepares each (their CDI specs and device-info files kept, their "
+                "devices and the driver's pool withheld)"
+            )
+        elif pending:
+            what = (
+                "DRA checkpoint cannot be read; no CDI spec of ours names a claim, so the driver's pool "
+                "is withheld until the kubelet's PodResources say which claims running pods use"
+            )
+        else:
+            what = "DRA checkpoint cannot be read; no CDI spec of ours names a claim, so none is held"
         log_event(
             log,
-            "DRA checkpoint cannot be read; the claims our CDI specs name are kept held until the kubelet "
-            "prepares or unprepares each (their CDI specs and device-info files kept, their devices and "
-            "the driver's pool withheld)"
-            if claims
-            else "DRA checkpoint cannot be read; no CDI spec of ours names a claim, so none is held",
+            what,
             level=logging.ERROR,
             driver=self.driver,
             checkpoint=str(self._checkpoint.path),
@@ -268,7 +343,7 @@ class NodeService:
             kept_as=damage.kept_as,
             claims=summarise(sorted(claims), noun="claim") if claims else "-",
             devices=len(held),
-            state=saved if claims else "-",
+            state=saved if self._unsettled is not None else "-",
         )
 
     def _spec_claims(self) -> dict[str, frozenset[str]]:
@@ -377,12 +452,7 @@ class NodeService:
             if ref.uid in out or ref.uid in todo:
                 continue
             problem = _ref_problem(ref)
-            if (
-                not problem
-                and self.refusing
-                and ref.uid not in self._claims
-                and not self._is_unsettled(ref.uid)
-            ):
+            if not problem and self.refusing and ref.uid not in self._claims and not self._is_unsettled(ref):
                 problem = clip(f"claim {ref}: {self.refusing}", MAX_ERROR_CHARS)
                 log.warning("DRA prepare refused: %s", problem)
             if problem:
@@ -443,8 +513,8 @@ class NodeService:
         self._changed()
         return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
 
-    def _is_unsettled(self, uid: str) -> bool:
-        return self._unsettled is not None and uid in self._unsettled.claims
+    def _is_unsettled(self, ref: ClaimRef) -> bool:
+        return self._unsettled is not None and self._unsettled.holds(ref.uid, (ref.namespace, ref.name))
 
     async def _read(self, ref: ClaimRef) -> Mapping[str, Any] | str:
         """Return the claim object, or the per-claim error saying why it could not be read."""
@@ -473,10 +543,9 @@ class NodeService:
             # A claim the lost checkpoint may have recorded may take what its allocation names, but
             # not a device another such claim's spec names; any other claim is refused every device
             # the state withholds (the driver's whole pool).
-            if ref.uid in unsettled.claims:
-                others_unsettled = frozenset().union(
-                    *(ids for uid, ids in unsettled.claims.items() if uid != ref.uid)
-                )
+            claim_name = (ref.namespace, ref.name)
+            if unsettled.holds(ref.uid, claim_name):
+                others_unsettled = unsettled.others(ref.uid, claim_name)
             else:
                 others_unsettled = unsettled.held()
         for r in results:
@@ -624,13 +693,14 @@ class NodeService:
                 self._write_files(plan)
             except OSError as e:
                 errors[uid] = f"claim {plan.ref}: cannot write its files: {e}"
-                if uid not in claims and not self._is_unsettled(uid):
+                if uid not in claims and not self._is_unsettled(plan.ref):
                     with contextlib.suppress(OSError):
                         self._remove_files(plan, claims)
                 continue
             claims[uid] = plan
             errors[uid] = ""
-        unsettled = self._unsettled.without(claims) if self._unsettled is not None else None
+        settled = [(c.ref.namespace, c.ref.name) for c in claims.values()]
+        unsettled = self._unsettled.without(claims, settled) if self._unsettled is not None else None
         if claims != self._claims or unsettled is not self._unsettled:
             try:
                 self._checkpoint.save(claims, unsettled)
@@ -639,21 +709,21 @@ class NodeService:
                     if uid not in self._claims and not errors[uid]:
                         errors[uid] = f"claim {plan.ref}: cannot record it in {self._checkpoint.path}: {e}"
                         del claims[uid]
-                        if not self._is_unsettled(uid):
+                        if not self._is_unsettled(plan.ref):
                             with contextlib.suppress(OSError):
                                 self._remove_files(plan, claims)
                 return errors
         self._commit(claims)
-        self._settle(claims, "prepared")
+        self._settle(claims, "prepared", settled)
         return errors
 
-    def _settle(self, uids: Iterable[str], how: str) -> None:
+    def _settle(self, uids: Iterable[str], how: str, names_: Iterable[tuple[str, str]] = ()) -> None:
         """Settle these claims of the unsettled state; one line when the last of it is settled."""
         with self._unsettled_lock:
             before = self._unsettled
             if before is None:
                 return
-            self._unsettled = before.without(uids)
+            self._unsettled = before.without(uids, names_)
             done = self._unsettled is None
         if done:
             log_event(
@@ -681,19 +751,22 @@ class NodeService:
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Remove what Prepare made for each claim; return an error (or "") per UID; unknown claims pass."""
         async with self._lock:
-            errors = await _in_thread(self._drop, [r.uid for r in refs])
+            errors = await _in_thread(self._drop, refs)
             self.unprepares += 1
         self._changed()
         return {ref.uid: errors.get(ref.uid, "") for ref in refs}
 
-    def _drop(self, uids: Sequence[str]) -> dict[str, str]:
+    def _drop(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         errors: dict[str, str] = {}
         claims = dict(self._claims)
         released: list[str] = []  # unsettled claims unprepared: released
-        for uid in dict.fromkeys(uids):
+        released_names: list[tuple[str, str]] = []  # the same, as PodResources named them
+        unsettled = self._unsettled
+        for ref in dict.fromkeys(refs):
+            uid = ref.uid
             claim = claims.pop(uid, None)
             if claim is None:
-                if self._is_unsettled(uid):
+                if unsettled is not None and uid in unsettled.claims:
                     # The lost record's claim: its spec goes (its device-info files are those of
                     # devices the pools rewrite or a later start's reconcile removes).
                     try:
@@ -703,6 +776,10 @@ class NodeService:
                         continue
                     released.append(uid)
                     log.info("DRA claim %s (unsettled) unprepared", uid)
+                if unsettled is not None and (ref.namespace, ref.name) in unsettled.named:
+                    # Named by PodResources only (its spec lost too): nothing of it left to remove.
+                    released_names.append((ref.namespace, ref.name))
+                    log.info("DRA claim %s (unsettled, named by PodResources) unprepared", ref)
                 continue  # never prepared here, or unprepared already: success (kubelet retries)
             try:
                 self._remove_files(claim, claims)
@@ -711,20 +788,27 @@ class NodeService:
                 errors[uid] = clip(f"claim {claim.ref}: cannot remove its files: {e}", MAX_ERROR_CHARS)
                 continue
             log.info("DRA claim %s unprepared", claim.ref)
-        unsettled = (
-            self._unsettled.without(released) if self._unsettled is not None and released else self._unsettled
+        after = (
+            unsettled.without(released, released_names)
+            if unsettled is not None and (released or released_names)
+            else unsettled
         )
-        if claims != self._claims or unsettled is not self._unsettled:
+        if claims != self._claims or after is not unsettled:
             try:
-                self._checkpoint.save(claims, unsettled)
+                self._checkpoint.save(claims, after)
             except OSError as e:
                 # The files are gone but the record stays: a repeated Unprepare finishes the job.
-                for uid in uids:
-                    if (uid in self._claims and uid not in claims) or uid in released:
+                for ref in refs:
+                    uid = ref.uid
+                    if (
+                        (uid in self._claims and uid not in claims)
+                        or uid in released
+                        or (ref.namespace, ref.name) in released_names
+                    ):
                         errors[uid] = f"cannot update {self._checkpoint.path}: {e}"
                 return errors
             self._commit(claims)
-            self._settle(released, "unprepared")
+            self._settle(released, "unprepared", released_names)
         return errors
 
 

@@ -21,6 +21,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -36,40 +37,102 @@ MAX_RECEIVE = 64 * 1024 * 1024
 MAX_CHECKPOINT_BYTES = 64 * 1024 * 1024
 
 Held = frozenset[tuple[str, str]]  # (resource name, device ID as the kubelet knows it)
+T = TypeVar("T")
 
 
 class SourceUnavailable(Exception):
     """The source cannot be read now (no socket, kubelet restarting, unreadable file); one line says why."""
 
 
+class ClaimUse(NamedTuple):
+    """One device a running pod's DRA claim uses, as PodResources names it (no claim UID: see below)."""
+
+    driver: str
+    namespace: str
+    name: str  # the ResourceClaim's name; PodResources gives no UID
+    pool: str
+    device: str  # the DRA device name within the pool
+
+
+class PodHoldings(NamedTuple):
+    """What one List reply says running pods hold: device-plugin devices, and our drivers' claim devices."""
+
+    devices: Held
+    claims: frozenset[ClaimUse] = frozenset()
+
+
 def decode_held(data: bytes) -> Held:
-    """Return every (resource, device ID) of a ``v1.ListPodResourcesResponse``; ValueError if malformed.
+    """Return every (resource, device ID) of a ``v1.ListPodResourcesResponse``; ValueError if malformed."""
+    return decode_pod_resources(data).devices
+
+
+def decode_pod_resources(data: bytes, drivers: frozenset[str] = frozenset()) -> PodHoldings:
+    """Return what a ``v1.ListPodResourcesResponse`` says is held; ValueError if malformed.
 
     The path: ListPodResourcesResponse.pod_resources (1) → PodResources.containers (3) →
-    ContainerResources.devices (2) → ContainerDevices.resource_name (1) and device_ids (2).  Every other
-    field is skipped, as protobuf skips unknown ones; a field of another wire type than its declared one
-    is skipped too (protobuf keeps it as unknown), and a repeated string name's last value wins.
+    ContainerResources.devices (2) → ContainerDevices.resource_name (1) and device_ids (2); and, for the
+    claims of ``drivers`` only, ContainerResources.dynamic_resources (5) → DynamicResource.claim_name (2),
+    claim_namespace (3), claim_resources (4) → ClaimResource.driver_name (2), pool_name (3),
+    device_name (4) (field 1 of DynamicResource, class_name, was removed in 1.31; the kubelet fills these
+    when its DynamicResourceAllocation feature is on).  Every other field is skipped, as protobuf skips
+    unknown ones; a field of another wire type than its declared one is skipped too (protobuf keeps it
+    as unknown), and a repeated string name's last value wins.  Nothing here is unbounded but the reply,
+    which the client caps (``MAX_RECEIVE``).
     """
     held: set[tuple[str, str]] = set()
+    claims: set[ClaimUse] = set()
     for in_list, pod in fields(data):
         if in_list != 1 or pod is None:
             continue
         for in_pod, container in fields(pod):
             if in_pod != 3 or container is None:
                 continue
-            for in_container, devices in fields(container):
-                if in_container != 2 or devices is None:
+            for in_container, part in fields(container):
+                if part is None:
                     continue
-                resource, ids = "", []
-                for in_devices, value in fields(devices):
-                    if value is None:
-                        continue
-                    if in_devices == 1:
-                        resource = value.decode()  # proto3 strings are UTF-8: UnicodeDecodeError else
-                    elif in_devices == 2:
-                        ids.append(value.decode())
-                held.update((resource, i) for i in ids)
-    return frozenset(held)
+                if in_container == 2:
+                    resource, ids = "", []
+                    for in_devices, value in fields(part):
+                        if value is None:
+                            continue
+                        if in_devices == 1:
+                            resource = value.decode()  # proto3 strings are UTF-8: UnicodeDecodeError else
+                        elif in_devices == 2:
+                            ids.append(value.decode())
+                    held.update((resource, i) for i in ids)
+                elif in_container == 5 and drivers:
+                    claims.update(_claim_uses(part, drivers))
+    return PodHoldings(frozenset(held), frozenset(claims))
+
+
+def _claim_uses(data: bytes, drivers: frozenset[str]) -> list[ClaimUse]:
+    """Return the devices of ``drivers`` one DynamicResource names; ValueError if malformed."""
+    name = namespace = ""
+    resources: list[bytes] = []
+    for number, value in fields(data):
+        if value is None:
+            continue
+        if number == 2:
+            name = value.decode()
+        elif number == 3:
+            namespace = value.decode()
+        elif number == 4:
+            resources.append(value)
+    out: list[ClaimUse] = []
+    for resource in resources:  # after the loop: the claim's name may follow its resources
+        driver = pool = device = ""
+        for number, value in fields(resource):
+            if value is None:
+                continue
+            if number == 2:
+                driver = value.decode()
+            elif number == 3:
+                pool = value.decode()
+            elif number == 4:
+                device = value.decode()
+        if driver in drivers:
+            out.append(ClaimUse(driver, namespace, name, pool, device))
+    return out
 
 
 class PodResourcesClient:
@@ -90,6 +153,10 @@ class PodResourcesClient:
 
     async def list(self) -> Held:
         """Return every (resource, device ID) a running pod holds; raise SourceUnavailable on failure."""
+        return await self.read(self._decode)
+
+    async def read(self, decode: Callable[[bytes], T]) -> T:
+        """Call List and return the reply as ``decode`` reads it (off the loop); SourceUnavailable if not."""
         # Without the socket, gRPC would wait in its reconnect back-off; the kubelet creates the socket
         # when it starts serving, so its absence is an answer.
         try:
@@ -115,7 +182,7 @@ class PodResourcesClient:
         try:
             # Off the loop: a List of a large node is tens of MiB, and decoding 60 MiB in Python takes
             # most of a second (issue 23 item 7) that no health flush or Allocate may wait for.
-            return await workers.run(Work.KUBELET, self._decode, response)
+            return await workers.run(Work.KUBELET, decode, response)
         except ValueError as exc:  # UnicodeDecodeError included
             # As after an RPC error (a reply the generated classes failed to parse was one): not the
             # kubelet we knew, so a fresh channel next time.

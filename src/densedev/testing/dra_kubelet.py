@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from .._proto import dra_health_v1alpha1_pb2, dra_v1_pb2, dra_v1beta1_pb2, pluginregistration_pb2
+from ..node.holdings import ClaimUse
 from ..node.watch import DirectoryWatch
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,8 @@ class DraKubelet:
         self.plugins: dict[str, DraPluginRecord] = {}
         self.errors: list[str] = []  # registration failures, in order
         self.starts = 0
+        # Claims prepared (and not unprepared since) by UID: driver, namespace, name, devices answered.
+        self.prepared: dict[str, tuple[str, str, str, tuple[dict[str, Any], ...]]] = {}
         self._seen: dict[Path, tuple[int, int, int]] = {}  # socket path -> identity registered (or tried)
         self._retry_at: dict[Path, float] = {}
         self._backoff: dict[Path, float] = {}
@@ -388,7 +391,15 @@ class DraKubelet:
                     for cdi_id in d["cdi"]:
                         assert _CDI_ID.fullmatch(cdi_id), f"malformed CDI device ID {cdi_id!r}"
             out[uid] = PreparedAnswer(devices if not answer.error else (), answer.error)
+        for ns, name, uid in claims:
+            if not out[uid].error:
+                self.prepared[uid] = (driver, ns, name, out[uid].devices)
         return out
+
+    def claim_uses(self, uid: str) -> list[ClaimUse]:
+        """Return what PodResources lists for a pod using this prepared claim (``run_dra_pod``)."""
+        driver, ns, name, devices = self.prepared[uid]
+        return [ClaimUse(driver, ns, name, d["pool"], d["device"]) for d in devices]
 
     async def unprepare(
         self, driver: str, claims: Sequence[tuple[str, str, str]], timeout: float = CALL_TIMEOUT
@@ -397,6 +408,9 @@ class DraKubelet:
         response = await self._call_claims(driver, "NodeUnprepareResources", claims, timeout)
         asked = {uid for _ns, _name, uid in claims}
         assert set(response.claims) == asked, "NodeUnprepareResources must answer every claim, and only those"
+        for uid, answer in response.claims.items():
+            if not answer.error:
+                self.prepared.pop(uid, None)
         return {uid: answer.error for uid, answer in response.claims.items()}
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float) -> None:

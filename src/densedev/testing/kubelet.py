@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from .._proto import api_pb2, podresources_pb2
+from ..node.holdings import ClaimUse
 
 log = logging.getLogger(__name__)
 
@@ -204,6 +205,9 @@ class KubeletEmulator:
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Event()
         self._pods: dict[str, _Pod] = {}
+        # Pods that use DRA claims, by (namespace, name): what PodResources lists as their
+        # dynamic_resources (the DRA kubelet emulator prepared the claims: ``DraKubelet.claim_uses``).
+        self._dra_pods: dict[tuple[str, str], tuple[ClaimUse, ...]] = {}
         self._allocated: dict[str, set[str]] = {}  # resource → IDs held (the device manager's view)
         self._pod_seq = 0
         self._checkpoint_pending = False
@@ -530,6 +534,14 @@ class KubeletEmulator:
 
     # -- PodResources ----------------------------------------------------------------------------
 
+    def run_dra_pod(self, namespace: str, name: str, uses: Sequence[ClaimUse]) -> None:
+        """Run a pod whose container uses these DRA claim devices (listed under ``dynamic_resources``)."""
+        self._dra_pods[(namespace, name)] = tuple(uses)
+
+    def end_dra_pod(self, namespace: str, name: str) -> None:
+        """The pod ended: List no longer shows it (the kubelet then unprepares its claims)."""
+        self._dra_pods.pop((namespace, name), None)
+
     async def _serve_pod_resources(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
@@ -571,6 +583,30 @@ class KubeletEmulator:
                 c = pr.containers.add(name=cname)
                 for resource, ids in per_resource.items():
                     c.devices.append(self._container_devices(resource, ids))
+        pr_ = podresources_pb2
+        for (namespace, name), uses in self._dra_pods.items():
+            c = out.pod_resources.add(name=name, namespace=namespace).containers.add(name="main")
+            # One DynamicResource per claim, one ClaimResource per device, as the kubelet's DRA manager
+            # fills them (GetContainerClaimInfos: claim name, namespace, and per driver result).
+            by_claim: dict[tuple[str, str], list[ClaimUse]] = {}
+            for use in uses:
+                by_claim.setdefault((use.namespace, use.name), []).append(use)
+            for (claim_ns, claim_name), per_claim in by_claim.items():
+                c.dynamic_resources.append(
+                    pr_.DynamicResource(
+                        claim_name=claim_name,
+                        claim_namespace=claim_ns,
+                        claim_resources=[
+                            pr_.ClaimResource(
+                                driver_name=u.driver,
+                                pool_name=u.pool,
+                                device_name=u.device,
+                                cdi_devices=[pr_.CDIDevice(name=f"{u.driver}/claim={u.device}")],
+                            )
+                            for u in per_claim
+                        ],
+                    )
+                )
         return out
 
     async def _pr_allocatable(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
