@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densedev._proto import api_pb2, podresources_pb2
-from densedev.pools import config as config_mod
+from densedev.pools import sriov_format
 from densedev.pools.config import validate_resource_name
 from densedev.testing.kubelet import (
     CHECKPOINT,
@@ -142,7 +142,7 @@ async def test_the_emulator_refuses_what_a_broken_daemon_check_lets_through(
 ) -> None:
     # The daemon's check is broken on purpose: the config loads with the bad name and the daemon
     # registers it; the emulator, checking by the kubelet's rules on its own, refuses it.
-    monkeypatch.setattr(config_mod, "validate_resource_name", lambda _name: None)
+    monkeypatch.setattr(sriov_format, "validate_resource_name", lambda _name: None)
     pf = node.layout.pfs[0]
     pool = {"resourceName": name, "resourcePrefix": prefix, "selectors": {"pfNames": [pf.netdev]}}
     node.write_config({"resourceList": [pool]})
