@@ -11,7 +11,7 @@ netDevice pool of the same VFs shows the cost for pools that hand out no RDMA (n
 
 from __future__ import annotations
 
-import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import _impl
 
 from densedev.alloc.respond import AllocationSettings, PoolAllocator
 from densedev.model import Pool, PoolConfig, PoolMember, Selector
@@ -42,9 +44,12 @@ def timed(alloc: PoolAllocator, ids: list[str], rounds: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _impl.arguments(__file__, __doc__, "200 Allocates per cell")
     parser.add_argument("--rounds", type=int, default=2000)
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 200
+    rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         sysfs, dev_root = root / "sys", root / "dev"
@@ -58,8 +63,10 @@ def main() -> None:
                 f.touch()
         rdma = PoolConfig("rdma_vf", "example.com", selectors=(Selector(is_rdma=True),))
         plain = PoolConfig("plain_vf", "example.com")
-        print(f"{len(vfs)} RoCE VFs; {args.rounds} Allocates per cell; microseconds per Allocate")
-        print(f"{'pool':<9} {'size':>4} {'record p50/p99':>18} {'at Allocate p50/p99':>22} {'ratio p50':>10}")
+        if not args.json:
+            print(f"{len(vfs)} RoCE VFs; {args.rounds} Allocates per cell; microseconds per Allocate")
+            head = f"{'pool':<9} {'size':>4} {'record p50/p99':>18} {'at Allocate p50/p99':>22}"
+            print(f"{head} {'ratio p50':>10}")
         for config in (rdma, plain):
             now = allocator(config, vfs, sysfs, dev_root)
             record = allocator(config, vfs, None, dev_root)
@@ -71,10 +78,25 @@ def main() -> None:
                     a += timed(record, ids, args.rounds // 5)
                     b += timed(now, ids, args.rounds // 5)
                 qa, qb = statistics.quantiles(a, n=100), statistics.quantiles(b, n=100)
+                rows.append(
+                    {
+                        "pool": config.resource_name,
+                        "size": size,
+                        "record_p50_us": round(qa[49], 1),
+                        "record_p99_us": round(qa[98], 1),
+                        "at_allocate_p50_us": round(qb[49], 1),
+                        "at_allocate_p99_us": round(qb[98], 1),
+                    }
+                )
+                if args.json:
+                    continue
                 print(
                     f"{config.resource_name:<9} {size:>4} {qa[49]:>8.1f} / {qa[98]:>7.1f} "
                     f"{qb[49]:>11.1f} / {qb[98]:>8.1f} {qb[49] / qa[49]:>10.2f}"
                 )
+
+    if args.json:
+        print(json.dumps({"bench": "alloc_rdma", "vfs": len(vfs), "rounds": args.rounds, "results": rows}))
 
 
 if __name__ == "__main__":

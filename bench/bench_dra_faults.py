@@ -14,7 +14,6 @@ per-slice rate limit, set to 0 so that every event is written at once.  For each
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import statistics
@@ -26,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
 import uvloop
 
 from densedev.dra import names, slices
@@ -112,12 +112,13 @@ async def run(events: int, seconds: float, work: Path) -> dict[str, object]:
 
 def main() -> int:
     """Run both faults and print their figures."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _impl.arguments(__file__, __doc__, "2 hung-write events, 3 s of conflicts")
     p.add_argument("--events", type=int, default=5)
     p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--json", action="store_true")
     p.add_argument("--dir", type=Path, default=None, help="where the simulated node goes (e.g. /dev/shm)")
     args = p.parse_args()
+    if args.quick:
+        args.events, args.seconds = 2, 3.0
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         r = uvloop.run(run(args.events, args.seconds, Path(tmp)))
     if args.json:

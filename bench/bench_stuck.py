@@ -16,7 +16,6 @@ Prints, on a simulated node of ``--vfs`` VFs (on tmpfs when there is one):
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -31,6 +30,8 @@ from typing import Any
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 sys.path.insert(0, str(SRC))
+
+import _impl  # noqa: E402
 
 from densedev import accel  # noqa: E402
 from densedev.node.scanner import Scanner  # noqa: E402
@@ -103,11 +104,12 @@ def sigterm(top: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = _impl.arguments(__file__, __doc__, "1,024 VFs, 3 scans each way")
     parser.add_argument("--vfs", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.quick:
+        args.vfs, args.repeat = 1024, 3
     top = Path(
         tempfile.mkdtemp(prefix="densedev-stuck-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     )
