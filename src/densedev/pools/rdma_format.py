@@ -109,15 +109,11 @@ def _periodic_update(r: Reader, value: Any, reconcile: float, explicit: bool) ->
 
 
 def _parse_entry(r: Reader, obj: Any, index: int) -> PoolConfig | None:
-    base = f"configList[{index}]"
-    if not isinstance(obj, Mapping):
-        r.problem(base, f"expected a resource object, got {type_name(obj)}")
-        return None
-    raw_name = next((v for k, v in obj.items() if k.lower() == "resourcename"), None)
-    label = clip(raw_name, 64) if isinstance(raw_name, str) and raw_name else "no resourceName"
-    where = f"{base} ({label})"
     before = r.count
-    f = r.fields(obj, ENTRY_KEYS, where)
+    opened = r.entry(obj, f"configList[{index}]", ENTRY_KEYS)
+    if opened is None:
+        return None
+    where, f = opened
 
     name = ""
     if "resourceName" not in f or f["resourceName"] == "":

@@ -400,15 +400,11 @@ def _parse_driver_name(r: Reader, value: Any) -> str:
 
 
 def _parse_pool(r: Reader, obj: Any, index: int) -> PoolConfig | None:
-    base = f"resourceList[{index}]"
-    if not isinstance(obj, Mapping):
-        r.problem(base, f"expected a resource object, got {type_name(obj)}")
-        return None
-    raw_name = next((v for k, v in obj.items() if k.lower() == "resourcename"), None)
-    label = clip(raw_name, 64) if isinstance(raw_name, str) and raw_name else "no resourceName"
-    where = f"{base} ({label})"
     before = r.count
-    f = r.fields(obj, _POOL_KEYS, where)
+    opened = r.entry(obj, f"resourceList[{index}]", _POOL_KEYS)
+    if opened is None:
+        return None
+    where, f = opened
 
     name = ""
     if "resourceName" not in f:

@@ -185,6 +185,18 @@ class Reader:
             return False
         return True
 
+    def entry(self, obj: Any, base: str, allowed: Sequence[str]) -> tuple[str, dict[str, Any]] | None:
+        """Open one resource entry of a list: where its problems are said (``base (its name)``) and its
+        fields (``fields``); None, with one problem, when it is not an object."""
+        if not isinstance(obj, Mapping):
+            self.problem(base, f"expected a resource object, got {type_name(obj)}")
+            return None
+        # The name labels every problem of the entry, even a misspelt or ill-typed one's.
+        raw_name = next((v for k, v in obj.items() if k.lower() == "resourcename"), None)
+        label = clip(raw_name, 64) if isinstance(raw_name, str) and raw_name else "no resourceName"
+        where = f"{base} ({label})"
+        return where, self.fields(obj, allowed, where)
+
     def fields(self, obj: Mapping[str, Any], allowed: Sequence[str], where: str) -> dict[str, Any]:
         """Map ``obj``'s keys to their canonical spelling; report unknown and duplicate keys.
 
