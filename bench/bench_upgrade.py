@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def full_healthy(emu: KubeletEmulator, vfs: int) -> bool:
 
 
 async def upgrade_once(
-    emu: KubeletEmulator, old: subprocess.Popen[bytes], start: callable, vfs: int
+    emu: KubeletEmulator, old: subprocess.Popen[bytes], start: Callable[[], subprocess.Popen[bytes]], vfs: int
 ) -> tuple[subprocess.Popen[bytes], dict[str, float]]:
     """Replace ``old`` by a new daemon; return the new one and the pieces of this upgrade (seconds)."""
     registrations = emu.registrations(RESOURCE)

@@ -65,6 +65,7 @@ class PluginRunner:
         refused_retry: float = 30.0,
         register_timeout: float = 15.0,
         stream_grace: float = 0.5,
+        first_stream_grace: float = 2.0,
     ) -> None:
         if "/" in socket_name or not socket_name:
             raise ValueError(f"{resource}: socket name {socket_name!r} must be a file name in {kubelet_dir}")
@@ -87,6 +88,7 @@ class PluginRunner:
         self._refused_retry = refused_retry
         self._register_timeout = register_timeout
         self._stream_grace = stream_grace
+        self._first_stream_grace = first_stream_grace
         self._server: PluginServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.registered = False
@@ -232,22 +234,37 @@ class PluginRunner:
 
     async def _watch(self, kubelet: FileIdentity | None) -> None:
         """Return once the kubelet restarted (kubelet.sock changed or gone), our socket was removed, or
-        the kubelet dropped our stream and opened none for ``stream_grace`` seconds."""
+        we have no stream: the kubelet dropped ours and opened none for ``stream_grace`` seconds, or
+        never opened one within ``first_stream_grace`` seconds of our registration."""
         lost_since: float | None = None
         while True:
-            await self._pause(self._stream_grace if lost_since is not None else None)
+            server = self._server
+            grace = (
+                self._stream_grace
+                if server is not None and server.streams_opened
+                else self._first_stream_grace
+            )
+            await self._pause(grace if lost_since is not None else None)
             if identify(self.kubelet_socket) != kubelet or not self._own_socket_intact():
                 return
             # The kubelet never redials a ended stream: its devices stay unhealthy until we register
-            # again.  Wait a little first: a stream can end just before a restart is visible.
+            # again.  Wait a little first: a stream can end just before a restart is visible.  A stream
+            # that never opened counts too: the v1.32 device manager, when the client a registration
+            # replaced ends its stream, disconnects the newest client, possibly before its ListAndWatch
+            # reached us (plugin/v1beta1/handler.go, runClient); the kubelet opens the stream as it
+            # answers Register, so a longer wait, ``first_stream_grace``, tells that from a slow start.
             server = self._server
-            if server is not None and server.streams_opened and not server.streams:
+            if server is not None and not server.streams:
                 now = time.monotonic()
                 if lost_since is None:
                     lost_since = now
-                elif now - lost_since >= self._stream_grace:
+                elif now - lost_since >= grace:
                     log.warning(
-                        "%s: the kubelet closed our ListAndWatch stream; registering again", self.resource
+                        "%s: %s; registering again",
+                        self.resource,
+                        "the kubelet closed our ListAndWatch stream"
+                        if server.streams_opened
+                        else f"the kubelet opened no ListAndWatch stream within {grace:g} s of registering",
                     )
                     return
             else:
