@@ -17,15 +17,20 @@ Where the window goes, per upgrade (all CLOCK_MONOTONIC, shared with the daemon'
 
 The real kubelet adds its own time between the old container's exit and the new one's start (sandbox,
 image, container create): not measured here.  Bounded: every wait has a timeout, and the run ends after
-``--upgrades`` replacements.
+``--upgrades`` replacements.  As root with iproute2 the PFs' netdevs are real veth links in a private
+network namespace and the daemon watches netlink there, as on a node; otherwise ``--no-netlink``.
+``--admit-ms 0`` admits nothing (the emulator's window only, without this process's CPU beside the
+daemons'); the output says how much CPU this process (the emulator) used.
 
     PYTHONPATH=src python bench/bench_upgrade.py [--quick] [--json] [--vfs 4096] [--upgrades 20]
+        [--admit-ms 10]
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -34,6 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,10 +52,10 @@ import uvloop
 from densedev import accel
 from densedev.testing import simnode
 from densedev.testing.kubelet import HEALTHY, KubeletEmulator, KubeletError
+from densedev.testing.netns import available, namespace
 
 VFS_PER_PF = 256
 RESOURCE = "intel.com/vfs"
-ADMIT_EVERY_S = 0.010
 WAIT_S = 60.0  # the longest any one step may take before the run is called failed
 SETTLE_S = 0.3  # after an upgrade's full list, before the next one
 
@@ -79,8 +85,8 @@ class Admissions:
         return out
 
 
-async def admit_forever(emu: KubeletEmulator, record: Admissions) -> None:
-    """Admit a one-device pod every 10 ms (a fixed schedule, not 10 ms after the last one ended)."""
+async def admit_forever(emu: KubeletEmulator, record: Admissions, every: float) -> None:
+    """Admit a one-device pod every ``every`` seconds (a fixed schedule, not after the last one ended)."""
     loop = asyncio.get_running_loop()
     next_at = loop.time()
     while True:
@@ -99,7 +105,7 @@ async def admit_forever(emu: KubeletEmulator, record: Admissions) -> None:
             key = f"Allocate {exc.code().name}"
             record.errors[key] = record.errors.get(key, 0) + 1
         record.attempts.append((time.monotonic(), ok))
-        next_at += ADMIT_EVERY_S
+        next_at += every
         await asyncio.sleep(max(0.0, next_at - loop.time()))
 
 
@@ -148,17 +154,22 @@ async def upgrade_once(
     }
 
 
-async def measure(work: Path, vfs: int, upgrades: int) -> dict[str, object]:
+async def measure(
+    work: Path, vfs: int, upgrades: int, admit_every: float, netns: str | None
+) -> dict[str, object]:
     """Every figure of one run: a node of ``vfs`` VFs, one pool, ``upgrades`` replacements."""
     sysfs = work / "sys"
     layout = simnode.build_node(sysfs, pfs=vfs // VFS_PER_PF, vfs_per_pf=VFS_PER_PF, numa_nodes=2)
     config = work / "config.json"
     pool = {"resourceName": "vfs", "selectors": {"pfNames": [pf.netdev for pf in layout.pfs]}}
     config.write_text(json.dumps({"resourceList": [pool]}))
+    if netns is not None:
+        _impl.veth_pfs(netns, [pf.netdev for pf in layout.pfs])
     kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))  # short: sun_path holds 107 bytes
     emu = KubeletEmulator(kubelet_dir, strict=True)
     await emu.start()
-    argv = _impl.daemon_argv(config, sysfs, kubelet_dir, work / "dev", None)
+    cpu0 = os.times()
+    argv = _impl.daemon_argv(config, sysfs, kubelet_dir, work / "dev", netns)
     env = _impl.daemon_env(work / "pycache")
 
     def start() -> subprocess.Popen[bytes]:
@@ -172,7 +183,8 @@ async def measure(work: Path, vfs: int, upgrades: int) -> dict[str, object]:
         await emu.wait_for(lambda: full_healthy(emu, vfs) or daemon.poll() is not None, WAIT_S)
         if daemon.poll() is not None:
             raise RuntimeError(f"densedev run exited {daemon.returncode} at its first start")
-        admitting = asyncio.create_task(admit_forever(emu, record))
+        if admit_every > 0:
+            admitting = asyncio.create_task(admit_forever(emu, record, admit_every))
         await asyncio.sleep(SETTLE_S)
         for _ in range(upgrades):
             daemon, p = await upgrade_once(emu, daemon, start, vfs)
@@ -188,6 +200,7 @@ async def measure(work: Path, vfs: int, upgrades: int) -> dict[str, object]:
         await emu.stop()
         shutil.rmtree(kubelet_dir, ignore_errors=True)
     windows: list[float] = []
+    cpu = os.times()
     for p in pieces:
         # One upgrade's failures begin after its SIGTERM; a window that straddles none counts as 0.
         found = record.windows(p["t_term"], p["t_listed"] + SETTLE_S)
@@ -203,14 +216,17 @@ async def measure(work: Path, vfs: int, upgrades: int) -> dict[str, object]:
     names = ("stop_to_unhealthy", "old_exit", "start_to_registered", "registered_to_listed", "unhealthy")
     return {
         "implementation": accel.IMPLEMENTATION,
+        "netlink": "netns" if netns is not None else "off",
         "devices": vfs,
         "upgrades": upgrades,
-        "admit_every_ms": ADMIT_EVERY_S * 1e3,
+        "admit_every_ms": admit_every * 1e3,
+        # This process's CPU (the emulator admitting, checkpointing): it shares the machine with the daemons.
+        "bench_cpu_s": round(cpu.user + cpu.system - cpu0.user - cpu0.system, 2),
         "admissions": len(record.attempts),
         "failed_admissions": sum(1 for _, ok in record.attempts if not ok),
         "errors": record.errors,
         "double_holdings": len(emu.double_holdings),
-        "failed_window": ms(windows),
+        "failed_window": ms(windows) if admit_every > 0 else None,
         "failed_window_ms": [round(w * 1e3, 1) for w in windows],
         "pieces": {n: ms([p[n] for p in pieces]) for n in names},
         "median_ms": {n: round(statistics.median(p[n] for p in pieces) * 1e3, 1) for n in names},
@@ -221,24 +237,34 @@ def main() -> int:
     p = _impl.arguments(__file__, __doc__, "1,024 VFs, 3 upgrades")
     p.add_argument("--vfs", type=int, default=4096, help="VFs on the node (a multiple of 256)")
     p.add_argument("--upgrades", type=int, default=20)
+    p.add_argument(
+        "--admit-ms",
+        type=float,
+        default=10.0,
+        help="admit a pod every N ms (0: none, the emulator's window only)",
+    )
     args = p.parse_args()
     if args.quick:
         args.vfs, args.upgrades = 1024, 3
     if args.vfs <= 0 or args.vfs % VFS_PER_PF or args.upgrades <= 0:
         p.error(f"--vfs must be a positive multiple of {VFS_PER_PF} and --upgrades positive")
-    with _impl.scratch("densedev-upgrade-", _impl.tmpfs_dir(1 << 30)) as work:
-        r = uvloop.run(measure(work, args.vfs, args.upgrades))
+    with ExitStack() as stack:
+        # As root, the PFs' netdevs are real veth links in a private network namespace and the daemon
+        # watches netlink there, as on a node; otherwise --no-netlink (said in the output).
+        netns = stack.enter_context(namespace("densedev-u")) if available() is None else None
+        work = stack.enter_context(_impl.scratch("densedev-upgrade-", _impl.tmpfs_dir(1 << 30)))
+        r = uvloop.run(measure(work, args.vfs, args.upgrades, args.admit_ms / 1e3, netns))
     if args.json:
         print(json.dumps(r))
         return 0
-    w = r["failed_window"]
+    w = r["failed_window"] or {"p50_ms": "-", "p99_ms": "-", "max_ms": "-"}
     print(
-        f"upgrade [{r['implementation']}] {r['devices']} VFs, 1 pool, {r['upgrades']} upgrades "
-        "(SIGTERM, exit, "
-        f"new start), a pod admitted every {r['admit_every_ms']:.0f} ms: admissions fail for "
+        f"upgrade [{r['implementation']}, netlink {r['netlink']}] {r['devices']} VFs, 1 pool, "
+        f"{r['upgrades']} upgrades (SIGTERM, exit, new start), a pod admitted every "
+        f"{r['admit_every_ms']:.0f} ms: admissions fail for "
         f"p50 {w['p50_ms']} ms, p99 {w['p99_ms']} ms (max {w['max_ms']}); "
         f"{r['failed_admissions']} of {r['admissions']} admissions failed {r['errors']}; "
-        f"devices given twice: {r['double_holdings']}"
+        f"devices given twice: {r['double_holdings']}; this process used {r['bench_cpu_s']} s of CPU"
     )
     for name, fig in r["pieces"].items():
         print(f"  {name:22s} p50 {fig['p50_ms']:7.1f} ms  p99 {fig['p99_ms']:7.1f} ms")
