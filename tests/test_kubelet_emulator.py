@@ -253,6 +253,54 @@ async def test_a_new_registration_replaces_the_old(kubelet: KubeletEmulator, soc
         assert response.envs["PCIDEVICE_EXAMPLE_COM_VF"] == second.ids[0]
 
 
+async def test_a_replaced_clients_stream_end_disconnects_the_newer_one(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
+    # The v1.32 device manager keeps following the replaced client; when its stream ends, runClient finds
+    # the newer client under the resource name and disconnects it (the reference's re-registration race).
+    first = FakePool(pci_ids(4))
+    second = FakePool(pci_ids(6, bus=0x5E))
+    async with serving(RESOURCE, sock_dir / "two.sock", second):
+        async with serving(RESOURCE, sock_dir / "one.sock", first):
+            await _register(sock_dir, RESOURCE, "one.sock")
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, GUARD)
+            await _register(sock_dir, RESOURCE, "two.sock")
+            await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 6, GUARD)
+            assert not kubelet.stream_ended(RESOURCE)
+        # one.sock's server stopped: its stream ended, and the kubelet dropped two.sock's in turn.
+        await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+        assert set(kubelet.devices(RESOURCE)) == set(second.ids) and kubelet.allocatable(RESOURCE) == 0
+        assert "replaced client" in kubelet.stream_error(RESOURCE)
+        with pytest.raises(KubeletError):
+            await kubelet.create_pod("late", {RESOURCE: 1})
+
+
+@pytest.mark.parametrize("kubelet_options", [{"stop_grace": 1.0}])
+async def test_a_resource_without_a_plugin_is_removed_after_the_grace_period(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
+    pool = FakePool(pci_ids(4))
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, GUARD)
+    await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+    assert kubelet.resources() == [RESOURCE] and kubelet.capacity(RESOURCE) == 4  # listed, unhealthy
+    await kubelet.wait_for(lambda: not kubelet.resources(), GUARD)
+    assert kubelet.capacity(RESOURCE) == 0
+    with pytest.raises(KubeletError, match="no device plugin"):
+        await kubelet.create_pod("late", {RESOURCE: 1})
+    # A plugin registering again within the grace period keeps the resource.
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, GUARD)
+    await kubelet.wait_for(lambda: kubelet.stream_ended(RESOURCE), GUARD)
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 4, GUARD)
+        await asyncio.sleep(1.5)  # past the first stream end's grace period
+        assert kubelet.allocatable(RESOURCE) == 4
+
+
 async def _oversized_server(path: Path, messages: list[bytes]) -> grpc.aio.Server:
     """A plugin that ignores the limit (sends up to 8 MiB), to see the kubelet side enforce it."""
 

@@ -293,3 +293,28 @@ async def test_pools_hammered_by_kubelet_restarts_reloads_and_stops_during_start
         await kubelet.stop()
         watch.close()
     assert sorted(p.name for p in sock_dir.iterdir() if p.is_socket()) == []
+
+
+async def test_registers_again_when_the_kubelet_drops_it_for_a_replaced_instance(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
+    # Two instances of one pool (a DaemonSet surge): the second registers while the first still streams;
+    # the first then stops, and the kubelet (v1.32) disconnects the second.  The second must notice its
+    # stream gone and register again, or the resource would stay Unhealthy for good.
+    pool = FakePool(pci_ids(8))
+    old = PluginRunner(RESOURCE, sock_dir, "old.sock", PoolFeed(pool.message()), pool, stream_grace=0.1)
+    new = PluginRunner(RESOURCE, sock_dir, "new.sock", PoolFeed(pool.message()), pool, stream_grace=0.1)
+    await old.start()
+    try:
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 8, GUARD)
+        await new.start()
+        await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 2, GUARD)
+    finally:
+        await old.stop()
+    try:
+        await kubelet.wait_for(lambda: kubelet.registrations(RESOURCE) == 3, GUARD)
+        await kubelet.wait_for(lambda: kubelet.allocatable(RESOURCE) == 8, GUARD)
+        got = await kubelet.create_pod("after", {RESOURCE: 1})
+        assert got[RESOURCE][0] in pool.ids and not kubelet.double_holdings
+    finally:
+        await new.stop()

@@ -26,6 +26,16 @@ KUBELET_SOCKET = "kubelet.sock"
 # the request (a bad resource name comes back as UNKNOWN with its text): retry slowly.
 _ABSENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 
+# How long a stopping pool server lets calls in progress finish.  Every DevicePlugin handler answers
+# within one turn of the loop (ListAndWatch streams are ended first), so little is needed; and the
+# whole grace is spent whenever the kubelet sent a call just as the server began to stop: grpc.aio no
+# longer dispatches it, and the server's shutdown waits for the kubelet's connection, which that call
+# keeps open, until the grace ends and the call is cancelled (the kubelet sees CANCELLED).  With 0.5 s,
+# 2 of 4 runs of bench/bench_upgrade.py (20 upgrades, a pod admitted every 10 ms) had an old process
+# whose exit -- inside the upgrade's window of rejected pods -- came ~0.5 s late (old_exit p99 ~570 ms;
+# its log: 506 ms from the stream's end to the server's stop).
+STOP_GRACE_S = 0.1
+
 
 async def announce_kubelet(kubelet_dir: Path, poll: float = 0.5) -> None:
     """Log once while ``kubelet.sock`` is missing and once when it appears, for as long as it runs.
@@ -65,6 +75,7 @@ class PluginRunner:
         refused_retry: float = 30.0,
         register_timeout: float = 15.0,
         stream_grace: float = 0.5,
+        first_stream_grace: float = 2.0,
     ) -> None:
         if "/" in socket_name or not socket_name:
             raise ValueError(f"{resource}: socket name {socket_name!r} must be a file name in {kubelet_dir}")
@@ -87,6 +98,7 @@ class PluginRunner:
         self._refused_retry = refused_retry
         self._register_timeout = register_timeout
         self._stream_grace = stream_grace
+        self._first_stream_grace = first_stream_grace
         self._server: PluginServer | None = None
         self._task: asyncio.Task[None] | None = None
         self.registered = False
@@ -124,7 +136,7 @@ class PluginRunner:
         self.registered = False
         server, self._server = self._server, None
         if server is not None:
-            await server.stop()
+            await server.stop(STOP_GRACE_S)
 
     async def _life(self, served: asyncio.Future[None]) -> None:
         await self._serve()
@@ -141,7 +153,7 @@ class PluginRunner:
         """Stop the old server before starting the new one: the kubelet may drop a second instance."""
         old, self._server = self._server, None
         if old is not None:
-            await old.stop()
+            await old.stop(STOP_GRACE_S)
         server = PluginServer(self.resource, self.socket_path, self._feed, self._service)
         server.on_streams_changed = self._wakeup.set
         await server.start()
@@ -236,22 +248,37 @@ class PluginRunner:
 
     async def _watch(self, kubelet: FileIdentity | None) -> None:
         """Return once the kubelet restarted (kubelet.sock changed or gone), our socket was removed, or
-        the kubelet dropped our stream and opened none for ``stream_grace`` seconds."""
+        we have no stream: the kubelet dropped ours and opened none for ``stream_grace`` seconds, or
+        never opened one within ``first_stream_grace`` seconds of our registration."""
         lost_since: float | None = None
         while True:
-            await self._pause(self._stream_grace if lost_since is not None else None)
+            server = self._server
+            grace = (
+                self._stream_grace
+                if server is not None and server.streams_opened
+                else self._first_stream_grace
+            )
+            await self._pause(grace if lost_since is not None else None)
             if identify(self.kubelet_socket) != kubelet or not self._own_socket_intact():
                 return
             # The kubelet never redials a ended stream: its devices stay unhealthy until we register
-            # again.  Wait a little first: a stream can end just before a restart is visible.
+            # again.  Wait a little first: a stream can end just before a restart is visible.  A stream
+            # that never opened counts too: the v1.32 device manager, when the client a registration
+            # replaced ends its stream, disconnects the newest client, possibly before its ListAndWatch
+            # reached us (plugin/v1beta1/handler.go, runClient); the kubelet opens the stream as it
+            # answers Register, so a longer wait, ``first_stream_grace``, tells that from a slow start.
             server = self._server
-            if server is not None and server.streams_opened and not server.streams:
+            if server is not None and not server.streams:
                 now = time.monotonic()
                 if lost_since is None:
                     lost_since = now
-                elif now - lost_since >= self._stream_grace:
+                elif now - lost_since >= grace:
                     log.warning(
-                        "%s: the kubelet closed our ListAndWatch stream; registering again", self.resource
+                        "%s: %s; registering again",
+                        self.resource,
+                        "the kubelet closed our ListAndWatch stream"
+                        if server.streams_opened
+                        else f"the kubelet opened no ListAndWatch stream within {grace:g} s of registering",
                     )
                     return
             else:

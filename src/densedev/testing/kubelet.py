@@ -2,8 +2,11 @@
 
 It behaves as the real kubelet does (see the device-plugin reference): it validates Register, dials the
 plugin and reads its options inside Register, follows ListAndWatch with the 4 MiB receive limit, marks
-a resource's devices unhealthy when its stream ends and never redials, and refuses unhealthy or unknown
-devices before asking the plugin to allocate them.  Tests, the demo and the benchmarks drive it.
+a resource's devices unhealthy when its stream ends, never redials and removes the resource after
+``endpointStopGracePeriod`` (5 minutes) without a plugin, and refuses unhealthy or unknown devices before
+asking the plugin to allocate them.  A new registration of a resource replaces the endpoint as the v1.32
+device manager does: the replaced client's stream is still followed, and when it ends the newest client
+is disconnected in its place (the re-registration race).  Tests, the demo and the benchmarks drive it.
 
 Pods come and go through ``create_pod`` / ``delete_pod``.  Like the kubelet's device manager it
 accounts allocated devices per resource name only, so a device a plugin lists under two resources can
@@ -46,6 +49,8 @@ KUBELET_SOCKET = "kubelet.sock"
 CHECKPOINT = "kubelet_internal_checkpoint"
 MAX_RECEIVE = 4 * 1024 * 1024  # the kubelet's gRPC default receive limit
 DIAL_TIMEOUT = 10.0  # the kubelet dials a registering plugin for up to 10 s, blocking Register
+# devicemanager's endpointStopGracePeriod: a resource whose plugin went away is removed 5 minutes later.
+ENDPOINT_STOP_GRACE = 300.0
 # Go's syscall.SockaddrUnix refuses (EINVAL) a path as long as sun_path (108 bytes on Linux) unless it is
 # abstract: the kubelet can dial at most 107 bytes.
 SUN_PATH_MAX = 107
@@ -161,7 +166,7 @@ class Update:
         return sum(1 for health in self.devices.values() if health == HEALTHY)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: replaced endpoints are kept in a set
 class _Endpoint:
     """The kubelet's record of one registered resource."""
 
@@ -177,6 +182,7 @@ class _Endpoint:
     registrations: int = 0
     stream_ended: bool = False
     stream_error: str = ""
+    removal: asyncio.TimerHandle | None = None  # the endpointStopGracePeriod timer once its stream ended
 
 
 class KubeletEmulator:
@@ -190,8 +196,10 @@ class KubeletEmulator:
         checkpoint: bool = True,
         pod_resources_socket: Path | None = None,
         strict: bool = False,
+        stop_grace: float = ENDPOINT_STOP_GRACE,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
+        self.stop_grace = stop_grace
         self.socket_path = self.plugin_dir / KUBELET_SOCKET
         self.dial_timeout = dial_timeout
         self.write_checkpoint = checkpoint
@@ -201,6 +209,9 @@ class KubeletEmulator:
         self.double_holdings: list[DoubleHolding] = []
         self.list_calls = 0  # PodResources List calls served
         self._endpoints: dict[str, _Endpoint] = {}
+        # Replaced endpoints whose stream still runs: the kubelet keeps following them (see _register).
+        self._superseded: set[_Endpoint] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._server: grpc.aio.Server | None = None
         self._pr_server: grpc.aio.Server | None = None
         self._changed = asyncio.Event()
@@ -250,8 +261,14 @@ class KubeletEmulator:
             if self.pod_resources_socket is not None:
                 self.pod_resources_socket.unlink(missing_ok=True)
         # A copy: a Register the stopping server was still answering may add an endpoint meanwhile.
-        for endpoint in list(self._endpoints.values()):
+        for endpoint in [*self._superseded, *self._endpoints.values()]:
             await self._disconnect(endpoint)
+        for task in list(self._background):
+            await task
+        for endpoint in self._endpoints.values():
+            if endpoint.removal is not None:
+                endpoint.removal.cancel()
+                endpoint.removal = None
         self.socket_path.unlink(missing_ok=True)
         self._notify()
 
@@ -291,11 +308,20 @@ class KubeletEmulator:
         old = self._endpoints.get(resource)
         endpoint = _Endpoint(resource, socket_path, channel, stub, options)
         if old is not None:
-            # A new registration replaces the old one; its devices stay until the new list arrives.
-            await self._disconnect(old)
+            # A new registration replaces the old one; the resource's devices stay until the new list
+            # arrives.  As in the v1.32 device manager (plugin/v1beta1/handler.go: connectClient,
+            # registerClient), the old client is not disconnected: its ListAndWatch goes on feeding the
+            # resource's list, and when it ends, runClient looks the resource up, finds the new client
+            # and disconnects that one (_consume) -- the re-registration race of the reference.
+            if old.removal is not None:
+                old.removal.cancel()
+                old.removal = None
+            if old.stream is not None and not old.stream.done():
+                self._superseded.add(old)
             endpoint.registrations = old.registrations
             endpoint.updates = old.updates
             endpoint.devices = old.devices
+            endpoint.numa = old.numa
         endpoint.registrations += 1
         self._endpoints[resource] = endpoint
         endpoint.stream = asyncio.create_task(self._consume(endpoint), name=f"ListAndWatch {resource}")
@@ -334,24 +360,54 @@ class KubeletEmulator:
                 # Device.ID, so a repeated ID is one device, as here.
                 devices = {d.ID: d.health for d in response.devices}
                 numa = {d.ID: tuple(n.ID for n in d.topology.nodes) for d in response.devices}
-                endpoint.devices = devices
-                endpoint.numa = numa
-                endpoint.updates.append(Update(received, devices, numa, response.ByteSize()))
+                # genericDeviceUpdateCallback is keyed by resource name: a replaced client's messages
+                # still set the resource's list.
+                target = self._endpoints.get(endpoint.resource, endpoint)
+                target.devices = devices
+                target.numa = numa
+                target.updates.append(Update(received, devices, numa, response.ByteSize()))
                 self._notify()
                 # genericDeviceUpdateCallback writes the checkpoint after every device update.
                 self._checkpoint_soon()
             endpoint.stream_error = "stream ended"
         except asyncio.CancelledError:
-            endpoint.stream_error = "disconnected by the kubelet"
+            endpoint.stream_error = endpoint.stream_error or "disconnected by the kubelet"
             raise
         except grpc.aio.AioRpcError as exc:
             endpoint.stream_error = f"{exc.code().name}: {exc.details()}"
         finally:
-            # The kubelet marks every device unhealthy (capacity kept, allocatable 0) and never redials.
             endpoint.stream_ended = True
-            endpoint.devices = dict.fromkeys(endpoint.devices, UNHEALTHY)
+            self._superseded.discard(endpoint)
+            current = self._endpoints.get(endpoint.resource)
+            if current is endpoint:
+                # The kubelet marks every device unhealthy (capacity kept, allocatable 0), never
+                # redials, and removes the resource after endpointStopGracePeriod without a plugin.
+                endpoint.devices = dict.fromkeys(endpoint.devices, UNHEALTHY)
+                endpoint.removal = asyncio.get_running_loop().call_later(
+                    self.stop_grace, self._remove, endpoint
+                )
+            elif current is not None and current.channel is not None and self._server is not None:
+                # v1.32 runClient: the ended client's resource now names the newer client, which is
+                # disconnected in its place (the plugin that registered last must register again).
+                current.stream_error = "disconnected by the kubelet: a replaced client's stream ended"
+                task = asyncio.get_running_loop().create_task(self._disconnect(current))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             self._notify()
             log.info("kubelet emulator: %s ListAndWatch ended: %s", endpoint.resource, endpoint.stream_error)
+
+    def _remove(self, endpoint: _Endpoint) -> None:
+        """endpointStopGracePeriod expired without a new registration: the resource goes away."""
+        endpoint.removal = None
+        if self._endpoints.get(endpoint.resource) is endpoint and endpoint.stream_ended:
+            del self._endpoints[endpoint.resource]
+            self._notify()
+            self._checkpoint_soon()
+            log.info(
+                "kubelet emulator: %s removed after %.0f s without a plugin",
+                endpoint.resource,
+                self.stop_grace,
+            )
 
     async def _disconnect(self, endpoint: _Endpoint) -> None:
         task, endpoint.stream = endpoint.stream, None
