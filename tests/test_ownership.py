@@ -350,7 +350,9 @@ async def test_start_with_no_readable_source_lists_nothing_until_a_read(
         # The kubelet comes back: the first read shows c1's VFs held under p1; rest lists the others.
         emu.write_checkpoint = True
         await emu.restart()
-        await emu.wait_for(lambda: len(emu.devices(REST)) == 13, GUARD_S)
+        # Wait for the new registration's list: the old stream may deliver the 13 devices before the
+        # restart ends it, and the kubelet then marks them unhealthy until the plugin registers again.
+        await emu.wait_for(lambda: emu.registrations(REST) == 3 and emu.allocatable(REST) == 13, GUARD_S)
         assert not set(got) & set(emu.devices(REST))
         assert daemon.ownership.source.checked and unchecked(daemon) == 0  # a read released them
         await take_everything_listed(emu, REST, "c2")
