@@ -64,6 +64,7 @@ READY = KERNEL_DIR + "/ready"  # holds the serving process's pid while it answer
 _IN_CLOSE_WRITE = 0x00000008
 _IN_CREATE = 0x00000100
 _IN_Q_OVERFLOW = 0x00004000
+_IN_IGNORED = 0x00008000  # the watch is gone (its directory was removed)
 _EVENT = 16  # struct inotify_event { int wd; u32 mask; u32 cookie; u32 len; char name[]; }
 
 # Each driver's PCI ID table (its MODULE_DEVICE_TABLE), for the devices a simulated node has: what
@@ -308,6 +309,11 @@ class SimKernel:
                 log.warning("simulate-kernel: inotify queue overflowed; commands may go unanswered")
                 continue
             kind, directory = self._wds.get(wd, ("", ""))
+            if mask & _IN_IGNORED:
+                # A removed VF's directory: forget it, so a VF made again at that address is watched.
+                self._wds.pop(wd, None)
+                self._watched.discard(directory)
+                continue
             if kind == "devices" and mask & _IN_CREATE:
                 self._watch_device(name)
             elif kind == "drivers" and mask & _IN_CREATE:
