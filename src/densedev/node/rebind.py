@@ -57,7 +57,7 @@ IFF_UP = 0x1  # include/uapi/linux/if.h
 # A simulated node records its host interfaces' addresses here (densedev.testing.simnode); a real
 # /sys can never hold it (sysfs has no user-made files), so its presence says the tree is simulated.
 SIM_ADDRESSES = ".simnode/addresses.json"
-_POLL_STEPS = (0.0002, 0.0005, 0.001, 0.002)  # seconds between looks: a few ms over the kernel's answer
+_POLL_STEPS = (0.0002, 0.0005, 0.001)  # seconds between looks: at most 1 ms past the kernel's answer
 _NETLINK_TIMEOUT = 1.0  # an address dump answers in microseconds; this only bounds a wedged socket
 
 

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from ..node import layout
 from . import simnode
@@ -172,6 +173,9 @@ class SimKernel:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._w: simnode._Writer | None = None
+        self._w_id: tuple[int, int] | None = None
+        self._log_file: TextIO | None = None
 
     # -- life cycle
     def prepare(self) -> int:
@@ -252,6 +256,9 @@ class SimKernel:
         if self._thread is not None:
             self._thread.join(10)
             self._thread = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
         for fd in (self._fd, self._stop_r, self._stop_w):
             if fd >= 0:
                 os.close(fd)
@@ -415,8 +422,10 @@ class SimKernel:
         line += f"errno={err}" if err else "ok"
         if note:
             line += f" {note}"
-        with open(os.path.join(self.root, LOG), "a") as f:
-            f.write(line + "\n")
+        if self._log_file is None:
+            self._log_file = open(os.path.join(self.root, LOG), "a")  # noqa: SIM115 (closed by stop())
+        self._log_file.write(line + "\n")
+        self._log_file.flush()
 
     # -- the driver core
     def _act(self, cmd: _Pending, rule: FaultRule | None) -> str:
@@ -495,14 +504,33 @@ class SimKernel:
             noiommu = False
         return gdir, f"noiommu-{group}" if noiommu else group
 
+    def _state_id(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(os.path.join(self.root, ".simnode", "state.json"))
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _writer(self) -> simnode._Writer:
+        """The node's writer, its bookkeeping read again only when someone else saved it meanwhile."""
+        ident = self._state_id()
+        if self._w is None or ident != self._w_id:
+            self._w = simnode._Writer(Path(self.root))
+        self._w._made.clear()  # directories it made may have been removed since (net/<if> at unbind)
+        return self._w
+
+    def _save(self, w: simnode._Writer) -> None:
+        w.save()
+        self._w_id = self._state_id()
+
     def _attach(self, pci: str, dev: str, driver: str) -> None:
         group = self._group(dev)
         if driver == "vfio-pci" and group is None:
             # vfio_pci_core_register_device() → vfio_group_find_or_alloc(): no group, no vfio device.
             raise OSError(errno.EINVAL, "no IOMMU group")
-        w = simnode._Writer(Path(self.root))
+        w = self._writer()
         simnode.bind_driver(self.root, pci, driver, _writer=w)
-        w.save()
+        self._save(w)
         if driver == "vfio-pci" and group is not None:
             node = os.path.join(self.dev_root, "vfio", group[1])
             os.makedirs(os.path.dirname(node), exist_ok=True)
@@ -511,9 +539,9 @@ class SimKernel:
 
     def _unbind(self, pci: str, dev: str) -> None:
         old = self._driver(dev)
-        w = simnode._Writer(Path(self.root))
+        w = self._writer()
         simnode.bind_driver(self.root, pci, None, _writer=w)
-        w.save()
+        self._save(w)
         group = self._group(dev)
         if old == "vfio-pci" and group is not None:
             # The group's node goes with its last vfio-bound member (vfio_group_put()).
