@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from densedev import workers
 from densedev.node import rebind
 from densedev.node.rebind import Binding, Reason, RebindError
-from densedev.testing import simnode
+from densedev.testing import netns, simnode
 from densedev.testing.simkernel import FaultRule, SimKernel, write_faults
 from densedev.workers import Work
 
@@ -257,3 +258,30 @@ async def test_concurrent_rebinds_on_the_rebind_pool(node: Node) -> None:
     assert [r.driver for r in results] == ["vfio-pci"] * len(vfs)
     groups = {r.iommu_group for r in results}
     assert {p.name for p in (node.dev / "vfio").iterdir()} >= {g for g in groups if g}
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+def test_a_real_node_reads_addresses_by_rtnetlink(tmp_path: Path) -> None:
+    # A tree without .simnode is a real node's: addresses come from an RTM_GETADDR dump of the
+    # namespace, matched by the ifindex sysfs shows.  The VF's interface is one end of a veth pair here.
+    layout = simnode.build_node(tmp_path / "sys", pfs=1, vfs_per_pf=2)
+    root = tmp_path / "sys"
+    vf, ifname = layout.pfs[0].vf_addresses[0], layout.pfs[0].vf_netdevs[0]
+    shutil.rmtree(root / ".simnode")
+    with netns.namespace() as ns:
+        netns.ip(ns, "link", "add", ifname, "type", "veth", "peer", "name", "peer0")
+        netns.ip(ns, "link", "set", ifname, "up")
+        (root / "class/net" / ifname / "ifindex").write_text(f"{netns.ifindexes(ns)[ifname]}\n")
+        assert rebind.busy_reason(root, vf, netns=ns) is None  # up, but only the kernel's link-local
+        netns.ip(ns, "addr", "add", "10.9.8.7/24", "dev", ifname)
+        netns.ip(ns, "addr", "add", "fd00::7/64", "dev", ifname, "nodad")
+        assert sorted(rebind.host_addresses(root, (ifname,), netns=ns)[ifname]) == [
+            "10.9.8.7/24",
+            "fd00::7/64",
+        ]
+        assert rebind.busy_reason(root, vf, netns=ns) == f"netdev {ifname} is up with 10.9.8.7/24, fd00::7/64"
+        netns.ip(ns, "addr", "flush", "dev", ifname)
+        assert rebind.busy_reason(root, vf, netns=ns) is None
+        # An interface sysfs cannot give an ifindex for: cannot tell, so in use (fail closed).
+        (root / "class/net" / ifname / "ifindex").unlink()
+        assert "ifindex unreadable" in (rebind.busy_reason(root, vf, netns=ns) or "")
