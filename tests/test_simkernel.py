@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from densedev import accel
 from densedev.node import rebind
-from densedev.testing import simnode
+from densedev.node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
+from densedev.testing import netns, simnode
 from densedev.testing.simkernel import FaultRule, SimKernel, write_faults
 
 GUARD = 30.0  # hang guard only
@@ -188,3 +191,40 @@ def test_the_command_refuses_a_tree_that_is_not_simulated(tmp_path: Path) -> Non
     assert out.returncode == 1
     why = "is not a simulated node (no .simnode/; see densedev simulate)"
     assert out.stderr.strip().splitlines() == [f"densedev simulate-kernel: error: {tmp_path / 'sys'} {why}"]
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+def test_uevents_are_sent_as_the_kernel_sends_them(tmp_path: Path) -> None:
+    t = Tree(tmp_path)
+    with netns.namespace() as ns:
+        listener = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 1, resolve_netns(ns))
+        try:
+            with SimKernel(t.sys, t.dev, uevent_netns=ns):
+                before = rebind.binding_of(t.sys, t.vf)
+                rebind.rebind(t.sys, t.vf, "vfio-pci", timeout=5.0, dev_root=t.dev)
+                rebind.restore(t.sys, t.vf, before, None, timeout=5.0)
+            events = []
+            while len(events) < 6:
+                assert select.select([listener], [], [], GUARD)[0], events
+                parsed = accel.parse_uevent(listener.recv(65536))
+                assert parsed is not None
+                events.append(parsed)
+        finally:
+            listener.close()
+    devpath = "/" + os.path.relpath(t.dir, t.sys)
+    netpath = f"{devpath}/net/{t.ifname}"
+    # Unbinding mlx5_core: its remove() unregisters the netdev, then KOBJ_UNBIND; binding vfio-pci:
+    # KOBJ_BIND; back: vfio-pci's unbind, mlx5_core's probe() registering the netdev, KOBJ_BIND.
+    assert [(action, path) for action, path, _ in events] == [
+        ("remove", netpath),
+        ("unbind", devpath),
+        ("bind", devpath),
+        ("unbind", devpath),
+        ("add", netpath),
+        ("bind", devpath),
+    ]
+    pairs = [dict(p) for _, _, p in events]
+    assert pairs[2]["DRIVER"] == "vfio-pci" and pairs[5]["DRIVER"] == "mlx5_core"
+    assert pairs[0]["INTERFACE"] == t.ifname and pairs[0]["SUBSYSTEM"] == "net"
+    assert [int(p["SEQNUM"]) for p in pairs] == sorted(int(p["SEQNUM"]) for p in pairs)
+    assert all(p["PCI_SLOT_NAME"] == t.vf for p in pairs if p["SUBSYSTEM"] == "pci")

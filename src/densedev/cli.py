@@ -454,6 +454,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             required=True,
             help="where /dev/vfio/<group> nodes appear when vfio-pci binds",
         )
+        kern.add_argument(
+            "--uevent-netns",
+            default=None,
+            help="send the kernel's bind/unbind and netdev add/remove uevents in this network namespace",
+        )
 
     if wanted("demo"):
         # The live view is the demo's output; device warnings are its content, so it logs errors only.
@@ -595,7 +600,7 @@ def _cmd_simulate_kernel(args: argparse.Namespace) -> int:
         # Never on a real /sys: the simulated kernel writes into the tree it serves.
         raise CommandError(f"{args.sysfs_root} is not a simulated node (no .simnode/; see densedev simulate)")
     try:
-        return simkernel.serve_process(args.sysfs_root, args.dev_root)
+        return simkernel.serve_process(args.sysfs_root, args.dev_root, args.uevent_netns)
     except OSError as exc:  # no inotify watches left, an unwritable tree
         raise CommandError(f"cannot serve {args.sysfs_root}: {exc.strerror or exc}") from None
 

@@ -14,7 +14,9 @@ asks the kernel to rebind a PCI function (Documentation/ABI/testing/sysfs-bus-pc
 
 Binding moves the ``driver`` link (and the driver's link back), adds ``net/<ifname>`` for a network
 driver (the name udev gave it before) and mlx5's RDMA device, creates ``<dev_root>/vfio/<group>`` (or
-``noiommu-<group>``) when vfio-pci binds; unbinding undoes it.  A real write returns when the kernel is
+``noiommu-<group>``) when vfio-pci binds; unbinding undoes it.  Given a network namespace, it sends
+the uevents the kernel would there (``remove``/``add`` of the netdev, ``unbind``/``bind`` of the
+function), so a daemon listening in it rescans as on a node.  A real write returns when the kernel is
 done; a write to a regular file cannot wait, so this kernel *answers* each command through the file:
 emptied when done, ``!<errno>`` when refused (driver_override shows its value, as the kernel's does).
 :mod:`densedev.node.rebind` reads those answers.
@@ -41,6 +43,7 @@ import json
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -153,9 +156,12 @@ class _Pending:
 class SimKernel:
     """The simulated kernel of one simulated node: start() serves it in a thread until stop()."""
 
-    def __init__(self, sysfs_root: Path | str, dev_root: Path | str) -> None:
+    def __init__(self, sysfs_root: Path | str, dev_root: Path | str, uevent_netns: str | None = None) -> None:
         self.root = os.path.realpath(sysfs_root)
         self.dev_root = str(dev_root)
+        self.uevent_netns = uevent_netns  # where to send the kernel's uevents (None: send none)
+        self._uevents: socket.socket | None = None
+        self._seqnum = 0
         self.commands = 0  # commands answered, for tests
         self._libc = _libc()
         self._fd = -1
@@ -190,6 +196,10 @@ class SimKernel:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
         self._fd = fd
+        if self.uevent_netns is not None and self._uevents is None:
+            from ..node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
+
+            self._uevents = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(self.uevent_netns))
         w = simnode._Writer(Path(self.root))
         for driver in _LOADED:
             w.driver_dir(driver)
@@ -259,6 +269,9 @@ class SimKernel:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        if self._uevents is not None:
+            self._uevents.close()
+            self._uevents = None
         for fd in (self._fd, self._stop_r, self._stop_w):
             if fd >= 0:
                 os.close(fd)
@@ -530,6 +543,25 @@ class SimKernel:
             w.save()
             self._w_id = self._state_id()
 
+    def _uevent(self, action: str, path: str, pairs: list[tuple[str, str]]) -> None:
+        """Send a kernel-format uevent to group 1 of ``uevent_netns`` (lib/kobject_uevent.c)."""
+        if self._uevents is None:
+            return
+        self._seqnum += 1
+        devpath = "/" + os.path.relpath(path, self.root)
+        head = [("ACTION", action), ("DEVPATH", devpath), *pairs, ("SEQNUM", str(self._seqnum))]
+        data = f"{action}@{devpath}\0".encode() + b"".join(f"{k}={v}\0".encode() for k, v in head)
+        try:
+            self._uevents.sendto(data, (0, 1))
+        except OSError as exc:  # no listener is not an error for multicast; a full buffer is a lost event
+            log.warning("simulate-kernel: uevent %s@%s not sent: %s", action, devpath, exc.strerror)
+
+    def _net_uevents(self, dev: str, action: str) -> None:
+        for ifname in simnode._listdir(os.path.join(dev, "net")):
+            self._uevent(
+                action, os.path.join(dev, "net", ifname), [("SUBSYSTEM", "net"), ("INTERFACE", ifname)]
+            )
+
     def _attach(self, pci: str, dev: str, driver: str) -> None:
         group = self._group(dev)
         if driver == "vfio-pci" and group is None:
@@ -544,9 +576,15 @@ class SimKernel:
             os.makedirs(os.path.dirname(node), exist_ok=True)
             with open(node, "a"):
                 pass
+        # The netdev registers during probe(), then driver_bound() sends KOBJ_BIND (drivers/base/dd.c).
+        self._net_uevents(dev, "add")
+        pairs = [("DRIVER", driver), ("SUBSYSTEM", "pci"), ("PCI_SLOT_NAME", pci)]
+        self._uevent("bind", dev, pairs)
 
     def _unbind(self, pci: str, dev: str) -> None:
         old = self._driver(dev)
+        # The driver's remove() unregisters the netdev; __device_release_driver() then sends KOBJ_UNBIND.
+        self._net_uevents(dev, "remove")
         w = self._writer()
         before = self._counters(w)
         simnode.bind_driver(self.root, pci, None, _writer=w)
@@ -562,13 +600,14 @@ class SimKernel:
             )
             if not held:
                 simnode._unlink(os.path.join(self.dev_root, "vfio", group[1]))
+        self._uevent("unbind", dev, [("SUBSYSTEM", "pci"), ("PCI_SLOT_NAME", pci)])
 
 
-def serve_process(sysfs_root: Path, dev_root: Path, stop: threading.Event | None = None) -> int:
+def serve_process(sysfs_root: Path, dev_root: Path, uevent_netns: str | None = None) -> int:
     """Run the simulated kernel in this process until SIGTERM/SIGINT (``densedev simulate-kernel``)."""
     import signal
 
-    kernel = SimKernel(sysfs_root, dev_root)
+    kernel = SimKernel(sysfs_root, dev_root, uevent_netns)
     count = kernel.prepare()
 
     def ending(_sig: int, _frame: object) -> None:
