@@ -172,6 +172,7 @@ class SimKernel:
         self._pending: list[_Pending] = []
         self._queued: dict[str, bytes] = {}  # command file → the text of its latest pending command
         self._seq = 0
+        self._busy_until: dict[str, float] = {}  # device → when its last queued command is due
         self._rules: list[FaultRule] = []
         self._rules_id: tuple[int, int] | None = None
         self._fired: dict[int, int] = {}
@@ -363,7 +364,12 @@ class SimKernel:
             pci = text.decode(errors="replace").strip()
         rule = self._rule(op, pci, driver)
         self._seq += 1
-        due = time.monotonic() + (rule.delay_ms / 1000 if rule else 0.0)
+        # Every one of these stores takes the device's lock (device_lock(): driver_override_store(),
+        # unbind_store(), bind_store(), device_attach()), so a device's commands run one after the
+        # other: a command written while an earlier one still works waits for it, as a writer blocked
+        # on that lock would (and a killed writer's command still completes first).
+        due = max(time.monotonic() + (rule.delay_ms / 1000 if rule else 0.0), self._busy_until.get(pci, 0.0))
+        self._busy_until[pci] = due
         heapq.heappush(self._pending, _Pending(due, self._seq, op, path, pci, driver, text, rule))
         self._queued[path] = text
 
