@@ -344,3 +344,21 @@ def _pending(node: Node, op: str) -> bool:
     }[op]
     text = path.read_text()
     return text == ("vfio-pci" if op == "driver_override" else node.vf)
+
+
+def test_vfio_without_an_iommu_group_needs_no_iommu_mode(node: Node) -> None:
+    dev = Path(os.path.realpath(node.sys / "bus/pci/devices" / node.vf))
+    group = os.path.realpath(dev / "iommu_group")
+    (dev / "iommu_group").unlink()
+    shutil.rmtree(group)
+    with pytest.raises(RebindError) as info:
+        rebind.rebind(node.sys, node.vf, "vfio-pci", timeout=TIMEOUT, dev_root=node.dev)
+    assert info.value.reason is Reason.GROUP and info.value.restored is None
+    assert rebind.binding_of(node.sys, node.vf).driver == "mlx5_core"
+    # vfio's enable_unsafe_noiommu_mode: the bind makes a vfio-noiommu group and its node.
+    mode = node.sys / "module/vfio/parameters/enable_unsafe_noiommu_mode"
+    mode.parent.mkdir(parents=True)
+    mode.write_text("Y\n")
+    after = rebind.rebind(node.sys, node.vf, "vfio-pci", timeout=TIMEOUT, dev_root=node.dev)
+    assert after.driver == "vfio-pci" and after.iommu_group is not None
+    assert (node.dev / "vfio" / f"noiommu-{after.iommu_group}").exists()

@@ -499,9 +499,23 @@ def _check_driver(pci: str, driver: str) -> str:
     return driver
 
 
+NOIOMMU_MODE = "module/vfio/parameters/enable_unsafe_noiommu_mode"
+
+
 def _check_group(root: str, pci: str, group: str | None) -> None:
-    """Refuse vfio-pci when another member of the group is bound to a driver vfio does not tolerate."""
+    """Refuse vfio-pci when another member of the group is bound to a driver vfio does not tolerate.
+
+    Without a group vfio-pci cannot take the function (vfio_pci_core_register_device() fails), unless
+    vfio runs in no-IOMMU mode, where it makes a ``vfio-noiommu`` group at the bind.
+    """
     if group is None:
+        try:
+            with open(os.path.join(root, NOIOMMU_MODE)) as f:
+                noiommu = f.read().strip() in ("Y", "1")
+        except OSError:
+            noiommu = False
+        if not noiommu:
+            raise RebindError(Reason.GROUP, pci, "no IOMMU group (and vfio is not in no-IOMMU mode)")
         return
     members = os.path.join(root, layout.IOMMU_GROUPS, group, "devices")
     try:
@@ -540,8 +554,9 @@ def rebind(
     ``timeout`` seconds in all) for the ``driver`` link and, for vfio-pci, the group's node under
     ``dev_root``.  Refused before any write when the VF's netdev is busy (:func:`busy_reason`), when the
     driver is not loaded, or when its IOMMU group could not be used.  On any later failure the old
-    driver and override are put back (:func:`restore`) and RebindError says what failed and whether
-    putting back worked.  Already bound to ``driver``: nothing is written.
+    driver and override are put back (:func:`restore`, bounded by ``timeout`` again: at most twice
+    ``timeout`` in all) and RebindError says what failed and whether putting back worked.  Already
+    bound to ``driver``: nothing is written.
     """
     deadline = time.monotonic() + timeout
     root = os.path.realpath(sysfs_root)

@@ -63,6 +63,8 @@ KERNEL_DIR = ".simnode/kernel"
 FAULTS = KERNEL_DIR + "/faults.json"
 LOG = KERNEL_DIR + "/log"
 READY = KERNEL_DIR + "/ready"  # holds the serving process's pid while it answers
+# Y: vfio takes devices without an IOMMU group, making a vfio-noiommu group for each at the bind.
+NOIOMMU_MODE = "module/vfio/parameters/enable_unsafe_noiommu_mode"
 
 # include/uapi/linux/inotify.h
 _IN_CLOSE_WRITE = 0x00000008
@@ -570,11 +572,19 @@ class SimKernel:
 
     def _attach(self, pci: str, dev: str, driver: str) -> None:
         group = self._group(dev)
-        if driver == "vfio-pci" and group is None:
-            # vfio_pci_core_register_device() → vfio_group_find_or_alloc(): no group, no vfio device.
-            raise OSError(errno.EINVAL, "no IOMMU group")
         w = self._writer()
         before = self._counters(w)
+        if driver == "vfio-pci" and group is None:
+            # vfio_pci_core_register_device() → vfio_group_find_or_alloc(): no group, no vfio device;
+            # in no-IOMMU mode vfio makes a "vfio-noiommu" group for the device instead.
+            try:
+                mode = simnode._read_text(os.path.join(self.root, NOIOMMU_MODE))
+            except OSError:
+                mode = "N"
+            if mode not in ("Y", "1"):
+                raise OSError(errno.EINVAL, "no IOMMU group")
+            w.iommu(dev, pci, noiommu=True)
+            group = self._group(dev)
         simnode.bind_driver(self.root, pci, driver, _writer=w)
         self._save(w, before)
         if driver == "vfio-pci" and group is not None:
