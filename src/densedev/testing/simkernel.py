@@ -174,6 +174,7 @@ class SimKernel:
         self._pending: list[_Pending] = []
         self._queued: dict[str, bytes] = {}  # command file → the text of its latest pending command
         self._seq = 0
+        self._unsaved: str | None = None  # the counters before the first unsaved change, if any
         self._busy_until: dict[str, float] = {}  # device → when its last queued command is due
         self._rules: list[FaultRule] = []
         self._rules_id: tuple[int, int] | None = None
@@ -397,6 +398,15 @@ class SimKernel:
         return None
 
     def _run(self, cmd: _Pending) -> None:
+        try:
+            self._run_one(cmd)
+        finally:
+            # The node's bookkeeping (its counters) is saved after the answer, off the writer's wait.
+            if self._unsaved is not None and self._w is not None:
+                self._save(self._w, self._unsaved)
+            self._unsaved = None
+
+    def _run_one(self, cmd: _Pending) -> None:
         if self._queued.get(cmd.path) == cmd.text:
             del self._queued[cmd.path]
         rule = cmd.rule
@@ -586,7 +596,8 @@ class SimKernel:
             w.iommu(dev, pci, noiommu=True)
             group = self._group(dev)
         simnode.bind_driver(self.root, pci, driver, _writer=w)
-        self._save(w, before)
+        if self._unsaved is None:
+            self._unsaved = before
         if driver == "vfio-pci" and group is not None:
             node = os.path.join(self.dev_root, "vfio", group[1])
             os.makedirs(os.path.dirname(node), exist_ok=True)
@@ -604,7 +615,8 @@ class SimKernel:
         w = self._writer()
         before = self._counters(w)
         simnode.bind_driver(self.root, pci, None, _writer=w)
-        self._save(w, before)
+        if self._unsaved is None:
+            self._unsaved = before
         group = self._group(dev)
         if old == "vfio-pci" and group is not None:
             # The group's node goes with its last vfio-bound member (vfio_group_put()).
