@@ -256,8 +256,9 @@ class SimKernel:
         return 1
 
     def start(self) -> SimKernel:
-        """Prepare and serve in a daemon thread; returns self (use as a context manager to stop)."""
-        self.prepare()
+        """Prepare (unless done) and serve in a daemon thread; returns self (a context manager stops it)."""
+        if self._fd < 0:
+            self.prepare()
         self._thread = threading.Thread(target=self._serve_guarded, name="simkernel", daemon=True)
         self._thread.start()
         return self
@@ -330,7 +331,8 @@ class SimKernel:
             name = data[pos + _EVENT : pos + _EVENT + length].split(b"\0", 1)[0].decode()
             pos += _EVENT + length
             if mask & _IN_Q_OVERFLOW:
-                log.warning("simulate-kernel: inotify queue overflowed; commands may go unanswered")
+                log.warning("simulate-kernel: inotify queue overflowed; reading every command file")
+                self._resync()
                 continue
             kind, directory = self._wds.get(wd, ("", ""))
             if mask & _IN_IGNORED:
@@ -351,6 +353,22 @@ class SimKernel:
             elif kind == "bus" and name == "drivers_probe":
                 self._command(name, os.path.join(directory, name), "", "")
 
+    def _resync(self) -> None:
+        """Take every command still written in a file: the events that told of them were lost."""
+        for kind, directory in list(self._wds.values()):
+            if kind == "device":
+                self._command(
+                    "driver_override",
+                    os.path.join(directory, "driver_override"),
+                    os.path.basename(directory),
+                    "",
+                )
+            elif kind == "driver":
+                for op in ("bind", "unbind"):
+                    self._command(op, os.path.join(directory, op), "", os.path.basename(directory))
+            elif kind == "bus":
+                self._command("drivers_probe", os.path.join(directory, "drivers_probe"), "", "")
+
     def _command(self, op: str, path: str, pci: str, driver: str) -> None:
         try:
             with open(path, "rb") as f:
@@ -362,6 +380,8 @@ class SimKernel:
         if self._queued.get(path) == text:
             return  # the same write seen twice (an open for writing closed again)
         if op == "driver_override":
+            if text == f"{self._overrides.get(pci) or simnode.NULL_OVERRIDE}\n".encode():
+                return  # the value shown now: nothing to take (a resync reads every device's file)
             driver = text.decode(errors="replace").removesuffix("\n")
         else:
             pci = text.decode(errors="replace").strip()
