@@ -189,6 +189,12 @@ def test_planted_symlinks_are_refused(node: Node, tmp_path: Path) -> None:
     with pytest.raises(RebindError) as info:
         rebind.rebind(node.sys, node.vf, "vfio-pci", timeout=TIMEOUT, dev_root=node.dev)
     assert info.value.reason is Reason.UNSAFE and target.read_text() == "keep\n"
+    # Nor is a FIFO planted at a command file opened (it would block) or written.
+    (dev / "driver_override").unlink()
+    os.mkfifo(dev / "driver_override")
+    with pytest.raises(RebindError) as info:
+        rebind.rebind(node.sys, node.vf, "vfio-pci", timeout=TIMEOUT, dev_root=node.dev)
+    assert info.value.reason is Reason.UNSAFE
     # A driver link leading out of bus/pci/drivers is not a driver.
     other = Path(os.path.realpath(node.sys / "bus/pci/devices" / node.other))
     (other / "driver").unlink()

@@ -26,6 +26,7 @@ import os
 import re
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -401,11 +402,16 @@ class _Step:
             shared = self._readable(dirfd, name)
             # The turn is taken before the open: O_TRUNC would wipe another writer's pending text.
             with _turn(os.path.join(directory, name)) if shared else contextlib.nullcontext():
+                # O_NONBLOCK: a FIFO planted at the name must not hang the open (ENXIO without a reader).
+                flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_TRUNC
                 try:
-                    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_TRUNC, dir_fd=dirfd)
+                    fd = os.open(name, flags, dir_fd=dirfd)
                 except OSError as exc:
-                    reason = Reason.UNSAFE if exc.errno == errno.ELOOP else Reason.REFUSED
+                    reason = Reason.UNSAFE if exc.errno in (errno.ELOOP, errno.ENXIO) else Reason.REFUSED
                     raise self.fail(reason, f"{what} cannot be opened: {exc.strerror}", exc.errno) from None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # sysfs attributes are regular files
+                    os.close(fd)
+                    raise self.fail(Reason.UNSAFE, f"{what} is not a regular file")
                 try:
                     os.write(fd, text.encode())
                 except OSError as exc:
