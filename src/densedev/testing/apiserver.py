@@ -9,7 +9,8 @@ real server answers it (aiohttp on the test's event loop, on 127.0.0.1):
   delimited events after a resourceVersion, ``410 Expired`` when it is too old), create, get, replace
   (``409 Conflict`` on a stale resourceVersion), delete (with UID / resourceVersion preconditions) and
   deletecollection (the kubelet's wipe of its node's slices at start);
-* ResourceClaim get, Node get; an optional bearer token (401 without it).
+* ResourceClaim get and its ``status`` subresource (PUT; the section at the end of the class), Node
+  get; an optional bearer token (401 without it).
 
 Every object written is checked as the real server would: against the official OpenAPI schema with
 ``kubernetes-validate`` (strict: unknown fields refused), plus the ResourceSlice limits the schema only
