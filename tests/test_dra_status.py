@@ -352,7 +352,15 @@ async def test_the_daemon_reports_and_clears_a_claims_status(tmp_path: Path) -> 
             assert e["conditions"][0]["type"] == "Ready"
             assert e["networkData"]["interfaceName"]  # the VF's netdev on the simulated node
             assert sample(daemon, "densedev_dra_claim_status_writes_total", op="report") == 1
+            # A write lost with a restart (here: someone else removed it meanwhile) is made again
+            # for the claims the restarted daemon recovers.
+            await c.stop_daemon()
+            c.api.claim(ns, name)["status"].pop("devices")
+            daemon = await c.start_daemon()
+            await c.until(lambda: len(ours()) == 1, "the recovered claim's status written again")
+            assert ours()[0]["data"] == e["data"] and ours()[0]["networkData"] == e["networkData"]
             assert (await c.dra_kubelet.unprepare(DEFAULT_DRIVER_NAME, [(ns, name, uid)])) == {uid: ""}
             await c.until(lambda: ours() == [], "the claim's status cleared")
+            assert sample(daemon, "densedev_dra_claim_status_writes_total", op="clear") == 1
     finally:
         node.cleanup()

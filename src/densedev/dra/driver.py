@@ -313,6 +313,11 @@ class DraDriver:
                 await client.close()
             raise DraUnavailable(f"the API server does not answer: {type(exc).__name__}: {exc}") from None
         self._reader.reader = HttpClaimReader(self.client)
+        # The claims prepared before a restart: their status is checked again (written only where it
+        # differs), since what was still pending when the daemon stopped was dropped.
+        service = self.plugin.service
+        for claim in service.prepared.values():
+            self.claim_status.prepared(claim.ref, claim.devices, service.applied(claim.ref.uid))
         settings = PublisherSettings(
             node,
             self.driver,

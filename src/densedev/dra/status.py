@@ -392,7 +392,8 @@ def _data(d: PreparedDevice, applied: Mapping[str, Any]) -> dict[str, Any]:
         "kind": STATUS_KIND,
         "pciAddress": d.device_id,
         "adminAccess": d.admin,
-        "applied": dict(applied),
+        # Plain JSON (the settings may hold enums or addresses): a value JSON cannot carry becomes its text.
+        "applied": json.loads(json.dumps(dict(applied), default=str)),
     }
     if len(json.dumps(doc, separators=(",", ":"))) > MAX_DATA:
         # The server refuses the whole write over one large value; say so rather than lose the rest.
