@@ -24,7 +24,7 @@ from helpers.metrics import sample
 
 from densedev.dra import classes, names
 from densedev.dra.apiclient import ApiError, HttpClaimReader, ResourceClient
-from densedev.dra.claims import ClaimRef
+from densedev.dra.claims import ClaimRef, PreparedDevice
 from densedev.dra.names import DEFAULT_DRIVER_NAME
 from densedev.dra.node import NodeService
 from densedev.dra.status import ClaimStatus, NetInfo
@@ -255,18 +255,11 @@ async def test_writes_run_at_most_four_at_once(setup: Setup) -> None:
     setup.srv.claim_status_delay = 0.05
     refs = [setup.put(result("vf", VF), name=f"c{i}") for i in range(12)]
     for ref in refs:  # twelve claims of one device: reported straight to the writer (no gate)
-        setup.status.prepared(ref, setup_devices(setup, ref))
+        setup.status.prepared(ref, setup_devices_of(VF))
     assert setup.counter("densedev_dra_claim_status_pending", driver=DRIVER) == 12
     await setup.settled()
     assert all(len(setup.entries(r)) == 1 for r in refs)
     assert setup.srv.claim_status_peak == 4 and setup.status.peak == 4
-
-
-def setup_devices(setup: Setup, ref: ClaimRef) -> tuple[Any, ...]:
-    """The PreparedDevice of VF as Prepare gives it (for claims reported without preparing them)."""
-    from densedev.dra.claims import PreparedDevice
-
-    return (PreparedDevice(("vf",), NODE, names.device_name(VF), VF, ()),)
 
 
 async def test_a_replaced_claim_or_a_gone_one_is_left_alone(setup: Setup) -> None:
@@ -364,3 +357,41 @@ async def test_the_daemon_reports_and_clears_a_claims_status(tmp_path: Path) -> 
             assert sample(daemon, "densedev_dra_claim_status_writes_total", op="clear") == 1
     finally:
         node.cleanup()
+
+
+class Refusing:
+    """A StatusClient whose writes the server refuses with ``status`` (403: the RBAC rule missing)."""
+
+    def __init__(self, status: int, claim: dict[str, Any]) -> None:
+        self.status, self.claim, self.puts = status, claim, 0
+
+    async def get_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        return self.claim
+
+    async def replace_claim_status(self, obj: Any) -> dict[str, Any]:
+        self.puts += 1
+        raise ApiError(self.status, "Forbidden" if self.status == 403 else "Invalid", "refused")
+
+
+@pytest.mark.parametrize("code", [403, 422])
+async def test_a_refused_write_is_said_once_and_not_retried(
+    code: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    uid = str(uuid.uuid4())
+    client = Refusing(code, claim_doc("v1", "c", uid, [result("vf", VF)]))
+    metrics = Metrics()
+    status = ClaimStatus(DRIVER, lambda: client, metrics=metrics, backoff=FAST)
+    ref = ClaimRef("default", "c", uid)
+    with caplog.at_level(logging.WARNING, logger="densedev.dra.status"):
+        status.prepared(ref, setup_devices_of(VF))
+        await asyncio.wait_for(status.idle(), 10)
+    assert client.puts == 1
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "not retried" in line and (code != 403 or "resourceclaims/status" in line)
+    refused = metrics.dra_claim_status_failures.labels(DRIVER, "refused")
+    assert refused.value == 1
+
+
+def setup_devices_of(device_id: str) -> tuple[Any, ...]:
+    """One PreparedDevice of request ``vf`` for this device, as Prepare gives it."""
+    return (PreparedDevice(("vf",), NODE, names.device_name(device_id), device_id, ()),)

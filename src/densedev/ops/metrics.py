@@ -541,7 +541,7 @@ class Metrics:
         self.dra_claim_status_failures = Counter(
             "densedev_dra_claim_status_failures",
             "ResourceClaim status attempts that failed, by driver and reason (conflict and error are "
-            "retried; refused, dropped and gave_up are not).",
+            "retried; refused, dropped, gave_up and bug are not).",
             ["driver", "reason"],
             registry=r,
         )
