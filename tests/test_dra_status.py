@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -395,3 +397,30 @@ async def test_a_refused_write_is_said_once_and_not_retried(
 def setup_devices_of(device_id: str) -> tuple[Any, ...]:
     """One PreparedDevice of request ``vf`` for this device, as Prepare gives it."""
     return (PreparedDevice(("vf",), NODE, names.device_name(device_id), device_id, ()),)
+
+
+async def test_the_docs_example_is_what_the_driver_writes(tmp_path: Path) -> None:
+    section = (ROOT / "docs/dra.md").read_text().split("## What a claim shows after Prepare", 1)[1]
+    shown = yaml.safe_load(re.findall(r"```yaml\n(.*?)```", section, re.S)[0])["status"]["devices"]
+    ours, theirs = shown
+    applied = ours["data"]["applied"]
+    async with ApiServerStandIn(versions=("v1",)) as srv:
+        client = ResourceClient.for_url(srv.url)
+        await client.discover()
+        uid = str(uuid.uuid4())
+        doc = claim_doc("v1", "c", uid, [result("vf", VF), result("gpu", "gpu-0", OTHER, "gpus")])
+        doc["status"]["devices"] = [theirs]
+        srv.put_claim(doc)
+        status = ClaimStatus(
+            DRIVER,
+            lambda: client,
+            describe=lambda _id: NetInfo("ens1f0v2"),
+            now=lambda: datetime(2026, 12, 5, 7, 30, tzinfo=UTC),
+        )
+        status.prepared(ClaimRef("default", "c", uid), setup_devices_of(VF), {VF: applied})
+        await asyncio.wait_for(status.idle(), 10)
+        await client.close()
+        written = srv.claim("default", "c")["status"]["devices"]
+        # Entry for entry (ours go after the entries already there; the page shows ours first).
+        assert sorted(written, key=lambda e: e["driver"]) == sorted(shown, key=lambda e: e["driver"])
+        assert srv.rejected == []
