@@ -246,11 +246,15 @@ async def test_unprepare_clears_our_entries_and_keeps_the_others(setup: Setup) -
 
 async def test_unprepare_right_after_prepare_ends_with_no_entry(setup: Setup) -> None:
     setup.srv.claim_status_fail = 1  # the report is in backoff when the clear comes
+    # A backoff far beyond the hang guard: only the clear waking the report's wait ends it in time.
+    setup.status = setup.service.claim_status = setup.claim_status(backoff=(30.0, 30.0))
     ref = setup.put(result("vf", VF))
     await setup.service.prepare([ref])
     await setup.service.unprepare([ref])
     await setup.settled()
     assert setup.entries(ref) == []
+    # The clear replaced the report waiting to retry: nothing was written only to be removed.
+    assert setup.srv.claim_status_writes[("default", ref.name)] == 0
 
 
 async def test_writes_run_at_most_four_at_once(setup: Setup) -> None:
