@@ -258,14 +258,15 @@ async def test_unprepare_right_after_prepare_ends_with_no_entry(setup: Setup) ->
 
 
 async def test_writes_run_at_most_four_at_once(setup: Setup) -> None:
-    setup.srv.claim_status_delay = 0.05
+    setup.srv.claim_status_delay = 0.2
     refs = [setup.put(result("vf", VF), name=f"c{i}") for i in range(12)]
     for ref in refs:  # twelve claims of one device: reported straight to the writer (no gate)
         setup.status.prepared(ref, setup_devices_of(VF))
     assert setup.counter("densedev_dra_claim_status_pending", driver=DRIVER) == 12
     await setup.settled()
     assert all(len(setup.entries(r)) == 1 for r in refs)
-    assert setup.srv.claim_status_peak == 4 and setup.status.peak == 4
+    # Never more than four at the server; and four at once, all twelve having started together.
+    assert setup.srv.claim_status_peak <= 4 and setup.status.peak == 4
 
 
 async def test_a_replaced_claim_or_a_gone_one_is_left_alone(setup: Setup) -> None:
