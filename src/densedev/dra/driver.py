@@ -105,10 +105,10 @@ class DraDriver:
             watch=watch,
         )
         self.plugin.service.on_change = on_claims
+        self.plugin.service.on_idle = on_claims  # a retiring driver may stop once the kubelet is answered
         # The claims' status.devices (issue 25 §3): queued from the first Prepare, written once connected.
         self.claim_status = ClaimStatus(driver, self._status_client, describe=self._net_info, metrics=metrics)
         self.plugin.service.claim_status = self.claim_status
-        self.plugin.service.on_idle = on_claims  # a retiring driver may stop once the kubelet is answered
         self.client: ResourceClient | None = None
         self.publisher: Publisher | None = None
         self.pools: tuple[Pool, ...] = ()  # the DRA pools as configured (nothing withheld)
