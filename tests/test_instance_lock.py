@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -136,21 +137,28 @@ def _run_args(node: Path, kdir: Path, *extra: str) -> list[str]:
 async def test_a_stand_by_serves_only_once_the_old_daemon_has_gone(
     tmp_path: Path, kdir: Path, child_env: dict[str, str]
 ) -> None:
-    """A DaemonSet surge: the new process prepares beside the old one, registers only after it stopped."""
+    """A DaemonSet surge: the new process prepares beside the old one, registers only after it stopped.
+
+    Both on one metrics address, as two pods of a DaemonSet in the host's network namespace are: the
+    stand-by binds it only once the old daemon has let go of it (and of the lock).
+    """
     simnode.simulate(tmp_path / "node", pfs=2, vfs_per_pf=4, rdma=True)
     node = tmp_path / "node"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics = f"127.0.0.1:{s.getsockname()[1]}"
     pools = {p.full_name for p in config_mod.load(node / "config.json").pools}
     sizes = dict.fromkeys(pools, 0)
     emu = KubeletEmulator(kdir, strict=True)
     await emu.start()
-    old = Child(_run_args(node, kdir), child_env)
+    old = Child(_run_args(node, kdir, "--metrics-addr", metrics), child_env)
     new: Child | None = None
     try:
         await emu.wait_for(lambda: pools <= set(emu.resources()), GUARD)
         await emu.wait_for(lambda: all(emu.devices(p) for p in pools), GUARD)  # every pool has some
         for name in pools:
             sizes[name] = len(emu.devices(name))
-        new = Child(_run_args(node, kdir, "--wait-for-lock"), child_env)
+        new = Child(_run_args(node, kdir, "--wait-for-lock", "--metrics-addr", metrics), child_env)
         standing = await new.line_with("standing by")
         assert f"pid {old.proc.pid}" in standing
         await new.line_with("prepared")
@@ -161,6 +169,7 @@ async def test_a_stand_by_serves_only_once_the_old_daemon_has_gone(
         assert old.stop() == 0
         await new.line_with("daemon started")
         assert (kdir / LOCK_NAME).read_text().strip() == str(new.proc.pid)
+        assert new.proc.poll() is None  # its metrics address was free by then
         await emu.wait_for(lambda: all(emu.registrations(p) == 2 for p in pools), GUARD)
 
         def listed() -> bool:
