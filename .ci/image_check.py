@@ -52,6 +52,7 @@ import os
 import re
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -1017,6 +1018,15 @@ RDMA_PLUGIN_HOST_PATHS = {
 RDMA_CONFIG_DIR = "/k8s-rdma-shared-dev-plugin"  # where that plugin reads config.json (its ConfigMap)
 RDMA_PREFIX = "rdma"  # its default resourcePrefix
 RDMA_CM = "/dev/infiniband/rdma_cm"
+# name -> (major, minor), as drivers/char/mem.c and tty_io.c number them.
+BASIC_DEVICES = {
+    "null": (1, 3),
+    "zero": (1, 5),
+    "full": (1, 7),
+    "random": (1, 8),
+    "urandom": (1, 9),
+    "tty": (5, 0),
+}
 
 
 def build_rdma_node(work: Path, ns: str) -> Node:
@@ -1073,8 +1083,9 @@ def hca_char_devices(sysfs: Path, address: str) -> set[str]:
 
 def rdma_plugin_volumes(pod: Mapping[str, Any], node: Node) -> dict[str, Volume]:
     """Return the RDMA shared plugin DaemonSet's volumes as the run's directories: its ConfigMap holds
-    this node's config.json; its /dev is a directory holding the node's RDMA char devices as udev names
-    them (stand-in files: densedev gives a container the nodes that exist, as that plugin does)."""
+    this node's config.json; its /dev is a directory holding the basic devices and the node's RDMA char
+    devices as udev names them (stand-in files: densedev gives a container the nodes that exist, as
+    that plugin does).  Makes device nodes: root only, as the whole check."""
     root = node.kubelet_dir.parent
     volumes = {}
     for volume in pod["volumes"]:
@@ -1088,6 +1099,13 @@ def rdma_plugin_volumes(pod: Mapping[str, Any], node: Node) -> dict[str, Volume]
         else:
             raise CheckFailed(f"volume {volume['name']!r}: not one the check provides")
         volumes[volume["name"]] = Volume(path)
+    # The node's /dev as a container runtime needs it (runc opens /dev/null to set the user up): the
+    # character devices every OCI container gets (runtime-spec config-linux.md, "Default Devices").
+    for name, (major, minor) in BASIC_DEVICES.items():
+        node_path = volumes["devs"].host_path / name
+        if not node_path.exists():
+            os.mknod(node_path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+            os.chmod(node_path, 0o666)  # mknod's mode is masked by the umask
     dev = volumes["devs"].host_path / "infiniband"
     dev.mkdir(mode=0o755, exist_ok=True)
     for pf in node.layout.pfs:
