@@ -777,9 +777,13 @@ async def _start_after(daemon: Daemon, lock: InstanceLock, held: LockHeld) -> No
         "prepared beside pid %s: %d devices scanned; waiting for its lock", held.holder, len(daemon.devices)
     )
     keeping = asyncio.ensure_future(daemon.stand_by())
+    # The cyclic GC (off for the start, _dispatch) runs while standing by: a wait may last as long as
+    # the rollout stalls, rescanning every few seconds.
+    gc.enable()
     try:
         unlocked = await lock.wait()
     finally:
+        gc.disable()
         keeping.cancel()
         await asyncio.gather(keeping, return_exceptions=True)
     if unlocked is not None:
