@@ -224,12 +224,14 @@ elif [ "${CI:-}" = true ]; then
 else
     echo "image: DRA-mode run skipped: no kubectl to render deploy/overlays/dra" >&2
 fi
-# Then the SR-IOV network device plugin's own DaemonSet and the SR-IOV network operator's, with only the
-# image swapped (issue 24): densedev must take their command lines and volume layouts as they are.
+# Then the SR-IOV network device plugin's own DaemonSet, the SR-IOV network operator's and the RDMA shared
+# device plugin's, with only the image swapped (issue 24): densedev must take their command lines and
+# volume layouts as they are.
 "$PY" .ci/image_check.py --engine podman --image "$IMAGE" --label "$LABEL" \
     --manifest deploy/base/daemonset.yaml "${dra[@]}" \
     --go-plugin-manifest .ci/daemonsets/sriov-network-operator.yaml \
-    --go-plugin-manifest .ci/daemonsets/sriovdp-daemonset.yaml --work "$WORK/check"
+    --go-plugin-manifest .ci/daemonsets/sriovdp-daemonset.yaml \
+    --rdma-plugin-manifest .ci/daemonsets/rdma-shared-dev-plugin.yaml --work "$WORK/check"
 run_s=$(elapsed "$t")
 
 printf 'image: install %s s; base images %s s (build %s MB, runtime %s MB); image build %s s (%s MB); ' \

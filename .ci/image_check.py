@@ -31,8 +31,14 @@ ServiceAccount token becomes a kubeconfig naming the stand-in (mounted read-only
 directory is mounted at its host path here too, under a simulated kubelet directory, with
 ``--kubelet-plugins-dir`` naming it (the kubelet dials the DRA socket at the path the plugin names).
 
+With ``--rdma-plugin-manifest`` (.ci/daemonsets/rdma-shared-dev-plugin.yaml) the image runs in the RDMA
+shared device plugin's DaemonSet against a node of RDMA HCAs, its config in that plugin's shape in the
+``rdma-devices`` ConfigMap: each pool registers as ``rdma/<name>`` (or its ``resourcePrefix``) listing
+``rdmaHcaMax`` IDs, and an Allocate gives the selected HCAs' char devices (``run_rdma_plugin_container``).
+
     python .ci/image_check.py --image REF [--engine podman] [--manifest deploy/base/daemonset.yaml]
-        [--dra-manifest RENDERED-OVERLAY] --work DIR
+        [--dra-manifest RENDERED-OVERLAY] [--go-plugin-manifest M]... [--rdma-plugin-manifest M]
+        --work DIR
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import os
 import re
 import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -94,6 +101,7 @@ class ImageDefaults(NamedTuple):
 
     entrypoint: tuple[str, ...]
     user: str
+    cmd: tuple[str, ...] = ()  # the arguments of a pod that sets neither command nor args
 
 
 @dataclass(frozen=True)
@@ -240,12 +248,17 @@ def container_args(
     out += [f"--volume={host}:{target}:ro" for target, host in (extra_volumes or {}).items()]
 
     command = [_expand(a, env) for a in c.get("command", [])]
+    # As the kubelet: with neither command nor args the image's ENTRYPOINT runs with its CMD, with args
+    # only the ENTRYPOINT runs with them (the RDMA shared plugin's DaemonSet sets neither).
+    args = [_expand(a, env) for a in c.get("args", [])]
+    if not command and not args and image is not None:
+        args = list(image.cmd)
     if not command and image is not None:
         command = list(image.entrypoint)
     if not command:
         raise CheckFailed("the container must set command (the image's ENTRYPOINT is not assumed)")
     out += [f"--entrypoint={command[0]}"]
-    return [*out, *command[1:], *(_expand(a, env) for a in c.get("args", [])), *extra_args]
+    return [*out, *command[1:], *args, *extra_args]
 
 
 def _expand(arg: str, env: Mapping[str, str]) -> str:
@@ -551,9 +564,11 @@ GO_PLUGIN_NODE = "densedev-ci-node"  # spec.nodeName: the ConfigMap's key for th
 
 def image_defaults(engine: Engine, image: str) -> ImageDefaults:
     """Read the image's ENTRYPOINT and USER, which a pod without command or runAsUser runs with."""
-    fmt = "{{json .Config.Entrypoint}}\n{{.Config.User}}"
-    entrypoint, _, user = engine.call("image", "inspect", f"--format={fmt}", image).strip().partition("\n")
-    return ImageDefaults(tuple(json.loads(entrypoint) or ()), user.strip())
+    fmt = "{{json .Config.Entrypoint}}\n{{json .Config.Cmd}}\n{{.Config.User}}"
+    entrypoint, cmd, user = (
+        engine.call("image", "inspect", f"--format={fmt}", image).strip() + "\n\n"
+    ).split("\n")[:3]
+    return ImageDefaults(tuple(json.loads(entrypoint) or ()), user.strip(), tuple(json.loads(cmd) or ()))
 
 
 def configmap_volume(root: Path, key: str, text: str) -> Path:
@@ -993,6 +1008,159 @@ def confined(pid: int, limit: int | None, read_only: Sequence[str] = ()) -> str:
     )
 
 
+# Where the RDMA shared device plugin's DaemonSet mounts the node: each hostPath it names, as a directory
+# of the run (relative to the run's root, the parent of its kubelet device-plugin dir).
+RDMA_PLUGIN_HOST_PATHS = {
+    "/var/lib/kubelet/device-plugins": "device-plugins",
+    "/var/lib/kubelet/plugins_registry": "plugins_registry",
+    "/dev/": "dev",
+}
+RDMA_CONFIG_DIR = "/k8s-rdma-shared-dev-plugin"  # where that plugin reads config.json (its ConfigMap)
+RDMA_PREFIX = "rdma"  # its default resourcePrefix
+RDMA_CM = "/dev/infiniband/rdma_cm"
+# name -> (major, minor), as drivers/char/mem.c and tty_io.c number them.
+BASIC_DEVICES = {
+    "null": (1, 3),
+    "zero": (1, 5),
+    "full": (1, 7),
+    "random": (1, 8),
+    "urandom": (1, 9),
+    "tty": (5, 0),
+}
+
+
+def build_rdma_node(work: Path, ns: str) -> Node:
+    """A node of four RDMA PFs (two VFs each) under ``work``, its PFs' netdevs veth links in ``ns``."""
+    sysfs = work / "sys"
+    layout = simnode.build_node(sysfs, pfs=4, vfs_per_pf=2, rdma=True, numa_nodes=1)
+    config_dir = work / "config"
+    config_dir.mkdir(mode=0o755)
+    netns.ip(ns, "link", "set", "lo", "up")
+    for i, pf in enumerate(layout.pfs):
+        netns.ip(ns, "link", "add", pf.netdev, "type", "veth", "peer", "name", f"rpeer{i}")
+        netns.ip(ns, "link", "set", f"rpeer{i}", "up")
+        netns.ip(ns, "link", "set", pf.netdev, "up")
+    return Node(sysfs, config_dir, work, ns, layout)
+
+
+def rdma_plugin_config(layout: simnode.NodeLayout) -> dict[str, Any]:
+    """The node's config in the RDMA shared plugin's shape (its README's): one pool by netdev names
+    (the older ``devices`` list), one by selectors with its own prefix."""
+    pfs = layout.pfs
+    return {
+        "periodicUpdateInterval": 300,
+        "configList": [
+            {"resourceName": "hca_shared_a", "rdmaHcaMax": 5, "devices": [pfs[0].netdev, pfs[1].netdev]},
+            {
+                "resourceName": "hca_shared_b",
+                "resourcePrefix": "nvidia.com",
+                "rdmaHcaMax": 3,
+                "selectors": {"vendors": ["15b3"], "ifNames": [pfs[2].netdev]},
+            },
+        ],
+    }
+
+
+def rdma_expected(layout: simnode.NodeLayout) -> dict[str, tuple[set[str], tuple[str, ...]]]:
+    """Each pool of ``rdma_plugin_config``: its ``rdmaHcaMax`` IDs ("0" … "N-1", as that plugin lists
+    them) and the PF addresses of the HCAs it selects."""
+    pfs = layout.pfs
+    return {
+        f"{RDMA_PREFIX}/hca_shared_a": ({str(i) for i in range(5)}, (pfs[0].address, pfs[1].address)),
+        "nvidia.com/hca_shared_b": ({str(i) for i in range(3)}, (pfs[2].address,)),
+    }
+
+
+def hca_char_devices(sysfs: Path, address: str) -> set[str]:
+    """The /dev paths of a function's RDMA char devices, read from its sysfs class directories."""
+    fn = os.path.realpath(sysfs / "bus" / "pci" / "devices" / address)
+    out: set[str] = set()
+    for cls in ("infiniband_verbs", "infiniband_mad", "infiniband_cm"):
+        d = os.path.join(fn, cls)
+        out.update(f"/dev/infiniband/{n}" for n in (os.listdir(d) if os.path.isdir(d) else ()))
+    return out
+
+
+def rdma_plugin_volumes(pod: Mapping[str, Any], node: Node) -> dict[str, Volume]:
+    """Return the RDMA shared plugin DaemonSet's volumes as the run's directories: its ConfigMap holds
+    this node's config.json; its /dev is a directory holding the basic devices and the node's RDMA char
+    devices as udev names them (stand-in files: densedev gives a container the nodes that exist, as
+    that plugin does).  Makes device nodes: root only, as the whole check."""
+    root = node.kubelet_dir.parent
+    volumes = {}
+    for volume in pod["volumes"]:
+        if "configMap" in volume:
+            [item] = volume["configMap"].get("items", [{"key": "config.json", "path": "config.json"}])
+            text = json.dumps(rdma_plugin_config(node.layout), indent=1)
+            path = configmap_volume(root / volume["name"], item["path"], text)
+        elif volume.get("hostPath", {}).get("path") in RDMA_PLUGIN_HOST_PATHS:
+            path = root / RDMA_PLUGIN_HOST_PATHS[volume["hostPath"]["path"]]
+            path.mkdir(mode=0o755, exist_ok=True)
+        else:
+            raise CheckFailed(f"volume {volume['name']!r}: not one the check provides")
+        volumes[volume["name"]] = Volume(path)
+    # The node's /dev as a container runtime needs it (runc opens /dev/null to set the user up): the
+    # character devices every OCI container gets (runtime-spec config-linux.md, "Default Devices").
+    for name, (major, minor) in BASIC_DEVICES.items():
+        node_path = volumes["devs"].host_path / name
+        if not node_path.exists():
+            os.mknod(node_path, stat.S_IFCHR | 0o666, os.makedev(major, minor))
+            os.chmod(node_path, 0o666)  # mknod's mode is masked by the umask
+    dev = volumes["devs"].host_path / "infiniband"
+    dev.mkdir(mode=0o755, exist_ok=True)
+    for pf in node.layout.pfs:
+        for path in hca_char_devices(node.sysfs, pf.address):
+            (dev / path.rsplit("/", 1)[1]).touch()
+    (dev / "rdma_cm").touch()
+    return volumes
+
+
+async def run_rdma_plugin_container(
+    engine: Engine, image: str, manifest: Path, node: Node, *, log: list[str]
+) -> None:
+    """Run densedev's image in the RDMA shared device plugin's DaemonSet, unchanged but for the image.
+
+    The only deviation is the simulated sysfs (read-only at ``/host/sys``, ``--sysfs-root`` after the
+    image's CMD).  Each pool must register as ``<prefix>/<resourceName>`` listing its ``rdmaHcaMax``
+    IDs, all Healthy; an Allocate must give the container ``rdma_cm`` and the char devices of every HCA
+    the pool selects, at the same path; SIGTERM must end the container cleanly.
+    """
+    mode = manifest.stem
+    pod = daemonset_pod(manifest)
+    args = container_args(
+        pod,
+        rdma_plugin_volumes(pod, node),
+        network=f"ns:/run/netns/{node.netns}",
+        extra_volumes={SYSFS_IN_CONTAINER: node.sysfs},
+        extra_args=[f"--sysfs-root={SYSFS_IN_CONTAINER}"],
+        image=await asyncio.to_thread(image_defaults, engine, image),
+        token_unused=True,
+    )
+    expected = rdma_expected(node.layout)
+    kubelet = _kubelet(node)
+    await kubelet.start()
+    try:
+        async with container(engine, image, args, mode) as name:
+            log.append(await wait_registered(kubelet, {r: ids for r, (ids, _) in expected.items()}, mode))
+            for resource, (ids, hcas) in expected.items():
+                want = {RDMA_CM}.union(*(hca_char_devices(node.sysfs, a) for a in hcas))
+                if want == {RDMA_CM}:
+                    raise CheckFailed(f"{mode}: the simulated HCAs {hcas} have no char devices")
+                asked = sorted(ids)[:2]
+                response = await kubelet.allocate(resource, asked)
+                got = {(d.container_path, d.host_path, d.permissions) for d in response.devices}
+                if got != {(p, p, "rw") for p in want}:
+                    raise CheckFailed(
+                        f"{mode}: Allocate {resource} {asked}: devices {sorted(got)}, want {want}"
+                    )
+                log.append(
+                    f"{mode}: Allocate {resource} {asked} -> {len(got)} char devices of {len(hcas)} HCAs"
+                )
+            log.append(await terminate(engine, name, pod, mode, [node.kubelet_dir]))
+    finally:
+        await kubelet.stop()
+
+
 def stale_namespaces() -> Iterator[str]:
     """Yield this check's network namespaces left by a killed earlier run."""
     done = subprocess.run(["ip", "-j", "netns", "list"], capture_output=True, text=True, check=False)
@@ -1028,6 +1196,16 @@ async def check(args: argparse.Namespace) -> list[str]:
             run_node = fresh_kubelet_dir(node, f"go{i}")
             await run_go_plugin_container(engine, args.image, manifest, run_node, log=log)
             log.append(f"{manifest.stem}: the run took {time.monotonic() - t:.1f} s")
+        if args.rdma_plugin_manifest is not None:
+            # Its own node (RDMA HCAs) in its own namespace: the PFs' netdev names are the first node's.
+            t = time.monotonic()
+            with netns.namespace(NS_PREFIX) as rdma_ns:
+                rdma_node = await asyncio.to_thread(build_rdma_node, args.work / "rdma", rdma_ns)
+                run_node = fresh_kubelet_dir(rdma_node, "rdma")
+                await run_rdma_plugin_container(
+                    engine, args.image, args.rdma_plugin_manifest, run_node, log=log
+                )
+            log.append(f"{args.rdma_plugin_manifest.stem}: the run took {time.monotonic() - t:.1f} s")
         if dra_pod is not None:
             t = time.monotonic()
             await run_dra_container(engine, args.image, dra_pod, fresh_kubelet_dir(node, "dra"), log=log)
@@ -1056,6 +1234,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="append",
         default=[],
         help="a DaemonSet that runs the SR-IOV network device plugin's image: run densedev's in its place",
+    )
+    parser.add_argument(
+        "--rdma-plugin-manifest",
+        type=Path,
+        default=None,
+        help="a DaemonSet that runs the RDMA shared device plugin's image: run densedev's in its place",
     )
     parser.add_argument("--work", type=Path, required=True, help="an empty directory for the nodes")
     args = parser.parse_args(argv)

@@ -410,3 +410,15 @@ def test_withholding_an_id_keeps_every_hca_the_pool_brings(tmp_path: Path) -> No
     [kept], withheld = ownership.split([pool])
     assert withheld == {"rdma/a": ("0", "3")}
     assert kept.shared == pool.shared
+
+
+async def test_two_resources_hand_out_the_same_id_numbers_without_a_clash(
+    node: Node, kubelet: KubeletEmulator, daemon: Daemon
+) -> None:
+    """Each resource of that plugin numbers its IDs "0" … "rdmaHcaMax-1": an ID names a share of the
+    resource, no device, so "0" of one resource held by a pod must not refuse "0" of another (it did,
+    as "devices held by running pods under another resource", found by the CI run of its DaemonSet)."""
+    a, b = "rdma/hca_shared_a", "nvidia.com/hca_shared_b"
+    await kubelet.allocate(a, ["0", "1"])
+    resp = await kubelet.allocate(b, ["0", "1"])
+    assert {d.container_path for d in resp.devices} >= {RDMA_CM}

@@ -866,7 +866,8 @@ def test_a_non_root_uid_cannot_use_the_kubelet_dir(kubelet_like: tuple[Path, Pat
     assert got["rtnetlink"] == got["uevents"] == got["metrics_port"] == "ok"
 
 
-GO_PLUGIN_DAEMONSETS = sorted((ROOT / ".ci" / "daemonsets").glob("*.yaml"))
+RDMA_PLUGIN_DAEMONSET = ROOT / ".ci" / "daemonsets" / "rdma-shared-dev-plugin.yaml"
+GO_PLUGIN_DAEMONSETS = sorted(set((ROOT / ".ci" / "daemonsets").glob("*.yaml")) - {RDMA_PLUGIN_DAEMONSET})
 
 
 @pytest.mark.parametrize("manifest", GO_PLUGIN_DAEMONSETS, ids=lambda p: p.stem)
@@ -895,6 +896,82 @@ def test_ci_runs_the_go_plugins_daemonsets_with_the_images_entrypoint(manifest: 
     assert parsed.command == "run"
     assert parsed.config == Path("/etc/pcidp/node-a")
     assert parsed.log_level == "10"
+
+
+@pytest.mark.parametrize("manifest", [*GO_PLUGIN_DAEMONSETS, RDMA_PLUGIN_DAEMONSET], ids=lambda p: p.stem)
+def test_ci_daemonsets_of_the_other_plugins_validate_against_the_kubernetes_schema(manifest: Path) -> None:
+    """What the image check runs must be objects a cluster would take (strict: no unknown field)."""
+    for obj in yaml.safe_load_all(manifest.read_text()):
+        kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
+
+
+def test_ci_runs_the_rdma_shared_plugins_daemonset_with_the_images_entrypoint_and_cmd(tmp_path: Path) -> None:
+    """The RDMA shared device plugin's DaemonSet sets no command, no args and no user: the run takes the
+    image's ENTRYPOINT, CMD and USER, mounts its ConfigMap where that plugin reads config.json, and
+    densedev's parser reads what comes out as a run that finds the config there."""
+    ic = load_image_check()
+    pod = ic.daemonset_pod(RDMA_PLUGIN_DAEMONSET)
+    [c] = pod["containers"]
+    assert "command" not in c and "args" not in c and "securityContext" not in pod
+    config_volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert config_volume["configMap"]["name"] == "rdma-devices"
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["config"] == "/k8s-rdma-shared-dev-plugin" and mounts["devs"] == "/dev/"
+    volumes = {v["name"]: ic.Volume(Path(f"/node/{v['name']}")) for v in pod["volumes"]}
+    kw: dict[str, Any] = {"network": "ns:/run/netns/node", "token_unused": True}
+    image = ic.ImageDefaults(("densedev",), "", ("run",))  # the Dockerfile's ENTRYPOINT and CMD
+    args = ic.container_args(pod, volumes, image=image, **kw)
+    split = args.index("--entrypoint=densedev") + 1
+    options, command = args[:split], args[split:]
+    assert {"--user=0:0", "--privileged", "--volume=/node/config:/k8s-rdma-shared-dev-plugin:rw"} <= set(
+        options
+    )
+    assert command == ["run"]
+    parsed = cli.build_parser("run").parse_args(command)
+    assert parsed.config is None  # found at run time: the RDMA plugin's path is one of the defaults
+    config_path = Path("/k8s-rdma-shared-dev-plugin/config.json")
+    assert config_path in cli.DEFAULT_CONFIGS
+    # The ConfigMap the check lays out is one densedev reads in that plugin's shape.
+    from densedev.testing import simnode
+
+    node = ic.Node(
+        tmp_path / "sys",
+        tmp_path,
+        tmp_path / "kubelet",
+        "node",
+        simnode.build_node(tmp_path / "sys", pfs=4, vfs_per_pf=2, rdma=True, numa_nodes=1),
+    )
+    if os.geteuid() != 0:
+        pytest.skip("the check's /dev volume holds device nodes (mknod): root only, as CI runs it")
+    got = ic.rdma_plugin_volumes(pod, node)
+    text = (got["config"].host_path / "config.json").read_text()
+    assert config.detect_format(json.loads(text)) == config.Format.RDMA_SHARED
+    assert sorted(p.name for p in (got["devs"].host_path / "infiniband").iterdir())[-1] == "uverbs3"
+    assert (got["devs"].host_path / "null").is_char_device()
+
+
+def test_ci_expects_the_rdma_pools_the_daemon_builds(tmp_path: Path) -> None:
+    # Written from the RDMA plugin's rules (rdmaHcaMax IDs, the HCAs its selectors name), not from
+    # densedev's: both must agree on a simulated node of RDMA HCAs.
+    from densedev.node import scanner as discovery
+    from densedev.pools import select as selectors
+    from densedev.testing import simnode
+
+    ic = load_image_check()
+    layout = simnode.build_node(tmp_path / "sys", pfs=4, vfs_per_pf=2, rdma=True, numa_nodes=1)
+    (tmp_path / "config.json").write_text(json.dumps(ic.rdma_plugin_config(layout)))
+    cfg = config.load(tmp_path / "config.json")
+    pools = selectors.build_pools(cfg, discovery.scan(tmp_path / "sys").devices)
+    expected = ic.rdma_expected(layout)
+    assert (
+        {p.config.full_name for p in pools}
+        == set(expected)
+        == {"rdma/hca_shared_a", "nvidia.com/hca_shared_b"}
+    )
+    for pool in pools:
+        ids, hcas = expected[pool.config.full_name]
+        assert {m.id for m in pool.members} == ids
+        assert all(ic.hca_char_devices(tmp_path / "sys", a) for a in hcas)
 
 
 def test_ci_expands_container_variables_as_the_kubelet_does() -> None:

@@ -13,13 +13,17 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from . import __version__, accel
 from .argv import command_word, go_plugin_argv
 from .model import DEFAULT_PREFIX
 from .node.ahead import ScanAhead
 from .node.layout import PCI_DEVICES, SYSFS_ROOT
+
+if TYPE_CHECKING:  # imported where run needs them: the other commands never load the daemon
+    from .daemon import Daemon
+    from .ops.preflight import InstanceLock, LockHeld
 
 log = logging.getLogger("densedev.cli")
 
@@ -379,6 +383,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             default=60.0,
             help="seconds without any pool served before /readyz and the exit code report the failure",
         )
+        run.add_argument(
+            "--wait-for-lock",
+            action="store_true",
+            help="when another densedev serves this kubelet directory (a DaemonSet rolling update with "
+            "maxSurge 1), scan and prepare beside it, then serve as soon as it has stopped, instead of "
+            "refusing to start",
+        )
         run.add_argument("--no-netlink", action="store_true", help="do not watch netlink (simulated nodes)")
         run.add_argument(
             "--netns",
@@ -694,7 +705,7 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
 
     from .daemon import Daemon, DaemonSettings
     from .dra import DraSettings
-    from .ops.preflight import InstanceLock, PreflightError, kubelet_dir_problem
+    from .ops.preflight import InstanceLock, LockHeld, PreflightError, kubelet_dir_problem
     from .pools import config as config_mod
 
     problem = kubelet_dir_problem(args.kubelet_dir)
@@ -710,8 +721,13 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
             log.error("invalid config %s: %s", args.config, p)
         return 2
     lock = InstanceLock(args.kubelet_dir)
+    held: LockHeld | None = None
     try:
         unlocked = lock.acquire()
+    except LockHeld as exc:
+        if not args.wait_for_lock:
+            raise CommandError(str(exc)) from None
+        held, unlocked = exc, None
     except PreflightError as exc:
         raise CommandError(str(exc)) from None
     if unlocked is not None:
@@ -750,7 +766,7 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
     loop.add_signal_handler(signal.SIGHUP, daemon.request_reload)
     # The start runs as a task beside the wait for a stop signal: whatever it waits for (the scanning
     # child, a sysfs read that does not answer, the kubelet), SIGTERM ends it at once (issue 23, item 3).
-    starting = asyncio.ensure_future(daemon.start())
+    starting = asyncio.ensure_future(daemon.start() if held is None else _start_after(daemon, lock, held))
     stopping = asyncio.ensure_future(stop.wait())
     try:
         try:
@@ -777,6 +793,36 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
         stopping.cancel()
         lock.release()
     return daemon.exit_code()
+
+
+async def _start_after(daemon: Daemon, lock: InstanceLock, held: LockHeld) -> None:
+    """Prepare beside the daemon holding the lock, wait for it to let go, then start at once.
+
+    The lock is the guard that no device is offered by two daemons: the old one lets go only once its
+    sockets are gone (``_serve``'s ``finally``), and nothing here serves, registers or reads what pods
+    hold before it is ours.  Cancelled (SIGTERM) at any point, it leaves the old daemon's files alone.
+    """
+    import asyncio
+
+    log.info("%s; standing by (--wait-for-lock): preparing, then serving once it has stopped", held)
+    await daemon.prepare()
+    log.info(
+        "prepared beside pid %s: %d devices scanned; waiting for its lock", held.holder, len(daemon.devices)
+    )
+    keeping = asyncio.ensure_future(daemon.stand_by())
+    # The cyclic GC (off for the start, _dispatch) runs while standing by: a wait may last as long as
+    # the rollout stalls, rescanning every few seconds.
+    gc.enable()
+    try:
+        unlocked = await lock.wait()
+    finally:
+        gc.disable()
+        keeping.cancel()
+        await asyncio.gather(keeping, return_exceptions=True)
+    if unlocked is not None:
+        log.warning("%s; a second daemon on this directory would not be refused", unlocked)
+    log.info("the lock is ours (pid %s has stopped): serving", held.holder)
+    await daemon.start()
 
 
 def _filename(exc: OSError) -> str:

@@ -55,6 +55,7 @@ log = logging.getLogger("densedev.daemon")
 SUPERVISE_MIN_S, SUPERVISE_MAX_S = 0.1, 30.0  # backoff of a daemon loop restarted after an exception
 SUPERVISE_RESET_S = 60.0  # a loop that ran this long before failing starts again from the shortest
 CATCH_UP_RESCAN_S = 1.0  # after a start from a child's scan: the full rescan of what changed meanwhile
+STANDBY_RESCAN_S = 5.0  # a stand-by's scan is read again this often, so what it serves first is recent
 
 
 class Daemon:
@@ -79,6 +80,7 @@ class Daemon:
         # exactly what the constructor would).
         self.tracker = HealthTracker((), (), clock=clock)
         self.started = False
+        self._prepared = False  # the first scan is taken (prepare), maybe long before start
         self._tasks: list[asyncio.Task[None]] = []
         # Facts given to the tracker are handed on to the pools and the DRA driver once per burst.
         self.handoff = Handoff(self.tracker, self._deliver, config.coalesce_ms / 1e3, clock)
@@ -150,6 +152,26 @@ class Daemon:
         )
 
     # ----------------------------------------------------------------------------------- lifecycle
+    async def prepare(self) -> None:
+        """Take the first scan: all the start does that needs no instance lock (a stand-by's work).
+
+        It serves nothing, opens no socket and reads nothing pods hold: another daemon may still serve
+        this node (cli ``run --wait-for-lock``), and what pods hold is read only once it has gone.
+        """
+        # Kept on self while it is waited for: a stop meanwhile (SIGTERM) kills the child (stop).
+        await self.rediscovery.scan(self._scan_ahead)
+        self._scan_ahead = None
+        self._prepared = True
+
+    async def stand_by(self) -> None:
+        """Keep the prepared scan recent until cancelled (the wait for another daemon's lock)."""
+        while True:
+            await asyncio.sleep(STANDBY_RESCAN_S)
+            try:
+                await self.rediscovery.scan()
+            except Exception:  # the scan of prepare() stays; start's catch-up rescan reads it again
+                log.exception("a stand-by's rescan failed; the last scan stays")
+
     async def start(self) -> None:
         """Scan, build pools, serve and register every pool, then start the event sources."""
         self._kubelet_watch.start()
@@ -160,10 +182,11 @@ class Daemon:
             await self._metrics_server.start()
         for warning in self.config.warnings:
             log_event(log, "config warning", level=logging.WARNING, problem=warning)
-        # Kept on self while it is waited for: a stop meanwhile (SIGTERM cancels the start) kills the child.
-        ahead = self._scan_ahead
-        table = await self.rediscovery.scan(ahead)
-        self._scan_ahead = None
+        # A scan taken before (prepare) is from a child or from before a wait: caught up as a child's is.
+        catch_up = self._prepared or self._scan_ahead is not None
+        if not self._prepared:
+            await self.prepare()
+        table = self.rediscovery.table
         # What running pods hold is known before any pool lists a device (the kubelet kept the
         # allocations of pods that outlived a previous run of this daemon).  If neither PodResources nor
         # the checkpoint can be read, nothing is known: every pool lists nothing and every file stays
@@ -205,7 +228,7 @@ class Daemon:
         await self.pools.start(started)
         if self.settings.netlink:
             await self.events.start_netlink()
-            if ahead is not None:
+            if catch_up:
                 # A child read the first scan up to ~100 ms before the uevent monitor opened
                 # (node.ahead): a device that appeared, left or was rebound meanwhile told no one.  One
                 # full rescan once the first lists are out finds it, not the reconcile a minute later.

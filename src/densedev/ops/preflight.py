@@ -3,6 +3,7 @@ instance per kubelet directory (an exclusive lock file beside the sockets)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -12,10 +13,21 @@ from pathlib import Path
 from ..node.layout import PCI_DEVICES
 
 LOCK_NAME = "densedev.lock"
+LOCK_ATTEMPTS = 8  # tries to lock the file the path names while holders keep removing it (acquire)
+LOCK_POLL_S = 0.005  # a stand-by's tries for the lock (run --wait-for-lock): part of an upgrade's window
 
 
 class PreflightError(Exception):
     """A condition under which the daemon cannot do anything useful; its text is one line for the user."""
+
+
+class LockHeld(PreflightError):
+    """Another daemon holds the instance lock; ``holder`` is its PID when the lock file names one."""
+
+    def __init__(self, path: Path, holder: int | None) -> None:
+        who = f"pid {holder}" if holder else "another process"
+        super().__init__(f"another densedev ({who}) already serves {path.parent} (it holds {path})")
+        self.holder = holder
 
 
 def sysfs_root_problem(root: Path) -> str | None:
@@ -88,6 +100,26 @@ class InstanceLock:
         the pools cannot start there either, and are retried until it heals, so that is a warning for
         the caller to log rather than a refusal.
         """
+        # A holder removes the file while it still holds the lock, then unlocks (release): a process that
+        # opened the file just before locks a removed file, which guards nothing (the next one creates
+        # and locks a new file).  So a lock counts only on the file the path still names; else again.
+        # Each retry follows a holder that let go meanwhile, so a few suffice.
+        for _ in range(LOCK_ATTEMPTS):
+            fd = self._open_locked()
+            if fd is None:
+                continue
+            if isinstance(fd, str):
+                return fd
+            # The mode given to open() is masked by the umask; set it explicitly so readers see the PID.
+            os.fchmod(fd, 0o644)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._fd = fd
+            return None
+        raise PreflightError(f"cannot lock {self.path}: it was removed and made again {LOCK_ATTEMPTS} times")
+
+    def _open_locked(self) -> int | str | None:
+        """One attempt: the locked fd, why the file cannot be made, or None when it was removed meanwhile."""
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags, 0o644)
@@ -101,17 +133,30 @@ class InstanceLock:
             holder = _read_pid(fd)
             os.close(fd)
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                who = f"pid {holder}" if holder else "another process"
-                raise PreflightError(
-                    f"another densedev ({who}) already serves {self.path.parent} (it holds {self.path})"
-                ) from None
+                raise LockHeld(self.path, holder) from None
             raise PreflightError(f"cannot lock {self.path}: {exc.strerror}") from None
-        # The mode given to open() is masked by the umask; set it explicitly so readers can see the PID.
-        os.fchmod(fd, 0o644)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return None
+        try:
+            named = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            named = None
+        mine = os.fstat(fd)
+        if named is None or (named.st_dev, named.st_ino) != (mine.st_dev, mine.st_ino):
+            os.close(fd)
+            return None
+        return fd
+
+    async def wait(self, poll_s: float = LOCK_POLL_S) -> str | None:
+        """Take the lock once its holder lets go, trying every ``poll_s`` (cancel to stop waiting).
+
+        A non-blocking try on the loop's thread rather than a blocking flock in a worker: a thread
+        blocked in flock(2) cannot be cancelled, so a SIGTERM during the wait would hang the exit.
+        Returns as ``acquire`` does.
+        """
+        while True:
+            try:
+                return self.acquire()
+            except LockHeld:
+                await asyncio.sleep(poll_s)
 
     def release(self) -> None:
         """Remove the file (while still holding the lock, so no one locks a doomed file) and unlock."""

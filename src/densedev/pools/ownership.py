@@ -199,6 +199,11 @@ class Ownership:
             return {i: frozenset((UNCHECKED,)) for i in ids}
         out: dict[str, frozenset[str]] = {}
         for i in ids:
+            if i.isdigit():
+                # A pool-wide shared ID ("0" … rdmaHcaMax-1, as the RDMA shared device plugin numbers
+                # them) names a share of its resource, no device: every resource has its own "0", and
+                # the HCAs behind them are shared by design.
+                continue
             others = self.held.get(device_id_of(i), frozenset()) - {resource}
             if others:
                 out[i] = others
