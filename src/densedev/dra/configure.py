@@ -203,7 +203,7 @@ class JournalMetrics:
         tally: Tally[str] = Tally()
         for r in records:
             if r.state is JournalState.APPLIED:
-                tally.update(r.changed())
+                tally.update(list(r.changed()))
         self._owners[owner] = (tally, unrestored)
         total: Tally[str] = Tally()
         for t, _n in self._owners.values():
