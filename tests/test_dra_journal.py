@@ -31,12 +31,14 @@ from densedev.dra.configure import JournalMetrics, JournalRecord, JournalState
 from densedev.dra.node import NodeService, NodeSettings
 from densedev.dra.params import API_VERSION, KIND
 from densedev.model import Device, Pool, PoolApi, PoolConfig
+from densedev.node import rebind
 from densedev.node.scanner import scan
 from densedev.node.vflinks import SIM_DEFAULTS, SimVfLinks, VfTarget, clear_faults, inject_fault
 from densedev.ops.metrics import Registry
 from densedev.pools.ownership import Ownership
 from densedev.testing import simnode
 from densedev.testing.dra_kubelet import ClaimStore, allocated_claim
+from densedev.testing.simkernel import FaultRule, SimKernel, write_faults
 
 DRIVER = "net.densedev.io"
 NODE = "node-a"
@@ -67,6 +69,8 @@ class JournalNode:
             devinfo_dir=root / "devinfo",
             dev_root=root / "dev",
         )
+        self.dev_root = root / "dev"
+        self.dev_root = root / "dev"
         self.service = self.fresh()
 
     def fresh(self) -> NodeService:
@@ -79,6 +83,8 @@ class JournalNode:
             links=self.links,
             journal_metrics=self.metrics,
             restore_retry_s=(0.02, 0.1),
+            sysfs_root=self.sysfs,
+            rebind_timeout=5.0,
         )
 
     def target(self, vf: Device) -> VfTarget:
@@ -265,3 +271,69 @@ async def test_the_journal_is_under_the_checksum_and_old_checkpoints_load(node: 
     assert (await node.service.unprepare([ref]))[ref.uid] == ""
     doc = json.loads(path.read_bytes())
     assert "journal" not in doc and doc["version"] == 1
+
+
+@pytest.fixture
+def kernel(node: JournalNode) -> Any:
+    """The simulated node's kernel, answering driver rebinds (in a thread)."""
+    k = SimKernel(node.sysfs, node.dev_root)
+    k.start()
+    try:
+        yield k
+    finally:
+        k.stop()
+
+
+async def test_a_rebind_to_vfio_is_journaled_handed_through_cdi_and_put_back(
+    node: JournalNode, kernel: Any
+) -> None:
+    (node.dev_root / "vfio").mkdir(parents=True, exist_ok=True)
+    (node.dev_root / "vfio" / "vfio").touch()  # the container node, there once vfio is loaded
+    vf = node.vfs[0]
+    before = rebind.binding_of(node.sysfs, vf.id)
+    assert before.driver == "mlx5_core" and before.iommu_group
+    ref = node.claim(vf, {"driver": "vfio-pci", "vlan": 100, "trust": True})
+    result = (await node.service.prepare([ref]))[ref.uid]
+    assert result.error == ""
+    assert rebind.binding_of(node.sysfs, vf.id).driver == "vfio-pci"
+    assert node.values(vf)["vlan"] == 100  # the PF's settings reach a vfio-bound VF all the same
+    (record,) = node.recorded().journal
+    assert record.old["driver"] == "mlx5_core" and record.old["driverOverride"] is None
+    assert node.service.prepared[ref.uid].applied[vf.id]["driver"] == "vfio-pci"
+    # The container gets the group's node and the container node, through CDI.
+    spec = json.loads((node.settings.cdi_dir / node.service.prepared[ref.uid].spec_file).read_text())
+    paths = {n["path"] for d in spec["devices"] for n in d.get("containerEdits", {}).get("deviceNodes", [])}
+    assert {"/dev/vfio/vfio", f"/dev/vfio/{before.iommu_group}"} <= paths
+    assert node.sample("densedev_dra_configured_devices", setting="driver") == 1
+    assert (await node.service.unprepare([ref]))[ref.uid] == ""
+    assert rebind.binding_of(node.sysfs, vf.id) == before
+    assert rebind.override_of(node.sysfs, vf.id) is None
+    assert node.values(vf) == dict(SIM_DEFAULTS)
+    assert node.recorded().journal == ()
+
+
+async def test_a_failed_probe_refuses_the_claim_with_the_vf_as_it_was(node: JournalNode, kernel: Any) -> None:
+    vf = node.vfs[1]
+    before = rebind.binding_of(node.sysfs, vf.id)
+    write_faults(node.sysfs, [FaultRule(op="drivers_probe", pci=vf.id, probe_fails=True, times=1)])
+    ref = node.claim(vf, {"driver": "vfio-pci", "vlan": 7})
+    error = (await node.service.prepare([ref]))[ref.uid].error
+    assert "nothing was changed" in error, error
+    assert rebind.binding_of(node.sysfs, vf.id) == before
+    assert node.values(vf) == dict(SIM_DEFAULTS)
+    assert node.recorded().journal == ()
+    assert node.service.unrestored() == frozenset()
+
+
+async def test_a_rebound_vf_whose_nodes_are_missing_is_refused_and_put_back(
+    node: JournalNode, kernel: Any
+) -> None:
+    """No /dev/vfio/vfio (vfio not loaded on the host): the claim cannot be handed out; nothing stays."""
+    vf = node.vfs[2]
+    before = rebind.binding_of(node.sysfs, vf.id)
+    ref = node.claim(vf, {"driver": "vfio-pci", "trust": True})
+    error = (await node.service.prepare([ref]))[ref.uid].error
+    assert "/dev/vfio/vfio" in error, error
+    assert rebind.binding_of(node.sysfs, vf.id) == before
+    assert node.values(vf) == dict(SIM_DEFAULTS)
+    assert node.recorded().journal == ()

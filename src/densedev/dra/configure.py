@@ -44,14 +44,23 @@ STOP_ENV = "DENSEDEV_STOP_AT"
 STEPS = (
     "prepare-read",  # old values read; nothing recorded, nothing changed
     "prepare-journaled",  # the journal records the change; nothing changed yet
+    "prepare-rebound",  # the driver rebound (when asked); no link setting made yet
     "prepare-partial",  # the PF's settings made, the VF netdev's MTU not yet
     "prepare-applied",  # every change made; the claim not recorded yet
     "prepare-recorded",  # the claim recorded prepared; the kubelet not answered yet
     "unprepare-marked",  # the claim dropped, its records marked restoring; nothing put back yet
     "unprepare-partial",  # the MTU put back, the PF's settings not yet
+    "unprepare-links-back",  # every link setting put back, the driver not yet (when rebound)
     "unprepare-restored",  # every old value back; the record not dropped yet
     "unprepare-dropped",  # the record dropped; the kubelet not answered yet
 )
+
+
+# A rebind is journaled as two more keys: the driver bound before ("" for none) and its driver_override
+# (None for none), restored through node/rebind.py; the asked driver is ``new["driver"]``.
+DRIVER = "driver"
+OVERRIDE = "driverOverride"
+KEYS = (*SETTINGS, DRIVER, OVERRIDE)
 
 
 def stop_at(step: str) -> None:
@@ -106,7 +115,7 @@ def record_of(doc: Any) -> JournalRecord:
     old, new = doc["old"], doc["new"]
     if not isinstance(old, dict) or not isinstance(new, dict):
         raise TypeError("a journal record's values are not objects")
-    unknown = (set(old) | set(new)) - set(SETTINGS)
+    unknown = (set(old) | set(new)) - set(KEYS)
     if unknown:
         raise ValueError(f"a journal record names unknown settings {sorted(unknown)}")
     vf = doc["vf"]
@@ -159,16 +168,17 @@ def target_of(device: Device) -> VfTarget:
     return VfTarget(device.pf_netdev, device.vf_index, device.netdevs[0] if device.netdevs else "")
 
 
-def split(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Return (the PF's settings, the VF netdev's MTU) of some values: two messages, two steps."""
-    pf = {k: v for k, v in values.items() if k != "mtu"}
+def split(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Return (the driver, the PF's settings, the VF netdev's MTU) of some values: three steps."""
+    driver = {k: v for k, v in values.items() if k in (DRIVER, OVERRIDE)}
+    pf = {k: v for k, v in values.items() if k in SETTINGS and k != "mtu"}
     own = {k: v for k, v in values.items() if k == "mtu"}
-    return pf, own
+    return driver, pf, own
 
 
 def describe(values: Mapping[str, Any]) -> str:
     """Return ``mtu=9000 vlan=100`` for a log line."""
-    return " ".join(f"{k}={values[k]}" for k in SETTINGS if k in values) or "-"
+    return " ".join(f"{k}={values[k]}" for k in KEYS if k in values and k != OVERRIDE) or "-"
 
 
 class JournalMetrics:
@@ -203,19 +213,21 @@ class JournalMetrics:
         tally: Tally[str] = Tally()
         for r in records:
             if r.state is JournalState.APPLIED:
-                tally.update(list(r.changed()))
+                tally.update([k for k in r.changed() if k != OVERRIDE])
         self._owners[owner] = (tally, unrestored)
         total: Tally[str] = Tally()
         for t, _n in self._owners.values():
             total.update(t)
-        for s in SETTINGS:
+        for s in (*SETTINGS, DRIVER):
             self._configured.labels(s).set(total.get(s, 0))
         self._unrestored.set(sum(n for _t, n in self._owners.values()))
 
 
 def applied_of(records: Iterable[JournalRecord], claim: str) -> dict[str, dict[str, Any]]:
     """Return what a claim's records set, per device ID (``PreparedClaim.applied``)."""
-    return {r.device_id: dict(r.new) for r in records if r.claim == claim}
+    return {
+        r.device_id: {k: v for k, v in r.new.items() if k != OVERRIDE} for r in records if r.claim == claim
+    }
 
 
 def marked(

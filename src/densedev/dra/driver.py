@@ -109,6 +109,7 @@ class DraDriver:
             # Claim parameters change VF links: the kernel's, or a simulated node's (sysfs root).
             links=links_for(sysfs_root) if sysfs_root is not None else None,
             journal_metrics=journal_metrics,
+            sysfs_root=sysfs_root,  # where a claim's driver rebind is written (node/rebind.py)
         )
         self.plugin.service.on_change = on_claims
         self.plugin.service.on_idle = on_claims  # a retiring driver may stop once the kubelet is answered

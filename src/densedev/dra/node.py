@@ -26,6 +26,7 @@ import re
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar, cast
@@ -39,6 +40,7 @@ from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
 from ..backoff import Backoff
 from ..kubelet.lifecycle import unary
 from ..model import DeviceType, PoolConfig, RequestError
+from ..node import rebind
 from ..node.holdings import ClaimUse
 from ..node.vflinks import VfLinkError, VfLinks, VfTarget
 from ..ops.logs import log_event, summarise
@@ -116,6 +118,8 @@ class NodeService:
         links: VfLinks | None = None,
         journal_metrics: JournalMetrics | None = None,
         restore_retry_s: tuple[float, float] = (0.5, 30.0),
+        sysfs_root: Path | None = None,
+        rebind_timeout: float = 10.0,
     ) -> None:
         self.settings = settings
         self.driver = settings.driver
@@ -153,6 +157,8 @@ class NodeService:
         # Claim parameters (configure.py): where VF link settings are changed (None: refused), the
         # journal's metrics, the claims whose devices a Prepare is changing now, the restore retries.
         self._links = links
+        self._sysfs_root = sysfs_root  # where a VF's driver is rebound (None: a rebind is refused)
+        self._rebind_timeout = rebind_timeout  # a probe's bound (vfio-pci answers in milliseconds)
         self._jm = journal_metrics
         self._inflight: set[str] = set()
         self._restore_retry_s = restore_retry_s
@@ -511,6 +517,7 @@ class NodeService:
         async with self._lock:
             plans: dict[str, PreparedClaim] = {}
             asks: dict[str, dict[str, tuple[VfTarget, dict[str, Any]]]] = {}  # UID → device → settings
+            drafts: dict[str, list[_Granted]] = {}  # UID → its grants, for claims rebinding a driver
             reserved: dict[str, ClaimRef] = {}
             for ref in todo.values():
                 known = self._claims.get(ref.uid)
@@ -525,7 +532,7 @@ class NodeService:
                     out[ref.uid] = PrepareResult(error=f"claim {ref} changed during the call; retry")
                     continue
                 try:
-                    plan, ask = self._plan(ref, obj, reserved)
+                    plan, ask, granted = self._plan(ref, obj, reserved)
                 except ClaimError as e:
                     out[ref.uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
                     log.warning("DRA prepare refused: %s", e)
@@ -540,12 +547,14 @@ class NodeService:
                 plans[ref.uid] = plan
                 if ask:
                     asks[ref.uid] = ask
+                    if any(configure.DRIVER in want for _t, want in ask.values()):
+                        drafts[ref.uid] = granted
                 for device_id in plan.held():
                     reserved[device_id] = ref
             if plans:
                 # Shielded like a thread: a cancelled call still leaves every device recorded and
                 # either configured for a recorded claim or put back.
-                await _finish(self._configure_and_store(plans, asks, out))
+                await _finish(self._configure_and_store(plans, asks, drafts, out))
             self.prepares += 1
         for uid, result in out.items():
             if not result.error:
@@ -561,6 +570,7 @@ class NodeService:
         self,
         plans: dict[str, PreparedClaim],
         asks: Mapping[str, Mapping[str, tuple[VfTarget, dict[str, Any]]]],
+        drafts: Mapping[str, Sequence[_Granted]],
         out: dict[str, PrepareResult],
     ) -> None:
         """Change the devices of the claims that ask it (journaled), then record every claim (``_store``).
@@ -575,8 +585,20 @@ class NodeService:
                 out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
                 log.warning("DRA prepare refused: %s", error)
                 del plans[uid]
-            else:
-                plans[uid] = replace(plan, applied=configure.applied_of(self.journal, uid))
+                continue
+            applied = configure.applied_of(self.journal, uid)
+            draft = drafts.get(uid)
+            if draft is not None:
+                # Rebound: the claim's CDI edits are those of the device as it is now (vfio-pci's
+                # /dev/vfio/<group> and /dev/vfio/vfio, which exist only once it is bound).
+                try:
+                    plan = self._build(plan.ref, _rebound(draft, applied))
+                except ClaimError as e:
+                    out[uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
+                    log.warning("DRA prepare failed after the rebind: %s", e)
+                    del plans[uid]
+                    continue
+            plans[uid] = replace(plan, applied=applied)
         try:
             written = await _in_thread(self._store, plans) if plans else {}
         finally:
@@ -600,16 +622,27 @@ class NodeService:
         the checkpoint before the first change; the kernel may stop part way through one message, so a
         failure puts back every device of the claim from its record.
         """
-        if self._links is None:
-            return f"claim {ref}: asks VF link settings, which this node cannot change"
-        links = self._links
         records: list[JournalRecord] = []
         for device_id, (target, want) in ask.items():
+            settings = configure.touched(want)
+            if settings and self._links is None:
+                return f"claim {ref}: asks VF link settings, which this node cannot change"
             try:
-                old = await workers.run(Work.NETLINK, links.read, target, configure.touched(want))
-            except VfLinkError as e:
+                old: dict[str, Any] = {}
+                if settings and self._links is not None:
+                    old = await workers.run(Work.NETLINK, self._links.read, target, settings)
+                new = configure.completed(want, old)
+                if configure.DRIVER in want and self._sysfs_root is not None:
+                    root = self._sysfs_root
+                    binding = await workers.run(Work.REBIND, rebind.binding_of, root, device_id)
+                    old[configure.DRIVER] = binding.driver or ""
+                    old[configure.OVERRIDE] = await workers.run(
+                        Work.REBIND, rebind.override_of, root, device_id
+                    )
+                    new[configure.DRIVER] = new[configure.OVERRIDE] = want[configure.DRIVER]
+            except (VfLinkError, rebind.RebindError) as e:
                 return f"claim {ref}: cannot read the settings of {device_id} ({e}); nothing was changed"
-            records.append(JournalRecord(ref.uid, device_id, target, old, configure.completed(want, old)))
+            records.append(JournalRecord(ref.uid, device_id, target, old, new))
         stop_at("prepare-read")
         self._inflight.add(ref.uid)
         journal = (*(r for r in self.journal if r.claim != ref.uid), *records)
@@ -622,14 +655,30 @@ class NodeService:
             )
         stop_at("prepare-journaled")
         for r in records:
-            pf, own = configure.split(r.new)
+            driver, pf, own = configure.split(r.new)
             try:
+                if driver:
+                    assert self._sysfs_root is not None
+                    await workers.run(
+                        Work.REBIND,
+                        partial(
+                            rebind.rebind,
+                            self._sysfs_root,
+                            r.device_id,
+                            driver[configure.DRIVER],
+                            timeout=self._rebind_timeout,
+                            dev_root=self.settings.dev_root,
+                        ),
+                    )
+                stop_at("prepare-rebound")
                 if pf:
-                    await workers.run(Work.NETLINK, links.apply, r.target, pf)
+                    assert self._links is not None
+                    await workers.run(Work.NETLINK, self._links.apply, r.target, pf)
                 stop_at("prepare-partial")
                 if own:
-                    await workers.run(Work.NETLINK, links.apply, r.target, own)
-            except VfLinkError as e:
+                    assert self._links is not None
+                    await workers.run(Work.NETLINK, self._links.apply, r.target, own)
+            except (VfLinkError, rebind.RebindError) as e:
                 self._inflight.discard(ref.uid)
                 failed = await self._restore(records)
                 back = (
@@ -656,20 +705,35 @@ class NodeService:
         A failure keeps its record: the device stays withheld (``unrestored``) and ``start_restores``
         retries it with backoff.
         """
-        assert self._links is not None or not records
         failed: set[str] = set()
         done: set[tuple[str, str]] = set()
         for r in records:
-            pf, own = configure.split(r.old)
+            driver, pf, own = configure.split(r.old)
             try:
-                if self._links is None:
+                if (pf or own) and self._links is None:
                     raise VfLinkError("this node cannot change VF links")
-                if own:
+                if own and self._links is not None:
                     await workers.run(Work.NETLINK, self._links.apply, r.target, own)
                 stop_at("unprepare-partial")
-                if pf:
+                if pf and self._links is not None:
                     await workers.run(Work.NETLINK, self._links.apply, r.target, pf)
-            except VfLinkError as e:
+                stop_at("unprepare-links-back")
+                if driver:
+                    if self._sysfs_root is None:
+                        raise VfLinkError("this node cannot rebind drivers")
+                    before = rebind.Binding(driver[configure.DRIVER] or None, None, ())
+                    await workers.run(
+                        Work.REBIND,
+                        partial(
+                            rebind.restore,
+                            self._sysfs_root,
+                            r.device_id,
+                            before,
+                            driver.get(configure.OVERRIDE),
+                            timeout=self._rebind_timeout,
+                        ),
+                    )
+            except (VfLinkError, rebind.RebindError) as e:
                 failed.add(r.device_id)
                 if self._jm is not None:
                     self._jm.restored(False)
@@ -765,7 +829,7 @@ class NodeService:
 
     def _plan(
         self, ref: ClaimRef, obj: Mapping[str, Any], reserved: Mapping[str, ClaimRef]
-    ) -> tuple[PreparedClaim, dict[str, tuple[VfTarget, dict[str, Any]]]]:
+    ) -> tuple[PreparedClaim, dict[str, tuple[VfTarget, dict[str, Any]]], list[_Granted]]:
         """Return what preparing the claim makes and the link settings it asks per device, or raise
         ClaimError; writes and changes nothing."""
         results = self._our_results(ref, obj)
@@ -773,7 +837,7 @@ class NodeService:
         unrestored = self.unrestored()
         problems: list[str] = []
         # request, pool, name, id, admin, grant: one entry per (request, device), in result order
-        granted: list[tuple[str, str, str, str, bool, Grant]] = []
+        granted: list[_Granted] = []
         seen: set[tuple[str, str, str, bool]] = set()
         unsettled = self._unsettled
         others_unsettled: frozenset[str] = frozenset()
@@ -839,7 +903,7 @@ class NodeService:
         if problems:
             raise ClaimError(f"claim {ref}: cannot prepare {listing(problems, width=MAX_ERROR_CHARS)}")
         ask = self._asks(ref, obj, asked)
-        return self._build(ref, granted), ask
+        return self._build(ref, granted), ask, granted
 
     def _asks(
         self, ref: ClaimRef, obj: Mapping[str, Any], asked: Sequence[tuple[str, str, str, bool, Grant]]
@@ -864,11 +928,13 @@ class NodeService:
         out: dict[str, tuple[VfTarget, dict[str, Any]]] = {}
         for name, cfg in plan.configs.items():
             device_id, grant = by_name[name]
-            if cfg.driver is not None and cfg.driver != grant.device.driver:
-                raise ClaimError(
-                    f"claim {ref}: {name}: driver: rebinding to {cfg.driver} is not available on this node"
-                )
             want = configure.wanted(cfg)
+            if cfg.driver is not None and cfg.driver != grant.device.driver:
+                if self._sysfs_root is None:
+                    raise ClaimError(
+                        f"claim {ref}: {name}: driver: rebinding to {cfg.driver} is not available here"
+                    )
+                want[configure.DRIVER] = cfg.driver
             if want:
                 out[device_id] = (configure.target_of(grant.device), want)
         return out
@@ -892,9 +958,7 @@ class NodeService:
             raise ClaimError(f"{where} has no allocation result for driver {self.driver}")
         return ours
 
-    def _build(
-        self, ref: ClaimRef, granted: Sequence[tuple[str, str, str, str, bool, Grant]]
-    ) -> PreparedClaim:
+    def _build(self, ref: ClaimRef, granted: Sequence[_Granted]) -> PreparedClaim:
         """Return the prepared claim: CDI entries per device and per request, device-info documents."""
         entries: dict[str, dict[str, Any]] = {}
         info: dict[tuple[str, str, str], InfoFile] = {}
@@ -1113,6 +1177,22 @@ class NodeService:
             self._commit(claims)
             self._settle(released, "unprepared", released_names)
         return errors
+
+
+_Granted = tuple[str, str, str, str, bool, Grant]  # request, pool, name, device ID, admin, grant
+
+
+def _rebound(granted: Sequence[_Granted], applied: Mapping[str, Mapping[str, Any]]) -> list[_Granted]:
+    """Return the grants with each rebound device as it is now: its new driver, no netdev with vfio-pci."""
+    out: list[_Granted] = []
+    for request, pool, name, device_id, admin, grant in granted:
+        driver = applied.get(device_id, {}).get(configure.DRIVER)
+        if driver:
+            gone = driver in params.USERSPACE_DRIVERS  # a user-space driver's VF has no netdev
+            device = grant.device._replace(driver=driver, netdevs=() if gone else grant.device.netdevs)
+            grant = grant._replace(device=device)
+        out.append((request, pool, name, device_id, admin, grant))
+    return out
 
 
 def _qualified(kind: str, device: str, ref: ClaimRef | None = None) -> str:

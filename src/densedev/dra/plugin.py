@@ -42,6 +42,7 @@ class KubeletPlugin:
         resend: float = RESEND_SECONDS,
         links: VfLinks | None = None,
         journal_metrics: JournalMetrics | None = None,
+        sysfs_root: Path | None = None,
     ) -> None:
         # One pool per node, named after the node (the ResourceSlice side names it the same way).
         settings = NodeSettings(
@@ -52,7 +53,9 @@ class KubeletPlugin:
             devinfo_dir=devinfo_dir,
             dev_root=dev_root,
         )
-        self.service = NodeService(settings, reader, gate, links=links, journal_metrics=journal_metrics)
+        self.service = NodeService(
+            settings, reader, gate, links=links, journal_metrics=journal_metrics, sysfs_root=sysfs_root
+        )
         # Served whatever the kubelet does with it: 1.34-1.36 open the stream even when not advertised.
         self.health = HealthStream(node_name, resend=resend)
         self.plugin = DraPlugin(
