@@ -337,3 +337,26 @@ async def test_a_rebound_vf_whose_nodes_are_missing_is_refused_and_put_back(
     assert rebind.binding_of(node.sysfs, vf.id) == before
     assert node.values(vf) == dict(SIM_DEFAULTS)
     assert node.recorded().journal == ()
+
+
+async def test_a_vf_scanned_while_rebound_is_configured_as_it_is_now(node: JournalNode, kernel: Any) -> None:
+    """The device table saw the VF on vfio-pci (a restore at start put it back before a rescan)."""
+    (node.dev_root / "vfio").mkdir(parents=True, exist_ok=True)
+    (node.dev_root / "vfio" / "vfio").touch()
+    vf = node.vfs[3]
+    before = rebind.binding_of(node.sysfs, vf.id)
+    rebind.rebind(node.sysfs, vf.id, "vfio-pci", timeout=5.0, dev_root=node.dev_root)
+    stale = {d.id: d for d in scan(node.sysfs).by_id().values()}[vf.id]
+    assert stale.driver == "vfio-pci" and stale.netdevs == () and stale.link_type == ""
+    rebind.restore(node.sysfs, vf.id, before, None, timeout=5.0)
+    node.pool = pool_of(NET, [stale if d.id == vf.id else d for d in node.vfs])
+    service = node.fresh()
+    service.recover()
+    ref = node.claim(vf, {"driver": "vfio-pci", "vlan": 100})
+    assert (await service.prepare([ref]))[ref.uid].error == ""
+    assert rebind.binding_of(node.sysfs, vf.id).driver == "vfio-pci"
+    (record,) = node.recorded().journal
+    assert record.old["driver"] == "mlx5_core"  # what it is, not what the table said
+    assert (await service.unprepare([ref]))[ref.uid] == ""
+    assert rebind.binding_of(node.sysfs, vf.id) == before
+    assert node.values(vf) == dict(SIM_DEFAULTS)

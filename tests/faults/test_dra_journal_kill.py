@@ -1,7 +1,8 @@
 """SIGKILL a real daemon at every step of a Prepare and an Unprepare that change a VF, then restart it.
 
 The daemon runs as its own process (``python -m densedev.cli run`` on a simulated node whose VF links
-live in ``.simnode/vflinks.json``) against the DRA kubelet emulator and the API-server stand-in; the
+live in ``.simnode/vflinks.json``, its kernel answering driver rebinds: ``testing.simkernel`` in a
+thread here) against the DRA kubelet emulator and the API-server stand-in; the
 fault hook ``DENSEDEV_STOP_AT=<step>`` makes it SIGKILL itself at the named step.  After the restart the
 VF is either prepared for its claim exactly as asked, or back as it was and listed again — and while it
 is listed without a claim prepared on it, it is never in between.  The kubelet's retry (it retries a
@@ -30,23 +31,28 @@ from densedev.dra.claims import decode_record
 from densedev.dra.configure import STEPS, STOP_ENV
 from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
 from densedev.dra.params import API_VERSION, KIND
+from densedev.node import rebind
 from densedev.node.vflinks import SIM_DEFAULTS, SimVfLinks, VfTarget
 from densedev.testing.apiserver import ApiServerStandIn
 from densedev.testing.dra_kubelet import DraKubelet, allocated_claim
+from densedev.testing.simkernel import SimKernel
 
 pytestmark = pytest.mark.faults
 
 GUARD = 45.0  # hang guard for one wait (a loaded CI machine starts a daemon in seconds)
 CALL_S = 20.0  # the kubelet's deadline for one call
-ASK = {"mtu": 9000, "vlan": 100, "qos": 2, "trust": True, "maxTxRateMbps": 500, "linkState": "enable"}
-ASKED = {**ASK, "minTxRateMbps": 0}  # the rate pair is set together: the other half kept
+LINKS = {"vlan": 100, "qos": 2, "trust": True, "maxTxRateMbps": 500, "linkState": "enable"}
+# Netlink settings alone (with the VF netdev's MTU), or a rebind to vfio-pci with the PF's settings.
+ASKS = {"netlink": {**LINKS, "mtu": 9000}, "rebind": {"driver": "vfio-pci", **LINKS}}
 # Steps after which a change is on the device but no prepared claim asks it: restored at the restart.
 RESTORED_AT_START = {
     "prepare-journaled",
+    "prepare-rebound",
     "prepare-partial",
     "prepare-applied",
     "unprepare-marked",
     "unprepare-partial",
+    "unprepare-links-back",
     "unprepare-restored",
 }
 
@@ -56,6 +62,7 @@ class Party:
 
     def __init__(self, node: Node, api: ApiServerStandIn, kubelet: DraKubelet, env: dict[str, str]) -> None:
         self.node = node
+        self.ask: dict[str, Any] = {}
         self.api = api
         self.kubelet = kubelet
         self.env = env
@@ -125,7 +132,7 @@ class Party:
         uid = str(uuid.uuid4())
         name = f"claim-{uid[:8]}"
         result = {"request": "nic", "driver": DRIVER, "pool": NODE, "device": names.device_name(self.vf)}
-        params = {"apiVersion": API_VERSION, "kind": KIND, **ASK}
+        params = {"apiVersion": API_VERSION, "kind": KIND, **self.ask}
         opaque = {"driver": DRIVER, "parameters": params}
         entry = {"source": "FromClaim", "requests": ["nic"], "opaque": opaque}
         self.api.put_claim(allocated_claim("default", name, uid, [result], [entry]))
@@ -141,6 +148,11 @@ class Party:
 
     def values(self) -> dict[str, Any]:
         return self.links.values(self.target)
+
+    def driver(self) -> tuple[str | None, str | None]:
+        return rebind.binding_of(self.node.sysfs, self.vf).driver, rebind.override_of(
+            self.node.sysfs, self.vf
+        )
 
     def listed(self) -> bool:
         return self.vf in self.node.published(DRIVER).values()
@@ -174,10 +186,14 @@ async def party(tmp_path: Path, child_env: dict[str, str]) -> AsyncIterator[Part
 
     kubelet = DraKubelet(node.registry_dir, on_start=wipe)
     await kubelet.start()
+    (node.tmp / "dev" / "vfio").mkdir(parents=True, exist_ok=True)
+    (node.tmp / "dev" / "vfio" / "vfio").touch()  # the container node, there once vfio is loaded
+    kernel = SimKernel(node.sysfs, node.tmp / "dev").start()
     p = Party(node, api, kubelet, child_env)
     try:
         yield p
     finally:
+        kernel.stop()
         if p.child is not None:
             if p.child.proc.poll() is None:
                 p.child.proc.kill()
@@ -191,19 +207,25 @@ def settled(p: Party, uid: str) -> str:
     """Return "prepared", "restored" or "" (neither yet); fail on a VF listed unprepared while changed."""
     claims, journal = p.recorded()  # first: a claim not recorded now is not recorded later (no call runs)
     listed = p.listed()
-    values = p.values()
+    values, driver = p.values(), p.driver()
+    asked = {k: v for k, v in p.ask.items() if k != "driver"} | {"minTxRateMbps": 0}  # rates go as a pair
     if uid in claims:
-        assert {k: values[k] for k in ASKED} == ASKED, values  # prepared: exactly as asked
+        assert {k: values[k] for k in asked} == asked, values  # prepared: exactly as asked
+        if "driver" in p.ask:
+            assert driver == (p.ask["driver"], p.ask["driver"]), driver
         return "prepared"
     if listed:
         assert values == dict(SIM_DEFAULTS), f"listed while changed: {values}"
+        assert driver == ("mlx5_core", None), f"listed while rebound: {driver}"
         return "restored" if journal == 0 else ""
     return ""
 
 
+@pytest.mark.parametrize("kind", sorted(ASKS))
 @pytest.mark.parametrize("step", STEPS)
-async def test_sigkill_at_a_step_then_restart(party: Party, step: str) -> None:
+async def test_sigkill_at_a_step_then_restart(party: Party, step: str, kind: str) -> None:
     p = party
+    p.ask = ASKS[kind]
     p.start(stop_at=step)
     await p.registered()
     await p.until(p.listed, "the VF listed in the DRA slice")
@@ -212,7 +234,7 @@ async def test_sigkill_at_a_step_then_restart(party: Party, step: str) -> None:
     if step.startswith("unprepare"):
         answer = (await p.kubelet.prepare(DRIVER, [ref], timeout=CALL_S))[uid]
         assert answer.error == "", answer.error
-        assert {k: p.values()[k] for k in ASKED} == ASKED
+        assert settled(p, uid) == "prepared"
         call = p.kubelet.unprepare(DRIVER, [ref], timeout=CALL_S)
     else:
         call = p.kubelet.prepare(DRIVER, [ref], timeout=CALL_S)

@@ -39,7 +39,7 @@ from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
 from ..backoff import Backoff
 from ..kubelet.lifecycle import unary
-from ..model import DeviceType, PoolConfig, RequestError
+from ..model import Device, DeviceType, PoolConfig, RequestError, Role
 from ..node import rebind
 from ..node.holdings import ClaimUse
 from ..node.vflinks import VfLinkError, VfLinks, VfTarget
@@ -902,6 +902,10 @@ class NodeService:
             asked.append((request, name, device_id, admin, verdict))
         if problems:
             raise ClaimError(f"claim {ref}: cannot prepare {listing(problems, width=MAX_ERROR_CHARS)}")
+        if self._sysfs_root is not None:
+            live = {device_id: self._live(grant) for _r, _p, _n, device_id, _a, grant in granted}
+            granted = [(r, p, n, i, a, live[i]) for r, p, n, i, a, _g in granted]
+            asked = [(r, n, i, a, live[i]) for r, n, i, a, _g in asked]
         ask = self._asks(ref, obj, asked)
         return self._build(ref, granted), ask, granted
 
@@ -917,7 +921,9 @@ class NodeService:
         if not config:
             return {}
         results = [
-            params.Result(request, name, params.facts_of(grant.device, None, admin_access=admin))
+            params.Result(
+                request, name, params.facts_of(grant.device, self._pf_of(grant.device), admin_access=admin)
+            )
             for request, name, _id, admin, grant in asked
         ]
         plan = params.plan(config, results, self.driver)
@@ -929,7 +935,9 @@ class NodeService:
         for name, cfg in plan.configs.items():
             device_id, grant = by_name[name]
             want = configure.wanted(cfg)
-            if cfg.driver is not None and cfg.driver != grant.device.driver:
+            # Always journaled when asked, the binding read live at the change (the device table may
+            # be older than the last rebind: a restore at start, before a rescan saw it).
+            if cfg.driver is not None:
                 if self._sysfs_root is None:
                     raise ClaimError(
                         f"claim {ref}: {name}: driver: rebinding to {cfg.driver} is not available here"
@@ -938,6 +946,40 @@ class NodeService:
             if want:
                 out[device_id] = (configure.target_of(grant.device), want)
         return out
+
+    def _live(self, grant: Grant) -> Grant:
+        """Return the grant with its VF's driver and netdevs as sysfs shows them now.
+
+        A rebind (a claim's, or a restore at start) changes them before a rescan of the device table
+        sees it; what the claim gets (CDI, device-info) and may ask must follow the device as it is.
+        """
+        d = grant.device
+        if d.role != Role.VF or self._sysfs_root is None:
+            return grant
+        try:
+            now = rebind.binding_of(self._sysfs_root, d.id)
+        except rebind.RebindError:
+            return grant  # the gate's table is all there is: the change itself reads it again
+        driver = now.driver or ""
+        if driver == d.driver and now.netdevs == d.netdevs:
+            return grant
+        return grant._replace(device=d._replace(driver=driver, netdevs=now.netdevs))
+
+    def _pf_of(self, device: Device) -> Device | None:
+        """Return a stand-in for a VF's PF carrying its link type (read from its netdev), else None.
+
+        A VF without a netdev of its own (bound to vfio-pci, or scanned while it was) still takes the
+        PF's settings through the PF's netdev, of the PF's type (``type``: ARPHRD_ETHER 1,
+        ARPHRD_INFINIBAND 32).
+        """
+        if device.role != Role.VF or not device.pf_netdev or self._sysfs_root is None:
+            return None
+        try:
+            arphrd = int((self._sysfs_root / "class/net" / device.pf_netdev / "type").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        kind = {1: "ether", 32: "infiniband"}.get(arphrd)
+        return device._replace(role=Role.PF, link_type=kind) if kind else None
 
     def _our_results(self, ref: ClaimRef, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         where = f"ResourceClaim {ref.namespace}/{ref.name}"
