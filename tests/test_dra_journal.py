@@ -360,3 +360,27 @@ async def test_a_vf_scanned_while_rebound_is_configured_as_it_is_now(node: Journ
     assert (await service.unprepare([ref]))[ref.uid] == ""
     assert rebind.binding_of(node.sysfs, vf.id) == before
     assert node.values(vf) == dict(SIM_DEFAULTS)
+
+
+@pytest.mark.netns
+def test_the_kernel_refuses_vf_settings_on_a_veth_and_changes_nothing(netns: str) -> None:
+    """The rtnetlink backend against the real kernel: a veth has no VFs; its own MTU is set and put back."""
+    from densedev.node.vflinks import NetlinkVfLinks, VfLinkError
+    from densedev.testing.netns import ifindexes, ip
+
+    ip(netns, "link", "add", "pf0", "type", "veth", "peer", "name", "pf0p")
+    index = ifindexes(netns)
+    links = NetlinkVfLinks(netns=netns, ifindex=lambda name: index[name])
+    target = VfTarget("pf0", 0, "pf0p")
+    try:
+        with pytest.raises(VfLinkError, match="no such VF"):
+            links.read(target, ("vlan", "qos"))
+        with pytest.raises(VfLinkError, match="VF 0 of pf0"):
+            links.apply(target, {"vlan": 5, "qos": 0, "trust": True})
+        assert links.read(target, ("mtu",)) == {"mtu": 1500}
+        links.apply(target, {"mtu": 1400})
+        assert links.read(target, ("mtu",)) == {"mtu": 1400}
+        links.apply(target, {"mtu": 1500})
+        assert links.read(target, ("mtu",)) == {"mtu": 1500}
+    finally:
+        links.close()

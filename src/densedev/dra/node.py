@@ -805,6 +805,9 @@ class NodeService:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        close = getattr(self._links, "close", None)  # the rtnetlink backend's socket
+        if close is not None:
+            close()
 
     def _report(self) -> None:
         if self._jm is not None:

@@ -20,7 +20,7 @@ import fcntl
 import json
 import os
 import threading
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -130,17 +130,33 @@ def _state_values(state: VfState) -> dict[str, Any]:
 class NetlinkVfLinks:
     """VF settings through the host's rtnetlink (``VfNetlink``); interfaces resolved under ``sysfs_root``."""
 
-    def __init__(self, sysfs_root: Path = Path("/sys"), *, timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        sysfs_root: Path = Path("/sys"),
+        *,
+        timeout_s: float = 2.0,
+        netns: str | None = None,
+        ifindex: Callable[[str], int] | None = None,
+    ) -> None:
         self._root = Path(sysfs_root)
         self._timeout_s = timeout_s
+        self._netns = netns  # None: the daemon's own (the host's) namespace
+        self._lookup = ifindex  # None: from sysfs (which shows the namespace the daemon runs in)
         self._client: VfNetlink | None = None
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the rtnetlink socket (opened again on the next call)."""
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def _nl(self) -> VfNetlink:
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = VfNetlink(timeout_s=self._timeout_s)
+                    self._client = VfNetlink(self._netns, timeout_s=self._timeout_s)
                 except VfNetlinkError as e:
                     raise VfLinkError(e.reason) from None
             return self._client
@@ -148,6 +164,11 @@ class NetlinkVfLinks:
     def _ifindex(self, ifname: str) -> int:
         if not ifname or "/" in ifname or ifname in (".", ".."):
             raise VfLinkError(f"no netdev {clip(ifname, 40)!r}")
+        if self._lookup is not None:
+            try:
+                return self._lookup(ifname)
+            except (KeyError, OSError):
+                raise VfLinkError(f"netdev {ifname} is not in the namespace") from None
         # class/net/<if> is a symlink into the device's directory (sysfs), so it is followed here.
         try:
             return int((self._root / "class/net" / ifname / "ifindex").read_text().strip())
