@@ -26,6 +26,7 @@ import os
 import re
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -57,7 +58,7 @@ IFF_UP = 0x1  # include/uapi/linux/if.h
 # A simulated node records its host interfaces' addresses here (densedev.testing.simnode); a real
 # /sys can never hold it (sysfs has no user-made files), so its presence says the tree is simulated.
 SIM_ADDRESSES = ".simnode/addresses.json"
-_POLL_STEPS = (0.0002, 0.0005, 0.001, 0.002)  # seconds between looks: a few ms over the kernel's answer
+_POLL_STEPS = (0.0002, 0.0005, 0.001)  # seconds between looks: at most 1 ms past the kernel's answer
 _NETLINK_TIMEOUT = 1.0  # an address dump answers in microseconds; this only bounds a wedged socket
 
 
@@ -401,11 +402,16 @@ class _Step:
             shared = self._readable(dirfd, name)
             # The turn is taken before the open: O_TRUNC would wipe another writer's pending text.
             with _turn(os.path.join(directory, name)) if shared else contextlib.nullcontext():
+                # O_NONBLOCK: a FIFO planted at the name must not hang the open (ENXIO without a reader).
+                flags = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_TRUNC
                 try:
-                    fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_TRUNC, dir_fd=dirfd)
+                    fd = os.open(name, flags, dir_fd=dirfd)
                 except OSError as exc:
-                    reason = Reason.UNSAFE if exc.errno == errno.ELOOP else Reason.REFUSED
+                    reason = Reason.UNSAFE if exc.errno in (errno.ELOOP, errno.ENXIO) else Reason.REFUSED
                     raise self.fail(reason, f"{what} cannot be opened: {exc.strerror}", exc.errno) from None
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # sysfs attributes are regular files
+                    os.close(fd)
+                    raise self.fail(Reason.UNSAFE, f"{what} is not a regular file")
                 try:
                     os.write(fd, text.encode())
                 except OSError as exc:
@@ -499,9 +505,23 @@ def _check_driver(pci: str, driver: str) -> str:
     return driver
 
 
+NOIOMMU_MODE = "module/vfio/parameters/enable_unsafe_noiommu_mode"
+
+
 def _check_group(root: str, pci: str, group: str | None) -> None:
-    """Refuse vfio-pci when another member of the group is bound to a driver vfio does not tolerate."""
+    """Refuse vfio-pci when another member of the group is bound to a driver vfio does not tolerate.
+
+    Without a group vfio-pci cannot take the function (vfio_pci_core_register_device() fails), unless
+    vfio runs in no-IOMMU mode, where it makes a ``vfio-noiommu`` group at the bind.
+    """
     if group is None:
+        try:
+            with open(os.path.join(root, NOIOMMU_MODE)) as f:
+                noiommu = f.read().strip() in ("Y", "1")
+        except OSError:
+            noiommu = False
+        if not noiommu:
+            raise RebindError(Reason.GROUP, pci, "no IOMMU group (and vfio is not in no-IOMMU mode)")
         return
     members = os.path.join(root, layout.IOMMU_GROUPS, group, "devices")
     try:
@@ -540,8 +560,9 @@ def rebind(
     ``timeout`` seconds in all) for the ``driver`` link and, for vfio-pci, the group's node under
     ``dev_root``.  Refused before any write when the VF's netdev is busy (:func:`busy_reason`), when the
     driver is not loaded, or when its IOMMU group could not be used.  On any later failure the old
-    driver and override are put back (:func:`restore`) and RebindError says what failed and whether
-    putting back worked.  Already bound to ``driver``: nothing is written.
+    driver and override are put back (:func:`restore`, bounded by ``timeout`` again: at most twice
+    ``timeout`` in all) and RebindError says what failed and whether putting back worked.  Already
+    bound to ``driver``: nothing is written.
     """
     deadline = time.monotonic() + timeout
     root = os.path.realpath(sysfs_root)

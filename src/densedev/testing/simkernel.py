@@ -14,7 +14,9 @@ asks the kernel to rebind a PCI function (Documentation/ABI/testing/sysfs-bus-pc
 
 Binding moves the ``driver`` link (and the driver's link back), adds ``net/<ifname>`` for a network
 driver (the name udev gave it before) and mlx5's RDMA device, creates ``<dev_root>/vfio/<group>`` (or
-``noiommu-<group>``) when vfio-pci binds; unbinding undoes it.  A real write returns when the kernel is
+``noiommu-<group>``) when vfio-pci binds; unbinding undoes it.  Given a network namespace, it sends
+the uevents the kernel would there (``remove``/``add`` of the netdev, ``unbind``/``bind`` of the
+function), so a daemon listening in it rescans as on a node.  A real write returns when the kernel is
 done; a write to a regular file cannot wait, so this kernel *answers* each command through the file:
 emptied when done, ``!<errno>`` when refused (driver_override shows its value, as the kernel's does).
 :mod:`densedev.node.rebind` reads those answers.
@@ -41,12 +43,14 @@ import json
 import logging
 import os
 import select
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from ..node import layout
 from . import simnode
@@ -59,11 +63,14 @@ KERNEL_DIR = ".simnode/kernel"
 FAULTS = KERNEL_DIR + "/faults.json"
 LOG = KERNEL_DIR + "/log"
 READY = KERNEL_DIR + "/ready"  # holds the serving process's pid while it answers
+# Y: vfio takes devices without an IOMMU group, making a vfio-noiommu group for each at the bind.
+NOIOMMU_MODE = "module/vfio/parameters/enable_unsafe_noiommu_mode"
 
 # include/uapi/linux/inotify.h
 _IN_CLOSE_WRITE = 0x00000008
 _IN_CREATE = 0x00000100
 _IN_Q_OVERFLOW = 0x00004000
+_IN_IGNORED = 0x00008000  # the watch is gone (its directory was removed)
 _EVENT = 16  # struct inotify_event { int wd; u32 mask; u32 cookie; u32 len; char name[]; }
 
 # Each driver's PCI ID table (its MODULE_DEVICE_TABLE), for the devices a simulated node has: what
@@ -151,9 +158,12 @@ class _Pending:
 class SimKernel:
     """The simulated kernel of one simulated node: start() serves it in a thread until stop()."""
 
-    def __init__(self, sysfs_root: Path | str, dev_root: Path | str) -> None:
+    def __init__(self, sysfs_root: Path | str, dev_root: Path | str, uevent_netns: str | None = None) -> None:
         self.root = os.path.realpath(sysfs_root)
         self.dev_root = str(dev_root)
+        self.uevent_netns = uevent_netns  # where to send the kernel's uevents (None: send none)
+        self._uevents: socket.socket | None = None
+        self._seqnum = 0
         self.commands = 0  # commands answered, for tests
         self._libc = _libc()
         self._fd = -1
@@ -164,6 +174,8 @@ class SimKernel:
         self._pending: list[_Pending] = []
         self._queued: dict[str, bytes] = {}  # command file → the text of its latest pending command
         self._seq = 0
+        self._unsaved: str | None = None  # the counters before the first unsaved change, if any
+        self._busy_until: dict[str, float] = {}  # device → when its last queued command is due
         self._rules: list[FaultRule] = []
         self._rules_id: tuple[int, int] | None = None
         self._fired: dict[int, int] = {}
@@ -171,6 +183,9 @@ class SimKernel:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
+        self._w: simnode._Writer | None = None
+        self._w_id: tuple[int, int] | None = None
+        self._log_file: TextIO | None = None
 
     # -- life cycle
     def prepare(self) -> int:
@@ -185,6 +200,10 @@ class SimKernel:
             err = ctypes.get_errno()
             raise OSError(err, f"inotify_init1: {os.strerror(err)}")
         self._fd = fd
+        if self.uevent_netns is not None and self._uevents is None:
+            from ..node.events import NETLINK_KOBJECT_UEVENT, open_netlink_socket, resolve_netns
+
+            self._uevents = open_netlink_socket(NETLINK_KOBJECT_UEVENT, 0, resolve_netns(self.uevent_netns))
         w = simnode._Writer(Path(self.root))
         for driver in _LOADED:
             w.driver_dir(driver)
@@ -237,8 +256,9 @@ class SimKernel:
         return 1
 
     def start(self) -> SimKernel:
-        """Prepare and serve in a daemon thread; returns self (use as a context manager to stop)."""
-        self.prepare()
+        """Prepare (unless done) and serve in a daemon thread; returns self (a context manager stops it)."""
+        if self._fd < 0:
+            self.prepare()
         self._thread = threading.Thread(target=self._serve_guarded, name="simkernel", daemon=True)
         self._thread.start()
         return self
@@ -251,6 +271,12 @@ class SimKernel:
         if self._thread is not None:
             self._thread.join(10)
             self._thread = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self._uevents is not None:
+            self._uevents.close()
+            self._uevents = None
         for fd in (self._fd, self._stop_r, self._stop_w):
             if fd >= 0:
                 os.close(fd)
@@ -305,9 +331,15 @@ class SimKernel:
             name = data[pos + _EVENT : pos + _EVENT + length].split(b"\0", 1)[0].decode()
             pos += _EVENT + length
             if mask & _IN_Q_OVERFLOW:
-                log.warning("simulate-kernel: inotify queue overflowed; commands may go unanswered")
+                log.warning("simulate-kernel: inotify queue overflowed; reading every command file")
+                self._resync()
                 continue
             kind, directory = self._wds.get(wd, ("", ""))
+            if mask & _IN_IGNORED:
+                # A removed VF's directory: forget it, so a VF made again at that address is watched.
+                self._wds.pop(wd, None)
+                self._watched.discard(directory)
+                continue
             if kind == "devices" and mask & _IN_CREATE:
                 self._watch_device(name)
             elif kind == "drivers" and mask & _IN_CREATE:
@@ -321,6 +353,22 @@ class SimKernel:
             elif kind == "bus" and name == "drivers_probe":
                 self._command(name, os.path.join(directory, name), "", "")
 
+    def _resync(self) -> None:
+        """Take every command still written in a file: the events that told of them were lost."""
+        for kind, directory in list(self._wds.values()):
+            if kind == "device":
+                self._command(
+                    "driver_override",
+                    os.path.join(directory, "driver_override"),
+                    os.path.basename(directory),
+                    "",
+                )
+            elif kind == "driver":
+                for op in ("bind", "unbind"):
+                    self._command(op, os.path.join(directory, op), "", os.path.basename(directory))
+            elif kind == "bus":
+                self._command("drivers_probe", os.path.join(directory, "drivers_probe"), "", "")
+
     def _command(self, op: str, path: str, pci: str, driver: str) -> None:
         try:
             with open(path, "rb") as f:
@@ -332,12 +380,19 @@ class SimKernel:
         if self._queued.get(path) == text:
             return  # the same write seen twice (an open for writing closed again)
         if op == "driver_override":
+            if text == f"{self._overrides.get(pci) or simnode.NULL_OVERRIDE}\n".encode():
+                return  # the value shown now: nothing to take (a resync reads every device's file)
             driver = text.decode(errors="replace").removesuffix("\n")
         else:
             pci = text.decode(errors="replace").strip()
         rule = self._rule(op, pci, driver)
         self._seq += 1
-        due = time.monotonic() + (rule.delay_ms / 1000 if rule else 0.0)
+        # Every one of these stores takes the device's lock (device_lock(): driver_override_store(),
+        # unbind_store(), bind_store(), device_attach()), so a device's commands run one after the
+        # other: a command written while an earlier one still works waits for it, as a writer blocked
+        # on that lock would (and a killed writer's command still completes first).
+        due = max(time.monotonic() + (rule.delay_ms / 1000 if rule else 0.0), self._busy_until.get(pci, 0.0))
+        self._busy_until[pci] = due
         heapq.heappush(self._pending, _Pending(due, self._seq, op, path, pci, driver, text, rule))
         self._queued[path] = text
 
@@ -363,6 +418,15 @@ class SimKernel:
         return None
 
     def _run(self, cmd: _Pending) -> None:
+        try:
+            self._run_one(cmd)
+        finally:
+            # The node's bookkeeping (its counters) is saved after the answer, off the writer's wait.
+            if self._unsaved is not None and self._w is not None:
+                self._save(self._w, self._unsaved)
+            self._unsaved = None
+
+    def _run_one(self, cmd: _Pending) -> None:
         if self._queued.get(cmd.path) == cmd.text:
             del self._queued[cmd.path]
         rule = cmd.rule
@@ -409,8 +473,10 @@ class SimKernel:
         line += f"errno={err}" if err else "ok"
         if note:
             line += f" {note}"
-        with open(os.path.join(self.root, LOG), "a") as f:
-            f.write(line + "\n")
+        if self._log_file is None:
+            self._log_file = open(os.path.join(self.root, LOG), "a")  # noqa: SIM115 (closed by stop())
+        self._log_file.write(line + "\n")
+        self._log_file.flush()
 
     # -- the driver core
     def _act(self, cmd: _Pending, rule: FaultRule | None) -> str:
@@ -489,25 +555,88 @@ class SimKernel:
             noiommu = False
         return gdir, f"noiommu-{group}" if noiommu else group
 
+    def _state_id(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(os.path.join(self.root, ".simnode", "state.json"))
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _writer(self) -> simnode._Writer:
+        """The node's writer, its bookkeeping read again only when someone else saved it meanwhile."""
+        ident = self._state_id()
+        if self._w is None or ident != self._w_id:
+            self._w = simnode._Writer(Path(self.root))
+        self._w._made.clear()  # directories it made may have been removed since (net/<if> at unbind)
+        return self._w
+
+    @staticmethod
+    def _counters(w: simnode._Writer) -> str:
+        # The bookkeeping a bind can change (ifindex, uio, ... counters), without the names: at 4,096
+        # VFs the whole record is ~0.3 MB, and most commands (unbind, vfio-pci) change nothing in it.
+        return json.dumps({k: v for k, v in w.state.items() if k != "names"}, sort_keys=True)
+
+    def _save(self, w: simnode._Writer, before: str) -> None:
+        if self._counters(w) != before:
+            w.save()
+            self._w_id = self._state_id()
+
+    def _uevent(self, action: str, path: str, pairs: list[tuple[str, str]]) -> None:
+        """Send a kernel-format uevent to group 1 of ``uevent_netns`` (lib/kobject_uevent.c)."""
+        if self._uevents is None:
+            return
+        self._seqnum += 1
+        devpath = "/" + os.path.relpath(path, self.root)
+        head = [("ACTION", action), ("DEVPATH", devpath), *pairs, ("SEQNUM", str(self._seqnum))]
+        data = f"{action}@{devpath}\0".encode() + b"".join(f"{k}={v}\0".encode() for k, v in head)
+        try:
+            self._uevents.sendto(data, (0, 1))
+        except OSError as exc:  # no listener is not an error for multicast; a full buffer is a lost event
+            log.warning("simulate-kernel: uevent %s@%s not sent: %s", action, devpath, exc.strerror)
+
+    def _net_uevents(self, dev: str, action: str) -> None:
+        for ifname in simnode._listdir(os.path.join(dev, "net")):
+            self._uevent(
+                action, os.path.join(dev, "net", ifname), [("SUBSYSTEM", "net"), ("INTERFACE", ifname)]
+            )
+
     def _attach(self, pci: str, dev: str, driver: str) -> None:
         group = self._group(dev)
+        w = self._writer()
+        before = self._counters(w)
         if driver == "vfio-pci" and group is None:
-            # vfio_pci_core_register_device() → vfio_group_find_or_alloc(): no group, no vfio device.
-            raise OSError(errno.EINVAL, "no IOMMU group")
-        w = simnode._Writer(Path(self.root))
+            # vfio_pci_core_register_device() → vfio_group_find_or_alloc(): no group, no vfio device;
+            # in no-IOMMU mode vfio makes a "vfio-noiommu" group for the device instead.
+            try:
+                mode = simnode._read_text(os.path.join(self.root, NOIOMMU_MODE))
+            except OSError:
+                mode = "N"
+            if mode not in ("Y", "1"):
+                raise OSError(errno.EINVAL, "no IOMMU group")
+            w.iommu(dev, pci, noiommu=True)
+            group = self._group(dev)
         simnode.bind_driver(self.root, pci, driver, _writer=w)
-        w.save()
+        if self._unsaved is None:
+            self._unsaved = before
         if driver == "vfio-pci" and group is not None:
             node = os.path.join(self.dev_root, "vfio", group[1])
             os.makedirs(os.path.dirname(node), exist_ok=True)
             with open(node, "a"):
                 pass
+        # The netdev registers during probe(), then driver_bound() sends KOBJ_BIND (drivers/base/dd.c).
+        self._net_uevents(dev, "add")
+        pairs = [("DRIVER", driver), ("SUBSYSTEM", "pci"), ("PCI_SLOT_NAME", pci)]
+        self._uevent("bind", dev, pairs)
 
     def _unbind(self, pci: str, dev: str) -> None:
         old = self._driver(dev)
-        w = simnode._Writer(Path(self.root))
+        # The driver's remove() unregisters the netdev; __device_release_driver() then sends KOBJ_UNBIND.
+        self._net_uevents(dev, "remove")
+        w = self._writer()
+        before = self._counters(w)
         simnode.bind_driver(self.root, pci, None, _writer=w)
-        w.save()
+        if self._unsaved is None:
+            self._unsaved = before
         group = self._group(dev)
         if old == "vfio-pci" and group is not None:
             # The group's node goes with its last vfio-bound member (vfio_group_put()).
@@ -519,13 +648,14 @@ class SimKernel:
             )
             if not held:
                 simnode._unlink(os.path.join(self.dev_root, "vfio", group[1]))
+        self._uevent("unbind", dev, [("SUBSYSTEM", "pci"), ("PCI_SLOT_NAME", pci)])
 
 
-def serve_process(sysfs_root: Path, dev_root: Path, stop: threading.Event | None = None) -> int:
+def serve_process(sysfs_root: Path, dev_root: Path, uevent_netns: str | None = None) -> int:
     """Run the simulated kernel in this process until SIGTERM/SIGINT (``densedev simulate-kernel``)."""
     import signal
 
-    kernel = SimKernel(sysfs_root, dev_root)
+    kernel = SimKernel(sysfs_root, dev_root, uevent_netns)
     count = kernel.prepare()
 
     def ending(_sig: int, _frame: object) -> None:

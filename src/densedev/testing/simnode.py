@@ -183,7 +183,7 @@ class _Writer:
         os.makedirs(self.state_dir, exist_ok=True)
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(self.state, f)
+            f.write(json.dumps(self.state))  # one C-encoded string: json.dump's chunks cost ~10x
         os.replace(tmp, self.state_path)
 
     def counter(self, key: str) -> int:
