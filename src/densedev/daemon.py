@@ -113,6 +113,7 @@ class Daemon:
             metrics=self.metrics,
             pod_resources=settings.pod_resources_socket,
             pod_resources_poll_s=settings.in_use_poll_s,
+            sysfs_root=settings.sysfs_root,
         )
         self.pools = PoolSet(
             settings,

@@ -26,6 +26,7 @@ from ..model import Device, Pool, PoolConfig
 from ..printable import clip
 from . import CHECKPOINT_NAME
 from .checkpoints import CHECKPOINT_KIND, MAX_CHECKPOINT
+from .configure import JournalRecord, record_doc, record_of
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class PreparedClaim:
     spec_file: str  # the CDI spec file name in the CDI directory
     spec: Mapping[str, Any] = field(hash=False)  # its content, so a repeat Prepare can restore it
     info: tuple[InfoFile, ...] = field(default=(), hash=False)
+    # What Prepare set on each device (device ID → setting → value, from its VfConfig): for the claim's
+    # status; the journal in the checkpoint holds the old values that restore them.
+    applied: Mapping[str, Mapping[str, Any]] = field(default_factory=dict, hash=False)
 
     def held(self) -> frozenset[str]:
         """Return the device IDs this claim holds (admin-access results hold nothing)."""
@@ -124,7 +128,7 @@ class PreparedClaim:
 
 
 def _claim_doc(c: PreparedClaim) -> dict[str, Any]:
-    return {
+    doc: dict[str, Any] = {
         "uid": c.ref.uid,
         "namespace": c.ref.namespace,
         "name": c.ref.name,
@@ -143,6 +147,9 @@ def _claim_doc(c: PreparedClaim) -> dict[str, Any]:
         "spec": c.spec,
         "info": [{"prefix": i.prefix, "name": i.name, "id": i.device_id, "doc": i.doc} for i in c.info],
     }
+    if c.applied:  # only when set: a claim without parameters is recorded as it always was
+        doc["applied"] = {d: dict(v) for d, v in c.applied.items()}
+    return doc
 
 
 def _claim_of(doc: Mapping[str, Any]) -> PreparedClaim:
@@ -165,7 +172,10 @@ def _claim_of(doc: Mapping[str, Any]) -> PreparedClaim:
     info = tuple(
         InfoFile(str(i["prefix"]), str(i["name"]), str(i["id"]), dict(i["doc"])) for i in doc["info"]
     )
-    return PreparedClaim(ref, devices, files.check_name(str(doc["specFile"])), spec, info)
+    applied = doc.get("applied", {})
+    if not isinstance(applied, dict) or not all(isinstance(v, dict) for v in applied.values()):
+        raise TypeError("applied is not an object of objects")
+    return PreparedClaim(ref, devices, files.check_name(str(doc["specFile"])), spec, info, applied)
 
 
 def _canonical(value: Any) -> bytes:
@@ -297,6 +307,7 @@ def encode_checkpoint(
     claims: Mapping[str, PreparedClaim],
     encoded: Mapping[str, bytes] | None = None,
     unsettled: Unsettled | None = None,
+    journal: Iterable[JournalRecord] = (),
 ) -> bytes:
     """Return the checkpoint bytes: the claims sorted by UID and a CRC32 over their canonical JSON.
 
@@ -304,6 +315,8 @@ def encode_checkpoint(
     rewrites its checkpoint on every call, and re-encoding them all was most of a Prepare's time.
     ``unsettled`` (what a lost checkpoint may have held) is recorded too, under the same checksum, so
     a restart before the kubelet settled it still holds it; a checkpoint without it is as it always was.
+    ``journal`` (the changes Prepare made to devices, ``configure.py``) is recorded and summed likewise,
+    only when non-empty, so a checkpoint of a node without claim parameters is as it always was.
     """
     cached = encoded or {}
     entries = b"[" + b",".join(cached.get(uid) or encode_claim(claims[uid]) for uid in sorted(claims)) + b"]"
@@ -316,6 +329,10 @@ def encode_checkpoint(
     if unsettled is not None:
         rest["unsettled"] = _unsettled_doc(unsettled)
         summed += _canonical(rest["unsettled"])
+    records = [record_doc(r) for r in journal]
+    if records:
+        rest["journal"] = records
+        summed += _canonical(records)
     head = _canonical({"checksum": zlib.crc32(summed)})[:-1]
     return head + b',"claims":' + entries + b"," + _canonical(rest)[1:] + b"\n"
 
@@ -329,6 +346,7 @@ class Recorded(NamedTuple):
 
     claims: dict[str, PreparedClaim]
     unsettled: Unsettled | None = None
+    journal: tuple[JournalRecord, ...] = ()  # changes made to devices, with the values that restore them
 
 
 class Damage(NamedTuple):
@@ -371,7 +389,10 @@ def decode_record(driver: str, data: bytes) -> Recorded:
     raw_unsettled = doc.get("unsettled")
     if not isinstance(entries, list):
         raise CheckpointError("checksum mismatch")
+    raw_journal = doc.get("journal")
     summed = _canonical(entries) + (b"" if raw_unsettled is None else _canonical(raw_unsettled))
+    if raw_journal is not None:
+        summed += _canonical(raw_journal)
     if doc.get("checksum") != zlib.crc32(summed):
         raise CheckpointError("checksum mismatch")
     claims: dict[str, PreparedClaim] = {}
@@ -387,7 +408,16 @@ def decode_record(driver: str, data: bytes) -> Recorded:
             unsettled = _unsettled_of(raw_unsettled)
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"unsettled state is malformed: {e}") from None
-    return Recorded(claims, unsettled)
+    journal: list[JournalRecord] = []
+    if raw_journal is not None:
+        if not isinstance(raw_journal, list):
+            raise CheckpointError("journal is not a list")
+        for n, entry in enumerate(raw_journal):
+            try:
+                journal.append(record_of(entry))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"journal record {n} is malformed: {e!r}") from None
+    return Recorded(claims, unsettled, tuple(journal))
 
 
 class Checkpoint:
@@ -398,6 +428,8 @@ class Checkpoint:
         self.driver = driver
         self.name = files.check_name(name)
         self._encoded: dict[str, tuple[PreparedClaim, bytes]] = {}  # UID -> (claim, its entry's bytes)
+        # The journal as last loaded or saved: every save writes it unless given a new one.
+        self.journal: tuple[JournalRecord, ...] = ()
 
     @property
     def path(self) -> Path:
@@ -431,7 +463,9 @@ class Checkpoint:
                 problem = f"is not a regular file of at most {MAX_CHECKPOINT >> 20} MiB ({_kind_of(st)})"
             else:
                 try:
-                    return Loaded(decode_record(self.driver, data))
+                    recorded = decode_record(self.driver, data)
+                    self.journal = recorded.journal
+                    return Loaded(recorded)
                 except CheckpointError as e:
                     problem = clip(str(e), 300)
             aside = f"{self.name}.bad-{os.getpid()}-{st.st_ino}"
@@ -448,8 +482,17 @@ class Checkpoint:
         files.remove(self.directory, self.name)
         self._encoded = {}
 
-    def save(self, claims: Mapping[str, PreparedClaim], unsettled: Unsettled | None = None) -> None:
-        """Replace the checkpoint with ``claims`` (atomic: a crash leaves the old or the new file)."""
+    def save(
+        self,
+        claims: Mapping[str, PreparedClaim],
+        unsettled: Unsettled | None = None,
+        journal: Iterable[JournalRecord] | None = None,
+    ) -> None:
+        """Replace the checkpoint with ``claims`` (atomic: a crash leaves the old or the new file).
+
+        ``journal`` replaces the recorded journal once written; None keeps the one recorded.
+        """
+        records = self.journal if journal is None else tuple(journal)
         cache = self._encoded
         encoded = {}
         for uid, claim in claims.items():
@@ -458,9 +501,10 @@ class Checkpoint:
         files.write_atomic(
             self.directory,
             self.name,
-            encode_checkpoint(self.driver, claims, encoded, unsettled),
+            encode_checkpoint(self.driver, claims, encoded, unsettled, records),
             mode=CHECKPOINT_MODE,
         )
+        self.journal = records
         self._encoded = {uid: (claims[uid], data) for uid, data in encoded.items()}
 
 

@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any
 from ..alloc import cdi
 from ..health.tracker import HealthTracker, PoolUpdate
 from ..model import Pool, PoolApi
+from ..node.vflinks import links_for
 from ..node.watch import DirectoryWatch
 from ..ops.logs import log_event
 from . import DraSettings
 from .apiclient import HttpClaimReader, ResourceClient
 from .claims import Grant, PoolGate
+from .configure import JournalMetrics
 from .plugin import KubeletPlugin
 from .publisher import Publisher, PublisherSettings
 from .status import ClaimStatus, NetInfo
@@ -84,6 +86,8 @@ class DraDriver:
         client_factory: ClientFactory | None = None,
         watch: DirectoryWatch | None = None,
         metrics: Metrics | None = None,
+        sysfs_root: Path | None = None,
+        journal_metrics: JournalMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.driver = driver
@@ -103,6 +107,10 @@ class DraDriver:
             devinfo_dir=devinfo_dir,
             dev_root=dev_root,
             watch=watch,
+            # Claim parameters change VF links: the kernel's, or a simulated node's (sysfs root).
+            links=links_for(sysfs_root) if sysfs_root is not None else None,
+            journal_metrics=journal_metrics,
+            sysfs_root=sysfs_root,  # where a claim's driver rebind is written (node/rebind.py)
         )
         self.plugin.service.on_change = on_claims
         self.plugin.service.on_idle = on_claims  # a retiring driver may stop once the kubelet is answered
@@ -124,6 +132,10 @@ class DraDriver:
     def recover(self) -> frozenset[str]:
         """Load the prepared claims (before anything is served); return the device IDs they hold."""
         return self.plugin.recover()
+
+    def unrestored(self) -> frozenset[str]:
+        """Return the devices whose settings a claim changed are not back yet (withheld from every pool)."""
+        return self.plugin.service.unrestored()
 
     def claimed(self) -> frozenset[str]:
         """Return the device IDs prepared claims hold now (and, while unsettled, what a lost record may)."""
@@ -158,12 +170,22 @@ class DraDriver:
     def done(self) -> bool:
         """Return whether the driver holds no prepared claim and answers no kubelet call (may stop)."""
         service = self.plugin.service
-        return not service.prepared and service.unsettled is None and service.calls == 0
+        return (
+            not service.prepared
+            and service.unsettled is None
+            and service.calls == 0
+            and not service.unrestored()
+        )
 
     def needed(self) -> bool:
         """Return whether the driver must run: DRA pools are configured or claims are still prepared."""
         service = self.plugin.service
-        return bool(self.pools) or bool(service.prepared) or service.unsettled is not None
+        return (
+            bool(self.pools)
+            or bool(service.prepared)
+            or service.unsettled is not None
+            or bool(service.unrestored())
+        )
 
     def take_pools(
         self, raw: Sequence[Pool], listed: Sequence[Pool], withheld: Mapping[str, Sequence[str]]

@@ -41,7 +41,7 @@ from ..backoff import backoff_delay
 from ..model import Config, Pool, PoolApi
 from ..ops.logs import log_event
 from ..ops.metrics import Gauge
-from ..pools.ownership import DRA_CLAIMS, Ownership, retiring_claims
+from ..pools.ownership import DRA_CLAIMS, UNRESTORED, Ownership, retiring_claims
 from . import CHECKPOINT_NAME as CLAIMS_CHECKPOINT
 from . import DraSettings
 
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ..health.tracker import HealthTracker, PoolUpdate
     from ..node.holdings import PodResourcesClient
     from ..ops.metrics import Metrics
+    from .configure import JournalMetrics
     from .driver import ClientFactory, DraDriver
 
 log = logging.getLogger("densedev.dra.driver")  # the driver's lines, wherever in the package they start
@@ -88,6 +89,7 @@ class DraHooks:
         metrics: Metrics | None = None,
         pod_resources: Path | None = None,
         pod_resources_poll_s: float = 5.0,
+        sysfs_root: Path | None = None,
     ) -> None:
         self.settings = settings  # None: DRA is off (pools with "api": "dra" are not served)
         # The kubelet's PodResources socket, read while a lost checkpoint is unsettled (``_kubelet_view``).
@@ -100,6 +102,8 @@ class DraHooks:
         self._cdi_dir = cdi_dir
         self._devinfo_dir = devinfo_dir
         self._dev_root = dev_root
+        self._sysfs_root = sysfs_root  # where claim parameters change VF links (None: refused)
+        self._journal_metrics: JournalMetrics | None = None  # made with the first driver
         self._client = client_factory  # the API client's maker (tests); None: from the kubeconfig
         self.driver: DraDriver | None = None  # the one draDriverName names
         self.retiring: dict[str, _Retiring] = {}  # by driver name
@@ -180,6 +184,10 @@ class DraHooks:
         from .driver import DraDriver  # only now: a device-plugin-only node never loads the DRA side
 
         assert self.settings is not None
+        if self._journal_metrics is None and self._metrics is not None:
+            from .configure import JournalMetrics
+
+            self._journal_metrics = JournalMetrics(self._metrics.registry)
         driver = DraDriver(
             self.settings,
             name,
@@ -191,6 +199,8 @@ class DraHooks:
             on_claims=self._claims_changed,
             client_factory=self._client,
             metrics=self._metrics,
+            sysfs_root=self._sysfs_root,
+            journal_metrics=self._journal_metrics,
         )
         # Before its recover: a lost checkpoint then waits for the kubelet's view (``_kubelet_view``).
         driver.plugin.service.kubelet_view = self._pod_resources is not None
@@ -365,6 +375,9 @@ class DraHooks:
         """Name who else holds a device: a pod's resource, or a retiring driver's claim (the gate refuses)."""
         out: list[str] = []
         for holder in sorted(self.ownership.held.get(device_id, frozenset()) - {DRA_CLAIMS}):
+            if holder == UNRESTORED:
+                out.append("its settings from an earlier claim are not restored yet")
+                continue
             record = next((r for n, r in self.retiring.items() if retiring_claims(n) == holder), None)
             if record is None:
                 out.append(holder)
@@ -378,7 +391,8 @@ class DraHooks:
         """After a Prepare or Unprepare (any driver's): the ownership map follows the claims at once."""
         active = self.driver.claimed() if self.driver is not None else frozenset()
         retiring = {name: r.driver.claimed() for name, r in self.retiring.items()}
-        self.ownership.set_claimed(active, retiring)
+        unrestored = frozenset().union(*(d.unrestored() for d in self._drivers()))
+        self.ownership.set_claimed(active, retiring, unrestored)
         for record in self.retiring.values():
             if record.driver.done():
                 record.wake.set()  # its last claim is gone and the kubelet answered: it may stop

@@ -25,7 +25,8 @@ import logging
 import re
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar, cast
@@ -36,13 +37,16 @@ from .. import files, workers
 from .._proto import dra_v1_pb2, dra_v1beta1_pb2
 from ..alloc import cdi, devinfo
 from ..alloc.respond import build_response, cdi_env, needs_vhost_net, vdpa_path
+from ..backoff import Backoff
 from ..kubelet.lifecycle import unary
-from ..model import DeviceType, PoolConfig, RequestError
+from ..model import Device, DeviceType, PoolConfig, RequestError, Role
+from ..node import rebind
 from ..node.holdings import ClaimUse
+from ..node.vflinks import VfLinkError, VfLinks, VfTarget
 from ..ops.logs import log_event, summarise
 from ..printable import clip, listing
 from ..workers import Work
-from . import names
+from . import configure, names, params
 from .checkpoints import SPEC_PREFIX as SPEC_PREFIX
 from .checkpoints import spec_stem as spec_stem
 from .checkpoints import specs_of
@@ -60,6 +64,7 @@ from .claims import (
     Refusal,
     Unsettled,
 )
+from .configure import JournalMetrics, JournalRecord, JournalState, stop_at
 from .status import NoStatus, StatusSink
 
 log = logging.getLogger(__name__)
@@ -111,6 +116,11 @@ class NodeService:
         gate: DeviceGate,
         *,
         read_timeout: float = READ_TIMEOUT,
+        links: VfLinks | None = None,
+        journal_metrics: JournalMetrics | None = None,
+        restore_retry_s: tuple[float, float] = (0.5, 30.0),
+        sysfs_root: Path | None = None,
+        rebind_timeout: float = 10.0,
     ) -> None:
         self.settings = settings
         self.driver = settings.driver
@@ -147,6 +157,16 @@ class NodeService:
         self.unprepares = 0
         # claim status (issue 25 §3): the driver sets a ClaimStatus once it has an API client
         self.claim_status: StatusSink = NoStatus()
+        # Claim parameters (configure.py): where VF link settings are changed (None: refused), the
+        # journal's metrics, the claims whose devices a Prepare is changing now, the restore retries.
+        self._links = links
+        self._sysfs_root = sysfs_root  # where a VF's driver is rebound (None: a rebind is refused)
+        self._rebind_timeout = rebind_timeout  # a probe's bound (vfio-pci answers in milliseconds)
+        self._jm = journal_metrics
+        self._inflight: set[str] = set()
+        self._restore_retry_s = restore_retry_s
+        self._restorer: asyncio.Task[None] | None = None
+        self._restore_failures: dict[str, str] = {}  # device ID → why its last restore failed
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -163,6 +183,24 @@ class NodeService:
     def unsettled(self) -> Unsettled | None:
         """What a lost checkpoint may have recorded, held until the kubelet settles it (None: nothing)."""
         return self._unsettled
+
+    @property
+    def journal(self) -> tuple[JournalRecord, ...]:
+        """The changes prepared claims made to devices, as the checkpoint records them."""
+        return self._checkpoint.journal
+
+    def unrestored(self) -> frozenset[str]:
+        """Return the devices a change left as no prepared claim asked: withheld from every pool.
+
+        A record neither ``applied`` for a claim still prepared nor a Prepare's in flight: a change cut
+        off by a crash, an Unprepare's restore not finished, a restore that failed.
+        """
+        return frozenset(
+            r.device_id
+            for r in self._checkpoint.journal
+            if r.claim not in self._inflight
+            and not (r.state is JournalState.APPLIED and r.claim in self._claims)
+        )
 
     def withheld(self) -> frozenset[str]:
         """Return every device ID held here: prepared claims' and, while unsettled, all it withholds."""
@@ -259,6 +297,18 @@ class NodeService:
         # record but not the file: the kubelet does not know the claim as ours.  (Specs of unsettled
         # claims stay: the kubelet may know them.)
         self._prune_specs()
+        pending = self.unrestored()
+        if pending:
+            log_event(
+                log,
+                "DRA: devices changed for claims no longer prepared (or cut off by a crash) are withheld "
+                "from every pool until their old settings are restored",
+                level=logging.WARNING,
+                driver=self.driver,
+                devices=summarise(sorted(pending)),
+            )
+            self.start_restores()
+        self._report()
         if self._claims:
             log.info(
                 "recovered %d prepared DRA claims holding %d devices", len(self._claims), len(self._holders)
@@ -405,7 +455,7 @@ class NodeService:
 
     def remove_state(self) -> None:
         """Remove the checkpoint and the driver's CDI specs: it stops for good (renamed, no claim left)."""
-        if self._claims or self._unsettled is not None:
+        if self._claims or self._unsettled is not None or self._checkpoint.journal:
             raise RuntimeError(f"DRA {self.driver}: claims are still prepared or unsettled")
         self._checkpoint.remove()
         self._prune_specs()
@@ -469,6 +519,8 @@ class NodeService:
         read = dict(zip((r.uid for r in fresh), objects, strict=True))
         async with self._lock:
             plans: dict[str, PreparedClaim] = {}
+            asks: dict[str, dict[str, tuple[VfTarget, dict[str, Any]]]] = {}  # UID → device → settings
+            drafts: dict[str, list[_Granted]] = {}  # UID → its grants, for claims rebinding a driver
             reserved: dict[str, ClaimRef] = {}
             for ref in todo.values():
                 known = self._claims.get(ref.uid)
@@ -483,7 +535,7 @@ class NodeService:
                     out[ref.uid] = PrepareResult(error=f"claim {ref} changed during the call; retry")
                     continue
                 try:
-                    plan = self._plan(ref, obj, reserved)
+                    plan, ask, granted = self._plan(ref, obj, reserved)
                 except ClaimError as e:
                     out[ref.uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
                     log.warning("DRA prepare refused: %s", e)
@@ -496,15 +548,16 @@ class NodeService:
                     )
                     continue
                 plans[ref.uid] = plan
+                if ask:
+                    asks[ref.uid] = ask
+                    if any(configure.DRIVER in want for _t, want in ask.values()):
+                        drafts[ref.uid] = granted
                 for device_id in plan.held():
                     reserved[device_id] = ref
             if plans:
-                written = await _in_thread(self._store, plans)
-                for uid, error in written.items():
-                    if error:
-                        out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
-                    else:
-                        out[uid] = PrepareResult(plans[uid].devices)
+                # Shielded like a thread: a cancelled call still leaves every device recorded and
+                # either configured for a recorded claim or put back.
+                await _finish(self._configure_and_store(plans, asks, drafts, out))
             self.prepares += 1
         for uid, result in out.items():
             if not result.error:
@@ -519,11 +572,256 @@ class NodeService:
         return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
 
     def applied(self, uid: str) -> Mapping[str, Mapping[str, Any]]:
-        """Return what Prepare configured on the claim's devices, by device ID (the claim status's data).
+        """Return what Prepare configured on the claim's devices, by device ID (the claim status's data)."""
+        claim = self._claims.get(uid)
+        return claim.applied if claim is not None else {}
 
-        Empty until the configure step (issue 25 §2) records what it applied.
+    async def _configure_and_store(
+        self,
+        plans: dict[str, PreparedClaim],
+        asks: Mapping[str, Mapping[str, tuple[VfTarget, dict[str, Any]]]],
+        drafts: Mapping[str, Sequence[_Granted]],
+        out: dict[str, PrepareResult],
+    ) -> None:
+        """Change the devices of the claims that ask it (journaled), then record every claim (``_store``).
+
+        A claim whose change fails is refused with its devices put back; a claim that cannot be recorded
+        after its change has its devices put back too (the kubelet retries its Prepare).
         """
-        return {}
+        for uid, ask in asks.items():
+            plan = plans[uid]
+            error = await self._configure(plan.ref, ask)
+            if error:
+                out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
+                log.warning("DRA prepare refused: %s", error)
+                del plans[uid]
+                continue
+            applied = configure.applied_of(self.journal, uid)
+            draft = drafts.get(uid)
+            if draft is not None:
+                # Rebound: the claim's CDI edits are those of the device as it is now (vfio-pci's
+                # /dev/vfio/<group> and /dev/vfio/vfio, which exist only once it is bound).
+                try:
+                    plan = self._build(plan.ref, _rebound(draft, applied))
+                except ClaimError as e:
+                    out[uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
+                    log.warning("DRA prepare failed after the rebind: %s", e)
+                    del plans[uid]
+                    continue
+            plans[uid] = replace(plan, applied=applied)
+        try:
+            written = await _in_thread(self._store, plans) if plans else {}
+        finally:
+            self._inflight.difference_update(asks)
+        for uid, error in written.items():
+            if error:
+                out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
+            else:
+                out[uid] = PrepareResult(plans[uid].devices)
+        if any(written.get(uid) == "" for uid in asks):
+            stop_at("prepare-recorded")
+        undone = [r for r in self.journal if r.claim in asks and written.get(r.claim) != ""]
+        if undone:
+            await self._restore(undone)
+        self._report()
+
+    async def _configure(self, ref: ClaimRef, ask: Mapping[str, tuple[VfTarget, dict[str, Any]]]) -> str:
+        """Change a claim's devices as asked: read, journal, apply; return "" or its error (all put back).
+
+        The old values are read first and the journal (device, old values, new values) is durable in
+        the checkpoint before the first change; the kernel may stop part way through one message, so a
+        failure puts back every device of the claim from its record.
+        """
+        records: list[JournalRecord] = []
+        for device_id, (target, want) in ask.items():
+            settings = configure.touched(want)
+            if settings and self._links is None:
+                return f"claim {ref}: asks VF link settings, which this node cannot change"
+            try:
+                old: dict[str, Any] = {}
+                if settings and self._links is not None:
+                    old = await workers.run(Work.NETLINK, self._links.read, target, settings)
+                new = configure.completed(want, old)
+                if configure.DRIVER in want and self._sysfs_root is not None:
+                    root = self._sysfs_root
+                    binding = await workers.run(Work.REBIND, rebind.binding_of, root, device_id)
+                    old[configure.DRIVER] = binding.driver or ""
+                    old[configure.OVERRIDE] = await workers.run(
+                        Work.REBIND, rebind.override_of, root, device_id
+                    )
+                    new[configure.DRIVER] = new[configure.OVERRIDE] = want[configure.DRIVER]
+            except (VfLinkError, rebind.RebindError) as e:
+                return f"claim {ref}: cannot read the settings of {device_id} ({e}); nothing was changed"
+            records.append(JournalRecord(ref.uid, device_id, target, old, new))
+        stop_at("prepare-read")
+        self._inflight.add(ref.uid)
+        journal = (*(r for r in self.journal if r.claim != ref.uid), *records)
+        try:
+            await _in_thread(self._checkpoint.save, self._claims, self._unsettled, journal)
+        except OSError as e:
+            self._inflight.discard(ref.uid)
+            return (
+                f"claim {ref}: cannot record its changes in {self._checkpoint.path}: {e}; nothing was changed"
+            )
+        stop_at("prepare-journaled")
+        for r in records:
+            driver, pf, own = configure.split(r.new)
+            try:
+                if driver:
+                    assert self._sysfs_root is not None
+                    await workers.run(
+                        Work.REBIND,
+                        partial(
+                            rebind.rebind,
+                            self._sysfs_root,
+                            r.device_id,
+                            driver[configure.DRIVER],
+                            timeout=self._rebind_timeout,
+                            dev_root=self.settings.dev_root,
+                        ),
+                    )
+                stop_at("prepare-rebound")
+                if pf:
+                    assert self._links is not None
+                    await workers.run(Work.NETLINK, self._links.apply, r.target, pf)
+                stop_at("prepare-partial")
+                if own:
+                    assert self._links is not None
+                    await workers.run(Work.NETLINK, self._links.apply, r.target, own)
+            except (VfLinkError, rebind.RebindError) as e:
+                self._inflight.discard(ref.uid)
+                failed = await self._restore(records)
+                back = (
+                    "nothing was changed"
+                    if not failed
+                    else f"putting back {', '.join(sorted(failed))} failed: withheld and retried"
+                )
+                return f"claim {ref}: {r.device_id}: cannot set {configure.describe(r.new)}: {e}; {back}"
+            log_event(
+                log,
+                "DRA claim changed a device",
+                claim=str(ref),
+                device=r.device_id,
+                target=str(r.target),
+                set=configure.describe(r.changed()),
+                was=configure.describe({k: r.old[k] for k in r.changed()}),
+            )
+        stop_at("prepare-applied")
+        return ""
+
+    async def _restore(self, records: Sequence[JournalRecord]) -> set[str]:
+        """Put back the old values of these records, dropping each record restored; return the failed.
+
+        A failure keeps its record: the device stays withheld (``unrestored``) and ``start_restores``
+        retries it with backoff.
+        """
+        failed: set[str] = set()
+        done: set[tuple[str, str]] = set()
+        for r in records:
+            driver, pf, own = configure.split(r.old)
+            try:
+                if (pf or own) and self._links is None:
+                    raise VfLinkError("this node cannot change VF links")
+                if own and self._links is not None:
+                    await workers.run(Work.NETLINK, self._links.apply, r.target, own)
+                stop_at("unprepare-partial")
+                if pf and self._links is not None:
+                    await workers.run(Work.NETLINK, self._links.apply, r.target, pf)
+                stop_at("unprepare-links-back")
+                if driver:
+                    if self._sysfs_root is None:
+                        raise VfLinkError("this node cannot rebind drivers")
+                    before = rebind.Binding(driver[configure.DRIVER] or None, None, ())
+                    await workers.run(
+                        Work.REBIND,
+                        partial(
+                            rebind.restore,
+                            self._sysfs_root,
+                            r.device_id,
+                            before,
+                            driver.get(configure.OVERRIDE),
+                            timeout=self._rebind_timeout,
+                        ),
+                    )
+            except (VfLinkError, rebind.RebindError) as e:
+                failed.add(r.device_id)
+                if self._jm is not None:
+                    self._jm.restored(False)
+                if self._restore_failures.get(r.device_id) != str(e):
+                    self._restore_failures[r.device_id] = str(e)
+                    log_event(
+                        log,
+                        "DRA: cannot restore a device's settings; it stays withheld from every pool, retried",
+                        level=logging.ERROR,
+                        claim=r.claim,
+                        device=r.device_id,
+                        restore=configure.describe(r.old),
+                        error=str(e),
+                    )
+                continue
+            done.add((r.claim, r.device_id))
+            self._restore_failures.pop(r.device_id, None)
+            if self._jm is not None:
+                self._jm.restored(True)
+            log_event(
+                log,
+                "DRA device restored",
+                claim=r.claim,
+                device=r.device_id,
+                target=str(r.target),
+                restored=configure.describe(r.old),
+            )
+        if done:
+            stop_at("unprepare-restored")
+            journal = tuple(r for r in self.journal if (r.claim, r.device_id) not in done)
+            try:
+                await _in_thread(self._checkpoint.save, self._claims, self._unsettled, journal)
+            except OSError as e:  # restored but still recorded: the next attempt restores it again
+                log.warning(
+                    "DRA %s: cannot drop restored records from %s: %s", self.driver, self._checkpoint.path, e
+                )
+                failed.update(d for _c, d in done)
+        if failed:
+            self.start_restores()
+        self._report()
+        return failed
+
+    def start_restores(self) -> None:
+        """Retry the restores not done yet in the background, with backoff (needs a running loop)."""
+        if not self.unrestored() or (self._restorer is not None and not self._restorer.done()):
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # recovered before the loop runs: the plugin's start calls this again
+        self._restorer = loop.create_task(self._restore_loop(), name=f"dra-restore {self.driver}")
+
+    async def _restore_loop(self) -> None:
+        backoff = Backoff(*self._restore_retry_s, jitter=0.5)
+        while True:
+            async with self._lock:
+                pending = self.unrestored()
+                if not pending:
+                    break
+                failed = await _finish(self._restore([r for r in self.journal if r.device_id in pending]))
+            self._changed()  # released devices are listed again at once
+            if failed:
+                await asyncio.sleep(backoff.next())
+
+    async def stop_restores(self) -> None:
+        """Stop the background restores (the daemon stops; the next start retries from the journal)."""
+        task, self._restorer = self._restorer, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        close = getattr(self._links, "close", None)  # the rtnetlink backend's socket
+        if close is not None:
+            close()
+
+    def _report(self) -> None:
+        if self._jm is not None:
+            self._jm.report(self.driver, self.journal, len(self.unrestored()))
 
     def _is_unsettled(self, ref: ClaimRef) -> bool:
         return self._unsettled is not None and self._unsettled.holds(ref.uid, (ref.namespace, ref.name))
@@ -542,12 +840,17 @@ class NodeService:
             return f"ResourceClaim {ref.namespace}/{ref.name}: the reader returned no object"
         return obj
 
-    def _plan(self, ref: ClaimRef, obj: Mapping[str, Any], reserved: Mapping[str, ClaimRef]) -> PreparedClaim:
-        """Return what preparing the claim makes, or raise ClaimError; writes nothing."""
+    def _plan(
+        self, ref: ClaimRef, obj: Mapping[str, Any], reserved: Mapping[str, ClaimRef]
+    ) -> tuple[PreparedClaim, dict[str, tuple[VfTarget, dict[str, Any]]], list[_Granted]]:
+        """Return what preparing the claim makes and the link settings it asks per device, or raise
+        ClaimError; writes and changes nothing."""
         results = self._our_results(ref, obj)
+        asked: list[tuple[str, str, str, bool, Grant]] = []  # (full request, name, ID, admin, grant)
+        unrestored = self.unrestored()
         problems: list[str] = []
         # request, pool, name, id, admin, grant: one entry per (request, device), in result order
-        granted: list[tuple[str, str, str, str, bool, Grant]] = []
+        granted: list[_Granted] = []
         seen: set[tuple[str, str, str, bool]] = set()
         unsettled = self._unsettled
         others_unsettled: frozenset[str] = frozenset()
@@ -602,10 +905,94 @@ class NodeService:
                     f"unprepares the {len(unsettled.claims)} claims it cannot account for)"
                 )
                 continue
+            if device_id in unrestored and not admin:
+                problems.append(
+                    f"{label} ({device_id}): {Refusal.HELD.value} (its settings from an earlier claim are "
+                    "not restored yet)"
+                )
+                continue
             granted.append((base, pool, name, device_id, admin, verdict))
+            asked.append((request, name, device_id, admin, verdict))
         if problems:
             raise ClaimError(f"claim {ref}: cannot prepare {listing(problems, width=MAX_ERROR_CHARS)}")
-        return self._build(ref, granted)
+        if self._sysfs_root is not None:
+            live = {device_id: self._live(grant) for _r, _p, _n, device_id, _a, grant in granted}
+            granted = [(r, p, n, i, a, live[i]) for r, p, n, i, a, _g in granted]
+            asked = [(r, n, i, a, live[i]) for r, n, i, a, _g in asked]
+        ask = self._asks(ref, obj, asked)
+        return self._build(ref, granted), ask, granted
+
+    def _asks(
+        self, ref: ClaimRef, obj: Mapping[str, Any], asked: Sequence[tuple[str, str, str, bool, Grant]]
+    ) -> dict[str, tuple[VfTarget, dict[str, Any]]]:
+        """Return the link settings the allocation's config asks per device ID; ClaimError when refused.
+
+        Checked in full before anything is touched (params.plan): one line per problem, naming the
+        request, the field and the reason.
+        """
+        config = ((obj.get("status") or {}).get("allocation") or {}).get("devices", {}).get("config")
+        if not config:
+            return {}
+        results = [
+            params.Result(
+                request, name, params.facts_of(grant.device, self._pf_of(grant.device), admin_access=admin)
+            )
+            for request, name, _id, admin, grant in asked
+        ]
+        plan = params.plan(config, results, self.driver)
+        if plan.problems:
+            lines = [str(p) for p in plan.problems]
+            raise ClaimError(f"claim {ref}: parameters refused: {listing(lines, width=MAX_ERROR_CHARS)}")
+        by_name = {name: (device_id, grant) for _r, name, device_id, _a, grant in asked}
+        out: dict[str, tuple[VfTarget, dict[str, Any]]] = {}
+        for name, cfg in plan.configs.items():
+            device_id, grant = by_name[name]
+            want = configure.wanted(cfg)
+            # Always journaled when asked, the binding read live at the change (the device table may
+            # be older than the last rebind: a restore at start, before a rescan saw it).
+            if cfg.driver is not None:
+                if self._sysfs_root is None:
+                    raise ClaimError(
+                        f"claim {ref}: {name}: driver: rebinding to {cfg.driver} is not available here"
+                    )
+                want[configure.DRIVER] = cfg.driver
+            if want:
+                out[device_id] = (configure.target_of(grant.device), want)
+        return out
+
+    def _live(self, grant: Grant) -> Grant:
+        """Return the grant with its VF's driver and netdevs as sysfs shows them now.
+
+        A rebind (a claim's, or a restore at start) changes them before a rescan of the device table
+        sees it; what the claim gets (CDI, device-info) and may ask must follow the device as it is.
+        """
+        d = grant.device
+        if d.role != Role.VF or self._sysfs_root is None:
+            return grant
+        try:
+            now = rebind.binding_of(self._sysfs_root, d.id)
+        except rebind.RebindError:
+            return grant  # the gate's table is all there is: the change itself reads it again
+        driver = now.driver or ""
+        if driver == d.driver and now.netdevs == d.netdevs:
+            return grant
+        return grant._replace(device=d._replace(driver=driver, netdevs=now.netdevs))
+
+    def _pf_of(self, device: Device) -> Device | None:
+        """Return a stand-in for a VF's PF carrying its link type (read from its netdev), else None.
+
+        A VF without a netdev of its own (bound to vfio-pci, or scanned while it was) still takes the
+        PF's settings through the PF's netdev, of the PF's type (``type``: ARPHRD_ETHER 1,
+        ARPHRD_INFINIBAND 32).
+        """
+        if device.role != Role.VF or not device.pf_netdev or self._sysfs_root is None:
+            return None
+        try:
+            arphrd = int((self._sysfs_root / "class/net" / device.pf_netdev / "type").read_text().strip())
+        except (OSError, ValueError):
+            return None
+        kind = {1: "ether", 32: "infiniband"}.get(arphrd)
+        return device._replace(role=Role.PF, link_type=kind) if kind else None
 
     def _our_results(self, ref: ClaimRef, obj: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         where = f"ResourceClaim {ref.namespace}/{ref.name}"
@@ -626,9 +1013,7 @@ class NodeService:
             raise ClaimError(f"{where} has no allocation result for driver {self.driver}")
         return ours
 
-    def _build(
-        self, ref: ClaimRef, granted: Sequence[tuple[str, str, str, str, bool, Grant]]
-    ) -> PreparedClaim:
+    def _build(self, ref: ClaimRef, granted: Sequence[_Granted]) -> PreparedClaim:
         """Return the prepared claim: CDI entries per device and per request, device-info documents."""
         entries: dict[str, dict[str, Any]] = {}
         info: dict[tuple[str, str, str], InfoFile] = {}
@@ -713,9 +1098,16 @@ class NodeService:
             errors[uid] = ""
         settled = [(c.ref.namespace, c.ref.name) for c in claims.values()]
         unsettled = self._unsettled.without(claims, settled) if self._unsettled is not None else None
+        # The changes of the claims recorded now are marked applied in the same write.
+        journal = tuple(
+            replace(r, state=JournalState.APPLIED)
+            if r.state is JournalState.APPLYING and r.claim in claims and r.claim in self._inflight
+            else r
+            for r in self._checkpoint.journal
+        )
         if claims != self._claims or unsettled is not self._unsettled:
             try:
-                self._checkpoint.save(claims, unsettled)
+                self._checkpoint.save(claims, unsettled, journal)
             except OSError as e:
                 for uid, plan in plans.items():
                     if uid not in self._claims and not errors[uid]:
@@ -763,13 +1155,29 @@ class NodeService:
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Remove what Prepare made for each claim; return an error (or "") per UID; unknown claims pass."""
         async with self._lock:
-            errors = await _in_thread(self._drop, refs)
+            errors = await _finish(self._unprepare(refs))
             self.unprepares += 1
         for ref in refs:  # claim status (issue 25 §3): our entries go, queued and best-effort
             if not errors.get(ref.uid) and not _ref_problem(ref):
                 self.claim_status.unprepared(ref)
         self._changed()
         return {ref.uid: errors.get(ref.uid, "") for ref in refs}
+
+    async def _unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
+        """Drop the claims (their records marked restoring in the same write), then put their devices back.
+
+        A restore that fails does not fail the call: the claim is gone, its device stays withheld from
+        every pool and is retried with backoff (``start_restores``).
+        """
+        before = set(self._claims)
+        errors = await _in_thread(self._drop, refs)
+        gone = before - set(self._claims)
+        records = [r for r in self.journal if r.claim in gone and r.state is JournalState.RESTORING]
+        if records:
+            stop_at("unprepare-marked")
+            await self._restore(records)
+            stop_at("unprepare-dropped")
+        return errors
 
     def _drop(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         errors: dict[str, str] = {}
@@ -808,9 +1216,11 @@ class NodeService:
             if unsettled is not None and (released or released_names)
             else unsettled
         )
+        gone = set(self._claims) - set(claims)
+        journal = configure.marked(self._checkpoint.journal, gone, JournalState.RESTORING)
         if claims != self._claims or after is not unsettled:
             try:
-                self._checkpoint.save(claims, after)
+                self._checkpoint.save(claims, after, journal)
             except OSError as e:
                 # The files are gone but the record stays: a repeated Unprepare finishes the job.
                 for ref in refs:
@@ -825,6 +1235,22 @@ class NodeService:
             self._commit(claims)
             self._settle(released, "unprepared", released_names)
         return errors
+
+
+_Granted = tuple[str, str, str, str, bool, Grant]  # request, pool, name, device ID, admin, grant
+
+
+def _rebound(granted: Sequence[_Granted], applied: Mapping[str, Mapping[str, Any]]) -> list[_Granted]:
+    """Return the grants with each rebound device as it is now: its new driver, no netdev with vfio-pci."""
+    out: list[_Granted] = []
+    for request, pool, name, device_id, admin, grant in granted:
+        driver = applied.get(device_id, {}).get(configure.DRIVER)
+        if driver:
+            gone = driver in params.USERSPACE_DRIVERS  # a user-space driver's VF has no netdev
+            device = grant.device._replace(driver=driver, netdevs=() if gone else grant.device.netdevs)
+            grant = grant._replace(device=device)
+        out.append((request, pool, name, device_id, admin, grant))
+    return out
 
 
 def _qualified(kind: str, device: str, ref: ClaimRef | None = None) -> str:
@@ -870,6 +1296,27 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     would let the next call run on a state about to change under it.
     """
     future = asyncio.ensure_future(workers.run(Work.FILES, fn, *args))
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(future)
+            break
+        except asyncio.CancelledError:
+            if future.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+async def _finish(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end even when cancelled meanwhile (then re-raise the cancellation).
+
+    What it does to devices and the checkpoint must not stop half way because the kubelet's deadline
+    passed: the next call would start from a state about to change under it.
+    """
+    future = asyncio.ensure_future(work)
     cancelled = False
     while True:
         try:

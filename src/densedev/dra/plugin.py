@@ -13,8 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..alloc import cdi, devinfo
+from ..node.vflinks import VfLinks
 from ..node.watch import DirectoryWatch
 from .claims import ClaimReader, DeviceGate
+from .configure import JournalMetrics
 from .health import RESEND_SECONDS, HealthStream
 from .node import NodeService, NodeSettings, handlers
 from .registration import DEFAULT_PLUGINS_DIR, DEFAULT_REGISTRY_DIR, DraPlugin
@@ -38,6 +40,9 @@ class KubeletPlugin:
         watch: DirectoryWatch | None = None,
         poll: float = 1.0,
         resend: float = RESEND_SECONDS,
+        links: VfLinks | None = None,
+        journal_metrics: JournalMetrics | None = None,
+        sysfs_root: Path | None = None,
     ) -> None:
         # One pool per node, named after the node (the ResourceSlice side names it the same way).
         settings = NodeSettings(
@@ -48,7 +53,9 @@ class KubeletPlugin:
             devinfo_dir=devinfo_dir,
             dev_root=dev_root,
         )
-        self.service = NodeService(settings, reader, gate)
+        self.service = NodeService(
+            settings, reader, gate, links=links, journal_metrics=journal_metrics, sysfs_root=sysfs_root
+        )
         # Served whatever the kubelet does with it: 1.34-1.36 open the stream even when not advertised.
         self.health = HealthStream(node_name, resend=resend)
         self.plugin = DraPlugin(
@@ -86,6 +93,7 @@ class KubeletPlugin:
     async def start(self) -> frozenset[str]:
         """Recover prepared claims (unless done already), then serve; return the device IDs they hold."""
         held = self.recover()
+        self.service.start_restores()  # recovered before the loop ran: restores start now
         await self.plugin.start()
         self._started = True
         return held
@@ -98,6 +106,7 @@ class KubeletPlugin:
     async def stop(self) -> None:
         """End the health stream, then remove the registration socket and the DRA socket."""
         self.health.stop()
+        await self.service.stop_restores()
         if self._started:
             self._started = False
             await self.plugin.stop()

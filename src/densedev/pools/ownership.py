@@ -55,6 +55,11 @@ UNCHECKED = "unchecked"
 DRA_CLAIMS = "dra-claims"
 
 
+# The holder of devices whose settings a DRA claim changed are not restored yet (dra/configure.py):
+# no "/" and not DRA_CLAIMS, so every pool withholds them, DRA ones too.
+UNRESTORED = "dra-unrestored"
+
+
 def retiring_claims(driver: str) -> str:
     """Return the holder name of devices held by the prepared claims of a retiring (renamed) DRA driver.
 
@@ -273,16 +278,21 @@ class Ownership:
         return changed
 
     def set_claimed(
-        self, device_ids: Iterable[str], retiring: Mapping[str, Iterable[str]] | None = None
+        self,
+        device_ids: Iterable[str],
+        retiring: Mapping[str, Iterable[str]] | None = None,
+        unrestored: Iterable[str] = (),
     ) -> bool:
         """Take the device IDs every DRA driver's prepared claims hold; return whether that changed.
 
         ``device_ids`` are the active driver's (held under ``DRA_CLAIMS``), ``retiring`` maps each
-        retiring driver's name to its claims' (held under ``retiring_claims(name)``): the union is held.
+        retiring driver's name to its claims' (held under ``retiring_claims(name)``), ``unrestored``
+        the devices whose changed settings are not back yet (``UNRESTORED``): the union is held.
         """
         claimed = {DRA_CLAIMS: frozenset(device_ids)}
         for driver, ids in (retiring or {}).items():
             claimed[retiring_claims(driver)] = frozenset(ids)
+        claimed[UNRESTORED] = frozenset(unrestored)
         claimed = {holder: ids for holder, ids in claimed.items() if ids}
         if claimed == self._claimed:
             return False

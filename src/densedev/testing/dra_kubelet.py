@@ -448,10 +448,20 @@ class ClaimStore:
 
 
 def allocated_claim(
-    namespace: str, name: str, uid: str, results: Sequence[Mapping[str, Any]]
+    namespace: str,
+    name: str,
+    uid: str,
+    results: Sequence[Mapping[str, Any]],
+    config: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Return a resource.k8s.io/v1 ResourceClaim allocated with ``results`` (driver/pool/device/request)."""
+    """Return a resource.k8s.io/v1 ResourceClaim allocated with ``results`` (driver/pool/device/request).
+
+    ``config`` is the allocation's ``devices.config`` (what the scheduler copies from class and claim).
+    """
     requests = sorted({str(r["request"]).split("/", 1)[0] for r in results})
+    devices: dict[str, Any] = {"results": [dict(r) for r in results]}
+    if config:
+        devices["config"] = [dict(c) for c in config]
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -459,5 +469,5 @@ def allocated_claim(
         "spec": {
             "devices": {"requests": [{"name": r, "exactly": {"deviceClassName": "vf"}} for r in requests]}
         },
-        "status": {"allocation": {"devices": {"results": [dict(r) for r in results]}}},
+        "status": {"allocation": {"devices": devices}},
     }
