@@ -3,12 +3,14 @@ kept node: a summary, no traceback, nothing left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import re
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,10 @@ OTHER = ["--pfs", "2", "--vfs-per-pf", "8"]
 SMALL = ["--pfs", "4", "--vfs-per-pf", "16", "--flip-interval", "0.05"]
 
 
-def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+@contextlib.contextmanager
+def _started(args: list[str], env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """The demo as a child process, killed when the test leaves it running (a failed assert, a timeout)."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "densedev.cli", "demo", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -27,6 +31,12 @@ def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[
         env=env,
         cwd=cwd,
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # a demo left building or running would load the machine for the rest of the suite
+        proc.communicate()
 
 
 def _read_until(proc: subprocess.Popen[str], prefix: str) -> list[str]:
@@ -60,12 +70,12 @@ def _read_until(proc: subprocess.Popen[str], prefix: str) -> list[str]:
 def test_a_signal_ends_the_demo_with_its_summary_and_cleans_up(
     sig: signal.Signals, tmp_path: Path, child_env: dict[str, str]
 ) -> None:
-    proc = _start(SMALL, child_env, tmp_path)
-    head = "".join(_read_until(proc, "what the numbers mean"))
-    work = Path(re.search(r"\((/[^)]+)\)", head).group(1))  # type: ignore[union-attr]
-    assert (work / "kubelet" / "kubelet.sock").exists()
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=GUARD)
+    with _started(SMALL, child_env, tmp_path) as proc:
+        head = "".join(_read_until(proc, "what the numbers mean"))
+        work = Path(re.search(r"\((/[^)]+)\)", head).group(1))  # type: ignore[union-attr]
+        assert (work / "kubelet" / "kubelet.sock").exists()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 0, err
     assert out.strip().splitlines()[-1].startswith("demo summary: 128 devices in 4 pools")
     assert "Traceback" not in err
@@ -78,10 +88,13 @@ def test_stopping_while_the_node_is_built_leaves_nothing(
     sig: signal.Signals, tmp_path: Path, child_env: dict[str, str]
 ) -> None:
     workdir = tmp_path / "work"
-    proc = _start(["--pfs", "40", "--vfs-per-pf", "256", "--workdir", str(workdir)], child_env, tmp_path)
-    _read_until(proc, "building the simulated node: 0%")
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=GUARD)
+    # Big enough that the build is still going when the signal lands (it is checked after every PF).
+    with _started(
+        ["--pfs", "16", "--vfs-per-pf", "128", "--workdir", str(workdir)], child_env, tmp_path
+    ) as proc:
+        _read_until(proc, "building the simulated node: 0%")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 130, out + err
     assert out.strip().splitlines()[-1] == "demo stopped while building the simulated node"
     assert err == ""  # gRPC's InvalidStateError traceback was here
