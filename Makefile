@@ -1,12 +1,14 @@
 PY ?= python
+# pytest-xdist workers for `make test` (JOBS=1: one worker process)
+JOBS ?= $(shell nproc)
 .PHONY: compile test test-python bench proto lint clean
 
 compile:
 	$(PY) setup.py build_ext --inplace
 
 test: compile
-	$(PY) -m pytest -q
-	DENSEDEV_NO_EXTENSIONS=1 $(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(JOBS) --dist worksteal
+	DENSEDEV_NO_EXTENSIONS=1 $(PY) -m pytest -q -n $(JOBS) --dist worksteal
 
 bench: compile
 	$(PY) bench/run_all.py $(BENCHFLAGS)

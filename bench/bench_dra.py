@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import _impl
 import uvloop
 
 from densedev.dra import names, slices
@@ -163,7 +164,9 @@ def main() -> int:
     sizes = [(16, 256)] if args.quick else [(16, 256), (64, 256)]
     events = 10 if args.quick else args.events
     flap = 2.0 if args.quick else args.flap_seconds
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    # tmpfs when there is room: writing 4,096 functions' files on a loaded disk took most of CI's quick
+    # run here (318 s), none of it in the figures (the node is built before anything is timed).
+    with tempfile.TemporaryDirectory(dir=args.dir or _impl.tmpfs_dir(1 << 30)) as tmp:
         for i, (pfs, vfs) in enumerate(sizes):
             r = uvloop.run(run_size(pfs, vfs, events, flap if i == 0 else 0.0, args.validate, Path(tmp)))
             if args.json:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import uvloop
+from hypothesis import HealthCheck, settings
 
 if TYPE_CHECKING:  # imported where used: test_conftest.py runs this file where tests/helpers is not
     from helpers.node import Node
@@ -28,6 +29,20 @@ if TYPE_CHECKING:  # imported where used: test_conftest.py runs this file where 
     from densedev.testing.kubelet import KubeletEmulator
 
 pytest_plugins = ("pytester",)  # test_conftest.py runs small suites under these hooks
+
+# Property tests share two cores with the other xdist worker (and, in CI, the machine's other jobs): a
+# 200 ms per-example deadline or the too_slow health check fails a correct test on a busy machine, so
+# neither applies (each test bounds its work with max_examples).  Built on the profile Hypothesis chose
+# (its "ci" profile under CI=true keeps its derandomized runs).
+settings.register_profile(
+    "densedev",
+    settings(
+        settings.default,
+        deadline=None,
+        suppress_health_check=[*settings.default.suppress_health_check, HealthCheck.too_slow],
+    ),
+)
+settings.load_profile("densedev")
 
 
 def _cython() -> ModuleType:

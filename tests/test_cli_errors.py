@@ -165,11 +165,16 @@ def test_an_interrupted_simulate_leaves_no_partial_tree(
         text=True,
         env=child_env,
     )
-    assert proc.stderr is not None
-    # The first progress line comes once the PFs exist and their 10,240 VFs are being written.
-    assert proc.stderr.readline().startswith("building the simulated node: 0%")
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=GUARD)
+    try:
+        assert proc.stderr is not None
+        # The first progress line comes once the PFs exist and their 10,240 VFs are being written.
+        assert proc.stderr.readline().startswith("building the simulated node: 0%")
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=GUARD)
+    finally:
+        if proc.poll() is None:  # a failed step above: no 10,240-VF build left running past the test
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 130
     assert one_line(err) == "densedev simulate: error: interrupted"
     assert list(tmp_path.iterdir()) == []

@@ -3,12 +3,17 @@ kept node: a summary, no traceback, nothing left behind."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,8 +23,20 @@ OTHER = ["--pfs", "2", "--vfs-per-pf", "8"]
 SMALL = ["--pfs", "4", "--vfs-per-pf", "16", "--flip-interval", "0.05"]
 
 
-def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A short --workdir (its kubelet sockets must fit sun_path; tmp_path under xdist may not), on tmpfs
+    when there is one, as the demo's own scratch dir is."""
+    shm = Path("/dev/shm")
+    path = Path(tempfile.mkdtemp(prefix="dd-", dir=shm if os.access(shm, os.W_OK) else "/tmp")) / "work"
+    yield path
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _started(args: list[str], env: dict[str, str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """The demo as a child process, killed when the test leaves it running (a failed assert, a timeout)."""
+    proc = subprocess.Popen(
         [sys.executable, "-m", "densedev.cli", "demo", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -27,6 +44,12 @@ def _start(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Popen[
         env=env,
         cwd=cwd,
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # a demo left building or running would load the machine for the rest of the suite
+        proc.communicate()
 
 
 def _read_until(proc: subprocess.Popen[str], prefix: str) -> list[str]:
@@ -60,12 +83,12 @@ def _read_until(proc: subprocess.Popen[str], prefix: str) -> list[str]:
 def test_a_signal_ends_the_demo_with_its_summary_and_cleans_up(
     sig: signal.Signals, tmp_path: Path, child_env: dict[str, str]
 ) -> None:
-    proc = _start(SMALL, child_env, tmp_path)
-    head = "".join(_read_until(proc, "what the numbers mean"))
-    work = Path(re.search(r"\((/[^)]+)\)", head).group(1))  # type: ignore[union-attr]
-    assert (work / "kubelet" / "kubelet.sock").exists()
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=GUARD)
+    with _started(SMALL, child_env, tmp_path) as proc:
+        head = "".join(_read_until(proc, "what the numbers mean"))
+        work = Path(re.search(r"\((/[^)]+)\)", head).group(1))  # type: ignore[union-attr]
+        assert (work / "kubelet" / "kubelet.sock").exists()
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 0, err
     assert out.strip().splitlines()[-1].startswith("demo summary: 128 devices in 4 pools")
     assert "Traceback" not in err
@@ -75,21 +98,22 @@ def test_a_signal_ends_the_demo_with_its_summary_and_cleans_up(
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stopping_while_the_node_is_built_leaves_nothing(
-    sig: signal.Signals, tmp_path: Path, child_env: dict[str, str]
+    sig: signal.Signals, tmp_path: Path, workdir: Path, child_env: dict[str, str]
 ) -> None:
-    workdir = tmp_path / "work"
-    proc = _start(["--pfs", "40", "--vfs-per-pf", "256", "--workdir", str(workdir)], child_env, tmp_path)
-    _read_until(proc, "building the simulated node: 0%")
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=GUARD)
+    # Big enough that the build is still going when the signal lands (it is checked after every PF).
+    with _started(
+        ["--pfs", "16", "--vfs-per-pf", "128", "--workdir", str(workdir)], child_env, tmp_path
+    ) as proc:
+        _read_until(proc, "building the simulated node: 0%")
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=GUARD)
     assert proc.returncode == 130, out + err
     assert out.strip().splitlines()[-1] == "demo stopped while building the simulated node"
     assert err == ""  # gRPC's InvalidStateError traceback was here
     assert list(workdir.iterdir()) == []
 
 
-def test_workdir_keeps_the_node_and_the_next_run_reuses_it(tmp_path: Path, child_env: dict[str, str]) -> None:
-    workdir = tmp_path / "work"
+def test_workdir_keeps_the_node_and_the_next_run_reuses_it(workdir: Path, child_env: dict[str, str]) -> None:
     runs = []
     for _ in range(2):
         proc = subprocess.run(
@@ -141,3 +165,28 @@ def test_the_demo_says_what_its_numbers_mean(tmp_path: Path, child_env: dict[str
     # 4 PFs x 16 VFs, plus the shared RDMA pool's 16 IDs per PF: 128 devices for 64 VFs.
     assert "128 devices = 64 VFs + 64 shared RDMA device IDs (4 PFs x 16 pods each)" in legend
     assert "healthy counts drift" in legend and "not the README's" in legend
+
+
+# A workdir of 70 bytes: kubelet.sock fits, a pool's socket (30 bytes at least) does not; 100: neither.
+@pytest.mark.parametrize("length", [70, 100])
+def test_a_workdir_too_long_for_the_kubelet_sockets_is_one_line(
+    length: int, sock_dir: Path, child_env: dict[str, str]
+) -> None:
+    # Its kubelet sockets go in <workdir>/kubelet, and sun_path holds 107 bytes: the demo used to wait
+    # out 10 s for registrations that could never come and name only that (70), or end in gRPC's bind
+    # traceback (100).
+    workdir = sock_dir / ("w" * (length - len(str(sock_dir)) - 1))
+    assert len(str(workdir)) == length
+    proc = subprocess.run(
+        [sys.executable, "-m", "densedev.cli", "demo", "--seconds", "0.3", "--workdir", str(workdir), *OTHER],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env=child_env,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"densedev demo: error: {workdir}/kubelet: a socket path there would exceed 107 bytes (sun_path); "
+        "use a shorter --workdir"
+    ]
+    assert "simulated node" not in proc.stdout  # refused before building anything

@@ -316,7 +316,9 @@ def test_parse_addr_errors(addr: str, error: str) -> None:
         parse_addr(addr)
 
 
-async def test_readyz_follows_the_daemons_registration_with_the_kubelet(tmp_path: Path) -> None:
+async def test_readyz_follows_the_daemons_registration_with_the_kubelet(
+    tmp_path: Path, sock_dir: Path
+) -> None:
     # The readiness callable the daemon provides, over real registration against the kubelet emulator:
     # not ready while no kubelet listens, ready once every pool registered, not ready when it goes away.
     from densedev.daemon import Daemon, DaemonSettings
@@ -330,8 +332,7 @@ async def test_readyz_follows_the_daemons_registration_with_the_kubelet(tmp_path
     cfg = config_mod.load(tmp_path / "config.json")
     pools = sorted(p.full_name for p in cfg.pools)
     assert pools
-    kubelet_dir = tmp_path / "kubelet"
-    kubelet_dir.mkdir()
+    kubelet_dir = sock_dir  # the pools' sockets: tmp_path can be too long for sun_path (under xdist)
     (tmp_path / "dev").mkdir()
     settings = DaemonSettings(
         sysfs_root=sysfs, kubelet_dir=kubelet_dir, dev_root=tmp_path / "dev", devinfo_dir=None, netlink=False

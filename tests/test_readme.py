@@ -40,23 +40,31 @@ def test_the_readme_walkthrough_works_as_written(sock_dir: Path, child_env: dict
     )
     assert simulate.returncode == 0, simulate.stderr
     emulator = subprocess.Popen(local(commands[1]), stdout=subprocess.PIPE, text=True, env=child_env)
-    lines: queue.Queue[str] = queue.Queue()
-    assert emulator.stdout is not None
-    reader = threading.Thread(target=lambda: [lines.put(x) for x in emulator.stdout], daemon=True)  # type: ignore[union-attr]
-    reader.start()
-    assert lines.get(timeout=GUARD).startswith("kubelet emulator listening on")
-    daemon = subprocess.Popen(local(commands[2]), stderr=subprocess.PIPE, text=True, env=child_env)
-    seen: list[str] = []
+    daemon: subprocess.Popen[str] | None = None
     try:
-        while not any(line.startswith("allocated ") for line in seen):
-            seen.append(lines.get(timeout=GUARD))
+        lines: queue.Queue[str] = queue.Queue()
+        assert emulator.stdout is not None
+        reader = threading.Thread(target=lambda: [lines.put(x) for x in emulator.stdout], daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        assert lines.get(timeout=GUARD).startswith("kubelet emulator listening on")
+        daemon = subprocess.Popen(local(commands[2]), stderr=subprocess.PIPE, text=True, env=child_env)
+        seen: list[str] = []
+        try:
+            while not any(line.startswith("allocated ") for line in seen):
+                seen.append(lines.get(timeout=GUARD))
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            _, daemon_err = daemon.communicate(timeout=GUARD)
+            emulator.send_signal(signal.SIGTERM)
+            emulator.wait(timeout=GUARD)
+            reader.join(GUARD)
+            emulator.stdout.close()
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        _, daemon_err = daemon.communicate(timeout=GUARD)
-        emulator.send_signal(signal.SIGTERM)
-        emulator.wait(timeout=GUARD)
-        reader.join(GUARD)
-        emulator.stdout.close()
+        # Whatever failed above (a line that never came, a stop that timed out): no child outlives the test.
+        for proc in (daemon, emulator):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert daemon.returncode == 0, daemon_err
     assert emulator.returncode == 0
     assert "intel.com/sriov_ens1f0: 8 devices, 8 healthy\n" in seen

@@ -27,6 +27,7 @@ import grpc
 
 from . import accel
 from .daemon import Daemon, DaemonSettings
+from .kubelet import sockets
 from .pools import config as config_mod
 from .testing import simnode
 from .testing.kubelet import HEALTHY, KubeletEmulator
@@ -201,7 +202,21 @@ def _reset(sysfs: Path, layout: simnode.NodeLayout) -> None:
             simnode.set_rdma_port(sysfs, pf.ibdev, 1, 4)
 
 
+def _check_socket_room(kubelet_dir: Path) -> None:
+    """Raise OSError (one line) when a pool's socket in ``kubelet_dir`` could not be bound (sun_path)."""
+    # A pool's socket name is its readable name when that fits, else a 16-hex digest: the digest's
+    # path is the longest the daemon may need (kubelet.sock is shorter).  Past 107 bytes neither the
+    # daemon nor the emulator could bind, and the registrations the demo waits for could never come.
+    longest = kubelet_dir / f"{sockets.PREFIX}{'0' * 16}{sockets.SUFFIX}"
+    if len(os.fsencode(longest)) > sockets.MAX_UNIX_PATH:
+        raise OSError(
+            f"{kubelet_dir}: a socket path there would exceed {sockets.MAX_UNIX_PATH} bytes (sun_path); "
+            "use a shorter --workdir"
+        )
+
+
 async def _run(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> int:
+    _check_socket_room(work / "kubelet")
     sysfs = work / "sys"
     t0 = time.perf_counter()
     layout = _load_kept(work, args) if args.workdir is not None else None

@@ -99,7 +99,12 @@ async def test_fifty_kubelet_restarts_in_a_row(node: Node, kubelet: KubeletEmula
     # a leak never gets there.
     with contextlib.suppress(TimeoutError):  # the asserts below say what was left
         await emu.wait_for(
-            lambda: len(asyncio.all_tasks()) <= tasks and open_fds() <= fds + FD_SLACK, GUARD_S
+            lambda: (
+                len(asyncio.all_tasks()) <= tasks
+                and open_fds() <= fds + FD_SLACK
+                and other_threads() <= threads  # a finished channel's threads exit a moment later
+            ),
+            GUARD_S,
         )
     assert len(asyncio.all_tasks()) == tasks
     assert other_threads() <= threads
