@@ -631,8 +631,8 @@ class FleetControls:
         self.bytes_in: Counter[str] = Counter()
         self.bytes_out: Counter[str] = Counter()
         self.handler_cpu: dict[str, float] = {}  # verb → CPU seconds spent in its handlers
-        # (monotonic time, node, verb, resource, status): CLOCK_MONOTONIC is shared by the processes of
-        # one machine, so a benchmark compares these times with its own.
+        # (monotonic time of arrival, node, verb, resource, status): CLOCK_MONOTONIC is shared by the
+        # processes of one machine, so a benchmark compares these times with its own.
         self.log: list[tuple[float, str, str, str, int]] = []
         # (monotonic time, node, devices published for the node after a successful slice write)
         self.published: list[tuple[float, str, int]] = []
@@ -818,8 +818,12 @@ class FleetControls:
         verb, res = self.verb(request), self.resource(request)
         if self.delay_s > 0:
             await asyncio.sleep(self.delay_s)
-        cpu0 = time.thread_time()
-        resp: web.StreamResponse | None = self._fault(time.monotonic())
+        cpu0, arrived = time.thread_time(), time.monotonic()
+        resp: web.StreamResponse | None = self._fault(arrived)
+        # A watch is logged as it opens (it may stay open for the whole run), and its status set after.
+        at = len(self.log) if len(self.log) < LOG_LIMIT else -1
+        if at >= 0:
+            self.log.append((arrived, node, verb, res, resp.status if resp is not None else 200))
         if resp is None:
             try:
                 resp = await handler(request)
@@ -833,8 +837,8 @@ class FleetControls:
         self.bytes_in[node] += len(body) + sum(len(k) + len(v) + 4 for k, v in request.headers.items())
         sent = resp.body_length if resp.prepared else len(getattr(resp, "body", b"") or b"")
         self.bytes_out[node] += sent
-        if len(self.log) < LOG_LIMIT:
-            self.log.append((now, node, verb, res, code))
+        if 0 <= at < len(self.log) and self.log[at][0] == arrived:  # not cleared by a reset meanwhile
+            self.log[at] = (arrived, node, verb, res, code)
         if res == "resourceslices" and verb in ("CREATE", "UPDATE", "DELETE") and code < 300:
             self.published.append((now, node, self.devices_of(node)))
         if isinstance(resp, web.HTTPException):
