@@ -102,6 +102,10 @@ class Watcher:
         self.devices: dict[str, dict[str, set[str]]] = {}  # node → slice → PCI addresses
         self.changed = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        # node → [(PCI addresses that must go, when they were told to)], checked as the node's events
+        # arrive (one check per event of that node, not a waiter per flip woken by every event)
+        self.pending: dict[str, list[tuple[set[str], float]]] = {}
+        self.latencies: list[float] = []
 
     def count(self, node: str) -> int:
         """Devices published for ``node`` now."""
@@ -119,6 +123,12 @@ class Watcher:
             slices.pop(name, None)
         else:
             slices[name] = {names.pci_address(d["name"]) or d["name"] for d in spec.get("devices") or ()}
+        waiting = self.pending.get(node)
+        if waiting:
+            now = time.monotonic()
+            still = [(a, t0) for a, t0 in waiting if self.holds(node, a)]
+            self.latencies += [now - t0 for a, t0 in waiting if (a, t0) not in still]
+            self.pending[node] = still
         self.changed.set()
 
     async def run(self) -> None:
@@ -237,17 +247,14 @@ def summary(values: list[float]) -> dict[str, float]:
     }
 
 
-async def flap(fleet: list[Node], watcher: Watcher, seconds: float) -> list[float]:
-    """Every node takes PF k mod P down at second k and the one before back up; return the latencies
-    PF down → that PF's VFs gone from the node's slices at the API (as this process's watch saw it)."""
-    lat: list[float] = []
-    pending: list[asyncio.Task[None]] = []
+async def flap(fleet: list[Node], watcher: Watcher, seconds: float) -> tuple[list[float], int, float | None]:
+    """Every node takes PF k mod P down at second k and the one before back up, then every PF up.
 
-    async def seen_gone(node: Node, addrs: set[str], t0: float) -> None:
-        t = await watcher.until(lambda: not watcher.holds(node.name, addrs), 30)
-        if t is not None:
-            lat.append(t - t0)
-
+    Return the latencies PF down → that PF's VFs gone from the node's slices at the API (as this
+    process's watch saw it), the downs never seen (the last second's can be overtaken by the final
+    "all up": the publisher writes the newest state, not every state), and the seconds from the storm's
+    end until every node's slices held every device again (None: not within 2 minutes)."""
+    watcher.latencies = []
     start = time.monotonic()
     k = 0
     while time.monotonic() - start < seconds:
@@ -260,15 +267,19 @@ async def flap(fleet: list[Node], watcher: Watcher, seconds: float) -> list[floa
                 node.switch.set(back.netdev, True)
             node.switch.set(down.netdev, False)
             if watcher.holds(node.name, node.vfs[down.netdev]):
-                pending.append(asyncio.create_task(seen_gone(node, node.vfs[down.netdev], t0)))
+                watcher.pending.setdefault(node.name, []).append((node.vfs[down.netdev], t0))
         k += 1
         await asyncio.sleep(max(0.0, start + k - time.monotonic()))
+    ended = time.monotonic()
     for node in fleet:  # every PF up again: the fleet ends the storm whole
         assert node.switch is not None
         for pf in node.layout.pfs:
             node.switch.set(pf.netdev, True)
-    await asyncio.gather(*pending)
-    return lat
+    # Converged: every node's slices hold every device again (each PF's last down seen or overtaken).
+    done = await watcher.until(lambda: all(watcher.count(n.name) == n.devices for n in fleet), 120)
+    unseen = sum(len(v) for v in watcher.pending.values())
+    watcher.pending.clear()
+    return list(watcher.latencies), unseen, (done - ended if done is not None else None)
 
 
 async def measure(args: Any, work: Path) -> dict[str, Any]:
@@ -337,8 +348,7 @@ async def measure(args: Any, work: Path) -> dict[str, Any]:
         await srv.acontrol("reset")
         cpu0 = st["cpu_s"]
         t = time.monotonic()
-        lat = await flap(fleet, watcher, args.storm)
-        await watcher.until(lambda: all(watcher.count(n) == total for n in names_), 30)
+        lat, unseen, settled = await flap(fleet, watcher, args.storm)
         storm_s = time.monotonic() - t
         st = await srv.acontrol("stats")
         reqs = sum(per_node(st, names_))
@@ -351,6 +361,8 @@ async def measure(args: Any, work: Path) -> dict[str, Any]:
             "pf_down_to_api_p50_ms": round(_impl.percentile(lat, 0.5) * 1e3, 1) if lat else None,
             "pf_down_to_api_p99_ms": round(_impl.percentile(lat, 0.99) * 1e3, 1) if lat else None,
             "pf_down_samples": len(lat),
+            "pf_down_unseen": unseen,
+            "converged_after_storm_s": round(settled, 2) if settled is not None else None,
             "standin_cpu_pct": round(100 * cpu / storm_s, 1),
             "standin_cpu_ms_per_request": round(1e3 * cpu / max(1, reqs), 3),
             "standin_cpu_ms_per_write": round(1e3 * cpu / max(1, sum(per_node(st, names_, WRITES))), 3),
@@ -388,9 +400,7 @@ async def measure(args: Any, work: Path) -> dict[str, Any]:
         await srv.acontrol("reset")
         throttle_s = args.storm / 2
         await srv.acontrol("throttle", seconds=throttle_s, retry_after=1, fraction=0.5)
-        t_end = time.monotonic() + throttle_s
-        await flap(fleet, watcher, args.storm)
-        conv = await watcher.until(lambda: all(watcher.count(n) == total for n in names_), 60)
+        _, _, conv = await flap(fleet, watcher, args.storm)
         st = await srv.acontrol("stats")
         codes: Counter[str] = Counter()
         for node, _verb, _res, code, n in st["requests"]:
@@ -401,7 +411,7 @@ async def measure(args: Any, work: Path) -> dict[str, Any]:
             "answered_429_per_node": summary([codes[n] for n in names_]),
             "writes_per_node": summary(per_node(st, names_, WRITES)),
             "converged": conv is not None,
-            "converged_after_storm_s": round(conv - t_end - (args.storm - throttle_s), 2) if conv else None,
+            "converged_after_storm_s": round(conv, 2) if conv is not None else None,
             "devices_published": sum(watcher.count(n) for n in names_),
             "devices_expected": total * len(names_),
         }
@@ -459,7 +469,7 @@ def report(r: dict[str, Any]) -> Iterator[str]:
 
 def main() -> int:
     """Run the fleet and print its figures."""
-    p = _impl.arguments(__file__, __doc__, "4 nodes x 256 VFs, 3 s idle, 5 s storms, 8 s restart window")
+    p = _impl.arguments(__file__, __doc__, "4 nodes x 256 VFs, 3 s idle, 5 s storms, 12 s restart window")
     p.add_argument("--nodes", type=int, default=32)
     p.add_argument("--vfs-per-node", type=int, default=1024)
     p.add_argument("--idle", type=float, default=60.0, help="seconds of the idle scenario")
@@ -468,7 +478,7 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=None, help="where the simulated nodes go")
     args = p.parse_args()
     if args.quick:
-        args.nodes, args.vfs_per_node, args.idle, args.storm, args.window = 4, 256, 3.0, 5.0, 8.0
+        args.nodes, args.vfs_per_node, args.idle, args.storm, args.window = 4, 256, 3.0, 5.0, 12.0
     why = netns.available()
     if why is not None:
         print(f"bench_fleet: skipped: {why}", file=sys.stderr)

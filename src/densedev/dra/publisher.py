@@ -89,7 +89,7 @@ class PublisherSettings:
     write_timeout_s: float = WRITE_TIMEOUT_S  # a slice write (or its re-read) unanswered this long is cut
     # A watch the server closed early is resumed after a random part of this: when an API server
     # restarts, every node of the fleet loses its watch in the same second (issue 26).
-    reconnect_spread_s: float = 5.0
+    reconnect_spread_s: float = 8.0  # a 2 s refusal then leaves the LISTs spread over 6 s or more
 
 
 def _rv_int(rv: str) -> int | None:
