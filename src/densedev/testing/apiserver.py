@@ -626,7 +626,8 @@ class FleetControls:
 
     def __init__(self, srv: ApiServerStandIn) -> None:
         self._srv = srv
-        # (node, verb, resource, status) → requests; node → bytes received / sent
+        # (node, verb, resource, status) → requests, counted as answered (a watch when it ends; the log
+        # has it from its start); node → bytes received / sent
         self.requests: Counter[tuple[str, str, str, int]] = Counter()
         self.bytes_in: Counter[str] = Counter()
         self.bytes_out: Counter[str] = Counter()
