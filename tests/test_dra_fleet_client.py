@@ -12,13 +12,16 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.dra_daemon import NODE, cluster, pool
+from helpers.dra_daemon import Node as DaemonNode
 from helpers.waiting import eventually
 
 from densedev import __version__
-from densedev.dra import names, slices
+from densedev.dra import WRITE_BURST, WRITE_QPS, names, slices
 from densedev.dra.apiclient import RETRY_AFTER_MAX_S, ApiError, ResourceClient, TokenBucket, retry_after
 from densedev.dra.publisher import Publisher, PublisherSettings
 from densedev.model import Pool
@@ -257,3 +260,33 @@ async def test_slice_writes_go_through_the_nodes_token_bucket() -> None:
         # them could refill one token, hence at least three), and the six took 0.8 s at least.
         assert c.writes.waited >= 3
         assert took >= (6 - 2) / 5.0 - 0.01
+
+
+# ------------------------------------------------------------------------------- the daemon's wiring
+def test_densedev_run_takes_the_write_budget_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from densedev import cli
+
+    args = cli.build_parser().parse_args(["run", "--dra-write-qps", "5", "--dra-write-burst", "3"])
+    assert (args.dra_write_qps, args.dra_write_burst) == (5.0, 3)
+    args = cli.build_parser().parse_args(["run"])
+    assert (args.dra_write_qps, args.dra_write_burst) == (WRITE_QPS, WRITE_BURST) == (20.0, 512)
+    for bad in (["--dra-write-qps", "-1"], ["--dra-write-qps", "nan"], ["--dra-write-burst", "0"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["run", *bad])
+    assert "--dra-write-burst: 0 is below the minimum 1" in capsys.readouterr().err.replace("argument ", "")
+
+
+async def test_the_daemons_client_names_the_node_and_meters_writes(tmp_path: Path) -> None:
+    node = DaemonNode(tmp_path)
+    node.write([pool("dra", [node.pf1.netdev], api="dra")])
+    try:
+        async with cluster(node) as c:
+            assert c.daemon is not None
+            await c.until(lambda: len(node.published()) == len(node.pf1.vf_addresses), "published")
+            client = c.daemon.dra.client if c.daemon.dra is not None else None
+            assert client is not None
+            assert client.user_agent == f"densedev/{__version__} node/{NODE}"
+            assert (client.writes.qps, client.writes.burst) == (WRITE_QPS, WRITE_BURST)
+            assert node.api is not None and set(node.api.fleet.per_node()) == {NODE}
+    finally:
+        node.cleanup()
