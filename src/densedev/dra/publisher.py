@@ -30,8 +30,9 @@ and a second one in a row, a write cut by ``write_timeout_s`` (10 s; the slice i
 is retried, since the server may have applied it) or any other error backs that slice off, jittered,
 from 0.5 s doubling to 30 s, and never sooner than a 429's or 503's ``Retry-After`` asked (capped at
 60 s), with one log line per run of failures; a slice gone under an update (404) is created again.  All
-of a node's writes also pass its client's token bucket (``--dra-write-qps``/``--dra-write-burst``).  A retry, like every write, carries the newest state the slice should have, never the
-one the failed write carried.  Conflicts and cut writes are counted (``densedev_dra_slice_write_*``).
+of a node's writes also pass its client's token bucket (``--dra-write-qps``/``--dra-write-burst``).
+A retry, like every write, carries the newest state the slice should have, never the one the failed
+write carried.  Conflicts and cut writes are counted (``densedev_dra_slice_write_*``).
 """
 
 from __future__ import annotations
