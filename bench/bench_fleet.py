@@ -441,7 +441,7 @@ def report(r: dict[str, Any]) -> Iterator[str]:
     yield (
         f"  cold start: all published in {c['all_published_s']} s; per node {c['requests_per_node']['mean']} "
         f"requests ({c['writes_per_node']['mean']} writes, {c['lists_per_node']['mean']} LISTs), "
-        f"{c['kib_out_per_node']['mean']:.0f} KiB in / {c['kib_in_per_node']['mean']:.0f} KiB out"
+        f"sent {c['kib_in_per_node']['mean']:.0f} KiB, received {c['kib_out_per_node']['mean']:.0f} KiB"
     )
     yield (
         f"  idle {i['seconds']} s: {i['requests_per_node_min']['mean']} requests/node/min "
