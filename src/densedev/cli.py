@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from . import __version__, accel
 from .argv import command_word, go_plugin_argv
+from .dra import WRITE_BURST, WRITE_QPS
 from .model import DEFAULT_PREFIX
 from .node.ahead import ScanAhead
 from .node.layout import PCI_DEVICES, SYSFS_ROOT
@@ -139,6 +140,17 @@ def _seconds(text: str) -> float:
         raise ValueError(f"{text!r} is not a number of seconds") from None
     if not value >= 0 or value == float("inf"):  # rejects nan too
         raise ValueError(f"{text!r} must be a finite number of seconds >= 0")
+    return value
+
+
+@_flag_type
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number per second") from None
+    if not value >= 0 or value == float("inf"):  # rejects nan too
+        raise ValueError(f"{text!r} must be a finite rate >= 0 (0: no limit)")
     return value
 
 
@@ -363,6 +375,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             action="store_true",
             help="taint unhealthy DRA devices NoSchedule instead of withdrawing them from their "
             "ResourceSlice",
+        )
+        run.add_argument(
+            "--dra-write-qps",
+            type=_rate,
+            default=WRITE_QPS,
+            help="ResourceSlice writes per second for the whole node, a token bucket (0: no limit)",
+        )
+        run.add_argument(
+            "--dra-write-burst",
+            type=_int_at_least(1),
+            default=WRITE_BURST,
+            help="ResourceSlice writes the bucket lets go at once (a node's whole start fits in the default)",
         )
         run.add_argument(
             "--pod-resources-socket",
@@ -754,6 +778,8 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
             plugins_dir=args.kubelet_plugins_dir,
             registry_dir=args.kubelet_registry_dir,
             taints=args.dra_taints,
+            write_qps=args.dra_write_qps,
+            write_burst=args.dra_write_burst,
         ),
     )
     if args.netlink_rcvbuf is not None:

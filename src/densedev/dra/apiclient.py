@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote, urlencode
 
+from .. import __version__
 from ..printable import clip
 from .slices import ApiVersion
 
@@ -43,6 +45,9 @@ REQUEST_TIMEOUT_S = 30.0  # reads (list, get, discovery); a watch has its own re
 # API server answers a ResourceSlice write in milliseconds, and its own cut is --request-timeout, 60 s.
 WRITE_TIMEOUT_S = 10.0
 MAX_BODY = 16 << 20  # refuse a response larger than this (a 16k-device list is ~10 MiB of JSON)
+# A Retry-After longer than this is taken as this: a server (or proxy) asking for an hour would leave a
+# node's slices stale that long; client-go's own cap on a retry's wait is a minute too.
+RETRY_AFTER_MAX_S = 60.0
 
 
 TIMEOUT = "Timeout"  # ApiError.reason of a request cut by our own timeout (status 0)
@@ -51,16 +56,78 @@ TIMEOUT = "Timeout"  # ApiError.reason of a request cut by our own timeout (stat
 class ApiError(Exception):
     """An API request that failed: HTTP status (0: no answer), the Status reason, a bounded message."""
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(self, status: int, reason: str, message: str, retry_after: float | None = None) -> None:
         self.status = status
         self.reason = reason
         self.message = clip(message, 300)
+        # Seconds the server asked us to wait (Retry-After of a 429 or 503), at most RETRY_AFTER_MAX_S.
+        self.retry_after = retry_after
         super().__init__(f"{status} {reason}: {self.message}")
 
     @property
     def timed_out(self) -> bool:
         """Whether no answer came within the request's timeout (the server may still apply a write)."""
         return self.status == 0 and self.reason == TIMEOUT
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (delta-seconds; an HTTP date is not sent by the API
+    server), capped at ``RETRY_AFTER_MAX_S``; None when absent or unreadable."""
+    if not value:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    if seconds != seconds or seconds < 0:  # NaN, negative
+        return None
+    return min(seconds, RETRY_AFTER_MAX_S)
+
+
+class TokenBucket:
+    """A token bucket: ``qps`` tokens a second, up to ``burst`` saved; callers wait their turn in order.
+
+    Reservation-style (as golang.org/x/time/rate's Reserve, which client-go's limiter uses): a caller
+    takes its token at once, the count may go negative, and it waits until its token would have been
+    there, so waiters are served first come, first served, without waking each other.  ``qps`` 0 or
+    less turns the limit off.
+    """
+
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.qps = qps
+        self.burst = max(1, burst)
+        self._clock = clock
+        self._tokens = float(self.burst)
+        self._at = clock()
+        self.waited = 0  # callers that had to wait, for tests and metrics
+
+    def reserve(self) -> float:
+        """Take a token; return the seconds to wait before using it (0: at once)."""
+        if self.qps <= 0:
+            return 0.0
+        now = self._clock()
+        self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.qps)
+        self._at = now
+        self._tokens -= 1.0
+        if self._tokens >= 0:
+            return 0.0
+        self.waited += 1
+        return -self._tokens / self.qps
+
+    def give_back(self) -> None:
+        """Return a token taken by ``reserve`` and not used (its caller was cancelled)."""
+        if self.qps > 0:
+            self._tokens = min(float(self.burst), self._tokens + 1.0)
+
+    async def acquire(self) -> None:
+        """Wait for a token."""
+        wait = self.reserve()
+        if wait > 0:
+            try:
+                await asyncio.sleep(wait)
+            except asyncio.CancelledError:
+                self.give_back()
+                raise
 
 
 class ClaimReader(Protocol):
@@ -77,6 +144,17 @@ class ResourceClient:
     def __init__(self, api: Any, version: ApiVersion | None = None) -> None:
         self._api = api  # kubernetes_asyncio.client.ApiClient
         self.version = version
+        self.user_agent = f"densedev/{__version__}"
+        self.writes = TokenBucket(0.0, 1)  # no limit until ``limit_writes``
+
+    def identify(self, node: str) -> None:
+        """Send ``densedev/<version> node/<name>`` as the User-Agent: the API server's audit log and
+        APF's flow distinguisher then tell one node's requests from another's."""
+        self.user_agent = f"densedev/{__version__} node/{node}"
+
+    def limit_writes(self, qps: float, burst: int) -> None:
+        """Meter slice writes through a token bucket of ``qps`` a second and ``burst`` (0 qps: none)."""
+        self.writes = TokenBucket(qps, burst)
 
     # --------------------------------------------------------------------------------------- creation
     @classmethod
@@ -127,7 +205,7 @@ class ResourceClient:
         api = self._api
         rest = api.rest_client
         params = list((query or {}).items())
-        headers = {**api.default_headers, "Accept": "application/json"}
+        headers = {**api.default_headers, "Accept": "application/json", "User-Agent": self.user_agent}
         data = None
         if body is not None:
             # Serialised here, in one C-speed pass: the generated client's sanitize_for_serialization
@@ -192,7 +270,8 @@ class ResourceClient:
             raise ApiError(resp.status, "BadResponse", f"{method} {path}: not a JSON object")
         if not 200 <= resp.status < 300:
             reason, message = doc.get("reason", ""), doc.get("message", "")
-            raise ApiError(resp.status, str(reason) or (resp.reason or ""), str(message))
+            wait = retry_after(resp.headers.get("Retry-After")) if resp.status in (429, 503) else None
+            raise ApiError(resp.status, str(reason) or (resp.reason or ""), str(message), wait)
         return doc
 
     def _base(self) -> str:
@@ -267,11 +346,13 @@ class ResourceClient:
     async def create_slice(self, obj: Mapping[str, Any], timeout: float = WRITE_TIMEOUT_S) -> dict[str, Any]:
         """Create a slice; return it as stored."""
         path = f"{self._base()}/resourceslices"
+        await self.writes.acquire()
         return dict(await self._call("POST", path, body=obj, timeout=timeout))
 
     async def replace_slice(self, obj: Mapping[str, Any], timeout: float = WRITE_TIMEOUT_S) -> dict[str, Any]:
         """Replace a slice (PUT; 409 when ``metadata.resourceVersion`` is stale); return it as stored."""
         path = f"{self._base()}/resourceslices/{quote(obj['metadata']['name'], safe='')}"
+        await self.writes.acquire()
         return dict(await self._call("PUT", path, body=obj, timeout=timeout))
 
     async def get_slice(self, name: str, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
@@ -290,6 +371,7 @@ class ResourceClient:
             pre["resourceVersion"] = resource_version
         body = {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": pre} if pre else None
         path = f"{self._base()}/resourceslices/{quote(name, safe='')}"
+        await self.writes.acquire()
         await self._call("DELETE", path, body=body, timeout=timeout)
 
     async def delete_slices(self, field_selector: str) -> None:

@@ -326,6 +326,9 @@ class DraDriver:
             except Exception as exc:
                 why = f"{type(exc).__name__}: {exc}"
                 raise DraUnavailable(f"cannot configure the API client: {why}") from None
+            # Every request names the node (audit log, APF flow), writes are metered for the node as a whole.
+            self.client.identify(node)
+            self.client.limit_writes(self.settings.write_qps, self.settings.write_burst)
         try:
             await self.client.discover()
         except Exception as exc:

@@ -3,8 +3,11 @@
 Two tasks on the daemon's loop, neither of which may die of an exception:
 
 * the **reflector** lists our slices (``spec.nodeName=<node>,spec.driver=<driver>``) and watches them,
-  keeping a mirror of what the server holds; it re-lists when a watch ends or fails (and, if watching
-  is refused, every ``resync_s``), so a slice deleted by someone else is seen either way;
+  keeping a mirror of what the server holds; a watch that ends is resumed from the last resourceVersion
+  seen, and the reflector lists again only when the server expired it (410) (or, if watching is refused,
+  every ``resync_s``), so a slice deleted by someone else is seen either way and a lost watch costs one
+  LIST at most; a watch the server closed early comes back after a random part of ``reconnect_spread_s``
+  (a restarting API server closes every node's watch at once: issue 26);
 * the **syncer** compares what the builder wants with the mirror and writes the difference: deletes
   of stale slices of ours first (with UID and resourceVersion preconditions), then updates, then
   creates, as the official helper orders them.  Each write is a task of its own, at most
@@ -25,9 +28,11 @@ version), every slice moves to generation + 1.
 Failures are the slice's own: a conflict (409) is retried at once after a fresh read of that slice,
 and a second one in a row, a write cut by ``write_timeout_s`` (10 s; the slice is read again before it
 is retried, since the server may have applied it) or any other error backs that slice off, jittered,
-from 0.5 s doubling to 30 s, with one log line per run of failures; a slice gone under an update (404)
-is created again.  A retry, like every write, carries the newest state the slice should have, never the
-one the failed write carried.  Conflicts and cut writes are counted (``densedev_dra_slice_write_*``).
+from 0.5 s doubling to 30 s, and never sooner than a 429's or 503's ``Retry-After`` asked (capped at
+60 s), with one log line per run of failures; a slice gone under an update (404) is created again.  All
+of a node's writes also pass its client's token bucket (``--dra-write-qps``/``--dra-write-burst``).
+A retry, like every write, carries the newest state the slice should have, never the one the failed
+write carried.  Conflicts and cut writes are counted (``densedev_dra_slice_write_*``).
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..backoff import Backoff
+from ..backoff import Backoff, jittered
 from ..model import Pool
 from ..ops.logs import log_event
-from .apiclient import WRITE_TIMEOUT_S, ApiError, ResourceClient
+from .apiclient import RETRY_AFTER_MAX_S, WRITE_TIMEOUT_S, ApiError, ResourceClient
 from .slices import ApiVersion, SliceBuilder, SliceState, node_owner
 
 if TYPE_CHECKING:
@@ -84,6 +89,9 @@ class PublisherSettings:
     backoff_min_s: float = 0.5  # failed writes (per slice) and failed passes back off between these
     backoff_max_s: float = 30.0
     write_timeout_s: float = WRITE_TIMEOUT_S  # a slice write (or its re-read) unanswered this long is cut
+    # A watch the server closed early is resumed after a random part of this: when an API server
+    # restarts, every node of the fleet loses its watch in the same second (issue 26).
+    reconnect_spread_s: float = 8.0  # a 2 s refusal then leaves the LISTs spread over 6 s or more
 
 
 def _rv_int(rv: str) -> int | None:
@@ -119,6 +127,7 @@ class Publisher:
         rand: Callable[[], float] = random.random,
     ) -> None:
         self._client = client
+        client.identify(settings.node)
         self._metrics = metrics
         self._rand = rand
         self.settings = settings
@@ -148,6 +157,9 @@ class Publisher:
         self.conflicts = 0  # writes answered 409
         self.timeouts = 0  # writes cut for want of an answer
         self.errors = 0
+        self.lists = 0  # successful LISTs (one at the start, one per watch loss the server expired)
+        self.watch_losses = 0  # watches the server closed before their timeout
+        self.throttled = 0  # failures that came with a Retry-After (429, 503), honoured
         self.deferred: set[str] = set()  # slices waiting for their rate limit or backoff
         # The API server dropped the taints we wrote (DRADeviceTaints is off: alpha in 1.33-1.35, and
         # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
@@ -263,45 +275,84 @@ class Publisher:
         self._layout_checked = None
 
     async def _reflect(self) -> None:
-        delay = self.settings.backoff_min_s
+        """List once, then watch from the newest resourceVersion seen, resuming after every loss.
+
+        A watch that ends is resumed from where it was (as client-go's reflector does): no LIST unless
+        the server says that resourceVersion is gone (410 Expired, which a restarted server's fresh
+        watch cache answers) or will not watch at all, so a lost watch costs a node exactly one LIST at
+        most.  A watch the server closed early (a restart, a rolling update: every node's watch ends in
+        the same second) is resumed after a random part of ``reconnect_spread_s``, so a fleet comes back
+        spread out instead of in one burst; every failed attempt backs off, jittered, and waits at least
+        what a 429 or 503 asked for in ``Retry-After``.
+        """
+        s = self.settings
+        retry = Backoff(s.backoff_min_s, s.backoff_max_s, jitter=0.5, rand=self._rand)
+        loop = asyncio.get_running_loop()
+        rv = ""  # the newest resourceVersion seen; "" means list first
+        lost = False  # since a watch the server closed, nothing has worked yet
         while True:
             try:
                 if self._client.version is None:
                     await self._client.discover()
-                items, rv = await self._client.list_slices(self._field_selector)
-                self._merge_list(items)
-                self._listed.set()
-                self.poke()
-                delay = self.settings.backoff_min_s
-                async for kind, obj in self._client.watch_slices(
-                    self._field_selector, rv, self.settings.watch_timeout_s
-                ):
-                    if kind == "BOOKMARK":
-                        continue
-                    self._observe(kind, obj)
-                continue  # the server ended the watch: list again (a periodic re-list for free)
+                if not rv:
+                    items, rv = await self._client.list_slices(self._field_selector)
+                    self.lists += 1
+                    self._merge_list(items)
+                    self._listed.set()
+                    self.poke()
+                    retry.reset()
+                    lost = False
+                opened = loop.time()
+                async for kind, obj in self._client.watch_slices(self._field_selector, rv, s.watch_timeout_s):
+                    retry.reset()
+                    lost = False
+                    meta = obj.get("metadata") if isinstance(obj, dict) else None
+                    seen = str(meta.get("resourceVersion") or "") if isinstance(meta, dict) else ""
+                    if seen:
+                        rv = seen  # bookmarks too: they move the resume point past others' writes
+                    if kind != "BOOKMARK":
+                        self._observe(kind, obj)
+                if loop.time() - opened < 0.9 * s.watch_timeout_s:
+                    # Closed by the server before its timeout: the whole fleet lost its watch now.
+                    self.watch_losses += 1
+                    lost = True
+                    await asyncio.sleep(s.reconnect_spread_s * self._rand())
+                continue  # a watch that ran its time is resumed at once
             except asyncio.CancelledError:
                 raise
             except ApiError as exc:
                 self.errors += 1
                 if exc.status in (403, 405):
                     # Watching refused: poll by listing instead.
-                    log.warning(
-                        "dra: cannot watch ResourceSlices (%s); listing every %gs",
-                        exc,
-                        self.settings.resync_s,
-                    )
-                    await asyncio.sleep(self.settings.resync_s)
+                    log.warning("dra: cannot watch ResourceSlices (%s); listing every %gs", exc, s.resync_s)
+                    rv = ""
+                    await asyncio.sleep(s.resync_s)
                     continue
-                if exc.status != 410:  # 410 Expired: our resourceVersion is too old, re-list at once
-                    log.warning("dra: ResourceSlice list/watch failed: %s; again in %.1fs", exc, delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, self.settings.backoff_max_s)
+                if exc.status == 410:  # our resourceVersion is too old: list again at once
+                    rv = ""
+                    continue
+                delay = self._retry_delay(retry, exc)
+                if lost:
+                    # Still down after a loss: the nodes that came back early would otherwise all
+                    # retry within a backoff of the server's return, in one burst; each draws again.
+                    delay = max(delay, s.reconnect_spread_s * self._rand())
+                log.warning("dra: ResourceSlice list/watch failed: %s; again in %.1fs", exc, delay)
+                await asyncio.sleep(delay)
             except Exception:
                 self.errors += 1
+                delay = retry.next()
                 log.exception("dra: reflector error; again in %.1fs", delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self.settings.backoff_max_s)
+
+    def _retry_delay(self, retry: Backoff, exc: Exception) -> float:
+        """The next jittered backoff, but at least what the server asked for in Retry-After (plus up to
+        a quarter more, so nodes told the same second do not all come back in it), at most the cap."""
+        delay = retry.next()
+        after = exc.retry_after if isinstance(exc, ApiError) else None
+        if after:
+            self.throttled += 1
+            delay = max(delay, min(RETRY_AFTER_MAX_S, after * (1.0 + 0.25 * self._rand())))
+        return delay
 
     # ----------------------------------------------------------------------------------------- syncer
     async def _sync_loop(self) -> None:
@@ -326,7 +377,9 @@ class Publisher:
                     log.warning("dra: publishing slices failed: %s; again in %.1fs", exc, delay)
                 else:
                     log.exception("dra: publishing slices failed; again in %.1fs", delay)
-                wait = delay
+                wait = jittered(delay, 0.5, self._rand)
+                if isinstance(exc, ApiError) and exc.retry_after:
+                    wait = max(wait, exc.retry_after)
                 delay = min(delay * 2, self.settings.backoff_max_s)
             if wait is None:
                 if not self._running and not self._wake.is_set():
@@ -569,7 +622,7 @@ class Publisher:
             tries = self._failures[name] = Backoff(
                 s.backoff_min_s, s.backoff_max_s, jitter=0.5, rand=self._rand
             )
-        delay = tries.next()
+        delay = self._retry_delay(tries, exc)
         self.retrying[name] = self._clock() + delay
         if first:
             # One line per slice per run of failures, not one per failure (409s can come back-to-back).

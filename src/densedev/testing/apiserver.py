@@ -17,6 +17,12 @@ Every object written is checked as the real server would: against the official O
 states in prose (128 devices, DNS-label device names, qualified attribute names, 32 attributes, one value
 type each, 64-character strings, slice count above zero, immutable driver/pool/node).  Invalid writes
 get ``422 Invalid`` with a Status body.  Counters record every write per slice for tests and benchmarks.
+
+One stand-in serves a fleet (``FleetControls``, issue 26): every request is counted by node (from the
+User-Agent's ``node/<name>``, else the object or field selector), verb and resource, with bytes in and
+out and the stand-in's own CPU, and ``/_standin/`` endpoints (or ``srv.fleet``) make it restart (close
+every watch, refuse for a while, come back with a newer resourceVersion), answer 429 with Retry-After,
+or slow down.
 """
 
 from __future__ import annotations
@@ -235,12 +241,14 @@ class ApiServerStandIn:
         self._runner: web.AppRunner | None = None
         self.url = ""
         self._init_claim_status()  # the resourceclaims/status section below
+        self.fleet = FleetControls(self)  # per-node counters and the /_standin/ fault controls
 
     # -------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> str:
         """Listen on an ephemeral port of 127.0.0.1; return the base URL."""
-        app = web.Application(middlewares=[self._auth])
+        app = web.Application(middlewares=[self.fleet.middleware, self._auth])
         r = app.router
+        self.fleet.install(r)
         r.add_get(f"/apis/{GROUP}", self._group)
         r.add_get(f"/apis/{GROUP}/{{v}}/resourceslices", self._list)
         r.add_post(f"/apis/{GROUP}/{{v}}/resourceslices", self._create)
@@ -732,6 +740,242 @@ def _device_status_rules(status: dict[str, Any]) -> None:
             raise _Invalid(f"{where}.networkData.hardwareAddress: at most 128 characters")
         if len(net.get("ips") or ()) > 16:
             raise _Invalid(f"{where}.networkData.ips: at most 16 items")
+
+
+# ------------------------------------------------------------------------------------------ the fleet
+# One stand-in serves a whole fleet of daemons (issue 26): every request is counted by verb, resource
+# and node, with its bytes, and the server can be told to restart, throttle or slow down, from the test
+# (``srv.fleet.restart()``) or over HTTP (``POST /_standin/restart``) when it runs as its own process.
+
+_AGENT_NODE = re.compile(r"(?:^|\s)node/([A-Za-z0-9.\-_]+)")
+_FIELD_NODE = re.compile(r"spec\.nodeName==?([^,]+)")
+LOG_LIMIT = 500_000  # request-log entries kept (a 32-node storm makes a few thousand a minute)
+
+
+class FleetControls:
+    """Per-node request accounting and fault controls (restart, 429, slow-down) of one stand-in."""
+
+    def __init__(self, srv: ApiServerStandIn) -> None:
+        self._srv = srv
+        # (node, verb, resource, status) → requests, counted as answered (a watch when it ends; the log
+        # has it from its start); node → bytes received / sent
+        self.requests: Counter[tuple[str, str, str, int]] = Counter()
+        self.bytes_in: Counter[str] = Counter()
+        self.bytes_out: Counter[str] = Counter()
+        self.handler_cpu: dict[str, float] = {}  # verb → CPU seconds spent in its handlers
+        # (monotonic time of arrival, node, verb, resource, status): CLOCK_MONOTONIC is shared by the
+        # processes of one machine, so a benchmark compares these times with its own.
+        self.log: list[tuple[float, str, str, str, int]] = []
+        # (monotonic time, node, devices published for the node after a successful slice write)
+        self.published: list[tuple[float, str, int]] = []
+        self.refuse_until = 0.0  # a restart in progress: every request answered 503 until then
+        self.throttle_until = 0.0  # 429 with Retry-After until then ...
+        self.retry_after = 1  # ... saying this many seconds ...
+        self.throttle_fraction = 1.0  # ... to this share of requests (deterministic: every n-th)
+        self._throttle_seen = 0.0
+        self.delay_s = 0.0  # added before every answer (an overloaded server)
+        self.restarts = 0
+
+    # ------------------------------------------------------------------------------ accounting
+    @staticmethod
+    def verb(request: web.Request) -> str:
+        """The kube-apiserver's verb for a request (apiserver_request_total's ``verb`` label)."""
+        named = "name" in request.match_info
+        method = request.method
+        if method == "GET":
+            if request.query.get("watch") in ("true", "1"):
+                return "WATCH"
+            return "GET" if named else "LIST"
+        if method == "DELETE":
+            return "DELETE" if named else "DELETECOLLECTION"
+        return {"POST": "CREATE", "PUT": "UPDATE", "PATCH": "PATCH"}.get(method, method)
+
+    @staticmethod
+    def resource(request: web.Request) -> str:
+        """The resource a path names (``resourceslices``, ``nodes``, ``discovery``...)."""
+        parts = [p for p in request.path.split("/") if p]
+        for kind in ("resourceslices", "resourceclaims", "nodes"):
+            if kind in parts:
+                return kind
+        return "discovery" if parts[:1] == ["apis"] else (parts[0] if parts else "-")
+
+    def node_of(self, request: web.Request, body: bytes) -> str:
+        """Which node sent a request: its User-Agent's ``node/<name>``, else what the request names."""
+        m = _AGENT_NODE.search(request.headers.get("User-Agent", ""))
+        if m:
+            return m.group(1)
+        m = _FIELD_NODE.search(request.query.get("fieldSelector", ""))
+        if m:
+            return m.group(1)
+        if body:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                node = (json.loads(body).get("spec") or {}).get("nodeName")
+                if node:
+                    return str(node)
+        name = request.match_info.get("name")
+        if name is not None and request.path.endswith(f"/resourceslices/{name}"):
+            held = self._srv.slices.get(name)
+            if held is not None:
+                return str((held.get("spec") or {}).get("nodeName") or "-")
+        return "-"
+
+    def devices_of(self, node: str) -> int:
+        """Devices the stand-in holds for ``node``, over all its slices."""
+        return sum(len((s.get("spec") or {}).get("devices") or ()) for s in self._srv.node_slices(node))
+
+    def reset(self) -> None:
+        """Forget every count and log entry (a benchmark's scenario boundary)."""
+        self.requests.clear()
+        self.bytes_in.clear()
+        self.bytes_out.clear()
+        self.handler_cpu.clear()
+        self.log.clear()
+        self.published.clear()
+
+    def per_node(self, verb: str | None = None, resource: str = "resourceslices") -> Counter[str]:
+        """Requests per node (of one verb, or all), of one resource."""
+        out: Counter[str] = Counter()
+        for (node, v, res, _code), n in self.requests.items():
+            if res == resource and (verb is None or v == verb):
+                out[node] += n
+        return out
+
+    def stats(self, since: float = 0.0) -> dict[str, Any]:
+        """Everything counted, as JSON-ready data; log entries from ``since`` (monotonic) on."""
+        import resource as rusage
+        import time
+
+        ru = rusage.getrusage(rusage.RUSAGE_SELF)
+        return {
+            "now": time.monotonic(),
+            "cpu_s": ru.ru_utime + ru.ru_stime,
+            "handler_cpu_s": dict(self.handler_cpu),
+            "requests": [[*k, n] for k, n in sorted(self.requests.items())],
+            "bytes_in": dict(self.bytes_in),
+            "bytes_out": dict(self.bytes_out),
+            "devices": {n: self.devices_of(n) for n in self._srv.nodes},
+            "log": [list(e) for e in self.log if e[0] >= since],
+            "published": [list(e) for e in self.published if e[0] >= since],
+            "restarts": self.restarts,
+        }
+
+    # --------------------------------------------------------------------------------- controls
+    def restart(self, refuse_s: float = 2.0, rv_jump: int = 1000) -> None:
+        """Play an API-server restart: close every watch, refuse requests for ``refuse_s``, then serve
+        on with a resourceVersion ``rv_jump`` ahead and an empty watch cache (older ones get 410)."""
+        import time
+
+        srv = self._srv
+        for w in srv._watchers:
+            w.queue.put_nowait(None)
+        # The new process's watch cache starts at etcd's current revision: resuming a watch from an
+        # older resourceVersion is "too old" (410), the client must list again.
+        srv._rv += rv_jump
+        srv._events.clear()
+        self.refuse_until = time.monotonic() + refuse_s
+        self.restarts += 1
+
+    def throttle(self, seconds: float, retry_after: int = 1, fraction: float = 1.0) -> None:
+        """Answer 429 Too Many Requests with ``Retry-After`` to ``fraction`` of requests for ``seconds``
+        (what API Priority and Fairness does when a priority level's queues are full)."""
+        import time
+
+        self.throttle_until = time.monotonic() + seconds
+        self.retry_after = retry_after
+        self.throttle_fraction = fraction
+        self._throttle_seen = 0.0
+
+    def slow(self, delay_s: float) -> None:
+        """Add ``delay_s`` before every answer (0 ends it)."""
+        self.delay_s = delay_s
+
+    def install(self, router: web.UrlDispatcher) -> None:
+        """Add the ``/_standin/`` control endpoints."""
+        router.add_get("/_standin/stats", self._h_stats)
+        router.add_post("/_standin/restart", self._h_restart)
+        router.add_post("/_standin/throttle", self._h_throttle)
+        router.add_post("/_standin/slow", self._h_slow)
+        router.add_post("/_standin/reset", self._h_reset)
+
+    @staticmethod
+    def _num(request: web.Request, key: str, default: float) -> float:
+        try:
+            return float(request.query.get(key, default))
+        except ValueError:
+            raise web.HTTPBadRequest(text=f"{key}: not a number") from None
+
+    async def _h_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats(self._num(request, "since", 0.0)))
+
+    async def _h_restart(self, request: web.Request) -> web.Response:
+        self.restart(self._num(request, "refuse_s", 2.0), int(self._num(request, "rv_jump", 1000)))
+        return web.json_response({"restarted": self.restarts})
+
+    async def _h_throttle(self, request: web.Request) -> web.Response:
+        n = self._num
+        seconds, fraction = n(request, "seconds", 10.0), n(request, "fraction", 1.0)
+        self.throttle(seconds, int(n(request, "retry_after", 1)), fraction)
+        return web.json_response({"throttle_until": self.throttle_until})
+
+    async def _h_slow(self, request: web.Request) -> web.Response:
+        self.slow(self._num(request, "delay_s", 0.0))
+        return web.json_response({"delay_s": self.delay_s})
+
+    async def _h_reset(self, request: web.Request) -> web.Response:
+        self.reset()
+        return web.json_response({})
+
+    # ------------------------------------------------------------------------------- middleware
+    def _fault(self, now: float) -> web.Response | None:
+        if now < self.refuse_until:
+            return _status(503, "ServiceUnavailable", "stand-in: restarting")
+        if now < self.throttle_until:
+            self._throttle_seen += self.throttle_fraction
+            if self._throttle_seen >= 1.0:
+                self._throttle_seen -= 1.0
+                resp = _status(429, "TooManyRequests", "stand-in: too many requests, please try again later")
+                resp.headers["Retry-After"] = str(self.retry_after)
+                return resp
+        return None
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Count the request (node, verb, resource, status, bytes, CPU); apply any fault first."""
+        import time
+
+        if request.path.startswith("/_standin/"):
+            return await handler(request)
+        body = await request.read() if request.can_read_body else b""
+        node = self.node_of(request, body)
+        verb, res = self.verb(request), self.resource(request)
+        if self.delay_s > 0:
+            await asyncio.sleep(self.delay_s)
+        cpu0, arrived = time.thread_time(), time.monotonic()
+        resp: web.StreamResponse | None = self._fault(arrived)
+        # A watch is logged as it opens (it may stay open for the whole run), and its status set after.
+        at = len(self.log) if len(self.log) < LOG_LIMIT else -1
+        if at >= 0:
+            self.log.append((arrived, node, verb, res, resp.status if resp is not None else 200))
+        if resp is None:
+            try:
+                resp = await handler(request)
+            except web.HTTPException as exc:
+                resp = exc
+        # A watch's handler spans its whole life: its CPU is the events it wrote, counted all the same.
+        self.handler_cpu[verb] = self.handler_cpu.get(verb, 0.0) + time.thread_time() - cpu0
+        now = time.monotonic()
+        code = resp.status
+        self.requests[(node, verb, res, code)] += 1
+        self.bytes_in[node] += len(body) + sum(len(k) + len(v) + 4 for k, v in request.headers.items())
+        sent = resp.body_length if resp.prepared else len(getattr(resp, "body", b"") or b"")
+        self.bytes_out[node] += sent
+        if 0 <= at < len(self.log) and self.log[at][0] == arrived:  # not cleared by a reset meanwhile
+            self.log[at] = (arrived, node, verb, res, code)
+        if res == "resourceslices" and verb in ("CREATE", "UPDATE", "DELETE") and code < 300:
+            self.published.append((now, node, self.devices_of(node)))
+        if isinstance(resp, web.HTTPException):
+            raise resp
+        return resp
 
 
 if __name__ == "__main__":

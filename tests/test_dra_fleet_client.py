@@ -1,0 +1,292 @@
+"""A fleet of nodes against one API server (issue 26): the stand-in's accounting and faults, and what
+the client and publisher do when every node meets them at once.
+
+Everything runs against the API-server stand-in over real HTTP, through the production client, on
+uvloop.  The stand-in counts each request by node, verb and resource, so each test asserts counts: how
+many LISTs a lost watch costs, which User-Agent a node sends, that a 429's Retry-After held a write back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers.dra_daemon import NODE, cluster, pool
+from helpers.dra_daemon import Node as DaemonNode
+from helpers.waiting import eventually
+
+from densedev import __version__
+from densedev.dra import WRITE_BURST, WRITE_QPS, names, slices
+from densedev.dra.apiclient import RETRY_AFTER_MAX_S, ApiError, ResourceClient, TokenBucket, retry_after
+from densedev.dra.publisher import Publisher, PublisherSettings
+from densedev.model import Pool
+from densedev.node import scanner
+from densedev.pools import config, select
+from densedev.testing import simnode
+from densedev.testing.apiserver import ApiServerStandIn
+
+DRIVER = names.DEFAULT_DRIVER_NAME
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pool, ...]:
+    node = simnode.build_node(tmp_path_factory.mktemp("node"), pfs=2, vfs_per_pf=64)
+    cfg = config.parse(json.dumps({"resourceList": [{"resourceName": "vfs", "api": "dra"}]}))
+    return slices.dra_pools(select.build_pools(cfg, scanner.scan(node.root).devices))
+
+
+def _slice(node: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": name},
+        "spec": {
+            "driver": DRIVER,
+            "nodeName": node,
+            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+            "devices": [{"name": "d0"}],
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------- the stand-in
+async def test_the_stand_in_counts_requests_per_node_verb_and_resource() -> None:
+    async with ApiServerStandIn() as srv:
+        a, b = ResourceClient.for_url(srv.url), ResourceClient.for_url(srv.url)
+        try:
+            await a.discover()
+            await b.discover()
+            await a.create_slice(_slice("node-a", "a-0"))
+            await b.create_slice(_slice("node-b", "b-0"))
+            stored = await b.get_slice("b-0")
+            await b.replace_slice(stored)
+            await a.list_slices("spec.nodeName=node-a")
+        finally:
+            await a.close()
+            await b.close()
+        fleet = srv.fleet
+        # Without a node in the User-Agent, the node comes from the object or the field selector.
+        assert fleet.requests[("node-a", "CREATE", "resourceslices", 201)] == 1
+        assert fleet.requests[("node-b", "UPDATE", "resourceslices", 200)] == 1
+        assert fleet.requests[("node-b", "GET", "resourceslices", 200)] == 1
+        assert fleet.requests[("node-a", "LIST", "resourceslices", 200)] == 1
+        assert fleet.per_node("CREATE") == {"node-a": 1, "node-b": 1}
+        assert fleet.bytes_in["node-b"] > 0 and fleet.bytes_out["node-a"] > 0
+        stats = fleet.stats()
+        assert stats["cpu_s"] > 0 and {e[2] for e in stats["log"]} >= {"CREATE", "UPDATE", "LIST"}
+        assert [(e[1], e[2]) for e in stats["published"]] == [("node-a", 1), ("node-b", 1), ("node-b", 1)]
+
+
+async def test_the_stand_in_restarts_throttles_and_slows_down() -> None:
+    async with ApiServerStandIn() as srv:
+        c = ResourceClient.for_url(srv.url)
+        try:
+            await c.discover()
+            _, rv = await c.list_slices("spec.nodeName=n")
+            events = c.watch_slices("spec.nodeName=n", rv)
+            pending = asyncio.ensure_future(anext(events))
+            await eventually(lambda: bool(srv._watchers), "the watch open")
+            srv.fleet.restart(refuse_s=0.3, rv_jump=500)
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(pending, 5)  # the watch closed by the restart
+            with pytest.raises(ApiError) as refused:
+                await c.list_slices("spec.nodeName=n")
+            assert refused.value.status == 503
+            await asyncio.sleep(0.35)
+            _, rv2 = await c.list_slices("spec.nodeName=n")
+            assert int(rv2) >= int(rv) + 500
+            with pytest.raises(ApiError) as gone:  # the old resourceVersion is out of the new cache
+                await anext(c.watch_slices("spec.nodeName=n", rv))
+            assert gone.value.status == 410
+            srv.fleet.throttle(5.0, retry_after=3)
+            with pytest.raises(ApiError) as throttled:
+                await c.create_slice(_slice("n", "n-0"))
+            assert throttled.value.status == 429 and throttled.value.retry_after == 3
+            srv.fleet.throttle(0.0)
+            srv.fleet.slow(0.2)
+            t = time.monotonic()
+            await c.create_slice(_slice("n", "n-0"))
+            assert time.monotonic() - t >= 0.2
+        finally:
+            await c.close()
+
+
+# ---------------------------------------------------------------------------- the client in a fleet
+def _publisher(
+    srv: ApiServerStandIn,
+    node: str,
+    pools: tuple[Pool, ...],
+    rand: Callable[[], float] = lambda: 0.5,
+    **knobs: Any,
+) -> Publisher:
+    srv.add_node(node)
+    settings = PublisherSettings(node, DRIVER, min_write_interval_s=0.0, **knobs)
+    return Publisher(ResourceClient.for_url(srv.url), settings, pools, rand=rand)
+
+
+async def _stop(*pubs: Publisher) -> None:
+    for pub in pubs:
+        await pub.stop()
+        await pub._client.close()
+
+
+async def test_a_node_names_itself_in_its_user_agent(pools: tuple[Pool, ...]) -> None:
+    async with ApiServerStandIn() as srv:
+        pub = _publisher(srv, "node-7", pools)
+        try:
+            await pub.start()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+        finally:
+            await _stop(pub)
+        assert pub._client.user_agent == f"densedev/{__version__} node/node-7"
+        # Discovery and the Node read name no node themselves: only the User-Agent tells whose they are.
+        by_node = {(node, verb, res) for (node, verb, res, _code) in srv.fleet.requests}
+        assert ("node-7", "LIST", "discovery") in by_node or ("node-7", "GET", "discovery") in by_node
+        assert ("node-7", "GET", "nodes") in by_node
+        assert {node for node, _, _ in by_node} == {"node-7"}
+
+
+async def test_a_lost_watch_is_resumed_with_one_list_and_no_write(pools: tuple[Pool, ...]) -> None:
+    async with ApiServerStandIn() as srv:
+        pub = _publisher(srv, "node-1", pools, backoff_min_s=0.05, reconnect_spread_s=0.1)
+        try:
+            await pub.start()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            srv.fleet.reset()
+            srv.fleet.restart(refuse_s=1.0)
+            # The watch is resumed (503 while refused, then 410 from the new cache), then listed once.
+            await eventually(lambda: pub.lists == 2 and bool(srv._watchers), "listed again and watching")
+            await asyncio.sleep(0.3)
+        finally:
+            await _stop(pub)
+        lists = [e for e in srv.fleet.log if e[2] == "LIST" and e[3] == "resourceslices"]
+        assert len(lists) == 1 and lists[0][4] == 200, lists
+        assert srv.fleet.per_node("WATCH")["node-1"] >= 2  # refused or expired, then the new one
+        assert not [e for e in srv.fleet.log if e[2] in ("CREATE", "UPDATE", "DELETE")]
+        assert pub.watch_losses == 1
+
+
+async def test_every_watch_dropped_at_once_comes_back_spread_out(pools: tuple[Pool, ...]) -> None:
+    spread = 1.5
+    async with ApiServerStandIn() as srv:
+        pubs = [
+            _publisher(srv, f"node-{k}", pools, reconnect_spread_s=spread, rand=lambda k=k: k / 6)
+            for k in range(6)
+        ]
+        try:
+            for pub in pubs:
+                await pub.start()
+            for pub in pubs:
+                await asyncio.wait_for(pub.wait_idle(), 30)
+            await eventually(lambda: len(srv._watchers) == 6, "six watches open")
+            srv.fleet.reset()
+            dropped = time.monotonic()
+            srv.fleet.restart(refuse_s=0.0)
+            watching = lambda: {e[1] for e in srv.fleet.log if e[2] == "WATCH"}  # noqa: E731
+            await eventually(lambda: len(watching()) == 6, "six watches open again", 10)
+        finally:
+            await _stop(*pubs)
+        first: dict[str, float] = {}
+        for t, node, verb, _res, _code in srv.fleet.log:
+            if verb == "WATCH":
+                first.setdefault(node, t)
+        assert len(first) == 6
+        # Node k came back k/6 of the spread after the drop: none before its share, all within it.
+        for k in range(6):
+            assert first[f"node-{k}"] - dropped >= spread * k / 6 - 0.01
+        assert max(first.values()) - min(first.values()) >= spread * 5 / 6 - 0.2
+
+
+async def test_retry_after_holds_a_write_back(pools: tuple[Pool, ...]) -> None:
+    async with ApiServerStandIn() as srv:
+        pub = _publisher(srv, "node-1", pools, backoff_min_s=0.05, backoff_max_s=0.1)
+        down = {d.id for d in pools[0].members[:4]}
+        try:
+            await pub.start()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            srv.fleet.reset()
+            srv.fleet.throttle(0.6, retry_after=2)
+            pub.update(unhealthy=down)
+            await eventually(lambda: srv.fleet.per_node("UPDATE")["node-1"] >= 2, "the write retried", 10)
+            await asyncio.wait_for(pub.wait_idle(), 10)
+        finally:
+            await _stop(pub)
+        updates = [(t, code) for t, _n, verb, _r, code in srv.fleet.log if verb == "UPDATE"]
+        # One 429, then the retry no sooner than the 2 s asked (a 0.05 s backoff alone retries at once).
+        assert [code for _, code in updates] == [429, 200], updates
+        assert updates[1][0] - updates[0][0] >= 2.0
+        assert pub.throttled == 1
+        published = srv.node_slices("node-1")
+        assert sum(len(s["spec"]["devices"]) for s in published) == 128 - 4
+
+
+def test_retry_after_is_read_as_seconds_and_capped() -> None:
+    assert retry_after("3") == 3.0
+    assert retry_after("3600") == RETRY_AFTER_MAX_S == 60.0
+    assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert retry_after("-1") is None and retry_after(None) is None
+
+
+def test_the_token_bucket_lets_a_burst_go_then_meters() -> None:
+    now = [0.0]
+    bucket = TokenBucket(10.0, 3, clock=lambda: now[0])
+    assert [bucket.reserve() for _ in range(3)] == [0.0, 0.0, 0.0]
+    # Then one every 0.1 s, each caller waiting its own turn.
+    assert [round(bucket.reserve(), 3) for _ in range(3)] == [0.1, 0.2, 0.3]
+    now[0] = 10.0  # refilled, but never past the burst
+    assert [bucket.reserve() for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert bucket.reserve() > 0
+    assert TokenBucket(0.0, 1).reserve() == 0.0  # off
+
+
+async def test_slice_writes_go_through_the_nodes_token_bucket() -> None:
+    async with ApiServerStandIn() as srv:
+        c = ResourceClient.for_url(srv.url)
+        c.limit_writes(5.0, 2)
+        try:
+            await c.discover()
+            t = time.monotonic()
+            await asyncio.gather(*(c.create_slice(_slice("n", f"n-{k}")) for k in range(6)))
+            took = time.monotonic() - t
+        finally:
+            await c.close()
+        assert srv.fleet.per_node("CREATE") == {"n": 6}
+        # Two at once, then one per 200 ms: the last four waited (a stall of the loop between two of
+        # them could refill one token, hence at least three), and the six took 0.8 s at least.
+        assert c.writes.waited >= 3
+        assert took >= (6 - 2) / 5.0 - 0.01
+
+
+# ------------------------------------------------------------------------------- the daemon's wiring
+def test_densedev_run_takes_the_write_budget_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from densedev import cli
+
+    args = cli.build_parser().parse_args(["run", "--dra-write-qps", "5", "--dra-write-burst", "3"])
+    assert (args.dra_write_qps, args.dra_write_burst) == (5.0, 3)
+    args = cli.build_parser().parse_args(["run"])
+    assert (args.dra_write_qps, args.dra_write_burst) == (WRITE_QPS, WRITE_BURST) == (20.0, 512)
+    for bad in (["--dra-write-qps", "-1"], ["--dra-write-qps", "nan"], ["--dra-write-burst", "0"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["run", *bad])
+    assert "--dra-write-burst: 0 is below the minimum 1" in capsys.readouterr().err.replace("argument ", "")
+
+
+async def test_the_daemons_client_names_the_node_and_meters_writes(tmp_path: Path) -> None:
+    node = DaemonNode(tmp_path)
+    node.write([pool("dra", [node.pf1.netdev], api="dra")])
+    try:
+        async with cluster(node) as c:
+            assert c.daemon is not None
+            await c.until(lambda: len(node.published()) == len(node.pf1.vf_addresses), "published")
+            client = c.daemon.dra.client if c.daemon.dra is not None else None
+            assert client is not None
+            assert client.user_agent == f"densedev/{__version__} node/{NODE}"
+            assert (client.writes.qps, client.writes.burst) == (WRITE_QPS, WRITE_BURST)
+            assert node.api is not None and set(node.api.fleet.per_node()) == {NODE}
+    finally:
+        node.cleanup()
