@@ -293,19 +293,33 @@ def test_a_device_is_down_while_any_of_its_links_is_known_down(ops: list[tuple[s
         assert healthy == expected, (op, name, up, known)
 
 
-def test_driver_unbound_or_changed(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_driver_unbound_or_changed(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock, shared_index: bool
+) -> None:
     # The daemon learns of a bind or unbind from its uevent, rescans, and hands the tracker the new table:
     # a pool that does not filter by driver keeps the device, which is unhealthy while not bound to the
-    # driver it was selected with.
+    # driver it was selected with.  The daemon passes the table's own index (one dict of ids, not two).
+    from densedev.node.table import DeviceTable
+
     tracker, devices = setup
+
+    def replace(devices: list[Device]) -> None:
+        if shared_index:
+            table = DeviceTable(tuple(devices))
+            tracker.replace(table.devices, setup_pools(devices), table.index)
+            assert tracker._index is table.index
+        else:
+            tracker.replace(devices, setup_pools(devices))
+
     a, b = vfs_of(devices, "ens0f0")[:2]
     devices = rebound(devices, {a.id: "vfio-pci", b.id: ""})
-    tracker.replace(devices, setup_pools(devices))
+    replace(devices)
     upd = tracker.collect()[VF0]
     assert upd.healthy == (False, False, True, True) and upd.changed == (0, 1)
     assert tracker.reasons(a.id) == (REASON_DRIVER,) and tracker.reasons(b.id) == (REASON_UNBOUND,)
     devices = rebound(devices, {a.id: "iavf", b.id: "iavf"})
-    tracker.replace(devices, setup_pools(devices))
+    replace(devices)
     assert tracker.collect() == {}  # healthy again: the hold-down runs
     clock.now += 1
     assert tracker.collect()[VF0].healthy == (True,) * 4
