@@ -169,7 +169,7 @@ def main() -> int:
         sizes = [(args.pfs, args.vfs_per_pf)]
     for pfs, vfs in sizes:
         # tmpfs when there is room: 16k functions' files on disk took most of a CI run's 100 s here.
-        where = args.dir or _impl.tmpfs_dir((1 << 30) * max(1, pfs * vfs // 16384))
+        where = args.dir or _impl.tmpfs_dir((1 << 30) * max(1, pfs * vfs // 16384), pfs * vfs)
         with tempfile.TemporaryDirectory(prefix="bench-dra-daemon-", dir=where) as tmp:
             r = uvloop.run(run_size(pfs, vfs, Path(tmp), args.pools, args.idle))
         if args.json:

@@ -195,7 +195,7 @@ def main() -> int:
     if os.geteuid() != 0 or shutil.which("ip") is None:
         print("bench_e2e: needs root and iproute2 (network namespaces); skipped", file=sys.stderr)
         return 0
-    parent = args.dir or _impl.tmpfs_dir()
+    parent = args.dir or _impl.tmpfs_dir(devices=args.pfs * args.vfs_per_pf)
     with _impl.scratch("densedev-bench-", parent) as work, namespace("densedev-b") as ns:
         result = uvloop.run(measure(args, work, ns))
     if args.json:

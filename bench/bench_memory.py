@@ -219,7 +219,7 @@ def main() -> int:
     logging.basicConfig(level=logging.ERROR)
     if args.quick:
         args.pfs, args.vfs_per_pf, args.top = 8, 64, 5
-    parent = args.dir or _impl.tmpfs_dir()
+    parent = args.dir or _impl.tmpfs_dir(devices=args.pfs * args.vfs_per_pf)
     with _impl.scratch("densedev-mem-", parent) as work:
         r = uvloop.run(measure(args, work))
     if args.json:
