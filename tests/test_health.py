@@ -626,3 +626,22 @@ def test_tracker_matches_the_model(ops: list[tuple[Any, ...]]) -> None:
             continue
         got = {u.pool: (u.healthy, u.changed) for u in tracker.collect().values()}
         assert got == {pools[p].config.full_name: v for p, v in model.collect(clock.now).items()}
+
+
+def test_per_device_lookups_are_shared_tuples(clock: FakeClock) -> None:
+    # Memory at density: the per-device entries (a device's pools, its member positions, a VF's own
+    # netdev) were one list each, ~1.9 MiB per mapping at 16,384 devices; the devices of one pool now
+    # share one (pool,) tuple, and every pool's (pos,) tuples are the same objects.
+    devices = node(2, 64)
+    tracker = HealthTracker(devices, setup_pools(devices), clock=clock)
+    pools_of = list(tracker._pools_of.values())
+    assert all(isinstance(v, tuple) for v in pools_of)
+    assert len({id(v) for v in pools_of}) == len({v for v in pools_of})  # one object per distinct set
+    states = list(tracker._pools.values())
+    vf0, vf1 = tracker._pools[VF0], tracker._pools[VF1]
+    assert vf0.positions[min(vf0.positions)] is vf1.positions[min(vf1.positions)]  # both are (0,)
+    assert all(isinstance(v, tuple) for s in states for v in s.positions.values())
+    # And the lookups still answer as before: a PF down flips exactly its VFs.
+    tracker.collect()
+    tracker.set_links([("ens0f0", False)])
+    assert tracker.collect()[VF0].healthy == (False,) * 64
