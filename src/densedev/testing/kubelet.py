@@ -382,14 +382,15 @@ class KubeletEmulator:
                 # genericDeviceUpdateCallback is keyed by resource name: a replaced client's messages
                 # still set the resource's list.
                 target = self._endpoints.get(endpoint.resource, endpoint)
-                target.devices = devices
-                target.numa = numa
                 if self.update_work:
-                    await self._apply()
+                    await self._apply(target.resource, devices, numa)
                     applied = time.monotonic()
                 else:
                     applied = received
                     self._checkpoint_soon()
+                # The list, its record and the checkpoint agree whenever a test looks.
+                target.devices = devices
+                target.numa = numa
                 target.updates.append(Update(received, devices, numa, response.ByteSize(), applied))
                 self._notify()
             endpoint.stream_error = "stream ended"
@@ -796,7 +797,7 @@ class KubeletEmulator:
             except FileNotFoundError:
                 pass
 
-    async def _apply(self) -> None:
+    async def _apply(self, resource: str, devices: dict[str, str], numa: dict[str, tuple[int, ...]]) -> None:
         """The rest of the kubelet's work for one ListAndWatch message, done before it reads the next.
 
         v1.32 genericDeviceUpdateCallback (pkg/kubelet/cm/devicemanager/manager.go) rebuilds the
@@ -810,7 +811,7 @@ class KubeletEmulator:
         """
         if not self.write_checkpoint or not self.plugin_dir.is_dir():
             return
-        data = self._checkpoint_data()
+        data = self._checkpoint_data({resource: (devices, numa)})
         self._snapshots += 1
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="kubelet-checkpoint")
@@ -840,16 +841,21 @@ class KubeletEmulator:
         self._snapshots += 1
         self._store_checkpoint(self._checkpoint_data(), self._snapshots, self.update_work)
 
-    def _checkpoint_data(self) -> dict[str, Any]:
-        """The checkpoint's Data as the kubelet holds it now (taken on the loop, written elsewhere)."""
+    def _checkpoint_data(
+        self, pending: dict[str, tuple[dict[str, str], dict[str, tuple[int, ...]]]] | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint's Data as the kubelet holds it now (taken on the loop, written elsewhere), with
+        ``pending``'s resources holding the list being applied (resource → devices, NUMA nodes)."""
+        lists = {name: (e.devices, e.numa) for name, e in self._endpoints.items()}
+        lists.update((name, new) for name, new in (pending or {}).items() if name in lists)
         entries: list[dict[str, Any]] = []
         for pod in self._pods.values():
             for cname, per_resource in pod.containers.items():
                 for resource, ids in per_resource.items():
-                    endpoint = self._endpoints.get(resource)
+                    listed = lists.get(resource)
                     per_numa: dict[str, list[str]] = {}
                     for i in ids:
-                        nodes = (endpoint.numa.get(i) if endpoint else None) or (NO_TOPOLOGY,)
+                        nodes = (listed[1].get(i) if listed else None) or (NO_TOPOLOGY,)
                         for n in nodes:
                             per_numa.setdefault(str(n), []).append(i)
                     entries.append(
@@ -862,8 +868,7 @@ class KubeletEmulator:
                         }
                     )
         registered = {
-            name: [i for i, h in endpoint.devices.items() if h == HEALTHY]
-            for name, endpoint in self._endpoints.items()
+            name: [i for i, h in devices.items() if h == HEALTHY] for name, (devices, _) in lists.items()
         }
         return {"PodDeviceEntries": entries or None, "RegisteredDevices": registered}
 
