@@ -180,7 +180,8 @@ def main() -> int:
                 f"{r['start_s']:.3f} s with {r['start_writes']} writes; PF down → slices written "
                 f"p50 {r['pf_down_p50_ms']} ms p99 {r['pf_down_p99_ms']} ms over {r['pf_down_events']} "
                 f"PFs, at most {r['pf_down_writes_max']} writes each; {r['pools']} pools; "
-                f"idle CPU {r['idle_cpu_percent']} % over {r['idle_s']} s; RSS {r['rss_mib']} MiB"
+                + (f"idle CPU {r['idle_cpu_percent']} % over {r['idle_s']} s; " if r["idle_s"] else "")
+                + f"RSS {r['rss_mib']} MiB"
             )
     return 0
 
