@@ -251,7 +251,7 @@ def _positive_int(text: str) -> int:
 
 
 # The commands this module parses itself; the DRA commands' parsers come from dra.commands.
-_OWN_COMMANDS = ("run", "scan", "check-config", "simulate", "demo", "kubelet-emulator")
+_OWN_COMMANDS = ("run", "scan", "check-config", "simulate", "simulate-kernel", "demo", "kubelet-emulator")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -439,6 +439,27 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             "--numa-nodes", type=_int_at_least(1), default=2, help="NUMA nodes to spread NICs on"
         )
 
+    if wanted("simulate-kernel"):
+        kern = _sub(
+            sub,
+            "simulate-kernel",
+            "answer driver rebinds on a simulated node as the kernel would, until stopped",
+            "densedev simulate-kernel --sysfs-root /tmp/node --dev-root /tmp/node-dev",
+            level="warning",  # its one printed line says it is ready
+        )
+        _add_sysfs_root(kern)
+        kern.add_argument(
+            "--dev-root",
+            type=Path,
+            required=True,
+            help="where /dev/vfio/<group> nodes appear when vfio-pci binds",
+        )
+        kern.add_argument(
+            "--uevent-netns",
+            default=None,
+            help="send the kernel's bind/unbind and netdev add/remove uevents in this network namespace",
+        )
+
     if wanted("demo"):
         # The live view is the demo's output; device warnings are its content, so it logs errors only.
         demo = _sub(
@@ -570,6 +591,18 @@ def _device_json(d: Any) -> dict[str, Any]:
     out["device_code"] = d.device
     out["numa"] = d.numa_node if d.numa_node >= 0 else None
     return out
+
+
+def _cmd_simulate_kernel(args: argparse.Namespace) -> int:
+    from .testing import simkernel
+
+    if not (args.sysfs_root / ".simnode").is_dir():
+        # Never on a real /sys: the simulated kernel writes into the tree it serves.
+        raise CommandError(f"{args.sysfs_root} is not a simulated node (no .simnode/; see densedev simulate)")
+    try:
+        return simkernel.serve_process(args.sysfs_root, args.dev_root, args.uevent_netns)
+    except OSError as exc:  # no inotify watches left, an unwritable tree
+        raise CommandError(f"cannot serve {args.sysfs_root}: {exc.strerror or exc}") from None
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
@@ -831,6 +864,8 @@ def _dispatch(args: argparse.Namespace, scan_ahead: ScanAhead | None = None) -> 
         return _cmd_scan(args)
     if args.command == "simulate":
         return _cmd_simulate(args)
+    if args.command == "simulate-kernel":
+        return _cmd_simulate_kernel(args)
     if args.command not in _OWN_COMMANDS:
         from .dra import commands as dra_commands
 

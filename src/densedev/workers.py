@@ -37,6 +37,7 @@ class Work(Enum):
     FILES = "files"  # Allocate's and Prepare's files: CDI specs, device-info, the DRA checkpoint
     METRICS = "metrics"  # /metrics renders (the scrape path, which anyone on its address may flood)
     NETLINK = "netlink"  # rtnetlink requests that change links (VF settings, MTUs: node/vfnetlink.py)
+    REBIND = "rebind"  # driver rebinds through sysfs (node/rebind.py): a probe may take seconds
 
 
 # Threads per kind.  Scans run Cython with the GIL released and may block in a hung driver's read, so
@@ -50,6 +51,9 @@ SIZES: dict[Work, int] = {
     # The kernel runs an rtnetlink request in the sending thread, under rtnl_lock, and a driver's
     # ndo_set_vf_* may wait there on its firmware: a stuck one holds these threads, not the files'.
     Work.NETLINK: 2,
+    # A write to drivers_probe returns when the driver's probe() has run (mlx5 waits on its firmware
+    # for ~1 s): a few rebinds at once, without holding the files' or netlink's threads meanwhile.
+    Work.REBIND: 4,
 }
 
 

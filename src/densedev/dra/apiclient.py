@@ -302,6 +302,17 @@ class ResourceClient:
         path = f"{self._base()}/namespaces/{quote(namespace, safe='')}/resourceclaims/{quote(name, safe='')}"
         return dict(await self._call("GET", path))
 
+    async def replace_claim_status(
+        self, obj: Mapping[str, Any], timeout: float = WRITE_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """PUT a claim to ``resourceclaims/<name>/status`` (409 when its resourceVersion is stale)."""
+        meta = obj["metadata"]
+        path = (
+            f"{self._base()}/namespaces/{quote(meta['namespace'], safe='')}"
+            f"/resourceclaims/{quote(meta['name'], safe='')}/status"
+        )
+        return dict(await self._call("PUT", path, body=obj, timeout=timeout))
+
     async def get_node(self, name: str) -> dict[str, Any]:
         """Return the Node ``name`` (its UID makes the slices' ownerReference)."""
         return dict(await self._call("GET", f"/api/v1/nodes/{quote(name, safe='')}"))

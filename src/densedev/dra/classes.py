@@ -60,13 +60,32 @@ def device_class(pool: PoolConfig, driver: str, version: str = "v1") -> dict[str
 
 
 def rbac(
-    namespace: str = DEFAULT_NAMESPACE, service_account: str = DEFAULT_SERVICE_ACCOUNT
+    namespace: str = DEFAULT_NAMESPACE,
+    service_account: str = DEFAULT_SERVICE_ACCOUNT,
+    driver: str | None = None,
 ) -> list[dict[str, Any]]:
     """Return the ClusterRole and ClusterRoleBinding the daemon's ServiceAccount needs for DRA.
 
     What the official helper documents a driver needs (slices CRUD, claims get, nodes get for the
-    Node UID in ownerReferences), plus deletecollection to drop all of its slices at once.
+    Node UID in ownerReferences), plus deletecollection to drop all of its slices at once, and the
+    claim status writes (``status.devices[]`` after Prepare, issue 25 §3): get, update and patch on
+    ``resourceclaims/status``; with ``driver``, also what 1.36's granular status authorization asks
+    (``resourceclaims/driver``, verbs ``associated-node:update``/``patch``, the driver's name;
+    api resource/v1 ``SubresourceDriver``, ``VerbPrefixAssociatedNode``), unused by older servers.
     """
+    claim_rules: list[dict[str, Any]] = [
+        {"apiGroups": [GROUP], "resources": ["resourceclaims"], "verbs": ["get"]},
+        {"apiGroups": [GROUP], "resources": ["resourceclaims/status"], "verbs": ["get", "update", "patch"]},
+    ]
+    if driver is not None:
+        claim_rules.append(
+            {
+                "apiGroups": [GROUP],
+                "resources": ["resourceclaims/driver"],
+                "resourceNames": [driver],
+                "verbs": ["associated-node:update", "associated-node:patch"],
+            }
+        )
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
@@ -77,7 +96,7 @@ def rbac(
                 "resources": ["resourceslices"],
                 "verbs": ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"],
             },
-            {"apiGroups": [GROUP], "resources": ["resourceclaims"], "verbs": ["get"]},
+            *claim_rules,
             {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]},
         ],
     }
@@ -101,4 +120,4 @@ def manifests(
 ) -> list[dict[str, Any]]:
     """Return the DeviceClass of every DRA pool, then the RBAC objects (``densedev dra-manifests``)."""
     classes = [device_class(p, driver, version) for p in pools if p.api is PoolApi.DRA]
-    return [*classes, *rbac(namespace, service_account)]
+    return [*classes, *rbac(namespace, service_account, driver)]

@@ -36,9 +36,10 @@ from ..node.watch import DirectoryWatch
 from ..ops.logs import log_event
 from . import DraSettings
 from .apiclient import HttpClaimReader, ResourceClient
-from .claims import PoolGate
+from .claims import Grant, PoolGate
 from .plugin import KubeletPlugin
 from .publisher import Publisher, PublisherSettings
+from .status import ClaimStatus, NetInfo
 
 if TYPE_CHECKING:
     from ..ops.metrics import Metrics
@@ -105,6 +106,9 @@ class DraDriver:
         )
         self.plugin.service.on_change = on_claims
         self.plugin.service.on_idle = on_claims  # a retiring driver may stop once the kubelet is answered
+        # The claims' status.devices (issue 25 §3): queued from the first Prepare, written once connected.
+        self.claim_status = ClaimStatus(driver, self._status_client, describe=self._net_info, metrics=metrics)
+        self.plugin.service.claim_status = self.claim_status
         self.client: ResourceClient | None = None
         self.publisher: Publisher | None = None
         self.pools: tuple[Pool, ...] = ()  # the DRA pools as configured (nothing withheld)
@@ -124,6 +128,19 @@ class DraDriver:
     def claimed(self) -> frozenset[str]:
         """Return the device IDs prepared claims hold now (and, while unsettled, what a lost record may)."""
         return self.plugin.service.withheld()
+
+    def _status_client(self) -> ResourceClient | None:
+        """Return the API client once connected (its version discovered), else None (retried later)."""
+        client = self.client
+        return client if client is not None and client.version is not None else None
+
+    def _net_info(self, device_id: str) -> NetInfo:
+        """Return the device's host interface name as the pools know it (no MAC: the scan keeps none)."""
+        verdict = self.gate(device_id)
+        grant = verdict if isinstance(verdict, Grant) else verdict.grant  # a claim's device is held
+        if grant is None or not grant.device.netdevs:
+            return NetInfo()
+        return NetInfo(grant.device.netdevs[0])
 
     def _healthy(self, device_id: str) -> bool:
         """Return whether the tracker advertises the device healthy (the gate's question at Prepare)."""
@@ -296,6 +313,11 @@ class DraDriver:
                 await client.close()
             raise DraUnavailable(f"the API server does not answer: {type(exc).__name__}: {exc}") from None
         self._reader.reader = HttpClaimReader(self.client)
+        # The claims prepared before a restart: their status is checked again (written only where it
+        # differs), since what was still pending when the daemon stopped was dropped.
+        service = self.plugin.service
+        for claim in service.prepared.values():
+            self.claim_status.prepared(claim.ref, claim.devices, service.applied(claim.ref.uid))
         settings = PublisherSettings(
             node,
             self.driver,
@@ -328,6 +350,7 @@ class DraDriver:
 
     async def _stop(self) -> None:
         await self.plugin.stop()
+        await self.claim_status.close()  # best-effort: what is still pending is dropped
         if self.publisher is not None:
             await self.publisher.stop()
             self.publisher = None

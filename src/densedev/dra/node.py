@@ -60,6 +60,7 @@ from .claims import (
     Refusal,
     Unsettled,
 )
+from .status import NoStatus, StatusSink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,6 +145,8 @@ class NodeService:
         # Called on the loop after a Prepare or Unprepare call (the daemon's ownership map follows).
         self.on_change: Callable[[], None] | None = None
         self.unprepares = 0
+        # claim status (issue 25 §3): the driver sets a ClaimStatus once it has an API client
+        self.claim_status: StatusSink = NoStatus()
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -510,8 +513,17 @@ class NodeService:
                     uid,
                     ", ".join(f"{d.name} ({d.device_id})" for d in result.devices),
                 )
+                # claim status (issue 25 §3): queued, best-effort; never delays or fails this call
+                self.claim_status.prepared(todo[uid], result.devices, self.applied(uid))
         self._changed()
         return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
+
+    def applied(self, uid: str) -> Mapping[str, Mapping[str, Any]]:
+        """Return what Prepare configured on the claim's devices, by device ID (the claim status's data).
+
+        Empty until the configure step (issue 25 §2) records what it applied.
+        """
+        return {}
 
     def _is_unsettled(self, ref: ClaimRef) -> bool:
         return self._unsettled is not None and self._unsettled.holds(ref.uid, (ref.namespace, ref.name))
@@ -753,6 +765,9 @@ class NodeService:
         async with self._lock:
             errors = await _in_thread(self._drop, refs)
             self.unprepares += 1
+        for ref in refs:  # claim status (issue 25 §3): our entries go, queued and best-effort
+            if not errors.get(ref.uid) and not _ref_problem(ref):
+                self.claim_status.unprepared(ref)
         self._changed()
         return {ref.uid: errors.get(ref.uid, "") for ref in refs}
 

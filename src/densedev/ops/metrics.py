@@ -530,6 +530,28 @@ class Metrics:
             registry=r,
         )
 
+        # --- DRA claims' status.devices (issue 25 §3): best-effort writes after Prepare / at Unprepare
+        self.dra_claim_status_writes = Counter(
+            "densedev_dra_claim_status_writes",
+            "ResourceClaim status writes that went through, by driver and op (report after Prepare, "
+            "clear at Unprepare).",
+            ["driver", "op"],
+            registry=r,
+        )
+        self.dra_claim_status_failures = Counter(
+            "densedev_dra_claim_status_failures",
+            "ResourceClaim status attempts that failed, by driver and reason (conflict and error are "
+            "retried; refused, dropped, gave_up and bug are not).",
+            ["driver", "reason"],
+            registry=r,
+        )
+        self.dra_claim_status_pending = Gauge(
+            "densedev_dra_claim_status_pending",
+            "Claims whose status write is queued, in flight or waiting to retry, by driver.",
+            ["driver"],
+            registry=r,
+        )
+
         self.loop_lag = Gauge(
             "densedev_event_loop_lag_seconds",
             "How late the event loop ran the health monitor's last tick.",

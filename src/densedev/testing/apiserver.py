@@ -9,7 +9,8 @@ real server answers it (aiohttp on the test's event loop, on 127.0.0.1):
   delimited events after a resourceVersion, ``410 Expired`` when it is too old), create, get, replace
   (``409 Conflict`` on a stale resourceVersion), delete (with UID / resourceVersion preconditions) and
   deletecollection (the kubelet's wipe of its node's slices at start);
-* ResourceClaim get, Node get; an optional bearer token (401 without it).
+* ResourceClaim get and its ``status`` subresource (PUT; the section at the end of the class), Node
+  get; an optional bearer token (401 without it).
 
 Every object written is checked as the real server would: against the official OpenAPI schema with
 ``kubernetes-validate`` (strict: unknown fields refused), plus the ResourceSlice limits the schema only
@@ -233,6 +234,7 @@ class ApiServerStandIn:
         self._checker = SchemaChecker()
         self._runner: web.AppRunner | None = None
         self.url = ""
+        self._init_claim_status()  # the resourceclaims/status section below
 
     # -------------------------------------------------------------------------------------- lifecycle
     async def start(self) -> str:
@@ -248,6 +250,7 @@ class ApiServerStandIn:
         r.add_delete(f"/apis/{GROUP}/{{v}}/resourceslices/{{name}}", self._delete)
         r.add_get(f"/apis/{GROUP}/{{v}}/namespaces/{{ns}}/resourceclaims/{{name}}", self._claim)
         r.add_get("/api/v1/nodes/{name}", self._node)
+        self._claim_status_routes(r)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -285,6 +288,10 @@ class ApiServerStandIn:
         if self.validate:
             self._checker.check(claim, SCHEMA_VERSION.get(version, "1.34"))
         meta = claim["metadata"]
+        # What the server sets on every stored object (the status subresource checks resourceVersion).
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("generation", 1)
+        meta["resourceVersion"] = self._next_rv()
         self.claims[(meta["namespace"], meta["name"])] = claim
 
     def node_slices(self, node: str) -> list[dict[str, Any]]:
@@ -601,6 +608,130 @@ class ApiServerStandIn:
         if node is None:
             return _not_found("nodes", name)
         return web.json_response(node)
+
+    # ------------------------------------------------------------------ resourceclaims/status (issue 25 §3)
+    # The status subresource the driver writes status.devices[] through.  As the real server does
+    # (pkg/registry/resource/resourceclaim/strategy.go, statusStrategy; validation of
+    # ResourceClaimStatus): a PUT replaces the status only (spec and metadata stay the stored ones), a
+    # stale resourceVersion gets 409, the allocation (with its config[]) cannot change, and every
+    # device entry must name an allocated device, once, within the field limits.  Claims are served in
+    # the version they were stored in (no conversion): a test stores a v1beta1 claim to play 1.32-1.33.
+
+    def _init_claim_status(self) -> None:
+        # Faults, each consumed by one status PUT: ``claim_status_fail`` 500s; ``claim_status_conflicts``
+        # 409s, each after another writer changed the claim (its resourceVersion moves on).
+        self.claim_status_fail = 0
+        self.claim_status_conflicts = 0
+        self.claim_status_delay = 0.0  # seconds each status PUT takes (to see how many run at once)
+        # Plays a 1.32 server with the DRAResourceClaimDeviceStatus gate off: devices dropped silently.
+        self.drop_device_status = False
+        self.claim_status_writes: Counter[tuple[str, str]] = Counter()  # applied, per (namespace, name)
+        self.claim_status_tries: Counter[tuple[str, str]] = Counter()  # every PUT, whatever its answer
+        self.claim_status_in_flight = 0
+        self.claim_status_peak = 0  # the most status PUTs running at once
+
+    def _claim_status_routes(self, r: web.UrlDispatcher) -> None:
+        r.add_put(f"/apis/{GROUP}/{{v}}/namespaces/{{ns}}/resourceclaims/{{name}}/status", self._claim_status)
+
+    def claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """Return the stored claim ``namespace/name`` (KeyError when absent)."""
+        return self.claims[(namespace, name)]
+
+    async def _claim_status(self, request: web.Request) -> web.Response:
+        version = self._version(request)
+        key = (request.match_info["ns"], request.match_info["name"])
+        obj = await self._body(request)
+        self.requests["PUT resourceclaims/status"] += 1
+        self.claim_status_tries[key] += 1
+        self.claim_status_in_flight += 1
+        self.claim_status_peak = max(self.claim_status_peak, self.claim_status_in_flight)
+        try:
+            if self.claim_status_delay:
+                await asyncio.sleep(self.claim_status_delay)
+            return self._claim_status_write(version, key, obj)
+        finally:
+            self.claim_status_in_flight -= 1
+
+    def _claim_status_write(self, version: str, key: tuple[str, str], obj: Any) -> web.Response:
+        name = key[1]
+        resource = f"resourceclaims.{GROUP}"
+        if self.claim_status_fail > 0:
+            self.claim_status_fail -= 1
+            return _status(500, "InternalError", "stand-in: injected failure")
+        old = self.claims.get(key)
+        if old is None:
+            return _not_found(resource, name)
+        if self.claim_status_conflicts > 0:
+            self.claim_status_conflicts -= 1
+            old["metadata"]["resourceVersion"] = self._next_rv()  # another writer got there first
+        conflict = _status(
+            409,
+            "Conflict",
+            f'Operation cannot be fulfilled on {resource} "{name}": the object has been modified; '
+            "please apply your changes to the latest version and try again",
+        )
+        try:
+            if not isinstance(obj, dict) or obj.get("kind") != "ResourceClaim":
+                raise _Invalid("kind: expected ResourceClaim")
+            if obj.get("apiVersion") != f"{GROUP}/{version}" or old.get("apiVersion") != obj["apiVersion"]:
+                raise _Invalid(f"apiVersion: {obj.get('apiVersion')!r} sent to the {version} endpoint")
+            meta = obj.get("metadata") or {}
+            if (meta.get("namespace"), meta.get("name")) != key:
+                raise _Invalid("metadata: namespace and name do not match the URL")
+            if meta.get("uid") and meta["uid"] != old["metadata"]["uid"]:
+                return _status(409, "Conflict", f"Precondition failed: UID in precondition: {meta['uid']}")
+            rv = meta.get("resourceVersion")
+            if rv and rv != old["metadata"]["resourceVersion"]:
+                return conflict
+            status = obj.get("status") or {}
+            before = old.get("status") or {}
+            if before.get("allocation") is not None and status.get("allocation") != before["allocation"]:
+                raise _Invalid("status.allocation: field is immutable")  # its config[] included
+            new = {**copy.deepcopy(old), "status": copy.deepcopy(status)}
+            if self.drop_device_status:
+                new["status"].pop("devices", None)
+            _device_status_rules(new["status"])
+            if self.validate:
+                self._checker.check(new, SCHEMA_VERSION[version])
+        except _Invalid as exc:
+            message = f'ResourceClaim.{GROUP} "{name}" is invalid: {exc}'
+            self.rejected.append(message)
+            return _status(422, "Invalid", message)
+        new["metadata"]["resourceVersion"] = self._next_rv()
+        self.claims[key] = new
+        self.claim_status_writes[key] += 1
+        return web.json_response(new)
+
+
+def _device_status_rules(status: dict[str, Any]) -> None:
+    """The status.devices rules of the API's validation that its schema states in prose only."""
+    allocated = {
+        (r.get("driver"), r.get("pool"), r.get("device"), r.get("shareID"))
+        for r in ((status.get("allocation") or {}).get("devices") or {}).get("results") or ()
+    }
+    seen: set[tuple[Any, ...]] = set()
+    for i, e in enumerate(status.get("devices") or ()):
+        where = f"status.devices[{i}]"
+        k = (e.get("driver"), e.get("pool"), e.get("device"), e.get("shareID"))
+        if k not in allocated:
+            raise _Invalid(f"{where}: must be an allocated device in the claim")
+        if k in seen:
+            raise _Invalid(f"{where}: duplicate value")
+        seen.add(k)
+        conditions = e.get("conditions") or []
+        if len(conditions) > 8:
+            raise _Invalid(f"{where}.conditions: must have at most 8 items")
+        if len({c.get("type") for c in conditions}) != len(conditions):
+            raise _Invalid(f"{where}.conditions: duplicate type")
+        if "data" in e and len(json.dumps(e["data"], separators=(",", ":"))) > 10 * 1024:
+            raise _Invalid(f"{where}.data: must have at most 10240 bytes")
+        net = e.get("networkData") or {}
+        if len(net.get("interfaceName") or "") > 256:
+            raise _Invalid(f"{where}.networkData.interfaceName: at most 256 characters")
+        if len(net.get("hardwareAddress") or "") > 128:
+            raise _Invalid(f"{where}.networkData.hardwareAddress: at most 128 characters")
+        if len(net.get("ips") or ()) > 16:
+            raise _Invalid(f"{where}.networkData.ips: at most 16 items")
 
 
 if __name__ == "__main__":

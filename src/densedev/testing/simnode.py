@@ -31,8 +31,10 @@ __all__ = [
     "SimPF",
     "bind_driver",
     "build_node",
+    "enslave",
     "move_netdev_to_pod",
     "nic_buses",
+    "set_addresses",
     "set_link",
     "set_num_vfs",
     "set_rdma_port",
@@ -41,6 +43,10 @@ __all__ = [
 ]
 
 _FILE_MODE = 0o644
+NULL_OVERRIDE = "(null)"  # driver_override with none set (drivers/pci/pci-sysfs.c driver_override_show)
+# include/uapi/linux/if.h: IFF_UP | IFF_BROADCAST | IFF_MULTICAST, what an Ethernet netdev's flags show up
+_FLAGS_UP = 0x1003
+ADDRESSES = ".simnode/addresses.json"  # the host's addresses per interface (rtnetlink's, for a real node)
 _WFLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
@@ -220,7 +226,7 @@ class _Writer:
         os.makedirs(self.state_dir, exist_ok=True)
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(self.state, f)
+            f.write(json.dumps(self.state))  # one C-encoded string: json.dump's chunks cost ~10x
         os.replace(tmp, self.state_path)
 
     def counter(self, key: str) -> int:
@@ -295,6 +301,7 @@ class _Writer:
         w(path + "/subsystem_device", f"0x{sub_device:04x}\n")
         w(path + "/numa_node", f"{numa}\n")
         w(path + "/enable", "1\n")
+        w(path + "/driver_override", f"{NULL_OVERRIDE}\n")
         modalias = (
             f"pci:v{vendor:08X}d{device:08X}sv{sub_vendor:08X}sd{sub_device:08X}"
             f"bc{pci_class >> 16:02X}sc{(pci_class >> 8) & 0xFF:02X}i{pci_class & 0xFF:02X}"
@@ -331,7 +338,9 @@ class _Writer:
             return
         self.mkdir(path)
         for attr in ("bind", "unbind", "new_id", "remove_id", "uevent"):
-            self.write(os.path.join(path, attr), "")
+            # Only the missing ones: a command written to bind/unbind waits there for its answer.
+            if not os.path.exists(os.path.join(path, attr)):
+                self.write(os.path.join(path, attr), "")
 
     def bind_view(self, path: str, driver: str) -> None:
         """The driver's side of a binding: ``bus/pci/drivers/<driver>/<bdf>`` → the device.
@@ -382,6 +391,7 @@ class _Writer:
         w = self.write
         w(ndir + "/operstate", "up\n")
         w(ndir + "/carrier", "1\n")
+        w(ndir + "/flags", f"0x{_FLAGS_UP:x}\n")
         w(ndir + "/type", f"{arphrd}\n")
         if arphrd == 32:
             w(
@@ -508,6 +518,12 @@ class _Writer:
             "devices",
         ):
             self.mkdir(os.path.join(self.root, d))
+        # The bus's probe trigger (drivers/base/bus.c drivers_probe_store()) and vfio-pci, loaded on a
+        # node that hands out vfio VFs: testing.simkernel answers writes to them.
+        probe = os.path.join(self.root, "bus", "pci", "drivers_probe")
+        if not os.path.exists(probe):
+            self.write(probe, "")
+        self.driver_dir("vfio-pci")
 
     def pf(
         self,
@@ -927,6 +943,47 @@ def set_link(root: Path | str, ifname: str, up: bool) -> None:
     # carrier is unreadable (EINVAL) while the link is admin-down; "0" stands in for that.
     _write(path + "/operstate", "up\n" if up else "down\n")
     _write(path + "/carrier", "1\n" if up else "0\n")
+    if os.path.exists(path + "/flags"):
+        flags = int(_read_text(path + "/flags"), 16)
+        _write(path + "/flags", f"0x{flags | 1 if up else flags & ~1:x}\n")
+
+
+def set_addresses(root: Path | str, ifname: str, addresses: list[str]) -> None:
+    """Record the addresses (``10.0.0.1/24``) the host gives an interface, as ``ip addr add`` would.
+
+    Kept in ``.simnode/addresses.json`` (the scanner never reads it): what an ``RTM_GETADDR`` dump
+    would answer on a real node.  An empty list removes the interface's entry.
+    """
+    path = os.path.join(str(root), ADDRESSES)
+    try:
+        with open(path) as f:
+            doc: dict[str, list[str]] = json.load(f)
+    except FileNotFoundError:
+        doc = {}
+    if addresses:
+        doc[ifname] = list(addresses)
+    else:
+        doc.pop(ifname, None)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    _write_json(path, doc)
+
+
+def enslave(root: Path | str, ifname: str, master: str) -> None:
+    """Make a host interface a port of ``master`` (a bond or bridge) as the kernel shows it.
+
+    net/core/dev.c netdev_upper_dev_link() adds ``master`` and ``upper_<master>`` links in the port's
+    directory and ``lower_<port>`` in the master's; a software master lives under ``devices/virtual``.
+    """
+    port = os.path.realpath(os.path.join(str(root), layout.NET_CLASS, ifname))
+    if not os.path.isdir(port):
+        raise FileNotFoundError(errno.ENOENT, f"no interface {ifname} under {root}/{layout.NET_CLASS}")
+    mdir = os.path.join(str(root), "devices", "virtual", "net", master)
+    os.makedirs(mdir, exist_ok=True)
+    w = _Writer(Path(root))
+    w.link(f"../../{os.path.relpath(mdir, w.root)}", os.path.join(w.root, layout.NET_CLASS, master))
+    w.link(os.path.relpath(mdir, port), os.path.join(port, "master"))
+    w.link(os.path.relpath(mdir, port), os.path.join(port, f"upper_{master}"))
+    w.link(os.path.relpath(port, mdir), os.path.join(mdir, f"lower_{ifname}"))
 
 
 def set_num_vfs(root: Path | str, pf_address: str, n: int) -> tuple[str, ...]:
