@@ -229,10 +229,18 @@ def veth_pfs(ns: str, netdevs: list[str]) -> None:
         raise RuntimeError(batch.stderr)
 
 
-def tmpfs_dir(need: int = 4 << 30) -> str | None:
-    """/dev/shm when it is writable with ``need`` bytes free, else None (the system's temp directory)."""
+# Inodes one simulated VF takes (its directory, attribute files, links and class views): a 65,536-VF node
+# holds ~2 million, which a shared /dev/shm may not have free even with gigabytes to spare.
+INODES_PER_DEVICE = 35
+
+
+def tmpfs_dir(need: int = 4 << 30, devices: int = 0) -> str | None:
+    """/dev/shm when it is writable with ``need`` bytes and inodes for ``devices`` simulated VFs free, else
+    None (the system's temp directory)."""
     import shutil
 
-    if os.access("/dev/shm", os.W_OK) and shutil.disk_usage("/dev/shm").free > need:
-        return "/dev/shm"
-    return None
+    if not os.access("/dev/shm", os.W_OK) or shutil.disk_usage("/dev/shm").free <= need:
+        return None
+    if os.statvfs("/dev/shm").f_favail <= devices * INODES_PER_DEVICE:
+        return None
+    return "/dev/shm"

@@ -11,7 +11,13 @@ API-server stand-in in its own process and the DRA kubelet emulator.  For each s
     the last write, p50/p99 over one event per PF, and writes per event (target ≤ 2).  The per-slice
     rate limit is set to 0 here so each event is measured, not the policy.
 
+  * idle CPU of this process (the daemon; the stand-in runs apart) over ``--idle`` seconds, and its RSS.
+
+``--pfs 64 --vfs-per-pf 1024`` runs one node of that size (65,536 devices) instead of the two default
+ones; ``--pools N`` groups the PFs into N DRA pools (by ``pfNames``) instead of one.
+
     PYTHONPATH=src python bench/bench_dra_daemon.py [--quick] [--json] [--dir /dev/shm]
+        [--pfs 64 --vfs-per-pf 1024] [--pools 1|64] [--idle 10]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -50,10 +57,27 @@ async def _writes_then_idle(daemon: Daemon, before: int) -> None:
     await pub.wait_idle()
 
 
-async def run_size(pfs: int, vfs_per_pf: int, work: Path) -> dict[str, object]:
+def _pool_doc(layout: simnode.NodeLayout, pools: int) -> dict[str, object]:
+    """One DRA pool of every VF, or ``pools`` pools each selecting consecutive PFs by ``pfNames``."""
+    if pools <= 1:
+        return {"resourceList": [{"resourceName": "vfs", "api": "dra"}]}
+    per = -(-len(layout.pfs) // pools)
+    groups = [layout.pfs[i : i + per] for i in range(0, len(layout.pfs), per)]
+    return {
+        "resourceList": [
+            {"resourceName": f"vfs_{n}", "api": "dra", "selectors": {"pfNames": [pf.netdev for pf in g]}}
+            for n, g in enumerate(groups)
+        ]
+    }
+
+
+async def run_size(
+    pfs: int, vfs_per_pf: int, work: Path, pools: int = 1, idle: float = 0.0
+) -> dict[str, object]:
     layout = simnode.build_node(work / "sys", pfs=pfs, vfs_per_pf=vfs_per_pf)
     cfg_path = work / "config.json"
-    cfg_path.write_text(json.dumps({"resourceList": [{"resourceName": "vfs", "api": "dra"}]}))
+    doc = _pool_doc(layout, pools)
+    cfg_path.write_text(json.dumps(doc))
     proc, url = start_stand_in(validate=False)
 
     async def client() -> ResourceClient:
@@ -98,6 +122,12 @@ async def run_size(pfs: int, vfs_per_pf: int, work: Path) -> dict[str, object]:
             await _writes_then_idle(daemon, before)
             latencies.append(time.perf_counter() - t)
             writes.append(pub.writes - before)
+        cpu = wall = 0.0
+        if idle:
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(idle)
+            cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        rss = _impl.rss_mib(os.getpid())
     finally:
         await daemon.stop()
         await kubelet.stop()
@@ -108,6 +138,7 @@ async def run_size(pfs: int, vfs_per_pf: int, work: Path) -> dict[str, object]:
         "bench": "dra_daemon",
         "implementation": accel.IMPLEMENTATION,
         "devices": devices,
+        "pools": len(doc["resourceList"]),  # type: ignore[arg-type]
         "start_s": round(start_s, 3),
         "start_writes": start_writes,
         "slices": -(-devices // 128),
@@ -115,6 +146,9 @@ async def run_size(pfs: int, vfs_per_pf: int, work: Path) -> dict[str, object]:
         "pf_down_writes_max": max(writes),
         "pf_down_p50_ms": round(statistics.median(lat) * 1000, 2),
         "pf_down_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 2),
+        "idle_s": idle,
+        "idle_cpu_percent": round(100 * cpu / wall, 3) if wall else None,
+        "rss_mib": round(rss, 1),
     }
 
 
@@ -124,14 +158,20 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="4,096 devices only")
     p.add_argument("--json", action="store_true")
     p.add_argument("--dir", type=Path, default=None, help="where the simulated nodes go (e.g. /dev/shm)")
+    p.add_argument("--pfs", type=int, default=0, help="one node of this many PFs (with --vfs-per-pf)")
+    p.add_argument("--vfs-per-pf", type=int, default=256)
+    p.add_argument("--pools", type=int, default=1, help="DRA pools the PFs are grouped into")
+    p.add_argument("--idle", type=float, default=0.0, help="seconds of idle CPU to measure after the flips")
     args = p.parse_args()
     logging.disable(logging.WARNING)  # the daemon's own lines (no PodResources here) are not the output
     sizes = [(16, 256)] if args.quick else [(16, 256), (64, 256)]
+    if args.pfs:
+        sizes = [(args.pfs, args.vfs_per_pf)]
     for pfs, vfs in sizes:
         # tmpfs when there is room: 16k functions' files on disk took most of a CI run's 100 s here.
-        where = args.dir or _impl.tmpfs_dir(1 << 30)
+        where = args.dir or _impl.tmpfs_dir((1 << 30) * max(1, pfs * vfs // 16384), pfs * vfs)
         with tempfile.TemporaryDirectory(prefix="bench-dra-daemon-", dir=where) as tmp:
-            r = uvloop.run(run_size(pfs, vfs, Path(tmp)))
+            r = uvloop.run(run_size(pfs, vfs, Path(tmp), args.pools, args.idle))
         if args.json:
             print(json.dumps(r))
         else:
@@ -139,7 +179,9 @@ def main() -> int:
                 f"{r['devices']:>6} devices ({r['implementation']}): start → all {r['slices']} slices "
                 f"{r['start_s']:.3f} s with {r['start_writes']} writes; PF down → slices written "
                 f"p50 {r['pf_down_p50_ms']} ms p99 {r['pf_down_p99_ms']} ms over {r['pf_down_events']} "
-                f"PFs, at most {r['pf_down_writes_max']} writes each"
+                f"PFs, at most {r['pf_down_writes_max']} writes each; {r['pools']} pools; "
+                + (f"idle CPU {r['idle_cpu_percent']} % over {r['idle_s']} s; " if r["idle_s"] else "")
+                + f"RSS {r['rss_mib']} MiB"
             )
     return 0
 

@@ -293,19 +293,33 @@ def test_a_device_is_down_while_any_of_its_links_is_known_down(ops: list[tuple[s
         assert healthy == expected, (op, name, up, known)
 
 
-def test_driver_unbound_or_changed(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_driver_unbound_or_changed(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock, shared_index: bool
+) -> None:
     # The daemon learns of a bind or unbind from its uevent, rescans, and hands the tracker the new table:
     # a pool that does not filter by driver keeps the device, which is unhealthy while not bound to the
-    # driver it was selected with.
+    # driver it was selected with.  The daemon passes the table's own index (one dict of ids, not two).
+    from densedev.node.table import DeviceTable
+
     tracker, devices = setup
+
+    def replace(devices: list[Device]) -> None:
+        if shared_index:
+            table = DeviceTable(tuple(devices))
+            tracker.replace(table.devices, setup_pools(devices), table.index)
+            assert tracker._index is table.index
+        else:
+            tracker.replace(devices, setup_pools(devices))
+
     a, b = vfs_of(devices, "ens0f0")[:2]
     devices = rebound(devices, {a.id: "vfio-pci", b.id: ""})
-    tracker.replace(devices, setup_pools(devices))
+    replace(devices)
     upd = tracker.collect()[VF0]
     assert upd.healthy == (False, False, True, True) and upd.changed == (0, 1)
     assert tracker.reasons(a.id) == (REASON_DRIVER,) and tracker.reasons(b.id) == (REASON_UNBOUND,)
     devices = rebound(devices, {a.id: "iavf", b.id: "iavf"})
-    tracker.replace(devices, setup_pools(devices))
+    replace(devices)
     assert tracker.collect() == {}  # healthy again: the hold-down runs
     clock.now += 1
     assert tracker.collect()[VF0].healthy == (True,) * 4
@@ -612,3 +626,22 @@ def test_tracker_matches_the_model(ops: list[tuple[Any, ...]]) -> None:
             continue
         got = {u.pool: (u.healthy, u.changed) for u in tracker.collect().values()}
         assert got == {pools[p].config.full_name: v for p, v in model.collect(clock.now).items()}
+
+
+def test_per_device_lookups_are_shared_tuples(clock: FakeClock) -> None:
+    # Memory at density: the per-device entries (a device's pools, its member positions, a VF's own
+    # netdev) were one list each, ~1.9 MiB per mapping at 16,384 devices; the devices of one pool now
+    # share one (pool,) tuple, and every pool's (pos,) tuples are the same objects.
+    devices = node(2, 64)
+    tracker = HealthTracker(devices, setup_pools(devices), clock=clock)
+    pools_of = list(tracker._pools_of.values())
+    assert all(isinstance(v, tuple) for v in pools_of)
+    assert len({id(v) for v in pools_of}) == len({v for v in pools_of})  # one object per distinct set
+    states = list(tracker._pools.values())
+    vf0, vf1 = tracker._pools[VF0], tracker._pools[VF1]
+    assert vf0.positions[min(vf0.positions)] is vf1.positions[min(vf1.positions)]  # both are (0,)
+    assert all(isinstance(v, tuple) for s in states for v in s.positions.values())
+    # And the lookups still answer as before: a PF down flips exactly its VFs.
+    tracker.collect()
+    tracker.set_links([("ens0f0", False)])
+    assert tracker.collect()[VF0].healthy == (False,) * 64

@@ -442,3 +442,59 @@ async def test_pods_are_accounted_per_resource_and_double_holdings_recorded(
             assert [e["PodUID"] for e in checkpoint["Data"]["PodDeviceEntries"]] == ["uid-three"]
     finally:
         await kubelet.stop()
+
+
+def _count_fsyncs(monkeypatch: pytest.MonkeyPatch, delay: float = 0.0) -> list[str]:
+    """Record the file each os.fsync call syncs (sleeping ``delay`` in it, as a slow disk would)."""
+    import os
+    import time
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        time.sleep(delay)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+async def test_each_update_is_applied_with_a_synced_checkpoint(
+    kubelet: KubeletEmulator, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from densedev.kubelet.feed import PoolFeed
+
+    # The kubelet's genericDeviceUpdateCallback writes the checkpoint (temp file, fsync, rename) for
+    # every ListAndWatch message before reading the next: an update counts as applied only after it.
+    synced = _count_fsyncs(monkeypatch, delay=0.15)
+    pool = FakePool(pci_ids(8))
+    feed = PoolFeed(pool.message())
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool, feed):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 1, GUARD)
+        pool.health[pool.ids[5]] = False
+        feed.publish(pool.message())
+        await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 2, GUARD)
+        # Read at once: the file already holds the list the update carried.
+        data = json.loads((sock_dir / CHECKPOINT).read_text())["Data"]
+    assert data["RegisteredDevices"] == {RESOURCE: [i for i in pool.ids if i != pool.ids[5]]}
+    assert [s.startswith(str(sock_dir)) and CHECKPOINT in s for s in synced] == [True, True]
+    for update in kubelet.updates(RESOURCE):
+        assert update.applied - update.received >= 0.15  # the fsync's time is part of each update
+    assert (sock_dir / CHECKPOINT).stat().st_mode & 0o777 == 0o600  # as the file store's TempFile
+
+
+@pytest.mark.parametrize("kubelet_options", [{"update_work": False}])
+async def test_update_work_can_be_turned_off(
+    kubelet: KubeletEmulator, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced = _count_fsyncs(monkeypatch)
+    pool = FakePool(pci_ids(4))
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        await kubelet.wait_for(lambda: len(kubelet.updates(RESOURCE)) == 1, GUARD)
+        await kubelet.wait_for(lambda: (sock_dir / CHECKPOINT).exists(), GUARD)  # still written, once
+    [update] = kubelet.updates(RESOURCE)
+    assert update.applied == update.received and synced == []

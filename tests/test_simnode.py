@@ -282,11 +282,40 @@ def test_simulate_writes_tree_and_config(tmp_path: Path) -> None:
     assert len(os.listdir(tmp_path / "out/class/net")) == 8
 
 
+def test_65536_devices_spill_into_a_second_pci_domain() -> None:
+    # 64 PFs x 1,024 VFs: 32 dual-port NICs of 10 buses each (a root port's bus, then 2 PFs + 2,048 VFs
+    # over 9 buses); domain 0 (buses 0x18-0xff) holds 23 of them, the rest go to domain 0001 from bus 0.
+    plan = simnode.nic_buses(32, 1024)
+    assert plan[:2] == [(0, 0x18), (0, 0x22)]
+    assert [d for d, _ in plan].count(0) == 23 and plan[23] == (1, 0x00) and plan[-1] == (1, 0x50)
+    assert all(bus + 9 <= 0xFF for _, bus in plan)  # every NIC's last VF bus has an 8-bit number
+    # The spill is only where the bus numbers run out: 16 PFs x 1,024 stay in domain 0.
+    assert {d for d, _ in simnode.nic_buses(8, 1024)} == {0}
+
+
+def test_spilled_functions_live_in_their_own_domain_and_scan(tmp_path: Path) -> None:
+    from densedev.node import scanner
+
+    # 1 VF per PF: a NIC takes 2 buses, so domain 0 holds 116 NICs (232 PFs); 4 more PFs spill.
+    layout = build_node(tmp_path, pfs=236, vfs_per_pf=1, extras=True)
+    spilled = [pf for pf in layout.pfs if pf.address.startswith("0001:")]
+    assert len(spilled) == 4 and layout.pfs[231].address.startswith("0000:")
+    assert spilled[0].address == "0001:01:00.0" and spilled[0].vf_addresses == ("0001:01:00.2",)
+    target = os.readlink(tmp_path / "bus/pci/devices" / spilled[0].vf_addresses[0])
+    assert target.split("/")[4:6] == ["pci0001:00", "0001:00:00.0"]
+    assert layout.extras is not None and layout.extras.sf_pf.startswith("0001:")
+    table = scanner.scan(tmp_path)
+    by_id = {d.id: d for d in table.devices}
+    vf = by_id[spilled[-1].vf_addresses[0]]
+    assert vf.pf == spilled[-1].address and vf.pcie_root.startswith("pci0001:")
+    assert sum(1 for pf in layout.pfs for a in pf.vf_addresses if a in by_id) == 236
+
+
 def test_bad_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="vendor 'acme'"):
         build_node(tmp_path, vendor="acme")
     with pytest.raises(ValueError, match="do not fit"):
-        build_node(tmp_path, pfs=64, vfs_per_pf=2000)
+        build_node(tmp_path, pfs=2, vfs_per_pf=40000)
     assert simnode.__all__
 
 

@@ -202,7 +202,8 @@ class Daemon:
         await self._dra.first_view()
         raw = selectors.build_pools(self.config, table.devices)
         pools = self.ownership.filter(raw)
-        self.tracker.replace(self.devices, pools)
+        current = self.rediscovery.table
+        self.tracker.replace(current.devices, pools, current.index)
         if not self.settings.netlink:
             await self.events.read_sysfs_links()
         await self.events.refresh_ports()

@@ -191,7 +191,7 @@ class Rediscovery:
         changes = poolset.diff(self.applied, pools)
         await self.pools.stop_changed(changes)
         self._ibdev_cache = None  # RDMA ports are polled for the pools' devices
-        self.tracker.replace(devices, pools)
+        self.tracker.replace(devices, pools, self.table.index)
         self._dra.take(raw, pools, self.tracker)
         started = self.pools.take(pools, changes.replaced)
         self.retain_held()

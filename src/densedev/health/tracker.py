@@ -19,8 +19,8 @@ burst of events into one ``collect``).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from .. import accel
 from ..model import Device, Pool, Role
@@ -51,24 +51,41 @@ def _bit(bitmap: bytes | bytearray, i: int) -> bool:
     return bool(bitmap[i >> 3] >> (i & 7) & 1)
 
 
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _tuples(lists: dict[K, list[V]], shared: dict[Any, Any]) -> dict[K, tuple[V, ...]]:
+    """Return the mapping with each list frozen to a tuple, equal tuples one object (``shared`` keeps them).
+
+    Most of these lists hold one item per device (a VF's own netdev, its one position, its one pool), so
+    at 16,384 devices a list each (88 bytes with append's spare slots) was ~1.9 MiB per mapping; a tuple
+    is 48 bytes, and the devices of one pool share a single ``(pool,)`` and each position's ``(pos,)``.
+    """
+    return {key: shared.setdefault(t, t) for key, items in lists.items() for t in (tuple(items),)}
+
+
 class _PoolState:
     """One pool's mask, member layout and health state (raw, advertised, last sent, pending recovery)."""
 
-    def __init__(self, pool: Pool, index: dict[str, int], nbytes: int) -> None:
+    def __init__(
+        self, pool: Pool, index: Mapping[str, int], nbytes: int, shared: dict[Any, Any] | None = None
+    ) -> None:
         self.name = pool.config.full_name
         self.policy = pool.config.health
         self.ids = tuple(m.id for m in pool.members)
         self._member_devices: dict[str, int] | None = None  # member ID → device index, built on demand
         # Member positions per device index: a shared RDMA pool advertises many IDs for one device.
-        self.positions: dict[int, list[int]] = {}
+        positions: dict[int, list[int]] = {}
         # The driver each device had when the pool selected it (the driver rule compares against it).
         self.selected_driver: dict[int, str] = {}
         for pos, member in enumerate(pool.members):
             i = index.get(member.device.id)
             if i is None:
                 continue  # a member whose device is not in the table has no facts; it stays healthy
-            self.positions.setdefault(i, []).append(pos)
+            positions.setdefault(i, []).append(pos)
             self.selected_driver[i] = member.device.driver
+        self.positions = _tuples(positions, {} if shared is None else shared)
         self.mask = accel.set_bits(bytes(nbytes), list(self.positions), True)
         self.driver_bad = bytes(nbytes)
         self.raw = bytes(nbytes)  # unhealthy by the facts right now
@@ -103,36 +120,42 @@ class HealthTracker:
         self._links: dict[str, bool] = {}  # ifname → up, as last reported (absent: unknown, counts as up)
         self._links_down = 0  # how many of them are down (none: no device can stay down in _flip)
         self._ports: dict[str, dict[int, int]] = {}  # ibdev → port → state
-        self._drivers: dict[str, str] = {}  # device id → driver bound now
         self._build(devices, pools)
 
     # ------------------------------------------------------------------------------------------ layout
-    def _build(self, devices: Sequence[Device], pools: Sequence[Pool]) -> None:
+    def _build(
+        self, devices: Sequence[Device], pools: Sequence[Pool], index: Mapping[str, int] | None = None
+    ) -> None:
         self._devices = tuple(devices)
-        self._index = {d.id: i for i, d in enumerate(self._devices)}
+        # The device table's own index when given (one dict of every id, not two: 0.8 MiB at 16k).
+        self._index = index if index is not None else {d.id: i for i, d in enumerate(self._devices)}
         self._nbytes = (len(self._devices) + 7) // 8
-        self._by_netdev: dict[str, list[int]] = {}
-        self._by_pf_netdev: dict[str, list[int]] = {}
-        self._by_ibdev: dict[str, list[int]] = {}
+        by_netdev: dict[str, list[int]] = {}
+        by_pf_netdev: dict[str, list[int]] = {}
+        by_ibdev: dict[str, list[int]] = {}
         pf = Role.PF  # a local: one enum attribute lookup, not one per device
         for i, d in enumerate(self._devices):
             for name in d.netdevs:
-                self._by_netdev.setdefault(name, []).append(i)
+                by_netdev.setdefault(name, []).append(i)
             if d.pf_netdev and d.role != pf:
-                self._by_pf_netdev.setdefault(d.pf_netdev, []).append(i)
+                by_pf_netdev.setdefault(d.pf_netdev, []).append(i)
             if d.rdma_device:
-                self._by_ibdev.setdefault(d.rdma_device, []).append(i)
-            self._drivers[d.id] = d.driver  # the driver bound now: each rescan's table brings it
+                by_ibdev.setdefault(d.rdma_device, []).append(i)
+        shared: dict[Any, Any] = {}
+        self._by_netdev = _tuples(by_netdev, shared)
+        self._by_pf_netdev = _tuples(by_pf_netdev, shared)
+        self._by_ibdev = _tuples(by_ibdev, shared)
         self._pools: dict[str, _PoolState] = {}
         for p in pools:
-            state = _PoolState(p, self._index, self._nbytes)
+            state = _PoolState(p, self._index, self._nbytes, shared)
             if state.name in self._pools:
                 raise ValueError(f"HealthTracker: pool {state.name} given twice")
             self._pools[state.name] = state
-        self._pools_of: dict[int, list[_PoolState]] = {}
+        pools_of: dict[int, list[_PoolState]] = {}
         for state in self._pools.values():
             for i in state.positions:
-                self._pools_of.setdefault(i, []).append(state)
+                pools_of.setdefault(i, []).append(state)
+        self._pools_of = _tuples(pools_of, shared)
         empty = bytes(self._nbytes)
         self._facts = [empty, empty, empty]
         self._facts[_PF_LINK] = self._link_bitmap(self._by_pf_netdev)
@@ -143,7 +166,7 @@ class HealthTracker:
             state.raw = self._raw(state)
             state.advertised = state.raw  # a fresh pool starts from the facts, without a hold-down
 
-    def _link_bitmap(self, by_name: dict[str, list[int]]) -> bytes:
+    def _link_bitmap(self, by_name: dict[str, tuple[int, ...]]) -> bytes:
         down = [i for name, up in self._links.items() if not up for i in by_name.get(name, ())]
         return accel.set_bits(bytes(self._nbytes), down, True)
 
@@ -158,7 +181,8 @@ class HealthTracker:
         return any(state not in RDMA_PORT_ACTIVE for state in ports.values())
 
     def _driver_ok(self, i: int, selected: str) -> bool:
-        now = self._drivers.get(self._devices[i].id, "")
+        # The driver bound now is the current table's: each rescan brings it (no copy by id kept).
+        now = self._devices[i].driver
         return now != "" and now == selected
 
     def _driver_bitmap(self, state: _PoolState, indexes: Iterable[int]) -> bytes:
@@ -210,7 +234,9 @@ class HealthTracker:
         for name, _ in states:
             self._links.pop(name, None)
 
-    def _flip(self, bitmap: bytes, down: list[int], up: list[int], by_name: dict[str, list[int]]) -> bytes:
+    def _flip(
+        self, bitmap: bytes, down: list[int], up: list[int], by_name: dict[str, tuple[int, ...]]
+    ) -> bytes:
         bitmap = accel.set_bits(bitmap, down, True)
         # A device with two netdevs stays down while either is down; with no link down (the first dump
         # of a healthy node: every device "up"), none does, and asking each of them was 2 of the 3 ms
@@ -222,7 +248,7 @@ class HealthTracker:
         cleared = accel.set_bits(bitmap, up, False)
         return accel.set_bits(cleared, still, True)
 
-    def _names_of(self, i: int, by_name: dict[str, list[int]]) -> tuple[str, ...]:
+    def _names_of(self, i: int, by_name: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
         d = self._devices[i]
         return d.netdevs if by_name is self._by_netdev else (d.pf_netdev,)
 
@@ -365,7 +391,7 @@ class HealthTracker:
             out.append(REASON_LINK)
         if _bit(self._facts[_RDMA], i):
             out.append(REASON_RDMA)
-        now = self._drivers.get(device_id, "")
+        now = self._devices[i].driver
         if now == "":
             out.append(REASON_UNBOUND)
         elif any(state.selected_driver[i] != now for state in self._pools_of.get(i, ())):
@@ -375,12 +401,17 @@ class HealthTracker:
         return tuple(out)
 
     # ----------------------------------------------------------------------------------------- rescans
-    def replace(self, devices: Sequence[Device], pools: Sequence[Pool]) -> None:
-        """Adopt a rescanned device table and pools, keeping facts and hold-downs of devices that remain."""
+    def replace(
+        self, devices: Sequence[Device], pools: Sequence[Pool], index: Mapping[str, int] | None = None
+    ) -> None:
+        """Adopt a rescanned device table and pools, keeping facts and hold-downs of devices that remain.
+
+        ``index``: the table's id → position of ``devices`` (``DeviceTable.index``), used, not copied.
+        """
         old_devices = self._devices
         old = self._pools
         # Link and RDMA facts are keyed by name, so they carry over; drivers come from the new table.
-        self._build(devices, pools)
+        self._build(devices, pools, index)
         for name, state in self._pools.items():
             prev = old.get(name)
             if prev is None:

@@ -92,7 +92,7 @@ class PoolRuntime:
     @staticmethod
     def _new_encoder(pool: Pool) -> ListEncoder:
         numa = [-1 if pool.config.exclude_topology else m.device.numa_node for m in pool.members]
-        return ListEncoder([m.id for m in pool.members], numa, name=pool.config.full_name)
+        return ListEncoder(tuple(m.id for m in pool.members), numa, name=pool.config.full_name)
 
     @property
     def name(self) -> str:

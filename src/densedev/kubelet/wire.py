@@ -61,7 +61,9 @@ class ListEncoder:
     ) -> None:
         if len(ids) != len(numa):
             raise ValueError(f"ListEncoder: {len(ids)} ids but {len(numa)} NUMA nodes")
-        self._ids = [device_id.encode() for device_id in ids]
+        # The pool's own ID strings, encoded again when a member changes: a copy as bytes for every
+        # member cost 54 bytes a device (0.8 MiB at 16,384) to save microseconds per flip.
+        self._ids = ids if isinstance(ids, tuple) else tuple(ids)
         self._numa = list(numa)
         self._limit = limit
         self._name = name
@@ -80,7 +82,7 @@ class ListEncoder:
         for index in range(count) if changed is None else changed:
             if not 0 <= index < count:
                 raise IndexError(f"ListEncoder: changed index {index} outside 0..{count - 1}")
-            parts[index] = encode_device(ids[index], bool(healthy[index]), numa[index])
+            parts[index] = encode_device(ids[index].encode(), bool(healthy[index]), numa[index])
         message = encode_list(parts)
         if len(message) <= self._limit:
             self.truncated = 0

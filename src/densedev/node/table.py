@@ -21,6 +21,11 @@ class DeviceTable:
         index = {d.id: i for i, d in enumerate(self.devices)}
         object.__setattr__(self, "_index", index)
 
+    @property
+    def index(self) -> Mapping[str, int]:
+        """Return the table's id → position index (shared, not copied: the health tracker reads it too)."""
+        return self._index
+
     def by_id(self) -> Mapping[str, Device]:
         """Return a read-only mapping of device id → device."""
         devices = self.devices

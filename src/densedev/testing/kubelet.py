@@ -13,7 +13,8 @@ accounts allocated devices per resource name only, so a device a plugin lists un
 be handed to two pods; every such double holding is recorded (``double_holdings``), and a strict
 emulator raises ``InvariantViolation`` on the first one.  It serves the PodResources API
 (``v1.PodResourcesLister``) when given a socket path, and writes ``kubelet_internal_checkpoint`` when
-and as the kubelet does.
+and as the kubelet does: after every ListAndWatch message, fsynced, before the next is read (the cost
+the benchmarks show; ``update_work=False`` leaves it out and records only the list).
 
 The names it accepts follow the kubelet's own rules, written here from Kubernetes' sources
 (``v1helper.IsExtendedResourceName``, apimachinery's ``IsQualifiedName``), independently of the
@@ -30,9 +31,11 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,6 +157,9 @@ class Update:
     devices: dict[str, str]  # ID -> health, in message order
     numa: dict[str, tuple[int, ...]]  # ID -> NUMA nodes of its topology
     size: int  # bytes of the serialized message
+    # time.monotonic() when the kubelet's per-update work was done (the device set replaced, the
+    # checkpoint written and fsynced); ``received`` when the emulator runs without that work.
+    applied: float = 0.0
 
     @property
     def capacity(self) -> int:
@@ -197,8 +203,12 @@ class KubeletEmulator:
         pod_resources_socket: Path | None = None,
         strict: bool = False,
         stop_grace: float = ENDPOINT_STOP_GRACE,
+        update_work: bool = True,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
+        # The real kubelet's cost of each ListAndWatch message (see _apply); off, the emulator only
+        # records the list and writes the checkpoint once per burst, without fsync.
+        self.update_work = update_work
         self.stop_grace = stop_grace
         self.socket_path = self.plugin_dir / KUBELET_SOCKET
         self.dial_timeout = dial_timeout
@@ -223,6 +233,12 @@ class KubeletEmulator:
         self._pod_seq = 0
         self._checkpoint_pending = False
         self._admit_lock: asyncio.Lock | None = None
+        # The checkpoint manager's mutex (pkg/kubelet/checkpointmanager): one writer at a time, and a
+        # snapshot never replaces a newer one already on disk.
+        self._store_lock = threading.Lock()
+        self._snapshots = 0
+        self._stored = 0
+        self._writer: ThreadPoolExecutor | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -270,6 +286,9 @@ class KubeletEmulator:
                 endpoint.removal.cancel()
                 endpoint.removal = None
         self.socket_path.unlink(missing_ok=True)
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.shutdown(wait=False)  # a write in flight finishes; it cannot replace a newer one
         self._notify()
 
     async def restart(self) -> None:
@@ -363,12 +382,17 @@ class KubeletEmulator:
                 # genericDeviceUpdateCallback is keyed by resource name: a replaced client's messages
                 # still set the resource's list.
                 target = self._endpoints.get(endpoint.resource, endpoint)
+                if self.update_work:
+                    await self._apply(target.resource, devices, numa)
+                    applied = time.monotonic()
+                else:
+                    applied = received
+                    self._checkpoint_soon()
+                # The list, its record and the checkpoint agree whenever a test looks.
                 target.devices = devices
                 target.numa = numa
-                target.updates.append(Update(received, devices, numa, response.ByteSize()))
+                target.updates.append(Update(received, devices, numa, response.ByteSize(), applied))
                 self._notify()
-                # genericDeviceUpdateCallback writes the checkpoint after every device update.
-                self._checkpoint_soon()
             endpoint.stream_error = "stream ended"
         except asyncio.CancelledError:
             endpoint.stream_error = endpoint.stream_error or "disconnected by the kubelet"
@@ -773,6 +797,28 @@ class KubeletEmulator:
             except FileNotFoundError:
                 pass
 
+    async def _apply(self, resource: str, devices: dict[str, str], numa: dict[str, tuple[int, ...]]) -> None:
+        """The rest of the kubelet's work for one ListAndWatch message, done before it reads the next.
+
+        v1.32 genericDeviceUpdateCallback (pkg/kubelet/cm/devicemanager/manager.go) rebuilds the
+        resource's healthy and unhealthy sets and its device map from the whole message, then calls
+        writeCheckpoint: every resource's healthy IDs and every pod's devices marshalled to JSON and
+        written through the checkpoint manager's file store, which writes a temporary file, fsyncs it
+        and renames it into place (pkg/kubelet/util/store/filestore.go writeFile).  So each update costs
+        in proportion to the pool's size (the message) plus the node's (the checkpoint), with an fsync.
+        The stream waits for it, as the kubelet's ListAndWatch loop does; the file work runs on a
+        thread of its own so other streams keep being read meanwhile.
+        """
+        if not self.write_checkpoint or not self.plugin_dir.is_dir():
+            return
+        data = self._checkpoint_data({resource: (devices, numa)})
+        self._snapshots += 1
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="kubelet-checkpoint")
+        await asyncio.get_running_loop().run_in_executor(
+            self._writer, self._store_checkpoint, data, self._snapshots, True
+        )
+
     def _checkpoint_soon(self) -> None:
         """Write the checkpoint once at the end of this loop iteration (a burst of updates, one write)."""
         if not self._checkpoint_pending and self.write_checkpoint:
@@ -792,14 +838,24 @@ class KubeletEmulator:
         self._checkpoint_pending = False
         if not self.write_checkpoint or not self.plugin_dir.is_dir():
             return
+        self._snapshots += 1
+        self._store_checkpoint(self._checkpoint_data(), self._snapshots, self.update_work)
+
+    def _checkpoint_data(
+        self, pending: dict[str, tuple[dict[str, str], dict[str, tuple[int, ...]]]] | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint's Data as the kubelet holds it now (taken on the loop, written elsewhere), with
+        ``pending``'s resources holding the list being applied (resource → devices, NUMA nodes)."""
+        lists = {name: (e.devices, e.numa) for name, e in self._endpoints.items()}
+        lists.update((name, new) for name, new in (pending or {}).items() if name in lists)
         entries: list[dict[str, Any]] = []
         for pod in self._pods.values():
             for cname, per_resource in pod.containers.items():
                 for resource, ids in per_resource.items():
-                    endpoint = self._endpoints.get(resource)
+                    listed = lists.get(resource)
                     per_numa: dict[str, list[str]] = {}
                     for i in ids:
-                        nodes = (endpoint.numa.get(i) if endpoint else None) or (NO_TOPOLOGY,)
+                        nodes = (listed[1].get(i) if listed else None) or (NO_TOPOLOGY,)
                         for n in nodes:
                             per_numa.setdefault(str(n), []).append(i)
                     entries.append(
@@ -812,15 +868,31 @@ class KubeletEmulator:
                         }
                     )
         registered = {
-            name: [i for i, h in endpoint.devices.items() if h == HEALTHY]
-            for name, endpoint in self._endpoints.items()
+            name: [i for i, h in devices.items() if h == HEALTHY] for name, (devices, _) in lists.items()
         }
-        data = {"PodDeviceEntries": entries or None, "RegisteredDevices": registered}
+        return {"PodDeviceEntries": entries or None, "RegisteredDevices": registered}
+
+    def _store_checkpoint(self, data: dict[str, Any], snapshot: int, sync: bool) -> None:
+        """Write one snapshot to the file (fsynced when ``sync``) unless a newer one is there already."""
         body = json.dumps(data, sort_keys=True)
+        blob = json.dumps({"Data": data, "Checksum": zlib.crc32(body.encode())}).encode()
         path = self.plugin_dir / CHECKPOINT
-        tmp = path.with_name(f".{CHECKPOINT}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"Data": data, "Checksum": zlib.crc32(body.encode())}))
-        os.replace(tmp, path)
+        with self._store_lock:
+            if snapshot < self._stored:
+                return
+            tmp = path.with_name(f".{CHECKPOINT}.{os.getpid()}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.write(fd, blob)
+                    if sync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except FileNotFoundError:
+                return  # the directory went away (a test's teardown): nothing to keep
+            self._stored = snapshot
 
     def _load_checkpoint(self) -> None:
         """Bring back resources listed in the checkpoint with no devices until their plugin registers,

@@ -33,6 +33,7 @@ __all__ = [
     "build_node",
     "enslave",
     "move_netdev_to_pod",
+    "nic_buses",
     "set_addresses",
     "set_link",
     "set_num_vfs",
@@ -141,6 +142,48 @@ class NodeLayout:
 
 
 # ---------------------------------------------------------------------------------------------- writer
+
+
+# Bus numbers of a PCI domain: domain 0 starts past the buses its chipset devices use (as on common
+# servers, where the first add-in root ports sit at 0x17-0x18 on); a further segment starts at 0.
+_FIRST_BUS = (0x18, 0x00)
+_LAST_BUS = 0xFF
+_EXTRA_BUSES = 10  # the extras' five NICs, each a root port's bus and the NIC's own
+_LAST_DOMAIN = 0xFFFF  # sysfs names hold 4 hex digits of domain (VMD's 10000: and up are not modelled)
+
+
+def _next_domain(domain: int) -> tuple[int, int]:
+    """Return the next PCI domain and its first bus number (ValueError past the last one)."""
+    if domain >= _LAST_DOMAIN:
+        raise ValueError("the node's functions do not fit in 65,536 PCI domains")
+    return domain + 1, _FIRST_BUS[1]
+
+
+def _buses_per_nic(vfs_per_pf: int) -> int:
+    # Routing IDs a dual-port NIC's functions use: 2 PFs then 2 x vfs_per_pf VFs (offset 2, stride 1),
+    # plus the bus of the root port in front of it.
+    return 1 + (2 + 2 * vfs_per_pf + 255) // 256
+
+
+def nic_buses(nics: int, vfs_per_pf: int) -> list[tuple[int, int]]:
+    """Return each dual-port NIC's (PCI domain, root port bus), spilling into the next domain when full.
+
+    A NIC's VFs take consecutive bus numbers after its PFs (SR-IOV: VF routing ID = PF RID + offset +
+    k x stride), so 2 x 1,024 VFs need 9 buses; one domain's 8-bit bus number runs out after ~23 such
+    NICs.  Servers with more devices than that have more PCI segment groups (ACPI MCFG), which Linux
+    shows as domains 0001:, 0002: ... each with its own host bridges ``pci<domain>:<bus>``.
+    """
+    per_nic = _buses_per_nic(vfs_per_pf)
+    if _FIRST_BUS[1] + per_nic - 1 > _LAST_BUS:
+        raise ValueError(f"{vfs_per_pf} VFs per PF do not fit in one PCI domain's 256 buses")
+    out = []
+    domain, bus = 0, _FIRST_BUS[0]
+    for _ in range(nics):
+        if bus + per_nic - 1 > _LAST_BUS:
+            domain, bus = _next_domain(domain)
+        out.append((domain, bus))
+        bus += per_nic
+    return out
 
 
 def _bdf(domain: int, rid: int) -> str:
@@ -704,21 +747,16 @@ def build_node(
     if vendor == "virtio":
         return _build_virtio(w, pfs, numa_nodes, extras)
     nics = (pfs + 1) // 2
-    # Routing IDs a NIC's functions use: 2 PFs then 2 x vfs_per_pf VFs (offset 2, stride 1).
-    buses_per_nic = 1 + (2 + 2 * vfs_per_pf + 255) // 256
-    if 0x18 + nics * buses_per_nic > 0xFF:
-        raise ValueError(f"{pfs} PFs x {vfs_per_pf} VFs do not fit in one PCI domain's 256 buses")
+    plan = nic_buses(nics, vfs_per_pf)
     layout_pfs: list[tuple[str, str, int, str]] = []
-    bus = 0x18
     ib_prefix = "mlx5_" if vendor == "mellanox" else "irdma"
-    for nic in range(nics):
+    for nic, (domain, bus) in enumerate(plan):
         numa = nic * numa_nodes // max(nics, 1)
-        port = w.root_port(0, bus)
+        port = w.root_port(domain, bus)
         slot = nic + 1
         nic_bus = bus + 1
-        bus += buses_per_nic
         for func in range(min(2, pfs - 2 * nic)):
-            bdf = _bdf(0, nic_bus << 8 | func)
+            bdf = _bdf(domain, nic_bus << 8 | func)
             # PF f's VFs follow both PFs and the VFs of lower PFs (as mlx5/ice firmware lays them out).
             offset = 2 - func + func * vfs_per_pf
             ifname = f"ens{slot}f{func}"
@@ -744,7 +782,13 @@ def build_node(
                 vendor=vendor,
             )
         )
-    extra = _build_extras(w, bus, numa_nodes) if extras else None
+    extra = None
+    if extras:
+        domain, bus = plan[-1] if plan else (0, _FIRST_BUS[0])
+        bus += _buses_per_nic(vfs_per_pf) if plan else 0
+        if bus + _EXTRA_BUSES > _LAST_BUS:
+            domain, bus = _next_domain(domain)
+        extra = _build_extras(w, domain, bus, numa_nodes)
     w.save()
     return NodeLayout(root=root, pfs=tuple(out), vendor=vendor, rdma=rdma, extras=extra)
 
@@ -774,16 +818,16 @@ def _build_virtio(w: _Writer, nics: int, numa_nodes: int, extras: bool) -> NodeL
     return NodeLayout(root=Path(w.root), pfs=tuple(out), vendor="virtio")
 
 
-def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
+def _build_extras(w: _Writer, domain: int, bus: int, numa_nodes: int) -> SimExtras:
     """Add one of each special kind on NICs of their own (after the main ones, on the last NUMA node)."""
     numa = numa_nodes - 1
     mlx = _VENDORS["mellanox"]
     intel = _VENDORS["intel"]
-    if bus + 10 > 0xFF:
+    if bus + _EXTRA_BUSES > _LAST_BUS:
         raise ValueError("no PCI buses left for the extras")
     # 1. A ConnectX PF with subfunctions (mlx5 SFs on the auxiliary bus) and 2 VFs: one carries vDPA.
-    port = w.root_port(0, bus)
-    sf_pf = _bdf(0, (bus + 1) << 8)
+    port = w.root_port(domain, bus)
+    sf_pf = _bdf(domain, (bus + 1) << 8)
     w.pf(port, sf_pf, mlx, 0x020000, numa, 8, 2, 1, "ens90f0", w.next_ibdev("mlx5_"), 90)
     sf_pf_path = f"{port}/{sf_pf}"
     vfs = w.create_vfs(sf_pf, 2)
@@ -822,8 +866,8 @@ def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
     w.counter("vdpa")
     bus += 2
     # 2. An E810 with 3 VFs: VF0 on igb_uio, VF1 on vfio-pci, VF2 on vfio-pci in a no-IOMMU group.
-    port = w.root_port(0, bus)
-    e810 = _bdf(0, (bus + 1) << 8)
+    port = w.root_port(domain, bus)
+    e810 = _bdf(domain, (bus + 1) << 8)
     w.pf(port, e810, intel, 0x020000, numa, 8, 0x10, 1, "ens91f0", "", 91)
     uio_vf, vfio_vf, noiommu_vf = w.create_vfs(e810, 3)
     bind_driver(w.root, uio_vf, "igb_uio", _writer=w)
@@ -835,22 +879,22 @@ def _build_extras(w: _Writer, bus: int, numa_nodes: int) -> SimExtras:
     bind_driver(w.root, noiommu_vf, "vfio-pci", _writer=w)
     bus += 2
     # 3. An accelerator: Intel QAT 4xxx PF 4940 (class 0x120000) with VFs 4941 on vfio-pci.
-    port = w.root_port(0, bus)
-    qat = _bdf(0, (bus + 1) << 8)
+    port = w.root_port(domain, bus)
+    qat = _bdf(domain, (bus + 1) << 8)
     qspec = _Vendor(0x8086, 0x4940, 0x4941, "4xxx", "vfio-pci", 0x0000, False)
     w.pf(port, qat, qspec, 0x120000, numa, 16, 1, 1, "", "", None)
     accel_vfs = w.create_vfs(qat, 4)
     bus += 2
     # 4. An InfiniBand ConnectX-5 PF (class 0x020700): IPoIB netdev (ARPHRD_INFINIBAND 32), issm, ucm.
-    port = w.root_port(0, bus)
-    ib_pf = _bdf(0, (bus + 1) << 8)
+    port = w.root_port(domain, bus)
+    ib_pf = _bdf(domain, (bus + 1) << 8)
     ibspec = _Vendor(0x15B3, 0x1017, 0x1018, "mlx5_core", "mlx5_core", 0x0007, True)
     ib_ibdev = w.next_ibdev("mlx5_")
     w.pf(port, ib_pf, ibspec, 0x020700, numa, 8, 2, 1, "ibs92f0", ib_ibdev, 92, infiniband=True)
     bus += 2
     # 5. A plain NIC without SR-IOV (I210 on igb).
-    port = w.root_port(0, bus)
-    plain = _bdf(0, (bus + 1) << 8)
+    port = w.root_port(domain, bus)
+    plain = _bdf(domain, (bus + 1) << 8)
     ppath = f"{port}/{plain}"
     w.mkdir(ppath)
     w.pci_files(ppath, plain, 0x8086, 0x1533, 0x020000, 0x8086, 0x0000, numa, 1)
