@@ -34,8 +34,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +71,7 @@ from densedev.testing import simnode
 from densedev.testing.apiserver import ApiServerStandIn
 from densedev.testing.dra_kubelet import ClaimStore, DraKubelet, allocated_claim
 from densedev.testing.kubelet import UNHEALTHY, KubeletEmulator
-from densedev.testing.simkernel import FaultRule, SimKernel, write_faults
+from densedev.testing.simkernel import FaultRule, write_faults
 
 DRIVER = "net.densedev.io"
 NODE = "bench-node"
@@ -85,6 +88,7 @@ NETLINK_ASK: dict[str, Any] = {
     "linkState": "enable",
 }
 VFIO_ASK: dict[str, Any] = {"driver": "vfio-pci"}
+KERNEL_ARGV = (sys.executable, "-m", "densedev.cli", "simulate-kernel")
 
 
 def make_devices() -> list[Device]:
@@ -273,11 +277,23 @@ async def bench_params(
     )
     service.recover()
     ask = NETLINK_ASK if kind == "netlink" else VFIO_ASK
-    kernel = SimKernel(sysfs, dev_root) if kind == "rebind" else None
-    if kernel is not None:
+    kernel: subprocess.Popen[str] | None = None
+    if kind == "rebind":
         # Each probe or bind the kernel answers after the delay (a driver's probe() taking that long).
         write_faults(sysfs, [FaultRule(op=op, delay_ms=probe_delay_ms) for op in ("drivers_probe", "bind")])
-        kernel.start()
+        # The kernel in its own process (``densedev simulate-kernel``), as the real one is not in the
+        # daemon's: a thread here would wait for this process's GIL before answering each write.
+        kernel = subprocess.Popen(
+            [*KERNEL_ARGV, "--sysfs-root", str(sysfs), "--dev-root", str(dev_root)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")},
+        )
+        assert kernel.stdout is not None
+        ready = await asyncio.to_thread(kernel.stdout.readline)
+        if not ready.startswith("simulate-kernel:"):
+            kernel.kill()
+            raise SystemExit(f"the simulated kernel did not start: {ready!r}")
     prepare: list[float] = []
     unprepare: list[float] = []
     try:
@@ -312,7 +328,8 @@ async def bench_params(
                     unprepare.append(du)
     finally:
         if kernel is not None:
-            kernel.stop()
+            kernel.terminate()
+            kernel.wait()
     out: dict[str, Any] = {"parameters": ask, "prepare": figures(prepare), "unprepare": figures(unprepare)}
     if kernel is not None:
         out["probe_delay_ms"] = probe_delay_ms
@@ -415,6 +432,8 @@ async def bench_load(work: Path, short: Path, claims: int, flips: int) -> dict[s
         quiet = [await flip() for _ in range(flips)]
 
         waves: list[float] = []
+        unwaves: list[float] = []
+        calls_seen: list[float] = []
         done = asyncio.Event()
         prepared = 0
 
@@ -437,15 +456,24 @@ async def bench_load(work: Path, short: Path, claims: int, flips: int) -> dict[s
                     api.put_claim(allocated_claim("default", f"c-{uid[:8]}", uid, [result], entries))
                     refs.append(("default", f"c-{uid[:8]}", uid, vf))
                 t = time.perf_counter()
-                answers = await asyncio.gather(*(dra_kubelet.prepare(driver, [r[:3]]) for r in refs))
+                answers = await asyncio.gather(*(timed_prepare(r[:3]) for r in refs))
+                waves.append(time.perf_counter() - t)
                 for r, a in zip(refs, answers, strict=True):
                     assert not a[r[2]].error, a[r[2]].error
                 vlan = links.values(targets[refs[0][3]])["vlan"]
                 assert vlan == NETLINK_ASK["vlan"], vlan
+                t = time.perf_counter()
                 undone = await asyncio.gather(*(dra_kubelet.unprepare(driver, [r[:3]]) for r in refs))
+                unwaves.append(time.perf_counter() - t)
                 assert all(u == {r[2]: ""} for r, u in zip(refs, undone, strict=True)), undone
-                waves.append(time.perf_counter() - t)
+                assert links.values(targets[refs[0][3]]) == links.values(targets[dra_vfs[-1]])  # restored
                 prepared += len(refs)
+
+        async def timed_prepare(ref: tuple[str, str, str]) -> Any:
+            t = time.perf_counter()
+            answer = await dra_kubelet.prepare(driver, [ref])
+            calls_seen.append(time.perf_counter() - t)
+            return answer
 
         task = asyncio.create_task(claim_waves())
         await asyncio.sleep(0.05)  # the first wave under way
@@ -470,7 +498,9 @@ async def bench_load(work: Path, short: Path, claims: int, flips: int) -> dict[s
         "devices": PFS * VFS_PER_PF,
         "claims_per_wave": claims,
         "claims_prepared": prepared,
-        "wave_prepare_unprepare": ms(waves),
+        "wave_prepare": ms(waves),
+        "wave_unprepare": ms(unwaves),
+        "prepare_call_in_wave": ms(calls_seen),
         "pf_down_to_kubelet_quiet": ms(quiet),
         "pf_down_to_kubelet_during_claims": ms(during),
     }
@@ -500,6 +530,7 @@ async def run_params(args: argparse.Namespace, kinds: tuple[str, ...], calls: in
                 shutil.rmtree(root, ignore_errors=True)
                 shutil.rmtree(run_root, ignore_errors=True)
     if "load" in kinds:
+        logging.disable(logging.WARNING)  # the daemon's own lines (PF down, ...) are not the output
         work = Path(tempfile.mkdtemp(prefix="dd-drl-", dir=args.run_dir))
         short = Path(tempfile.mkdtemp(prefix="dl-", dir="/tmp"))  # sun_path holds 107 bytes
         try:
@@ -586,7 +617,9 @@ def main() -> int:
             f"{load['devices']} VFs, waves of {load['claims_per_wave']} claims with netlink parameters "
             f"prepared+unprepared concurrently ({load['claims_prepared']} in all):"
         )
-        print(_line("one wave", load["wave_prepare_unprepare"]))
+        print(_line("all 100 prepared", load["wave_prepare"]))
+        print(_line("all 100 unprepared", load["wave_unprepare"]))
+        print(_line("one prepare call", load["prepare_call_in_wave"]))
         print(_line("PF down -> kubelet, quiet", load["pf_down_to_kubelet_quiet"]))
         print(_line("  ... during the waves", load["pf_down_to_kubelet_during_claims"]))
     return 0
