@@ -249,10 +249,11 @@ async def bench_params(
     run_root: Path, root: Path, kind: str, calls: int, probe_delay_ms: float
 ) -> dict[str, Any]:
     """Time Prepare and Unprepare of 1-device claims with ``kind``'s parameters on a small simulated node."""
-    sysfs = root / "sys"
+    # sysfs is a pseudo-filesystem in memory: the simulated one (with its VF-link state) on the tmpfs.
+    sysfs = run_root / "sys"
     simnode.build_node(sysfs, pfs=2, vfs_per_pf=8)
     vfs = node_vfs(sysfs)
-    dev_root = root / "dev"
+    dev_root = run_root / "dev"
     (dev_root / "vfio").mkdir(parents=True, exist_ok=True)
     (dev_root / "vfio" / "vfio").touch()  # the container node, there once vfio-pci is loaded
     pool = Pool(PoolConfig("vf_pool", "example.com"), tuple(PoolMember(d.id, d) for d in vfs))
