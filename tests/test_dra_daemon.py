@@ -7,6 +7,7 @@ official schema, the ResourceClaims), and the device-plugin kubelet emulator (po
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from densedev.dra import names
 from densedev.dra.apiclient import ResourceClient
 from densedev.dra.names import DEFAULT_DRIVER_NAME as DRIVER
 from densedev.node import scanner as discovery
+from densedev.node.vflinks import SIM_DEFAULTS, SIM_STATE
 from densedev.pools import config as config_mod
 from densedev.pools import select as selectors
 from densedev.pools.ownership import DRA_CLAIMS, Ownership
@@ -225,6 +227,10 @@ def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str
             timeout=120,
             env=child_env,
         )
+        # The simulated node's VF links as the demo left them: the settings its claims asked (written
+        # at Prepare) are back to what the VFs had, each VF it configured listed.
+        state_file = short / "sys" / ".simnode" / SIM_STATE
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
     finally:
         shutil.rmtree(short, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr
@@ -233,6 +239,15 @@ def test_demo_dra_serves_the_simulated_node_through_dra(child_env: dict[str, str
     assert summary.startswith("demo summary (DRA): 16 devices") and ", 0 errors" in summary, summary
     prepared = int(summary.split(" link flips, ")[1].split(" claims")[0])
     assert prepared >= 1, summary
+    # Every round's claim carried a VLAN and an MTU: set while prepared, restored at Unprepare.
+    assert f"({prepared} with vlan 100, mtu 9000 applied and restored)" in summary, summary
+    assert "prepared with vlan 100, mtu 9000 set on the VF; unprepared, it has vlan 0, mtu 1500 again" in (
+        proc.stdout
+    )
+    assert 1 <= len(state) <= prepared, state
+    for key, values in state.items():
+        assert {k: values[k] for k in ("vlan", "mtu")} == {"vlan": 0, "mtu": 1500}, (key, values)
+        assert all(values[k] == SIM_DEFAULTS[k] for k in values), (key, values)
 
 
 async def test_without_the_api_server_the_kubelet_is_served_and_claims_unprepared(node: Node) -> None:

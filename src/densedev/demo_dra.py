@@ -4,7 +4,10 @@ The daemon runs as in production; around it run the API-server stand-in (Resourc
 ResourceClaims over HTTP, through the same client as production) and the DRA kubelet emulator
 (registration, NodePrepareResources/NodeUnprepareResources, the health stream).  PFs flap at random;
 each flip is timed until the stand-in's slices show it, and a 1-device claim is prepared and
-unprepared each round, as a pod's would be.
+unprepared each round, as a pod's would be.  The claim carries parameters (a ``VfConfig`` with a VLAN and
+an MTU, as a VLAN'd kernel-networking pod's would): Prepare sets them through the simulated node's VF
+links (``.simnode/vflinks.json``) and Unprepare must put back what the VF had; the demo reads the
+simulated state after each and counts an error when either is not so.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import accel
 from .daemon import Daemon, DaemonSettings
 from .dra import DraSettings, names
 from .dra.apiclient import ResourceClient
+from .dra.params import API_VERSION, KIND
+from .node.scanner import scan
+from .node.vflinks import SimVfLinks, VfTarget
 from .pools import config as config_mod
 from .testing import simnode
 from .testing.apiserver import ApiServerStandIn
@@ -31,6 +37,18 @@ from .testing.dra_kubelet import DraKubelet, allocated_claim
 
 NODE = "demo-node"
 WAIT_S = 10.0  # how long a flip may take to show at the stand-in before the demo counts an error
+# What each round's claim asks of its VF (a VLAN'd kernel VF with jumbo frames, docs/dra.md).
+ASK: dict[str, Any] = {"vlan": 100, "mtu": 9000}
+
+
+class RoundOutcome(NamedTuple):
+    """One claim round: whether it was prepared and unprepared, and whether its settings were right."""
+
+    prepared: bool
+    applied: bool  # every asked setting was on the VF while prepared
+    restored: bool  # the VF had its earlier values again after Unprepare
+    before: dict[str, Any]
+    during: dict[str, Any]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -48,6 +66,11 @@ def dra_config(path: Path) -> Path:
     out = path.with_name("config-dra.json")
     out.write_text(json.dumps({**doc, "resourceList": pools}, indent=2))
     return out
+
+
+def _settings(values: dict[str, Any]) -> str:
+    """Return the asked settings' values in ``values`` as "vlan 100, mtu 9000"."""
+    return ", ".join(f"{k} {values[k]}" for k in ASK)
 
 
 def _published(api: ApiServerStandIn) -> set[str]:
@@ -99,8 +122,15 @@ async def run_dra(
     driver = cfg.dra_driver_name
     by_pf = {pf.netdev: {names.device_name(a) for a in pf.vf_addresses} for pf in layout.pfs}
     every = set().union(*by_pf.values())
+    # The VFs a VLAN can be set on (Ethernet, with a netdev), by DRA device name, and their link targets.
+    targets = {
+        names.device_name(d.id): VfTarget(d.pf_netdev, d.vf_index, d.netdevs[0])
+        for d in scan(work / "sys").by_id().values()
+        if d.role == "vf" and d.netdevs and d.link_type == "ether" and d.pf_netdev
+    }
+    links = SimVfLinks(work / "sys")
     latencies: list[float] = []
-    flips = prepared = errors = 0
+    flips = prepared = errors = applied_ok = 0
     rng = random.Random(1)
     try:
         await kubelet.start()
@@ -134,14 +164,30 @@ async def run_dra(
                     errors += 1
             else:
                 down.discard(pf.netdev)
-            prepared += await _claim_round(api, kubelet, driver, _published(api), rng)
+            outcome = await _claim_round(
+                api, kubelet, driver, _published(api) & set(targets), rng, links, targets
+            )
+            if outcome is not None:
+                prepared += outcome.prepared
+                if not (outcome.prepared and outcome.applied and outcome.restored):
+                    errors += 1
+                    print(f"claim round wrong: {outcome}", file=sys.stderr)
+                else:
+                    applied_ok += 1
+                    if applied_ok == 1:  # once: what a round does to its VF
+                        had = _settings(outcome.before)
+                        print(
+                            f"claim with parameters: prepared with {_settings(outcome.during)} set on "
+                            f"the VF; unprepared, it has {had} again"
+                        )
             if time.monotonic() >= next_line:
                 next_line = time.monotonic() + 1.0
                 health = kubelet.health(driver)
                 bad = sum(1 for v in health.values() if v != "HEALTHY")
                 print(
                     f"published {len(_published(api))}/{len(every)}, kubelet health: {bad} unhealthy, "
-                    f"{flips} flips, {prepared} claims prepared+unprepared, "
+                    f"{flips} flips, {prepared} claims prepared+unprepared "
+                    f"({applied_ok} configured and restored), "
                     f"{sum(api.writes.values())} slice writes"
                 )
             with contextlib.suppress(TimeoutError):
@@ -153,7 +199,8 @@ async def run_dra(
     p50, p99 = _percentile(latencies, 0.5) * 1e3, _percentile(latencies, 0.99) * 1e3
     print(
         f"demo summary (DRA): {len(every)} devices, {flips} link flips, {prepared} claims prepared and "
-        f"unprepared, {sum(api.writes.values())} slice writes, flip-to-slice latency p50 {p50:.2f} ms "
+        f"unprepared ({applied_ok} with {_settings(ASK)} applied and restored), "
+        f"{sum(api.writes.values())} slice writes, flip-to-slice latency p50 {p50:.2f} ms "
         f"p99 {p99:.2f} ms (each slice written at most once per "
         f"{dra.min_write_interval_s:g} s), {errors} errors, implementation={accel.IMPLEMENTATION}"
     )
@@ -161,19 +208,46 @@ async def run_dra(
 
 
 async def _claim_round(
-    api: ApiServerStandIn, kubelet: DraKubelet, driver: str, published: set[str], rng: random.Random
-) -> int:
-    """Allocate one published device to a new claim (as the scheduler would), prepare and unprepare it."""
+    api: ApiServerStandIn,
+    kubelet: DraKubelet,
+    driver: str,
+    published: set[str],
+    rng: random.Random,
+    links: SimVfLinks,
+    targets: dict[str, VfTarget],
+) -> RoundOutcome | None:
+    """Allocate one published VF to a new claim with parameters (as the scheduler would), prepare and
+    unprepare it, reading the VF's simulated settings before, while prepared and after."""
     if not published:
-        return 0
+        return None
     device = rng.choice(sorted(published))
+    target = targets[device]
     uid = str(uuid.uuid4())
     name = f"demo-{uid[:8]}"
     result = {"request": "nic", "driver": driver, "pool": NODE, "device": device}
-    api.put_claim(allocated_claim("default", name, uid, [result]))
+    # As the scheduler copies the claim's spec.devices.config into status.allocation.devices.config.
+    config = [
+        {
+            "source": "FromClaim",
+            "requests": ["nic"],
+            "opaque": {"driver": driver, "parameters": {"apiVersion": API_VERSION, "kind": KIND, **ASK}},
+        }
+    ]
+    before = await asyncio.to_thread(links.values, target)  # a file read under a lock: off the loop
+    api.put_claim(allocated_claim("default", name, uid, [result], config))
     answer = (await kubelet.prepare(driver, [("default", name, uid)]))[uid]
+    during = await asyncio.to_thread(links.values, target)
     await kubelet.unprepare(driver, [("default", name, uid)])
-    return 0 if answer.error else 1
+    after = await asyncio.to_thread(links.values, target)
+    if answer.error:
+        print(f"claim {name}: {answer.error}", file=sys.stderr)
+    return RoundOutcome(
+        prepared=not answer.error,
+        applied=all(during[k] == v for k, v in ASK.items()),
+        restored=after == before,
+        before=before,
+        during=during,
+    )
 
 
 def _can_validate() -> bool:
