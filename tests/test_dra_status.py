@@ -35,7 +35,9 @@ from densedev.testing.apiserver import ApiServerStandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 OTHER = "gpu.example.com"  # another driver with a device in the same claim
-PARAMS = {"apiVersion": "net.densedev.io/v1alpha1", "kind": "VfConfig", "mtu": 9000}
+# A VfConfig asking nothing of the device (this fake node has no VF links to set): the config is
+# carried by the allocation and kept by the status writes all the same.
+PARAMS = {"apiVersion": "net.densedev.io/v1alpha1", "kind": "VfConfig"}
 FAST = (0.01, 0.05)  # backoff bounds for tests: retries within milliseconds
 
 

