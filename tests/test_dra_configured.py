@@ -10,14 +10,22 @@ across a rescan and a reload, and Unprepare still puts it back.
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.dra_daemon import NODE as DAEMON_NODE
+from helpers.dra_daemon import Node as DaemonNode
+from helpers.dra_daemon import cluster, pool
 from test_dra_journal import JournalNode
 
 from densedev.alloc import devinfo
-from densedev.node.vflinks import SIM_DEFAULTS
+from densedev.dra import names
+from densedev.dra.names import DEFAULT_DRIVER_NAME
+from densedev.dra.params import API_VERSION, KIND
+from densedev.node.vflinks import SIM_DEFAULTS, SimVfLinks, VfTarget
+from densedev.testing.dra_kubelet import allocated_claim
 
 
 @pytest.fixture
@@ -72,3 +80,60 @@ async def test_if_name_reaches_info_env_device_info_and_applied(
     assert ref.uid not in again.prepared
     path = node.settings.devinfo_dir / devinfo.file_name("example.com", "vf_pool", vf.id)  # type: ignore[operator]
     assert not path.exists()
+
+
+async def test_the_daemon_shows_a_claims_mac_and_if_name_in_its_status(tmp_path: Path) -> None:
+    node = DaemonNode(tmp_path)
+    try:
+        node.write([pool("dp", [node.pf0.netdev]), pool("dra", [node.pf1.netdev], api="dra")])
+        address = node.pf1.vf_addresses[1]
+        links = SimVfLinks(node.sysfs)
+        target = VfTarget(node.pf1.netdev, 1, "")
+        before = links.read(target, ("mac", "vlan", "qos"))
+        async with cluster(node) as c:
+            await c.until(lambda: DEFAULT_DRIVER_NAME in c.dra_kubelet.plugins, "the DRA plugin registered")
+            ask = {"mac": "02:00:00:00:00:2A", "ifName": "net1", "vlan": 100}
+            ns, name, uid = put_claim(node, address, ask)
+            answer = (await c.dra_kubelet.prepare(DEFAULT_DRIVER_NAME, [(ns, name, uid)]))[uid]
+            assert answer.error == ""
+
+            def ours() -> list[dict[str, Any]]:
+                assert node.api is not None
+                return node.api.claim(ns, name)["status"].get("devices") or []
+
+            await c.until(lambda: len(ours()) == 1, "the claim's status written")
+            (e,) = ours()
+            # What the journal applied and the name asked, through NodeService.applied to the writer.
+            assert e["networkData"] == {"interfaceName": "net1", "hardwareAddress": "02:00:00:00:00:2a"}
+            applied = {"ifName": "net1", "mac": "02:00:00:00:00:2a", "vlan": 100, "qos": 0}
+            assert e["data"]["applied"] == applied
+            assert "ifName, mac, qos, vlan" in e["conditions"][0]["message"]
+            assert links.read(target, ("mac", "vlan"))["mac"] == "02:00:00:00:00:2a"
+            assert (await c.dra_kubelet.unprepare(DEFAULT_DRIVER_NAME, [(ns, name, uid)])) == {uid: ""}
+            await c.until(lambda: ours() == [], "the claim's status cleared")
+            assert links.read(target, ("mac", "vlan", "qos")) == before
+    finally:
+        node.cleanup()
+
+
+def put_claim(node: DaemonNode, address: str, parameters: dict[str, Any]) -> tuple[str, str, str]:
+    """Store at the stand-in a claim allocated one VF with a VfConfig for our driver; return its ref."""
+    assert node.api is not None
+    uid = str(uuid.uuid4())
+    name = f"claim-{uid[:8]}"
+    result = {
+        "request": "nic",
+        "driver": DEFAULT_DRIVER_NAME,
+        "pool": DAEMON_NODE,
+        "device": names.device_name(address),
+    }
+    config = {
+        "source": "FromClaim",
+        "requests": [],
+        "opaque": {
+            "driver": DEFAULT_DRIVER_NAME,
+            "parameters": {"apiVersion": API_VERSION, "kind": KIND, **parameters},
+        },
+    }
+    node.api.put_claim(allocated_claim("default", name, uid, [result], [config]))
+    return ("default", name, uid)
