@@ -15,17 +15,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers.dra_daemon import DRA, by_name, cluster, pool
 from helpers.dra_daemon import NODE as DAEMON_NODE
 from helpers.dra_daemon import Node as DaemonNode
-from helpers.dra_daemon import cluster, pool
+from helpers.metrics import sample
 from test_dra_journal import JournalNode
 
 from densedev.alloc import devinfo
 from densedev.dra import names
 from densedev.dra.names import DEFAULT_DRIVER_NAME
 from densedev.dra.params import API_VERSION, KIND
+from densedev.node import rebind
 from densedev.node.vflinks import SIM_DEFAULTS, SimVfLinks, VfTarget
+from densedev.pools.ownership import DRA_CLAIMS
 from densedev.testing.dra_kubelet import allocated_claim
+from densedev.testing.simkernel import SimKernel
 
 
 @pytest.fixture
@@ -137,3 +141,111 @@ def put_claim(node: DaemonNode, address: str, parameters: dict[str, Any]) -> tup
     }
     node.api.put_claim(allocated_claim("default", name, uid, [result], [config]))
     return ("default", name, uid)
+
+
+async def test_configured_vfs_go_unhealthy_with_their_pf_and_survive_rescans_and_reloads(
+    tmp_path: Path,
+) -> None:
+    node = DaemonNode(tmp_path)
+    dev = node.tmp / "dev"
+    (dev / "vfio").mkdir(parents=True, exist_ok=True)
+    (dev / "vfio" / "vfio").touch()  # the container node, there once vfio is loaded
+    kernel = SimKernel(node.sysfs, dev).start()  # answers the rebind to vfio-pci
+    try:
+        node.write([pool("dp", [node.pf0.netdev]), pool("dra", [node.pf1.netdev], api="dra")])
+        pf1 = node.pf1.vf_addresses
+        vlan_vf, dpdk_vf = pf1[1], pf1[2]
+        links = SimVfLinks(node.sysfs)
+        targets = {vlan_vf: VfTarget(node.pf1.netdev, 1, ""), dpdk_vf: VfTarget(node.pf1.netdev, 2, "")}
+        before = {a: links.values(t) for a, t in targets.items()}
+        bound = rebind.binding_of(node.sysfs, dpdk_vf)
+        asks = {
+            vlan_vf: {"vlan": 100, "qos": 2, "trust": True, "ifName": "net1"},
+            dpdk_vf: {"driver": "vfio-pci", "vlan": 200, "spoofChk": True},
+        }
+        async with cluster(node) as c:
+            daemon = c.daemon
+            assert daemon is not None
+            await c.until(lambda: DEFAULT_DRIVER_NAME in c.dra_kubelet.plugins, "the DRA plugin registered")
+            await c.until(
+                lambda: len(c.dra_kubelet.health(DEFAULT_DRIVER_NAME)) == len(pf1), "health streamed"
+            )
+            refs = {a: put_claim(node, a, ask) for a, ask in asks.items()}
+            answers = await c.dra_kubelet.prepare(DEFAULT_DRIVER_NAME, list(refs.values()))
+            assert {uid: a.error for uid, a in answers.items()} == {r[2]: "" for r in refs.values()}
+
+            def health(address: str) -> str:
+                key = (DAEMON_NODE, names.device_name(address))
+                return c.dra_kubelet.health(DEFAULT_DRIVER_NAME).get(key, "")
+
+            def configured() -> None:
+                """Both VFs held by their claims and still as their claims asked."""
+                for address in asks:
+                    assert daemon.ownership.held.get(address) == frozenset({DRA_CLAIMS}), address
+                assert {k: links.values(targets[vlan_vf])[k] for k in ("vlan", "qos", "trust")} == {
+                    "vlan": 100,
+                    "qos": 2,
+                    "trust": True,
+                }
+                assert links.values(targets[dpdk_vf])["vlan"] == 200
+                assert rebind.binding_of(node.sysfs, dpdk_vf).driver == "vfio-pci"
+                assert daemon.dra is not None
+                assert set(daemon.dra.plugin.service.prepared) == {r[2] for r in refs.values()}
+
+            configured()
+            # The PF goes down: its configured VFs are reported unhealthy like the others.
+            daemon.set_links([(node.pf1.netdev, False)])
+            await c.until(
+                lambda: all(health(a) == "UNHEALTHY" for a in pf1), "the PF's VFs reported unhealthy"
+            )
+            assert sample(
+                daemon, "densedev_pool_unhealthy_devices", resource=DRA, reason="pf-link-down"
+            ) == len(pf1)
+
+            # A full rescan sees the rebound VF as it is now (vfio-pci, no netdev): still held,
+            # configured and unhealthy.
+            rescans = sample(daemon, "densedev_resyncs_total", reason="rescan")
+            daemon.request_rescan()
+            await c.until(
+                lambda: (
+                    sample(daemon, "densedev_resyncs_total", reason="rescan") > rescans
+                    and any(d.id == dpdk_vf and d.driver == "vfio-pci" for d in daemon.devices)
+                ),
+                "a rescan seeing the rebound VF",
+            )
+            async with daemon.rediscovery.lock:  # the rescan's apply done
+                pass
+            configured()
+            assert health(vlan_vf) == health(dpdk_vf) == "UNHEALTHY"
+
+            # A reload that rebuilds the DRA pool (its health policy changed): the same.
+            node.write(
+                [
+                    pool("dp", [node.pf0.netdev]),
+                    {**pool("dra", [node.pf1.netdev], api="dra"), "healthPolicy": {"holdDownSeconds": 0.1}},
+                ]
+            )
+            assert await daemon.reload()
+            configured()
+            await c.until(
+                lambda: all(health(a) == "UNHEALTHY" for a in pf1), "still unhealthy after the reload"
+            )
+
+            # The PF comes back: healthy again; Unprepare puts both VFs back as they were.
+            daemon.set_links([(node.pf1.netdev, True)])
+            try:
+                await c.until(lambda: all(health(a) == "HEALTHY" for a in pf1), "the PF's VFs healthy again")
+            except AssertionError:
+                raise AssertionError({a: health(a) for a in pf1}) from None
+            configured()
+            assert (await c.dra_kubelet.unprepare(DEFAULT_DRIVER_NAME, list(refs.values()))) == {
+                r[2]: "" for r in refs.values()
+            }
+            assert {a: links.values(t) for a, t in targets.items()} == before
+            assert rebind.binding_of(node.sysfs, dpdk_vf) == bound
+            for address in asks:
+                assert address not in daemon.ownership.held
+            await c.until(lambda: node.published() == by_name(pf1), "both VFs published again")
+    finally:
+        kernel.stop()
+        node.cleanup()
