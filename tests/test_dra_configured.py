@@ -15,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from helpers.dra_daemon import DRA, by_name, cluster, pool
 from helpers.dra_daemon import NODE as DAEMON_NODE
 from helpers.dra_daemon import Node as DaemonNode
 from helpers.metrics import sample
-from test_dra_journal import JournalNode
+from test_dra_journal import DRIVER, NODE, JournalNode
 
 from densedev.alloc import devinfo
 from densedev.dra import names
+from densedev.dra.claims import ClaimRef
 from densedev.dra.names import DEFAULT_DRIVER_NAME
 from densedev.dra.params import API_VERSION, KIND
 from densedev.node import rebind
@@ -30,6 +32,8 @@ from densedev.node.vflinks import SIM_DEFAULTS, SimVfLinks, VfTarget
 from densedev.pools.ownership import DRA_CLAIMS
 from densedev.testing.dra_kubelet import allocated_claim
 from densedev.testing.simkernel import SimKernel
+
+TEMPLATES = Path(__file__).parent / "data" / "dra_params"  # the templates docs/dra.md shows
 
 
 @pytest.fixture
@@ -249,3 +253,46 @@ async def test_configured_vfs_go_unhealthy_with_their_pf_and_survive_rescans_and
     finally:
         kernel.stop()
         node.cleanup()
+
+
+@pytest.mark.parametrize("name", ["dpdk-vf.yaml", "vlan-vf.yaml", "rate-limited-vf.yaml"])
+async def test_the_documented_templates_prepare_as_they_say(node: JournalNode, name: str) -> None:
+    """docs/dra.md's template per use, allocated on the simulated node: prepared as asked, put back."""
+    template = yaml.safe_load((TEMPLATES / name).read_text())
+    devices = template["spec"]["spec"]["devices"]
+    (request,) = devices["requests"]
+    count = request["exactly"].get("count", 1)
+    vfs = node.vfs[:count]
+    results = [
+        {"request": request["name"], "driver": DRIVER, "pool": NODE, "device": names.device_name(vf.id)}
+        for vf in vfs
+    ]
+    config = [{"source": "FromClaim", **entry} for entry in devices["config"]]
+    (asked,) = [
+        {k: v for k, v in e["opaque"]["parameters"].items() if k not in ("apiVersion", "kind")}
+        for e in devices["config"]
+    ]
+    uid = str(uuid.uuid4())
+    node.store.put(allocated_claim("default", name, uid, results, config))
+    ref = ClaimRef("default", name, uid)
+    (node.dev_root / "vfio").mkdir(parents=True, exist_ok=True)
+    (node.dev_root / "vfio" / "vfio").touch()
+    bindings = {vf.id: rebind.binding_of(node.sysfs, vf.id) for vf in vfs}
+    with SimKernel(node.sysfs, node.dev_root):
+        assert (await node.service.prepare([ref]))[ref.uid].error == ""
+        env = env_of(node, ref.uid)
+        for vf in vfs:
+            now = node.values(vf)
+            links = {k: v for k, v in asked.items() if k not in ("driver", "ifName")}
+            assert {k: now[k] for k in links} == links
+            driver = rebind.binding_of(node.sysfs, vf.id).driver
+            assert driver == asked.get("driver", bindings[vf.id].driver)
+            # Every _INFO naming the VF (its own and the request's) carries what it is now.
+            infos = [json.loads(v) for k, v in env.items() if k.endswith("_INFO")]
+            (info,) = {json.dumps(i[vf.id], sort_keys=True) for i in infos if vf.id in i}
+            assert json.loads(info)["generic"].get("ifName") == asked.get("ifName")
+            assert ("vfio" in json.loads(info)) == (driver == "vfio-pci")
+        assert (await node.service.unprepare([ref]))[ref.uid] == ""
+        for vf in vfs:
+            assert node.values(vf) == dict(SIM_DEFAULTS)
+            assert rebind.binding_of(node.sysfs, vf.id) == bindings[vf.id]
