@@ -42,7 +42,8 @@ def one_line(stderr: str) -> str:
         (["--bogus"], "densedev: error: unrecognized arguments: --bogus"),
         (
             [],
-            "densedev: error: a command is required: one of run, scan, check-config, simulate, demo, "
+            "densedev: error: a command is required: one of run, scan, check-config, simulate, simulate-kernel, "
+            "demo, "
             "kubelet-emulator, dra-slices, dra-manifests, dra-check-params",
         ),
         (["run", "--metrics-addr", "bogus"], "argument --metrics-addr: metrics address 'bogus' has no port"),

@@ -35,8 +35,8 @@ from densedev.testing.apiserver import ApiServerStandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 OTHER = "gpu.example.com"  # another driver with a device in the same claim
-# A VfConfig asking nothing of the device (this fake node has no VF links to set): the config is
-# carried by the allocation and kept by the status writes all the same.
+# A config of ours that changes nothing: this node service has no VF links to change (the settings'
+# own way to the status, through the journal, is tested end to end with a daemon).
 PARAMS = {"apiVersion": "net.densedev.io/v1alpha1", "kind": "VfConfig"}
 FAST = (0.01, 0.05)  # backoff bounds for tests: retries within milliseconds
 

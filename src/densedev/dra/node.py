@@ -1326,19 +1326,7 @@ async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
     caller holds the lock, and releasing it while the thread still writes files and replaces the state
     would let the next call run on a state about to change under it.
     """
-    future = asyncio.ensure_future(workers.run(Work.FILES, fn, *args))
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(future)
-            break
-        except asyncio.CancelledError:
-            if future.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    return result
+    return await _finish(workers.run(Work.FILES, fn, *args))
 
 
 async def _finish(work: Awaitable[T]) -> T:
