@@ -457,12 +457,22 @@ def check_params(args: list[str], env: dict[str, str], code: str = "") -> subpro
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=GUARD, env=env)
 
 
-@pytest.mark.parametrize("name", ["dpdk-vf.yaml", "vlan-vf.yaml", "rate-limited-vf.yaml"])
+# One template per use (docs/dra.md): what each asks of its VF, as the command reports it.
+USES = {
+    "dpdk-vf.yaml": ("vf", {"driver": "vfio-pci", "vlan": 200, "spoofChk": True}),
+    "vlan-vf.yaml": ("vf", {"mtu": 9000, "vlan": 100, "qos": 3, "trust": True, "ifName": "net1"}),
+    "rate-limited-vf.yaml": ("vfs", {"minTxRateMbps": 1000, "maxTxRateMbps": 10000, "linkState": "auto"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(USES))
 def test_the_documented_templates_pass(name: str, child_env: dict[str, str]) -> None:
     done = check_params([str(DATA / name)], child_env)
     assert (done.returncode, done.stderr) == (0, "")
-    lines = done.stdout.splitlines()
-    assert len(lines) == 1 and ": OK, request " in lines[0], done.stdout
+    (line,) = done.stdout.splitlines()
+    request, settings = USES[name]
+    head, _, asked = line.partition(f": OK, request {request}: ")
+    assert head.startswith(str(DATA / name)) and json.loads(asked) == settings, line
 
 
 def test_the_templates_are_the_ones_the_docs_show_and_kubernetes_takes() -> None:

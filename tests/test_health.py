@@ -326,6 +326,52 @@ def test_driver_unbound_or_changed(
     assert tracker.reasons(a.id) == () and tracker.reasons(b.id) == ()
 
 
+def test_a_driver_a_dra_claim_rebinds_is_not_a_driver_change(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    """A claim's ``driver: vfio-pci`` is ours: healthy bound to vfio-pci, and again once given back."""
+    tracker, devices = setup
+    a, b = vfs_of(devices, "ens0f0")[:2]
+    assert tracker.manage_drivers({a.id: "iavf"}) is False  # the table still shows iavf: nothing to redo
+    devices = rebound(devices, {a.id: "vfio-pci", b.id: "vfio-pci"})  # b: rebound behind our back
+    tracker.replace(devices, setup_pools(devices))
+    assert tracker.collect()[VF0].healthy == (True, False, True, True)
+    assert tracker.reasons(a.id) == () and tracker.reasons(b.id) == (REASON_DRIVER,)
+    # Its PF going down counts as for any VF.
+    tracker.set_links([("ens0f0", False)])
+    assert tracker.reasons(a.id) == (REASON_PF_LINK,)
+    assert tracker.collect()[VF0].healthy == (False, False, False, False)
+    tracker.set_links([("ens0f0", True)])
+    clock.now += 1
+    tracker.collect()
+    # Given back at Unprepare; a scan of other devices (the table still shows vfio-pci) keeps it healthy,
+    # and so does the scan that shows iavf again.
+    assert tracker.manage_drivers({}) is False
+    tracker.replace(devices, setup_pools(devices))
+    assert tracker.reasons(a.id) == ()
+    devices = rebound(devices, {a.id: "iavf"})
+    tracker.replace(devices, setup_pools(devices))
+    assert tracker.reasons(a.id) == ()
+    # An ordinary device again: rebound now, it is a driver change.
+    devices = rebound(devices, {a.id: "vfio-pci"})
+    tracker.replace(devices, setup_pools(devices))
+    assert tracker.reasons(a.id) == (REASON_DRIVER,)
+
+
+def test_a_rebind_seen_before_the_claim_is_recorded_is_taken_back(
+    setup: tuple[HealthTracker, list[Device]], clock: FakeClock
+) -> None:
+    tracker, devices = setup
+    a = vfs_of(devices, "ens0f0")[0]
+    devices = rebound(devices, {a.id: "vfio-pci"})
+    tracker.replace(devices, setup_pools(devices))  # a rescan between the rebind and the record
+    assert tracker.collect()[VF0].healthy == (False, True, True, True)
+    assert tracker.manage_drivers({a.id: "iavf"}) is True
+    assert tracker.reasons(a.id) == (REASON_RECOVERING,)  # no driver change: the hold-down runs
+    clock.now += 1
+    assert tracker.collect()[VF0].healthy == (True,) * 4
+
+
 def test_rdma_port_not_active(setup: tuple[HealthTracker, list[Device]], clock: FakeClock) -> None:
     tracker, _ = setup
     tracker.set_rdma_ports([("irdma0", 1, 4), ("irdma1", 1, 5)])  # ACTIVE, ACTIVE_DEFER

@@ -114,6 +114,7 @@ class Daemon:
             pod_resources=settings.pod_resources_socket,
             pod_resources_poll_s=settings.in_use_poll_s,
             sysfs_root=settings.sysfs_root,
+            on_health=lambda: self.handoff.note(0),
         )
         self.pools = PoolSet(
             settings,

@@ -74,8 +74,20 @@ def write_owners(directory: Path, stems: Iterable[str]) -> None:
     files.write_atomic(directory, OWNED_RECORD, body.encode())
 
 
-def info_document(device: Device, vhost_net: bool, vdpa_path: str) -> dict[str, Any]:
-    """Return the device-info document of a device: ``type: vdpa`` if a vDPA device sits on it, else pci."""
+def info_document(device: Device, vhost_net: bool, vdpa_path: str, if_name: str = "") -> dict[str, Any]:
+    """Return the device-info document of a device: ``type: vdpa`` if a vDPA device sits on it, else pci.
+
+    ``if_name`` (a DRA claim's ``ifName``) is written as ``interface-name`` in the type's object.  The spec
+    (1.1.0) has no field for it; readers that decode the file into the spec's types (Go's encoding/json)
+    skip a field they do not know, so it breaks none of them, and a CNI reading the file finds the name.
+    """
+    doc = _info_document(device, vhost_net, vdpa_path)
+    if if_name:
+        doc[doc["type"]]["interface-name"] = if_name
+    return doc
+
+
+def _info_document(device: Device, vhost_net: bool, vdpa_path: str) -> dict[str, Any]:
     if device.vdpa:
         vdpa: dict[str, str] = {
             "parent-device": device.vdpa,

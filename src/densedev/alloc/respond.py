@@ -15,7 +15,7 @@ import os
 import re
 import struct
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -204,11 +204,19 @@ def rdma_now(sysfs_root: Path, device: Device) -> Device:
 _RDMA_KEYS = (("uverbs", "uverbs"), ("umad", "umad"), ("issm", "issm"), ("ucm", ""))
 
 
-def device_parts(config: PoolConfig, device: Device, dev_root: Path = DEFAULT_DEV_ROOT) -> DeviceParts:
-    """Return the nodes and ``_INFO`` entry of one device of a pool, checking nodes under ``dev_root``."""
+def device_parts(
+    config: PoolConfig, device: Device, dev_root: Path = DEFAULT_DEV_ROOT, if_name: str = ""
+) -> DeviceParts:
+    """Return the nodes and ``_INFO`` entry of one device of a pool, checking nodes under ``dev_root``.
+
+    ``if_name`` is the interface name a DRA claim asked for the device (``VfConfig.ifName``): told to the
+    container beside the device's ID, so a CNI or the application names the interface as the claim says.
+    """
     nodes: list[NodeSpec] = []
     missing: list[str] = []
     info: dict[str, dict[str, str]] = {"generic": {"deviceID": device.id}}
+    if if_name:
+        info["generic"]["ifName"] = if_name
 
     def _need(container: str, host: str | None = None) -> None:
         host = host or container
@@ -292,14 +300,18 @@ def build_response(
     dev_root: Path = DEFAULT_DEV_ROOT,
     cdi_kind: str | None = None,
     cdi_annotations: bool = False,
+    if_names: Mapping[str, str] | None = None,
 ) -> tuple[ResponseParts, tuple[DeviceParts, ...]]:
     """Return the response parts for devices of a pool, or raise RequestError if a required node is gone.
+
+    ``if_names`` (device ID → name; DRA claims' ``ifName``) go into the devices' ``_INFO`` entries.
 
     With ``cdi_kind`` the nodes travel in the CDI spec only (the runtime injects them), so the
     response carries CDI names instead of device specs: passing both would give the runtime every
     node twice.
     """
-    parts = tuple(device_parts(config, d, dev_root) for d in devices)
+    names_ = if_names or {}
+    parts = tuple(device_parts(config, d, dev_root, names_.get(d.id, "")) for d in devices)
     missing = [f"{p.device.id}: {', '.join(p.missing)}" for p in parts if p.missing]
     if missing:
         # The server names the pool; the message names at most a few devices (gRPC carries a status

@@ -90,6 +90,7 @@ class DraHooks:
         pod_resources: Path | None = None,
         pod_resources_poll_s: float = 5.0,
         sysfs_root: Path | None = None,
+        on_health: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings  # None: DRA is off (pools with "api": "dra" are not served)
         # The kubelet's PodResources socket, read while a lost checkpoint is unsettled (``_kubelet_view``).
@@ -103,6 +104,7 @@ class DraHooks:
         self._devinfo_dir = devinfo_dir
         self._dev_root = dev_root
         self._sysfs_root = sysfs_root  # where claim parameters change VF links (None: refused)
+        self._on_health = on_health  # the tracker's facts changed outside a health event: flush them
         self._journal_metrics: JournalMetrics | None = None  # made with the first driver
         self._client = client_factory  # the API client's maker (tests); None: from the kubeconfig
         self.driver: DraDriver | None = None  # the one draDriverName names
@@ -393,11 +395,27 @@ class DraHooks:
         retiring = {name: r.driver.claimed() for name, r in self.retiring.items()}
         unrestored = frozenset().union(*(d.unrestored() for d in self._drivers()))
         self.ownership.set_claimed(active, retiring, unrestored)
+        self._manage_drivers()
         for record in self.retiring.values():
             if record.driver.done():
                 record.wake.set()  # its last claim is gone and the kubelet answered: it may stop
         self._count_claims()
         self._watch_kubelet()
+
+    def _manage_drivers(self) -> None:
+        """Tell the health tracker which devices claims rebound on purpose (not a "driver-changed")."""
+        if self._last is None:
+            return
+        from .configure import DRIVER  # light enough, but only wanted once claims change
+
+        drivers = {
+            r.device_id: str(r.old.get(DRIVER) or "")
+            for d in self._drivers()
+            for r in d.plugin.service.journal
+            if DRIVER in r.new
+        }
+        if self._last[2].manage_drivers(drivers) and self._on_health is not None:
+            self._on_health()
 
     def _count_claims(self) -> None:
         """Set the prepared-claims gauge, per driver and state (active or retiring), and the unsettled one."""
@@ -451,6 +469,7 @@ class DraHooks:
     def take(self, raw: Sequence[Pool], pools: Sequence[Pool], health: HealthTracker) -> None:
         """Hand the driver a new pool set (as configured, and as listed) and the owner of its health."""
         self._last = (raw, pools, health)
+        self._manage_drivers()
         if self.driver is None:
             return
         try:

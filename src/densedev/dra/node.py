@@ -69,6 +69,7 @@ from .status import NoStatus, StatusSink
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IF_NAME = params.Field.IF_NAME.value  # the key of a claim's asked interface name in PreparedClaim.applied
 
 CDI_CLASS = "claim"
 MAX_SPEC = 16 * 1024 * 1024  # a claim's spec is kilobytes; a bigger file is read as naming no device
@@ -596,13 +597,13 @@ class NodeService:
                 log.warning("DRA prepare refused: %s", error)
                 del plans[uid]
                 continue
-            applied = configure.applied_of(self.journal, uid)
+            applied = _merged(plan.applied, configure.applied_of(self.journal, uid))
             draft = drafts.get(uid)
             if draft is not None:
                 # Rebound: the claim's CDI edits are those of the device as it is now (vfio-pci's
                 # /dev/vfio/<group> and /dev/vfio/vfio, which exist only once it is bound).
                 try:
-                    plan = self._build(plan.ref, _rebound(draft, applied))
+                    plan = self._build(plan.ref, _rebound(draft, applied), _if_names(plan.applied))
                 except ClaimError as e:
                     out[uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
                     log.warning("DRA prepare failed after the rebind: %s", e)
@@ -919,20 +920,21 @@ class NodeService:
             live = {device_id: self._live(grant) for _r, _p, _n, device_id, _a, grant in granted}
             granted = [(r, p, n, i, a, live[i]) for r, p, n, i, a, _g in granted]
             asked = [(r, n, i, a, live[i]) for r, n, i, a, _g in asked]
-        ask = self._asks(ref, obj, asked)
-        return self._build(ref, granted), ask, granted
+        ask, if_names = self._asks(ref, obj, asked)
+        return self._build(ref, granted, if_names), ask, granted
 
     def _asks(
         self, ref: ClaimRef, obj: Mapping[str, Any], asked: Sequence[tuple[str, str, str, bool, Grant]]
-    ) -> dict[str, tuple[VfTarget, dict[str, Any]]]:
-        """Return the link settings the allocation's config asks per device ID; ClaimError when refused.
+    ) -> tuple[dict[str, tuple[VfTarget, dict[str, Any]]], dict[str, str]]:
+        """Return the link settings and the ``ifName`` the allocation's config asks per device ID (two
+        mappings); ClaimError when refused.
 
         Checked in full before anything is touched (params.plan): one line per problem, naming the
         request, the field and the reason.
         """
         config = ((obj.get("status") or {}).get("allocation") or {}).get("devices", {}).get("config")
         if not config:
-            return {}
+            return {}, {}
         results = [
             params.Result(
                 request, name, params.facts_of(grant.device, self._pf_of(grant.device), admin_access=admin)
@@ -945,8 +947,13 @@ class NodeService:
             raise ClaimError(f"claim {ref}: parameters refused: {listing(lines, width=MAX_ERROR_CHARS)}")
         by_name = {name: (device_id, grant) for _r, name, device_id, _a, grant in asked}
         out: dict[str, tuple[VfTarget, dict[str, Any]]] = {}
+        if_names: dict[str, str] = {}
         for name, cfg in plan.configs.items():
             device_id, grant = by_name[name]
+            if cfg.if_name:
+                # Nothing on the device changes: the name is told to the CNI and the pod (_INFO,
+                # device-info) and shown in the claim's status.
+                if_names[device_id] = cfg.if_name
             want = configure.wanted(cfg)
             # Always journaled when asked, the binding read live at the change (the device table may
             # be older than the last rebind: a restore at start, before a rescan saw it).
@@ -958,7 +965,7 @@ class NodeService:
                 want[configure.DRIVER] = cfg.driver
             if want:
                 out[device_id] = (configure.target_of(grant.device), want)
-        return out
+        return out, if_names
 
     def _live(self, grant: Grant) -> Grant:
         """Return the grant with its VF's driver and netdevs as sysfs shows them now.
@@ -1013,8 +1020,15 @@ class NodeService:
             raise ClaimError(f"{where} has no allocation result for driver {self.driver}")
         return ours
 
-    def _build(self, ref: ClaimRef, granted: Sequence[_Granted]) -> PreparedClaim:
-        """Return the prepared claim: CDI entries per device and per request, device-info documents."""
+    def _build(
+        self, ref: ClaimRef, granted: Sequence[_Granted], if_names: Mapping[str, str] | None = None
+    ) -> PreparedClaim:
+        """Return the prepared claim: CDI entries per device and per request, device-info documents.
+
+        ``if_names`` (device ID → the claim's ``ifName``) go into the ``_INFO`` env and the device-info
+        files, and into the claim's ``applied`` (for its status).
+        """
+        if_names = if_names or {}
         entries: dict[str, dict[str, Any]] = {}
         info: dict[tuple[str, str, str], InfoFile] = {}
         # Per request, per pool config: the devices in result order, each once.
@@ -1029,7 +1043,7 @@ class NodeService:
             for config, grants in by_config.items():
                 try:
                     parts, per_device = build_response(
-                        config, [g.device for g in grants.values()], self.settings.dev_root
+                        config, [g.device for g in grants.values()], self.settings.dev_root, if_names=if_names
                     )
                 except RequestError as e:
                     raise ClaimError(f"claim {ref}: {e.message}") from None
@@ -1042,7 +1056,9 @@ class NodeService:
                         cdi_name, cdi.device_entry(cdi_name, part.nodes, cdi_env(config, part))
                     )
                     if self.settings.devinfo_dir is not None and config.device_type == DeviceType.NET_DEVICE:
-                        doc = devinfo.info_document(d, needs_vhost_net(config), vdpa_path(d))
+                        doc = devinfo.info_document(
+                            d, needs_vhost_net(config), vdpa_path(d), if_names.get(d.id, "")
+                        )
                         key = (config.resource_prefix, config.resource_name, d.id)
                         info.setdefault(key, InfoFile(*key, doc))
             request_name = f"{ref.uid}_{request or 'claim'}"
@@ -1074,7 +1090,8 @@ class NodeService:
         ]
         spec_file = files.check_name(f"{self._stem}{ref.uid}.json")
         spec = cdi.spec_document(self.kind, entries.values())
-        return PreparedClaim(ref, tuple(prepared), spec_file, spec, tuple(info.values()))
+        applied = {d: {IF_NAME: n} for d, n in if_names.items() if d in order}
+        return PreparedClaim(ref, tuple(prepared), spec_file, spec, tuple(info.values()), applied)
 
     def _store(self, plans: Mapping[str, PreparedClaim]) -> dict[str, str]:
         """Write every plan's files, then the checkpoint; return an error (or "") per claim UID.
@@ -1238,6 +1255,20 @@ class NodeService:
 
 
 _Granted = tuple[str, str, str, str, bool, Grant]  # request, pool, name, device ID, admin, grant
+
+
+def _merged(*parts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Return per-device settings merged, device by device (the claim's ``ifName`` and the journal's)."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for device_id, values in part.items():
+            out.setdefault(device_id, {}).update(values)
+    return {d: dict(sorted(v.items())) for d, v in out.items()}
+
+
+def _if_names(applied: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """Return device ID → the ``ifName`` a claim's applied settings carry."""
+    return {d: str(v[IF_NAME]) for d, v in applied.items() if v.get(IF_NAME)}
 
 
 def _rebound(granted: Sequence[_Granted], applied: Mapping[str, Mapping[str, Any]]) -> list[_Granted]:

@@ -120,6 +120,10 @@ class HealthTracker:
         self._links: dict[str, bool] = {}  # ifname → up, as last reported (absent: unknown, counts as up)
         self._links_down = 0  # how many of them are down (none: no device can stay down in _flip)
         self._ports: dict[str, dict[int, int]] = {}  # ibdev → port → state
+        # Devices whose driver DRA claims change on purpose (manage_drivers), by ID → the driver they go
+        # back to; and those given back whose return no scan has shown yet (same mapping).
+        self._managed: dict[str, str] = {}
+        self._given_back: dict[str, str] = {}
         self._build(devices, pools)
 
     # ------------------------------------------------------------------------------------------ layout
@@ -251,6 +255,36 @@ class HealthTracker:
     def _names_of(self, i: int, by_name: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
         d = self._devices[i]
         return d.netdevs if by_name is self._by_netdev else (d.pf_netdev,)
+
+    def manage_drivers(self, drivers: Mapping[str, str]) -> bool:
+        """Take the devices whose driver DRA claims change on purpose (ID → the driver they go back to,
+        "" for none); return whether advertised health may have changed.
+
+        A claim's ``driver`` rebinds its VF at Prepare and gives the old driver back at Unprepare: for
+        these devices the driver they are bound to is the expected one, never ``driver-changed`` (the
+        rule that catches a VF rebound behind the pool's back), until a scan shows a device given back
+        on its old driver.  Their other facts (PF link, own link, RDMA) count as before.
+        """
+        for device_id in self._managed.keys() - drivers.keys():
+            self._given_back[device_id] = self._managed[device_id]
+        for device_id in drivers:
+            self._given_back.pop(device_id, None)
+        self._managed = dict(drivers)
+        changed = False
+        for device_id in drivers:
+            i = self._index.get(device_id)
+            if i is None:
+                continue
+            now = self._devices[i].driver
+            for state in self._pools_of.get(i, ()):
+                if now and state.selected_driver.get(i) != now:
+                    # A rescan saw the rebind before the claim was recorded: re-selected as it is now.
+                    state.selected_driver[i] = now
+                    state.driver_bad = self._driver_bitmap(state, (i,))
+                    changed = True
+        if changed:
+            self._evaluate()
+        return changed
 
     def set_rdma_ports(self, states: Iterable[tuple[str, int, int]]) -> None:
         """Record RDMA port states ``(ibdev, port, state)`` (ib_port_state numbers) and re-evaluate."""
@@ -419,9 +453,15 @@ class HealthTracker:
             # The driver a device was selected with sticks while it stays in the pool: a VF rebound
             # (iavf → vfio-pci) under a pool that does not filter by driver is "driver-changed", not
             # silently re-selected with whatever it is bound to now.
+            # Not for a device a DRA claim rebinds (or gave back since the last rescan): that change is
+            # ours, so it keeps the driver the table shows now.
             carried = False
+            managed, given_back = self._managed, self._given_back
             for i_old, driver in prev.selected_driver.items():
-                i = self._index.get(old_devices[i_old].id)
+                device_id = old_devices[i_old].id
+                if (managed or given_back) and (device_id in managed or device_id in given_back):
+                    continue
+                i = self._index.get(device_id)
                 if i is not None and i in state.selected_driver and state.selected_driver[i] != driver:
                     state.selected_driver[i] = driver
                     carried = True
@@ -448,3 +488,8 @@ class HealthTracker:
             # Same members in the same order: only health changes need telling; otherwise the whole list
             # (and a report still owed, e.g. a replace before the first collect, stays owed).
             state.force = prev.force or state.ids != prev.ids
+        # A device given back is an ordinary one again once a scan shows it on the driver it went back to.
+        for device_id, driver in list(self._given_back.items()):
+            i = self._index.get(device_id)
+            if i is None or self._devices[i].driver == driver:
+                del self._given_back[device_id]
