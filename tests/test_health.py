@@ -672,6 +672,9 @@ def test_tracker_matches_the_model(ops: list[tuple[Any, ...]]) -> None:
             continue
         got = {u.pool: (u.healthy, u.changed) for u in tracker.collect().values()}
         assert got == {pools[p].config.full_name: v for p, v in model.collect(clock.now).items()}
+        for p in pools:  # the gauges' counts (popcounts over fact bitmaps) agree with asking each device
+            name = p.config.full_name
+            assert tracker.counts(name) == tracker.counts_by_device(name)
 
 
 def test_per_device_lookups_are_shared_tuples(clock: FakeClock) -> None:
