@@ -14,11 +14,13 @@ import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:
@@ -168,6 +170,29 @@ def daemon_env(pycache: Path | None = None, src: Path = SRC) -> dict[str, str]:
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPYCACHEPREFIX"] = str(pycache)
     return env
+
+
+def emulator_child(kubelet_dir: Path) -> subprocess.Popen[bytes]:
+    """Start the kubelet emulator on ``kubelet_dir`` in a child process (its buffers are not the daemon's)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "densedev", "kubelet-emulator", str(kubelet_dir)],
+        env=daemon_env(),
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def traced_settings(sysfs: Path, kubelet_dir: Path, work: Path, config: Path) -> Any:
+    """The settings of a daemon run in a benchmark's own process under tracemalloc: no netlink, no polling."""
+    from densedev.settings import DaemonSettings
+
+    return DaemonSettings(
+        sysfs_root=sysfs,
+        kubelet_dir=kubelet_dir,
+        dev_root=work / "dev",
+        config_path=config,
+        netlink=False,
+        config_poll_s=3600.0,
+    )
 
 
 def daemon_argv(

@@ -113,23 +113,11 @@ async def breakdown(work: Path, layout: simnode.NodeLayout, top: int) -> dict[st
 
     from densedev.daemon import Daemon
     from densedev.pools import config as config_mod
-    from densedev.settings import DaemonSettings
 
     config = work / "config.json"
     kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    emulator = subprocess.Popen(
-        [sys.executable, "-m", "densedev", "kubelet-emulator", str(kubelet_dir)],
-        env=_impl.daemon_env(),
-        stdout=subprocess.DEVNULL,
-    )
-    settings = DaemonSettings(
-        sysfs_root=layout.root,
-        kubelet_dir=kubelet_dir,
-        dev_root=work / "dev",
-        config_path=config,
-        netlink=False,
-        config_poll_s=3600.0,
-    )
+    emulator = _impl.emulator_child(kubelet_dir)
+    settings = _impl.traced_settings(layout.root, kubelet_dir, work, config)
     noise = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen *>")]
     tracemalloc.start(1)
     daemon = Daemon(settings, config_mod.load(config))

@@ -185,7 +185,6 @@ async def attribute(args: argparse.Namespace, work: Path) -> dict:
 
     from densedev.daemon import Daemon
     from densedev.pools import config as config_mod
-    from densedev.settings import DaemonSettings
 
     n = args.pools
     layout = node_for(work, n)
@@ -194,19 +193,8 @@ async def attribute(args: argparse.Namespace, work: Path) -> dict:
     config.write_text(full)
     kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
     # The emulator in a child process: its channels and stream buffers are not the daemon's.
-    emulator = subprocess.Popen(
-        [sys.executable, "-m", "densedev", "kubelet-emulator", str(kubelet_dir)],
-        env=_impl.daemon_env(),
-        stdout=subprocess.DEVNULL,
-    )
-    settings = DaemonSettings(
-        sysfs_root=layout.root,
-        kubelet_dir=kubelet_dir,
-        dev_root=work / "dev",
-        config_path=config,
-        netlink=False,
-        config_poll_s=3600.0,
-    )
+    emulator = _impl.emulator_child(kubelet_dir)
+    settings = _impl.traced_settings(layout.root, kubelet_dir, work, config)
     daemon = Daemon(settings, config_mod.load(config))
     noise = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen *>")]
 
