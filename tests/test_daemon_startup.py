@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.child import Child
+from helpers.child import Child, run_args
 
 from densedev.daemon import Daemon, DaemonSettings
 from densedev.kubelet.sockets import socket_name_for
@@ -41,28 +41,11 @@ def node(tmp_path: Path) -> Path:
     return tmp_path / "node"
 
 
-def _run_args(node: Path, kdir: Path, *extra: str) -> list[str]:
-    return [
-        "--config",
-        str(node / "config.json"),
-        "--sysfs-root",
-        str(node),
-        "--kubelet-dir",
-        str(kdir),
-        "--no-netlink",
-        "--devinfo-dir",
-        "",
-        "--log-level",
-        "info",
-        *extra,
-    ]
-
-
 async def test_the_first_scan_is_read_by_a_child_process_that_is_gone_after(
     node: Path, kdir: Path, child_env: dict[str, str]
 ) -> None:
     """``densedev run`` forks its first scan (node.ahead) and reaps the child once it has the table."""
-    child = Child(_run_args(node, kdir, "--log-level", "debug"), child_env)
+    child = Child(run_args(node, kdir, "--log-level", "debug"), child_env)
     try:
         took = await child.line_with("scan ahead: took child")
         started = await child.line_with("daemon started")
@@ -82,14 +65,14 @@ async def test_waits_aloud_for_the_kubelet_and_refuses_a_second_daemon(
     child_env.pop("GRPC_VERBOSITY", None)  # the daemon's own default must keep gRPC core quiet
     pools = {p.full_name for p in config_mod.load(node / "config.json").pools}
 
-    first = Child(_run_args(node, kdir), child_env)
+    first = Child(run_args(node, kdir), child_env)
     try:
         # Before, nothing was logged at any level while kubelet.sock was missing.
         await first.line_with(f"waiting for {kdir}/kubelet.sock")
         assert (kdir / LOCK_NAME).read_text().strip() == str(first.proc.pid)
         # Two daemons on one directory replaced each other's sockets every ~2 s without a word.
         second = subprocess.run(
-            [sys.executable, "-m", "densedev.cli", "run", *_run_args(node, kdir)],
+            [sys.executable, "-m", "densedev.cli", "run", *run_args(node, kdir)],
             capture_output=True,
             text=True,
             timeout=GUARD,
@@ -187,7 +170,7 @@ async def test_pools_that_cannot_start_are_retried_and_readyz_says_why(
 async def test_exit_code_says_no_pool_could_start(node: Path, kdir: Path, child_env: dict[str, str]) -> None:
     _plant_sockets(node, kdir)
 
-    child = Child(_run_args(node, kdir, "--start-timeout", "0"), child_env)
+    child = Child(run_args(node, kdir, "--start-timeout", "0"), child_env)
     try:
         line = await child.line_with("pool failed to start; retrying")
         assert "is not a socket; not removing it" in line
@@ -219,7 +202,7 @@ async def test_a_read_only_kubelet_dir_is_retried_until_it_heals(
     script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && exec "$@"'
     wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(kdir)]
 
-    child = Child(_run_args(node, kdir), child_env, wrapper=wrapper)
+    child = Child(run_args(node, kdir), child_env, wrapper=wrapper)
     emulator = KubeletEmulator(kdir)  # outside the namespace: the directory is writable here
     try:
         line = await child.line_with("cannot create the lock file")

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.child import Child
+from helpers.child import Child, run_args
 
 from densedev.ops import preflight
 from densedev.ops.preflight import LOCK_NAME, InstanceLock, LockHeld
@@ -117,23 +117,6 @@ def test_a_lock_taken_on_a_file_its_holder_removed_is_taken_again(
     assert calls >= 2  # the first lock was on the removed file, and was taken again on a new one
 
 
-def _run_args(node: Path, kdir: Path, *extra: str) -> list[str]:
-    return [
-        "--config",
-        str(node / "config.json"),
-        "--sysfs-root",
-        str(node),
-        "--kubelet-dir",
-        str(kdir),
-        "--no-netlink",
-        "--devinfo-dir",
-        "",
-        "--log-level",
-        "info",
-        *extra,
-    ]
-
-
 async def test_a_stand_by_serves_only_once_the_old_daemon_has_gone(
     tmp_path: Path, kdir: Path, child_env: dict[str, str]
 ) -> None:
@@ -151,14 +134,14 @@ async def test_a_stand_by_serves_only_once_the_old_daemon_has_gone(
     sizes = dict.fromkeys(pools, 0)
     emu = KubeletEmulator(kdir, strict=True)
     await emu.start()
-    old = Child(_run_args(node, kdir, "--metrics-addr", metrics), child_env)
+    old = Child(run_args(node, kdir, "--metrics-addr", metrics), child_env)
     new: Child | None = None
     try:
         await emu.wait_for(lambda: pools <= set(emu.resources()), GUARD)
         await emu.wait_for(lambda: all(emu.devices(p) for p in pools), GUARD)  # every pool has some
         for name in pools:
             sizes[name] = len(emu.devices(name))
-        new = Child(_run_args(node, kdir, "--wait-for-lock", "--metrics-addr", metrics), child_env)
+        new = Child(run_args(node, kdir, "--wait-for-lock", "--metrics-addr", metrics), child_env)
         standing = await new.line_with("standing by")
         assert f"pid {old.proc.pid}" in standing
         await new.line_with("prepared")
@@ -194,11 +177,11 @@ async def test_sigterm_ends_a_stand_by_at_once_and_leaves_the_old_daemon_serving
     node = tmp_path / "node"
     emu = KubeletEmulator(kdir)
     await emu.start()
-    old = Child(_run_args(node, kdir), child_env)
+    old = Child(run_args(node, kdir), child_env)
     try:
         await old.line_with("daemon started")
         sockets = sorted(p.name for p in kdir.iterdir() if p.is_socket())
-        new = Child(_run_args(node, kdir, "--wait-for-lock"), child_env)
+        new = Child(run_args(node, kdir, "--wait-for-lock"), child_env)
         await new.line_with("standing by")
         new.proc.send_signal(signal.SIGTERM)
         assert new.proc.wait(timeout=5) == 0  # promptly: not after the old one let go

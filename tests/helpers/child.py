@@ -9,8 +9,27 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 GUARD = 60.0  # hang guard only
+
+
+def run_args(node: Path, kdir: Path, *extra: str, log_level: str = "info") -> list[str]:
+    """``densedev run``'s arguments for a simulated node and a kubelet dir (no netlink, no device-info)."""
+    return [
+        "--config",
+        str(node / "config.json"),
+        "--sysfs-root",
+        str(node),
+        "--kubelet-dir",
+        str(kdir),
+        "--no-netlink",
+        "--devinfo-dir",
+        "",
+        "--log-level",
+        log_level,
+        *extra,
+    ]
 
 
 class Child:
