@@ -142,14 +142,6 @@ async def bench(run_root: Path, root: Path, calls: int, held: int) -> dict[str, 
     )
     service = NodeService(settings, store, PoolGate(ids.__contains__, [pool], lambda _i: True))
     service.recover()
-    health = HealthStream(NODE)
-    plugin = DraPlugin(
-        DRIVER,
-        [*handlers(service), health.handler()],
-        registry_dir=root / "registry",
-        plugins_dir=root / "plugins",
-    )
-    kubelet = DraKubelet(root / "registry", poll=0.05)
     free = iter(devices)
 
     def new_claim() -> tuple[str, str, str]:
@@ -159,10 +151,7 @@ async def bench(run_root: Path, root: Path, calls: int, held: int) -> dict[str, 
         store.put(allocated_claim("default", f"c-{uid[:8]}", uid, [result]))
         return ("default", f"c-{uid[:8]}", uid)
 
-    await plugin.start()
-    await kubelet.start()
-    try:
-        await kubelet.wait_for(lambda: DRIVER in kubelet.plugins, 10)
+    async with served(service, root) as kubelet:
         for _ in range(held):
             ns, name, uid = new_claim()
             assert not (await service.prepare([ClaimRef(ns, name, uid)]))[uid].error
@@ -194,10 +183,6 @@ async def bench(run_root: Path, root: Path, calls: int, held: int) -> dict[str, 
         out["grpc_unprepare"] = figures(grpc_unprepare)
         out["service_prepare"] = figures(direct)
         return out
-    finally:
-        health.stop()
-        await plugin.stop()
-        await kubelet.stop()
 
 
 def vf_config(parameters: dict[str, Any], request: str, driver: str = DRIVER) -> list[dict[str, Any]]:
