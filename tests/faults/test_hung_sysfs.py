@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from helpers.child import run_args
 
 from densedev.testing import simnode
 
@@ -36,21 +37,7 @@ class Run:
     """``densedev run`` in a child process; its stderr lines collected by a thread as they come."""
 
     def __init__(self, node: Path, kdir: Path, env: dict[str, str], *extra: str) -> None:
-        args = [
-            "run",
-            "--config",
-            str(node / "config.json"),
-            "--sysfs-root",
-            str(node),
-            "--kubelet-dir",
-            str(kdir),
-            "--no-netlink",
-            "--devinfo-dir",
-            "",
-            "--log-level",
-            "debug",
-            *extra,
-        ]
+        args = ["run", *run_args(node, kdir, *extra, log_level="debug")]
         # A session of its own: ``kill`` ends the daemon and whatever it forked (a child left blocked
         # holds the stderr pipe open, and the reading thread with it).
         self.proc = subprocess.Popen(
