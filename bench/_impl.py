@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,13 +172,27 @@ def daemon_env(pycache: Path | None = None, src: Path = SRC) -> dict[str, str]:
     return env
 
 
-def emulator_child(kubelet_dir: Path) -> subprocess.Popen[bytes]:
-    """Start the kubelet emulator on ``kubelet_dir`` in a child process (its buffers are not the daemon's)."""
-    return subprocess.Popen(
+@contextlib.asynccontextmanager
+async def emulator_child() -> AsyncIterator[Path]:
+    """Run the kubelet emulator in a child process (its buffers are not the daemon's) on a new kubelet
+    dir; yield the dir once ``kubelet.sock`` is there, and stop the emulator and remove the dir after."""
+    kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
+    emulator = subprocess.Popen(
         [sys.executable, "-m", "densedev", "kubelet-emulator", str(kubelet_dir)],
         env=daemon_env(),
         stdout=subprocess.DEVNULL,
     )
+    try:
+        deadline = time.monotonic() + 60
+        while not (kubelet_dir / "kubelet.sock").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the kubelet emulator did not listen in {kubelet_dir} within 60 s")
+            await asyncio.sleep(0.05)
+        yield kubelet_dir
+    finally:
+        emulator.terminate()
+        await asyncio.to_thread(emulator.wait, 30)
+        shutil.rmtree(kubelet_dir, ignore_errors=True)
 
 
 def traced_settings(sysfs: Path, kubelet_dir: Path, work: Path, config: Path) -> Any:

@@ -115,29 +115,22 @@ async def breakdown(work: Path, layout: simnode.NodeLayout, top: int) -> dict[st
     from densedev.pools import config as config_mod
 
     config = work / "config.json"
-    kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    emulator = _impl.emulator_child(kubelet_dir)
-    settings = _impl.traced_settings(layout.root, kubelet_dir, work, config)
     noise = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen *>")]
-    tracemalloc.start(1)
-    daemon = Daemon(settings, config_mod.load(config))
-    try:
-        deadline = time.monotonic() + 60
-        while not (kubelet_dir / "kubelet.sock").exists() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        before = tracemalloc.take_snapshot().filter_traces(noise)
-        await daemon.start()
-        deadline = time.monotonic() + 600
-        while not daemon.registered()[0] and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(SETTLE_S)
-        after = tracemalloc.take_snapshot().filter_traces(noise)
-    finally:
-        tracemalloc.stop()
-        await daemon.stop()
-        emulator.terminate()
-        await asyncio.to_thread(emulator.wait, 30)
-        shutil.rmtree(kubelet_dir, ignore_errors=True)
+    async with _impl.emulator_child() as kubelet_dir:
+        settings = _impl.traced_settings(layout.root, kubelet_dir, work, config)
+        tracemalloc.start(1)
+        daemon = Daemon(settings, config_mod.load(config))
+        try:
+            before = tracemalloc.take_snapshot().filter_traces(noise)
+            await daemon.start()
+            deadline = time.monotonic() + 600
+            while not daemon.registered()[0] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(SETTLE_S)
+            after = tracemalloc.take_snapshot().filter_traces(noise)
+        finally:
+            tracemalloc.stop()
+            await daemon.stop()
     devices = sum(len(pf.vf_addresses) for pf in layout.pfs)
 
     def rows(key: str) -> list[dict[str, object]]:

@@ -191,40 +191,35 @@ async def attribute(args: argparse.Namespace, work: Path) -> dict:
     config = work / "config.json"
     full, empty = json.dumps(pool_doc(layout, n)), json.dumps(pool_doc(layout, 0))
     config.write_text(full)
-    kubelet_dir = Path(tempfile.mkdtemp(prefix="dd-", dir="/tmp"))
-    # The emulator in a child process: its channels and stream buffers are not the daemon's.
-    emulator = _impl.emulator_child(kubelet_dir)
-    settings = _impl.traced_settings(layout.root, kubelet_dir, work, config)
-    daemon = Daemon(settings, config_mod.load(config))
     noise = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen *>")]
+    # The emulator in a child process: its channels and stream buffers are not the daemon's.
+    async with _impl.emulator_child() as kubelet_dir:
+        settings = _impl.traced_settings(layout.root, kubelet_dir, work, config)
+        daemon = Daemon(settings, config_mod.load(config))
 
-    async def served() -> tracemalloc.Snapshot:
-        await wait_until(lambda: daemon.registered()[0], 600, poll=0.05)
-        await asyncio.sleep(SETTLE_S)
-        return tracemalloc.take_snapshot().filter_traces(noise)
+        async def served() -> tracemalloc.Snapshot:
+            await wait_until(lambda: daemon.registered()[0], 600, poll=0.05)
+            await asyncio.sleep(SETTLE_S)
+            return tracemalloc.take_snapshot().filter_traces(noise)
 
-    async def reload(text: str) -> None:
-        config.write_text(text)
-        assert await daemon.reload()
-        await asyncio.sleep(SETTLE_S)
+        async def reload(text: str) -> None:
+            config.write_text(text)
+            assert await daemon.reload()
+            await asyncio.sleep(SETTLE_S)
 
-    tracemalloc.start(1)
-    try:
-        await wait_until(lambda: (kubelet_dir / "kubelet.sock").exists(), 60)
-        await daemon.start()
-        with_n = await served()
-        await reload(empty)
-        at_0 = tracemalloc.take_snapshot().filter_traces(noise)
-        await reload(full)
-        await served()
-        await reload(empty)
-        at_0_again = tracemalloc.take_snapshot().filter_traces(noise)
-    finally:
-        tracemalloc.stop()
-        await daemon.stop()
-        emulator.terminate()
-        await asyncio.to_thread(emulator.wait, 30)
-        shutil.rmtree(kubelet_dir, ignore_errors=True)
+        tracemalloc.start(1)
+        try:
+            await daemon.start()
+            with_n = await served()
+            await reload(empty)
+            at_0 = tracemalloc.take_snapshot().filter_traces(noise)
+            await reload(full)
+            await served()
+            await reload(empty)
+            at_0_again = tracemalloc.take_snapshot().filter_traces(noise)
+        finally:
+            tracemalloc.stop()
+            await daemon.stop()
     stats = with_n.compare_to(at_0, "filename")
     by_file = [
         {
