@@ -132,26 +132,24 @@ def _int_at_least(low: int) -> Callable[[str], int]:
     return _flag_type(parse)
 
 
-@_flag_type
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):  # rejects nan too
-        raise ValueError(f"{text!r} must be a finite number of seconds >= 0")
-    return value
+def _finite_at_least_0(unit: str, bound: str) -> Callable[[str], float]:
+    """An argparse type for a finite float >= 0: ``unit`` names what a number is, ``bound`` the rule."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a number {unit}") from None
+        if not value >= 0 or value == float("inf"):  # rejects nan too
+            raise ValueError(f"{text!r} must be {bound}")
+        return value
+
+    parse.__name__ = "float"
+    return _flag_type(parse)
 
 
-@_flag_type
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number per second") from None
-    if not value >= 0 or value == float("inf"):  # rejects nan too
-        raise ValueError(f"{text!r} must be a finite rate >= 0 (0: no limit)")
-    return value
+_seconds = _finite_at_least_0("of seconds", "a finite number of seconds >= 0")
+_rate = _finite_at_least_0("per second", "a finite rate >= 0 (0: no limit)")
 
 
 @_flag_type
