@@ -20,7 +20,7 @@ from densedev.dra import names
 from densedev.dra.health import HealthStream
 from densedev.dra.node import handlers
 from densedev.dra.registration import DraPlugin, Notification
-from densedev.testing.dra_kubelet import DraKubelet
+from densedev.testing.dra_kubelet import DraKubelet, health_of
 
 GUARD = 10.0  # hang guards only: nothing here asserts on speed
 ALL_VERSIONS = ("v1.DRAPlugin", "v1beta1.DRAPlugin", "v1alpha1.DRAResourceHealth")
@@ -285,10 +285,10 @@ async def test_the_health_stream_sends_the_whole_list_on_change_and_resends_it(s
     await stack.kubelet.wait_for(lambda: stack.kubelet.health(DRIVER).get((NODE, b)) == "UNHEALTHY", GUARD)
     record = stack.kubelet.plugins[DRIVER]
     # Every message is the complete list, and without any change it keeps coming (resend).
-    seen = len(record.health_messages)
-    await stack.kubelet.wait_for(lambda: len(record.health_messages) >= seen + 3, GUARD)
-    for _when, health in record.health_messages[seen:]:
-        assert health == {(NODE, a): "HEALTHY", (NODE, b): "UNHEALTHY"}
+    seen = record.health_received
+    await stack.kubelet.wait_for(lambda: record.health_received >= seen + 3, GUARD)
+    for _when, message in list(record.health_messages)[-3:]:
+        assert health_of(message) == {(NODE, a): "HEALTHY", (NODE, b): "UNHEALTHY"}
     stack.health.forget([VF])
     await stack.kubelet.wait_for(lambda: stack.kubelet.health(DRIVER) == {(NODE, b): "UNHEALTHY"}, GUARD)
     # stop() ends the stream cleanly: the kubelet forgets the health, then re-opens (5 s; 0.1 here).

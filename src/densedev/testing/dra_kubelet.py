@@ -23,6 +23,7 @@ import os
 import re
 import stat
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ CALL_TIMEOUT = 45.0  # defaultClientCallTimeout
 INFO_TIMEOUT = 1.0  # GetInfo deadline of the plugin watcher
 NOTIFY_TIMEOUT = 5.0
 HEALTH_RETRY = 5.0  # the kubelet re-opens a health stream 5 s after it ended
+_HEALTH_NAMES = {v.number: v.name for v in dra_health_v1alpha1_pb2.HealthStatus.DESCRIPTOR.values}
+HEALTH_HISTORY = 8  # health messages a record keeps (tests read the last few)
 
 # RFC 1123 DNS subdomain: lowercase alphanumerics, '-' and '.', ≤253, alphanumeric at both ends of labels.
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
@@ -100,10 +103,34 @@ class DraPluginRecord:
     versions: tuple[str, ...]
     channel: grpc.aio.Channel
     health_task: asyncio.Task[None] | None = None
-    health: dict[tuple[str, str], str] = field(default_factory=dict)  # (pool, device) -> HEALTHY/...
-    health_messages: list[tuple[float, dict[tuple[str, str], str]]] = field(default_factory=list)
+    # The last few messages (time received, the message), and how many came in all: a whole history
+    # at 65,536 devices is every device per message, hundreds of MiB over a benchmark.
+    health_messages: deque[tuple[float, Any]] = field(default_factory=lambda: deque(maxlen=HEALTH_HISTORY))
+    health_received: int = 0
+    # The message the health is read from now (None: no stream, or it ended), and that read, kept.
+    health_message: Any = None
+    _read: tuple[Any, dict[tuple[str, str], str]] | None = None
     health_streams: int = 0  # streams opened
     health_error: str = ""
+
+    @property
+    def health(self) -> dict[tuple[str, str], str]:
+        """The health the kubelet holds now: (pool, device) -> HEALTHY/UNHEALTHY/UNKNOWN."""
+        message = self.health_message
+        if message is None:
+            return {}
+        if self._read is None or self._read[0] is not message:
+            # Read when asked, not as each message arrives: in a benchmark the emulator shares the
+            # daemon's event loop, and reading 65,536 devices per message cost it 80 ms a change.
+            self._read = (message, health_of(message))
+        return self._read[1]
+
+
+def health_of(message: Any) -> dict[tuple[str, str], str]:
+    """Return what one NodeWatchResourcesResponse says: (pool, device) -> status name."""
+    # Each message is the complete list: the kubelet replaces what it held, never merges.
+    name = _HEALTH_NAMES
+    return {(d.device.pool_name, d.device.device_name): name[d.health] for d in message.devices}
 
 
 @dataclass(frozen=True)
@@ -313,22 +340,18 @@ class DraKubelet:
             request_serializer=dra_health_v1alpha1_pb2.NodeWatchResourcesRequest.SerializeToString,
             response_deserializer=dra_health_v1alpha1_pb2.NodeWatchResourcesResponse.FromString,
         )
-        status = dra_health_v1alpha1_pb2.HealthStatus.Name
         while True:
             record.health_streams += 1
             try:
                 async for message in call(dra_health_v1alpha1_pb2.NodeWatchResourcesRequest()):
-                    # Each message is the complete list: replace, never merge.
-                    health = {
-                        (d.device.pool_name, d.device.device_name): status(d.health) for d in message.devices
-                    }
-                    record.health = health
-                    record.health_messages.append((time.monotonic(), health))
+                    record.health_message = message
+                    record.health_messages.append((time.monotonic(), message))
+                    record.health_received += 1
                 record.health_error = "stream ended"
             except grpc.aio.AioRpcError as e:
                 record.health_error = f"{e.code().name}: {e.details()}"
             # The kubelet marks every device of the driver Unknown when the stream ends.
-            record.health = {}
+            record.health_message = None
             await asyncio.sleep(self.health_retry)
 
     def health(self, driver: str) -> dict[tuple[str, str], str]:
