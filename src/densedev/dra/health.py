@@ -56,7 +56,10 @@ class HealthStream:
         # What the kubelet was last sent per device: the key of the encoding cache below (a device is
         # re-encoded, with a new lastUpdatedTime, only when its health changes), never a health source.
         self._health: dict[str, bool] = {}
-        self._encoded: dict[str, bytes] = {}  # device ID -> encoded DeviceHealth, in first-seen order
+        # Device ID -> its entry of the message, framed (tag, length, encoded DeviceHealth), in
+        # first-seen order: a message is then one join (65,536 devices: framing each entry anew per
+        # message was 66 ms of the loop per change).
+        self._encoded: dict[str, bytes] = {}
         self._message: bytes | None = None
         self._version = 0
         self._changed = asyncio.Event()
@@ -84,12 +87,14 @@ class HealthStream:
                     log.warning("DRA health: %r has no DRA device name; it is not streamed", device_id)
                 continue
             self._health[device_id] = healthy
-            self._encoded[device_id] = pb.DeviceHealth(
+            entry = pb.DeviceHealth(
                 device=pb.DeviceIdentifier(pool_name=self.pool, device_name=name),
                 health=pb.HEALTHY if healthy else pb.UNHEALTHY,
                 last_updated_time=now,
                 health_check_timeout_seconds=self.timeout_seconds,
             ).SerializeToString()
+            # Field 1 (devices), wire type 2: tag byte 0x0a, length, the embedded message.
+            self._encoded[device_id] = b"\x0a" + varint(len(entry)) + entry
             changed = True
         if changed:
             self._bump()
@@ -117,8 +122,7 @@ class HealthStream:
     def message(self) -> bytes:
         """Return the encoded NodeWatchResourcesResponse: every device's health."""
         if self._message is None:
-            # Field 1 (devices), wire type 2: tag byte 0x0a, length, the embedded message.
-            self._message = b"".join(b"\x0a" + varint(len(e)) + e for e in self._encoded.values())
+            self._message = b"".join(self._encoded.values())
         return self._message
 
     # -- the serving side ---------------------------------------------------------------------------
