@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,32 @@ def test_a_pf_going_unhealthy_changes_only_its_two_slices(
     # One withheld device (held by a pod under the device plugin API) touches its slice alone.
     held = b.states(withheld={node4k.pfs[2].vf_addresses[200]})
     assert sum(x != y for x, y in zip(before, held, strict=True)) == 1
+
+
+@pytest.mark.parametrize("taints", [False, True])
+def test_states_asked_again_and_again_answer_as_a_fresh_builder_would(
+    node4k: simnode.NodeLayout, pools4k: tuple[Pool, ...], taints: bool
+) -> None:
+    # The builder shows anew only the slices of devices that changed since its last call: a sequence
+    # of PFs going down and up and devices withheld and given back must read as a fresh builder's.
+    rng = random.Random(7)
+    vfs = [a for pf in node4k.pfs for a in pf.vf_addresses]
+    b = slices.SliceBuilder("n", DRIVER, pools4k, taints=taints)
+    bad: set[str] = set()
+    held: set[str] = set()
+    for step in range(40):
+        pf = rng.choice(node4k.pfs)
+        if rng.random() < 0.6:
+            bad |= set(pf.vf_addresses)
+        else:
+            bad -= set(pf.vf_addresses)
+        held ^= set(rng.sample(vfs, 3))
+        if step % 7 == 0:
+            bad.add("0000:ff:1f.7")  # an ID no slice holds changes nothing
+        got = b.states(frozenset(bad), frozenset(held))
+        again = b.states(frozenset(bad), frozenset(held))  # equal sets, not the same objects
+        want = slices.SliceBuilder("n", DRIVER, pools4k, taints=taints).states(bad, held)
+        assert got == again == want, f"step {step}"
 
 
 def test_taints_keep_unhealthy_devices_tainted_in_slices_of_64(
