@@ -149,10 +149,13 @@ class Party:
     def values(self) -> dict[str, Any]:
         return self.links.values(self.target)
 
-    def driver(self) -> tuple[str | None, str | None]:
-        return rebind.binding_of(self.node.sysfs, self.vf).driver, rebind.override_of(
-            self.node.sysfs, self.vf
-        )
+    def driver(self) -> tuple[str | None, str | None] | None:
+        """Return the VF's (bound driver, driver_override), or None while the kernel has a write to take."""
+        try:
+            override = rebind.override_of(self.node.sysfs, self.vf)
+        except rebind.RebindError:
+            return None  # a restore or a Prepare is mid-rebind: neither settled state, yet
+        return rebind.binding_of(self.node.sysfs, self.vf).driver, override
 
     def listed(self) -> bool:
         return self.vf in self.node.published(DRIVER).values()
