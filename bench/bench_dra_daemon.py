@@ -9,7 +9,12 @@ API-server stand-in in its own process and the DRA kubelet emulator.  For each s
   * PF down (its 256 VFs withdrawn) → slices written: from ``set_links`` (as a netlink event arrives)
     through the 2 ms coalescing window, the tracker and the publisher until the stand-in acknowledged
     the last write, p50/p99 over one event per PF, and writes per event (target ≤ 2).  The per-slice
-    rate limit is set to 0 here so each event is measured, not the policy.
+    rate limit and the node's write bucket (``--write-qps``, default 0 here) are off so each event is
+    measured, not the policy: with the daemon's defaults (20 writes/s, burst 512) a start of 512
+    slices empties the bucket, and back-to-back flips of 8 writes each then take 8 / 20 s = 400 ms —
+    the fleet limit doing its job, not the machinery's latency;
+  * PF down → kubelet: from ``set_links`` until the DRA kubelet emulator received the health-stream
+    message that carries it (DRA's NodeWatchResources, 1.34+), p50/p99;
 
   * idle CPU of this process (the daemon; the stand-in runs apart) over ``--idle`` seconds, and its RSS.
 
@@ -72,7 +77,7 @@ def _pool_doc(layout: simnode.NodeLayout, pools: int) -> dict[str, object]:
 
 
 async def run_size(
-    pfs: int, vfs_per_pf: int, work: Path, pools: int = 1, idle: float = 0.0
+    pfs: int, vfs_per_pf: int, work: Path, pools: int = 1, idle: float = 0.0, write_qps: float = 0.0
 ) -> dict[str, object]:
     layout = simnode.build_node(work / "sys", pfs=pfs, vfs_per_pf=vfs_per_pf)
     cfg_path = work / "config.json"
@@ -84,7 +89,9 @@ async def run_size(
         return ResourceClient.for_url(url)
 
     short = Path(tempfile.mkdtemp(prefix="bd-", dir="/tmp"))  # sun_path holds 107 bytes
-    kubelet = DraKubelet(short / "registry")
+    # The registry is watched (inotify); the kubelet's plugin-manager reconciler runs once a second, so
+    # the emulator's 50 ms test-speed poll would be its own idle CPU in this process, not the daemon's.
+    kubelet = DraKubelet(short / "registry", poll=1.0)
     settings = DaemonSettings(
         sysfs_root=work / "sys",
         kubelet_dir=short / "dp",
@@ -99,6 +106,7 @@ async def run_size(
             plugins_dir=short / "plugins",
             registry_dir=short / "registry",
             min_write_interval_s=0.0,
+            write_qps=write_qps,
         ),
     )
     (short / "dp").mkdir()
@@ -113,15 +121,20 @@ async def run_size(
         assert daemon.dra is not None and daemon.dra.publisher is not None
         pub = daemon.dra.publisher
         start_writes = pub.writes
+        (record,) = kubelet.plugins.values()
         latencies: list[float] = []
+        to_kubelet: list[float] = []
         writes: list[int] = []
         for pf in layout.pfs:
-            before = pub.writes
-            t = time.perf_counter()
+            before, heard = pub.writes, record.health_received
+            t = time.monotonic()
             daemon.set_links([(pf.netdev, False)])
             await _writes_then_idle(daemon, before)
-            latencies.append(time.perf_counter() - t)
+            latencies.append(time.monotonic() - t)
             writes.append(pub.writes - before)
+            while record.health_received == heard:  # the message is stamped as it arrived
+                await asyncio.sleep(0.001)
+            to_kubelet.append(record.health_messages[-1][0] - t)
         cpu = wall = 0.0
         if idle:
             cpu0, wall0 = time.process_time(), time.monotonic()
@@ -133,7 +146,7 @@ async def run_size(
         await kubelet.stop()
         proc.terminate()
         proc.wait()
-    lat = sorted(latencies)
+    lat, kub = sorted(latencies), sorted(to_kubelet)
     return {
         "bench": "dra_daemon",
         "implementation": accel.IMPLEMENTATION,
@@ -146,6 +159,9 @@ async def run_size(
         "pf_down_writes_max": max(writes),
         "pf_down_p50_ms": round(statistics.median(lat) * 1000, 2),
         "pf_down_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 2),
+        "pf_down_kubelet_p50_ms": round(statistics.median(kub) * 1000, 2),
+        "pf_down_kubelet_p99_ms": round(kub[min(len(kub) - 1, int(len(kub) * 0.99))] * 1000, 2),
+        "write_qps": write_qps,
         "idle_s": idle,
         "idle_cpu_percent": round(100 * cpu / wall, 3) if wall else None,
         "rss_mib": round(rss, 1),
@@ -162,6 +178,9 @@ def main() -> int:
     p.add_argument("--vfs-per-pf", type=int, default=256)
     p.add_argument("--pools", type=int, default=1, help="DRA pools the PFs are grouped into")
     p.add_argument("--idle", type=float, default=0.0, help="seconds of idle CPU to measure after the flips")
+    p.add_argument(
+        "--write-qps", type=float, default=0.0, help="the node's slice writes per second (daemon default 20)"
+    )
     args = p.parse_args()
     logging.disable(logging.WARNING)  # the daemon's own lines (no PodResources here) are not the output
     sizes = [(16, 256)] if args.quick else [(16, 256), (64, 256)]
@@ -171,7 +190,7 @@ def main() -> int:
         # tmpfs when there is room: 16k functions' files on disk took most of a CI run's 100 s here.
         where = args.dir or _impl.tmpfs_dir((1 << 30) * max(1, pfs * vfs // 16384), pfs * vfs)
         with tempfile.TemporaryDirectory(prefix="bench-dra-daemon-", dir=where) as tmp:
-            r = uvloop.run(run_size(pfs, vfs, Path(tmp), args.pools, args.idle))
+            r = uvloop.run(run_size(pfs, vfs, Path(tmp), args.pools, args.idle, args.write_qps))
         if args.json:
             print(json.dumps(r))
         else:
@@ -179,7 +198,10 @@ def main() -> int:
                 f"{r['devices']:>6} devices ({r['implementation']}): start → all {r['slices']} slices "
                 f"{r['start_s']:.3f} s with {r['start_writes']} writes; PF down → slices written "
                 f"p50 {r['pf_down_p50_ms']} ms p99 {r['pf_down_p99_ms']} ms over {r['pf_down_events']} "
-                f"PFs, at most {r['pf_down_writes_max']} writes each; {r['pools']} pools; "
+                f"PFs, at most {r['pf_down_writes_max']} writes each"
+                + (f" at {r['write_qps']} writes/s" if r["write_qps"] else "")
+                + f"; PF down → kubelet p50 {r['pf_down_kubelet_p50_ms']} ms "
+                f"p99 {r['pf_down_kubelet_p99_ms']} ms; {r['pools']} pools; "
                 + (f"idle CPU {r['idle_cpu_percent']} % over {r['idle_s']} s; " if r["idle_s"] else "")
                 + f"RSS {r['rss_mib']} MiB"
             )
