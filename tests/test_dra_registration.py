@@ -15,6 +15,8 @@ from typing import Any
 import grpc
 import pytest
 from helpers.dra import DRIVER, NODE, VF, VF2, Node
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from densedev.dra import names
 from densedev.dra.health import HealthStream
@@ -314,6 +316,39 @@ def test_health_message_bytes_decode_to_the_full_list() -> None:
     assert {d.health_check_timeout_seconds for d in decoded.devices} == {30}
     with pytest.raises(ValueError):
         HealthStream(NODE, resend=30, timeout_seconds=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pool=st.text(min_size=1, max_size=40),
+    functions=st.lists(st.integers(0, 255), min_size=1, max_size=6, unique=True),
+    healthy=st.lists(st.booleans(), min_size=6, max_size=6),
+    now=st.one_of(st.just(0.0), st.floats(-1e6, 4e9)),
+    timeout=st.integers(-5, 1 << 40),
+)
+def test_health_entries_are_protobufs_own_encoding(
+    pool: str, functions: list[int], healthy: list[bool], now: float, timeout: int
+) -> None:
+    from densedev._proto import dra_health_v1alpha1_pb2 as pb
+
+    ids = [f"0000:3b:{f >> 3:02x}.{f & 7}" for f in functions]
+    resend = max(1, timeout) / 2 if timeout > 1 else 0.5
+    stream = HealthStream(pool, resend=resend, timeout_seconds=max(timeout, 1), clock=lambda: now)
+    stream.timeout_seconds = timeout  # zero and negative too: what a caller may set
+    pairs = list(zip(ids, healthy[: len(ids)], strict=True))
+    stream.update(dict(pairs))
+    want = pb.NodeWatchResourcesResponse(
+        devices=[
+            pb.DeviceHealth(
+                device=pb.DeviceIdentifier(pool_name=pool, device_name=names.device_name(i)),
+                health=pb.HEALTHY if h else pb.UNHEALTHY,
+                last_updated_time=int(now),
+                health_check_timeout_seconds=timeout,
+            )
+            for i, h in pairs
+        ]
+    )
+    assert stream.message() == want.SerializeToString()
 
 
 # -- the composed kubelet plugin ----------------------------------------------------------------------------
