@@ -332,8 +332,7 @@ def test_health_entries_are_protobufs_own_encoding(
     from densedev._proto import dra_health_v1alpha1_pb2 as pb
 
     ids = [f"0000:3b:{f >> 3:02x}.{f & 7}" for f in functions]
-    resend = max(1, timeout) / 2 if timeout > 1 else 0.5
-    stream = HealthStream(pool, resend=resend, timeout_seconds=max(timeout, 1), clock=lambda: now)
+    stream = HealthStream(pool, clock=lambda: now)
     stream.timeout_seconds = timeout  # zero and negative too: what a caller may set
     pairs = list(zip(ids, healthy[: len(ids)], strict=True))
     stream.update(dict(pairs))

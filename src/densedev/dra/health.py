@@ -100,9 +100,8 @@ class HealthStream:
                 )
                 self._ident[device_id] = ident
             self._health[device_id] = healthy
-            entry = ident + tails[healthy]
-            # Field 1 (devices), wire type 2: tag byte 0x0a, length, the embedded message.
-            self._encoded[device_id] = b"\x0a" + varint(len(entry)) + entry
+            # NodeWatchResourcesResponse's field 1 (devices): the embedded DeviceHealth, framed.
+            self._encoded[device_id] = length_delimited(1, ident + tails[healthy])
             changed = True
         if changed:
             self._bump()

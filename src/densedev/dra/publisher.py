@@ -425,18 +425,19 @@ class Publisher:
         # time was 4 ms of the loop per pass (a third of a 65,536-device start).  The answer depends
         # only on the mirror's shape, the slices planned (the builder's, one state per group) and
         # whether the layout was checked, unless devices moved: that answer is not kept.
-        key = (self._shape, self._builder, self._layout_checked, len(states))
         memo = self._plan_memo
-        if memo is not None and memo[0] == key:
+        if memo is not None and memo[0] == self._plan_key(states):
             return memo[1]
-        generation = self._plan_shape(states)
-        if generation is not None:
-            self._plan_memo = ((self._shape, self._builder, self._layout_checked, len(states)), generation)
-            return generation
-        return max(int(s["spec"]["pool"].get("generation", 0)) for s in mirror.values()) + 1
+        generation, moved = self._plan_shape(states)
+        if not moved:  # the layout check just made is part of the key
+            self._plan_memo = (self._plan_key(states), generation)
+        return generation
 
-    def _plan_shape(self, states: Sequence[SliceState]) -> int | None:
-        """The generation to write, or None when devices moved between slices (one more, then)."""
+    def _plan_key(self, states: Sequence[SliceState]) -> tuple[Any, ...]:
+        return (self._shape, self._builder, self._layout_checked, len(states))
+
+    def _plan_shape(self, states: Sequence[SliceState]) -> tuple[int, bool]:
+        """The generation to write, and whether it is one more because devices moved between slices."""
         mirror = self._mirror
         current = max(int(s["spec"]["pool"].get("generation", 0)) for s in mirror.values())
         top = {n: s for n, s in mirror.items() if int(s["spec"]["pool"].get("generation", 0)) == current}
@@ -444,11 +445,11 @@ class Publisher:
         # Slices missing (deleted by someone) are created again at the same generation; an extra one
         # or another slice count mean the pool changed shape.
         if not set(top) <= names:
-            return current + 1
+            return current + 1, False
         if any(int(s["spec"]["pool"].get("resourceSliceCount", 0)) != len(states) for s in top.values()):
-            return current + 1
+            return current + 1, False
         if self._layout_checked is self._builder:
-            return current  # the mirror holds only what this plan wrote: no device can have moved
+            return current, False  # the mirror holds only what this plan wrote: no device can have moved
         # A device published in one slice and wanted in another: move everything to a new generation.
         where: dict[str, str] = {}
         for name, s in top.items():
@@ -457,9 +458,9 @@ class Publisher:
         for st in states:
             for dname, _ in st.devices:
                 if where.get(dname, st.name) != st.name:
-                    return None
+                    return current + 1, True
         self._layout_checked = self._builder
-        return current
+        return current, False
 
     async def sync_once(self) -> float | None:
         """Start the writes of what differs; return seconds until a deferred one may go, else None.
