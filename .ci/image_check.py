@@ -1109,8 +1109,8 @@ def rdma_plugin_volumes(pod: Mapping[str, Any], node: Node) -> dict[str, Volume]
     dev = volumes["devs"].host_path / "infiniband"
     dev.mkdir(mode=0o755, exist_ok=True)
     for pf in node.layout.pfs:
-        for path in hca_char_devices(node.sysfs, pf.address):
-            (dev / path.rsplit("/", 1)[1]).touch()
+        for char_device in hca_char_devices(node.sysfs, pf.address):
+            (dev / char_device.rsplit("/", 1)[1]).touch()
     (dev / "rdma_cm").touch()
     return volumes
 

@@ -321,8 +321,10 @@ async def _run(args: argparse.Namespace, work: Path, stop: asyncio.Event) -> int
                     # flap is absorbed (nothing to send), so only flips of advertised-healthy VFs are timed.
                     if resource is None or not _advertised_healthy(emulator, resource, pf.vf_addresses):
                         absorbed += 1
-                    elif await _updated(emulator, resource, before):
-                        latencies.append(emulator.updates(resource)[-1].received - t_flip)
+                    elif (
+                        latency := await _flip_latency(emulator, resource, before, t_flip, pf.vf_addresses)
+                    ) is not None:
+                        latencies.append(latency)
                     else:
                         errors += 1
             allocated, stale = await _allocate_one(emulator, rng)
@@ -368,17 +370,35 @@ def _legend(
     )
 
 
-async def _updated(emulator: KubeletEmulator, resource: str, before: int, timeout: float = 2.0) -> bool:
-    """Wait until the emulator holds more than ``before`` updates of ``resource``; False on timeout."""
+async def _flip_latency(
+    emulator: KubeletEmulator,
+    resource: str,
+    before: int,
+    t_flip: float,
+    ids: Sequence[str],
+    timeout: float = 2.0,
+) -> float | None:
+    """Return the time from ``t_flip`` to the kubelet holding ``ids`` Unhealthy; None on timeout.
+
+    Only an update received at or after the flip that shows the PF's VFs unhealthy answers it: with
+    the kubelet's per-update work on, an update received just before the flip (the same pool's
+    hold-down recovery) is appended after it, and taking the newest update would time that one.
+    """
+    answer: list[float] = []
 
     def arrived() -> bool:
-        return len(emulator.updates(resource)) > before
+        for update in emulator.updates(resource)[before:]:
+            listed = [update.devices[i] for i in ids if i in update.devices]
+            if update.received >= t_flip and listed and HEALTHY not in listed:
+                answer.append(update.received - t_flip)
+                return True
+        return False
 
     try:
         await emulator.wait_for(arrived, timeout)
     except TimeoutError:
-        return False
-    return True
+        return None
+    return answer[0]
 
 
 def _advertised_healthy(emulator: KubeletEmulator, resource: str, ids: Sequence[str]) -> bool:
