@@ -8,6 +8,7 @@ withheld until a retry puts it back.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import uuid
@@ -384,3 +385,73 @@ def test_the_kernel_refuses_vf_settings_on_a_veth_and_changes_nothing(netns: str
         assert links.read(target, ("mtu",)) == {"mtu": 1500}
     finally:
         links.close()
+
+
+async def test_concurrent_calls_share_their_checkpoint_writes_and_keep_their_own_outcomes(
+    node: JournalNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A node's pods start together: the kubelet sends one NodePrepareResources per pod, and every claim
+    # with parameters costs a journal write and a record write, each fsynced.  Calls that arrive while
+    # one is under way are done together: one journal write and one record write for all of them.
+    saves: list[int] = []
+    save = Checkpoint.save
+
+    def counted(self: Checkpoint, *args: Any, **kwargs: Any) -> None:
+        saves.append(len(args[0]))
+        save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpoint, "save", counted)
+    refused = node.vfs[5]
+    # The kernel refuses trust on one VF only: its claim is refused with its VF put back, the others of
+    # the same pass are prepared as asked.
+    inject_fault(node.sysfs, op="apply", pf=refused.pf_netdev, vf=refused.vf_index, setting="trust",
+                 errno=errno.EPERM, times=1)  # fmt: skip
+    refs = [node.claim(vf, ASK) for vf in node.vfs]
+    answers = await asyncio.gather(*(node.service.prepare([ref]) for ref in refs))
+    for vf, ref, answer in zip(node.vfs, refs, answers, strict=True):
+        if vf is refused:
+            assert "Operation not permitted" in answer[ref.uid].error, answer
+            assert node.values(vf) == dict(SIM_DEFAULTS)
+        else:
+            assert answer == {ref.uid: answer[ref.uid]} and answer[ref.uid].error == "", answer
+            assert {k: node.values(vf)[k] for k in ASK} == ASK
+    # The first call finds the lock free and runs alone (journal, record); the seven waiting for it run
+    # as one: their journal, the refused claim's records dropped once it is put back, their record.
+    assert len(saves) <= 5, saves
+    assert set(node.recorded().claims) == {r.uid for r in refs if r is not refs[5]}
+    assert all(r.state is JournalState.APPLIED for r in node.recorded().journal)
+    saves.clear()
+    undone = await asyncio.gather(*(node.service.unprepare([ref]) for ref in refs))
+    assert undone == [{ref.uid: ""} for ref in refs]
+    assert len(saves) <= 4, saves  # the first alone (drop, restored), then the rest together
+    assert all(node.values(vf) == dict(SIM_DEFAULTS) for vf in node.vfs)
+    assert node.recorded().claims == {} and node.recorded().journal == ()
+
+
+async def test_joined_calls_keep_their_order_and_a_call_cancelled_while_waiting_does_nothing(
+    node: JournalNode,
+) -> None:
+    a, b = node.claim(node.vfs[0], ASK), node.claim(node.vfs[1], ASK)
+    # Prepare a (runs at once), then while it runs: Unprepare a, Prepare a again, Prepare b.  Only runs of
+    # one kind are joined, so a ends prepared (the last call) and is configured as asked.
+    first = asyncio.ensure_future(node.service.prepare([a]))
+    await asyncio.sleep(0)
+    calls = [node.service.unprepare([a]), node.service.prepare([a]), node.service.prepare([b])]
+    answers = await asyncio.gather(first, *calls)
+    assert answers[1] == {a.uid: ""}
+    assert answers[2][a.uid].error == "" and answers[3][b.uid].error == ""
+    assert set(node.service.prepared) == {a.uid, b.uid}
+    assert {k: node.values(node.vfs[0])[k] for k in ASK} == ASK
+    # A call cancelled while it waits for the lock is dropped: its claim is not prepared.
+    c = node.claim(node.vfs[2], ASK)
+    holder = asyncio.ensure_future(node.service.unprepare([a, b]))
+    await asyncio.sleep(0)
+    waiting = asyncio.ensure_future(node.service.prepare([c]))
+    await asyncio.sleep(0.001)
+    waiting.cancel()
+    assert await holder == {a.uid: "", b.uid: ""}
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert node.service.prepared == {}
+    assert node.values(node.vfs[2]) == dict(SIM_DEFAULTS)
+    assert (await node.service.prepare([c]))[c.uid].error == ""  # nothing left half done: it prepares

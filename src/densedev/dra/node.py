@@ -13,19 +13,22 @@ Prepare gives a container what ``Allocate`` gives it under the device-plugin API
 
 The claim UID is in every CDI name, so a runtime never resolves a stale cached entry of another claim
 (kubeletplugin's DRAPlugin doc).  Calls are serialised (the kubelet calls concurrently for different
-pods; the helper serialises too); claim objects are read before taking the lock.
+pods; the helper serialises too); claim objects are read before taking the lock.  Calls of one kind that
+wait for the lock are done together when it comes free: one pass, one journal write and one record write
+(each fsynced) for all of them, instead of a pair per call while a node's pods start at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
 import re
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from types import ModuleType
@@ -144,6 +147,7 @@ class NodeService:
         self.kubelet_view = False
         self._writers: dict[tuple[str, str], devinfo.InfoWriter] = {}
         self._lock = asyncio.Lock()
+        self._queue: list[_Call] = []  # calls waiting for the lock, in arrival order (= the lock's)
         self.prepares = 0  # calls answered, for tests and metrics
         # The kubelet's calls in flight, from the handler's start until the answer is sent: a retired
         # driver stops only after the answer to its last Unprepare went out (a kubelet that lost it
@@ -518,48 +522,8 @@ class NodeService:
         fresh = [r for r in todo.values() if r.uid not in self._claims]
         objects = await asyncio.gather(*(self._read(r) for r in fresh))
         read = dict(zip((r.uid for r in fresh), objects, strict=True))
-        async with self._lock:
-            plans: dict[str, PreparedClaim] = {}
-            asks: dict[str, dict[str, tuple[VfTarget, dict[str, Any]]]] = {}  # UID → device → settings
-            drafts: dict[str, list[_Granted]] = {}  # UID → its grants, for claims rebinding a driver
-            reserved: dict[str, ClaimRef] = {}
-            for ref in todo.values():
-                known = self._claims.get(ref.uid)
-                if known is not None:
-                    plans[ref.uid] = known
-                    continue
-                obj = read.get(ref.uid)
-                if isinstance(obj, str):
-                    out[ref.uid] = PrepareResult(error=obj)
-                    continue
-                if obj is None:  # prepared meanwhile by a concurrent call's read... then unprepared
-                    out[ref.uid] = PrepareResult(error=f"claim {ref} changed during the call; retry")
-                    continue
-                try:
-                    plan, ask, granted = self._plan(ref, obj, reserved)
-                except ClaimError as e:
-                    out[ref.uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
-                    log.warning("DRA prepare refused: %s", e)
-                    continue
-                except Exception as e:
-                    # Our bug, met by this claim only: its own error, the others are prepared.
-                    log.exception("DRA prepare of claim %s failed", ref)
-                    out[ref.uid] = PrepareResult(
-                        error=clip(f"claim {ref}: cannot prepare it: {clip(repr(e), 300)}", MAX_ERROR_CHARS)
-                    )
-                    continue
-                plans[ref.uid] = plan
-                if ask:
-                    asks[ref.uid] = ask
-                    if any(configure.DRIVER in want for _t, want in ask.values()):
-                        drafts[ref.uid] = granted
-                for device_id in plan.held():
-                    reserved[device_id] = ref
-            if plans:
-                # Shielded like a thread: a cancelled call still leaves every device recorded and
-                # either configured for a recorded claim or put back.
-                await _finish(self._configure_and_store(plans, asks, drafts, out))
-            self.prepares += 1
+        done = await self._joined(_Call(_CallKind.PREPARE, todo, read))
+        out.update((uid, cast(PrepareResult, done[uid])) for uid in todo if uid in done)
         for uid, result in out.items():
             if not result.error:
                 log.info(
@@ -569,8 +533,111 @@ class NodeService:
                 )
                 # claim status (issue 25 §3): queued, best-effort; never delays or fails this call
                 self.claim_status.prepared(todo[uid], result.devices, self.applied(uid))
-        self._changed()
         return {ref.uid: out[ref.uid] for ref in refs if ref.uid in out}
+
+    async def _joined(self, call: _Call) -> Mapping[str, PrepareResult | str]:
+        """Do ``call`` under the lock with the calls of its kind queued right behind it; return its part.
+
+        The first of them to get the lock runs one pass for all (shielded: a cancelled caller still
+        leaves it done); the others find their answer when the lock comes to them.  Only a run of one
+        kind is joined, so a Prepare and an Unprepare of one claim keep the order they came in.
+        """
+        self._queue.append(call)
+        try:
+            async with self._lock:
+                if not call.done.done():
+                    at = self._queue.index(call)
+                    end = at + 1
+                    while end < len(self._queue) and self._queue[end].kind is call.kind:
+                        end += 1
+                    batch = self._queue[at:end]
+                    del self._queue[at:end]
+                    work = asyncio.ensure_future(self._pass(call.kind, batch))
+                    work.add_done_callback(partial(_deliver, batch))
+                    await _finish(work)
+        except asyncio.CancelledError:
+            if call in self._queue:  # not taken by a pass: nothing of it was done
+                self._queue.remove(call)
+            raise
+        outcome = call.done.result()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    async def _pass(self, kind: _CallKind, batch: Sequence[_Call]) -> Mapping[str, PrepareResult | str]:
+        """Do the calls of one batch as one; the hook hears of their claims once, at the end."""
+        try:
+            return await self._pass_of(kind, batch)
+        finally:
+            self._changed()
+
+    async def _pass_of(self, kind: _CallKind, batch: Sequence[_Call]) -> Mapping[str, PrepareResult | str]:
+        if kind is _CallKind.PREPARE:
+            todo: dict[str, ClaimRef] = {}
+            read: dict[str, Mapping[str, Any] | str] = {}
+            for c in batch:
+                for uid, ref in c.refs.items():
+                    todo.setdefault(uid, ref)
+                read.update(c.read)
+            self.prepares += len(batch)
+            return await self._prepare_pass(todo, read)
+        refs: dict[str, ClaimRef] = {}
+        for c in batch:
+            for uid, ref in c.refs.items():
+                refs.setdefault(uid, ref)
+        self.unprepares += len(batch)
+        return await self._unprepare(list(refs.values()))
+
+    async def _prepare_pass(
+        self, todo: Mapping[str, ClaimRef], read: Mapping[str, Mapping[str, Any] | str]
+    ) -> dict[str, PrepareResult]:
+        """Prepare the claims of one or more calls under the lock; return a result per claim UID."""
+        out: dict[str, PrepareResult] = {}
+        plans: dict[str, PreparedClaim] = {}
+        asks: dict[str, dict[str, tuple[VfTarget, dict[str, Any]]]] = {}  # UID → device → settings
+        drafts: dict[str, list[_Granted]] = {}  # UID → its grants, for claims rebinding a driver
+        reserved: dict[str, ClaimRef] = {}
+        for n, ref in enumerate(todo.values()):
+            if n:
+                # A pass may hold a hundred pods' claims: planning them is pure CPU, so the loop (health
+                # on its way to the kubelet) gets a turn between two.  The lock keeps the claims still.
+                await asyncio.sleep(0)
+            known = self._claims.get(ref.uid)
+            if known is not None:
+                plans[ref.uid] = known
+                continue
+            obj = read.get(ref.uid)
+            if isinstance(obj, str):
+                out[ref.uid] = PrepareResult(error=obj)
+                continue
+            if obj is None:  # prepared meanwhile by a concurrent call's read... then unprepared
+                out[ref.uid] = PrepareResult(error=f"claim {ref} changed during the call; retry")
+                continue
+            try:
+                plan, ask, granted = self._plan(ref, obj, reserved)
+            except ClaimError as e:
+                out[ref.uid] = PrepareResult(error=clip(str(e), MAX_ERROR_CHARS))
+                log.warning("DRA prepare refused: %s", e)
+                continue
+            except Exception as e:
+                # Our bug, met by this claim only: its own error, the others are prepared.
+                log.exception("DRA prepare of claim %s failed", ref)
+                out[ref.uid] = PrepareResult(
+                    error=clip(f"claim {ref}: cannot prepare it: {clip(repr(e), 300)}", MAX_ERROR_CHARS)
+                )
+                continue
+            plans[ref.uid] = plan
+            if ask:
+                asks[ref.uid] = ask
+                if any(configure.DRIVER in want for _t, want in ask.values()):
+                    drafts[ref.uid] = granted
+            for device_id in plan.held():
+                reserved[device_id] = ref
+        if plans:
+            # Shielded like a thread: a cancelled call still leaves every device recorded and
+            # either configured for a recorded claim or put back.
+            await _finish(self._configure_and_store(plans, asks, drafts, out))
+        return out
 
     def applied(self, uid: str) -> Mapping[str, Mapping[str, Any]]:
         """Return what Prepare configured on the claim's devices, by device ID (the claim status's data)."""
@@ -589,9 +656,10 @@ class NodeService:
         A claim whose change fails is refused with its devices put back; a claim that cannot be recorded
         after its change has its devices put back too (the kubelet retries its Prepare).
         """
-        for uid, ask in asks.items():
+        journaled = await self._journal(plans, asks, out)
+        for uid, records in journaled.items():
             plan = plans[uid]
-            error = await self._configure(plan.ref, ask)
+            error = await self._apply(plan.ref, records)
             if error:
                 out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
                 log.warning("DRA prepare refused: %s", error)
@@ -626,13 +694,54 @@ class NodeService:
             await self._restore(undone)
         self._report()
 
-    async def _configure(self, ref: ClaimRef, ask: Mapping[str, tuple[VfTarget, dict[str, Any]]]) -> str:
-        """Change a claim's devices as asked: read, journal, apply; return "" or its error (all put back).
+    async def _journal(
+        self,
+        plans: dict[str, PreparedClaim],
+        asks: Mapping[str, Mapping[str, tuple[VfTarget, dict[str, Any]]]],
+        out: dict[str, PrepareResult],
+    ) -> dict[str, list[JournalRecord]]:
+        """Read the old values of every device the claims change and make them durable, in one write.
 
-        The old values are read first and the journal (device, old values, new values) is durable in
-        the checkpoint before the first change; the kernel may stop part way through one message, so a
-        failure puts back every device of the claim from its record.
+        Returns the records by claim UID; a claim whose devices cannot be read, or all of them when the
+        write fails, is refused (out of ``plans``, its error in ``out``) with nothing changed.
         """
+        journaled: dict[str, list[JournalRecord]] = {}
+        for uid, ask in asks.items():
+            records = await self._records(plans[uid].ref, ask)
+            if isinstance(records, str):
+                out[uid] = PrepareResult(error=clip(records, MAX_ERROR_CHARS))
+                log.warning("DRA prepare refused: %s", records)
+                del plans[uid]
+            else:
+                journaled[uid] = records
+        stop_at("prepare-read")
+        if not journaled:
+            return {}
+        self._inflight.update(journaled)
+        journal = (
+            *(r for r in self.journal if r.claim not in journaled),
+            *(r for records in journaled.values() for r in records),
+        )
+        try:
+            await _in_thread(self._checkpoint.save, self._claims, self._unsettled, journal)
+        except OSError as e:
+            self._inflight.difference_update(journaled)
+            for uid in journaled:
+                error = (
+                    f"claim {plans[uid].ref}: cannot record its changes in {self._checkpoint.path}: {e}; "
+                    "nothing was changed"
+                )
+                out[uid] = PrepareResult(error=clip(error, MAX_ERROR_CHARS))
+                log.warning("DRA prepare refused: %s", error)
+                del plans[uid]
+            return {}
+        stop_at("prepare-journaled")
+        return journaled
+
+    async def _records(
+        self, ref: ClaimRef, ask: Mapping[str, tuple[VfTarget, dict[str, Any]]]
+    ) -> list[JournalRecord] | str:
+        """Return the journal records of a claim's changes (old and new values), or why it cannot."""
         records: list[JournalRecord] = []
         for device_id, (target, want) in ask.items():
             settings = configure.touched(want)
@@ -654,17 +763,14 @@ class NodeService:
             except (VfLinkError, rebind.RebindError) as e:
                 return f"claim {ref}: cannot read the settings of {device_id} ({e}); nothing was changed"
             records.append(JournalRecord(ref.uid, device_id, target, old, new))
-        stop_at("prepare-read")
-        self._inflight.add(ref.uid)
-        journal = (*(r for r in self.journal if r.claim != ref.uid), *records)
-        try:
-            await _in_thread(self._checkpoint.save, self._claims, self._unsettled, journal)
-        except OSError as e:
-            self._inflight.discard(ref.uid)
-            return (
-                f"claim {ref}: cannot record its changes in {self._checkpoint.path}: {e}; nothing was changed"
-            )
-        stop_at("prepare-journaled")
+        return records
+
+    async def _apply(self, ref: ClaimRef, records: Sequence[JournalRecord]) -> str:
+        """Make a claim's journaled changes; return "" or its error (every device of it put back).
+
+        The kernel may stop part way through one message, so a failure puts back every device of the
+        claim from its record.
+        """
         for r in records:
             driver, pf, own = configure.split(r.new)
             try:
@@ -1171,13 +1277,11 @@ class NodeService:
 
     async def unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
         """Remove what Prepare made for each claim; return an error (or "") per UID; unknown claims pass."""
-        async with self._lock:
-            errors = await _finish(self._unprepare(refs))
-            self.unprepares += 1
+        done = await self._joined(_Call(_CallKind.UNPREPARE, {ref.uid: ref for ref in refs}))
+        errors = {ref.uid: cast(str, done[ref.uid]) for ref in refs if ref.uid in done}
         for ref in refs:  # claim status (issue 25 §3): our entries go, queued and best-effort
             if not errors.get(ref.uid) and not _ref_problem(ref):
                 self.claim_status.unprepared(ref)
-        self._changed()
         return {ref.uid: errors.get(ref.uid, "") for ref in refs}
 
     async def _unprepare(self, refs: Sequence[ClaimRef]) -> dict[str, str]:
@@ -1252,6 +1356,33 @@ class NodeService:
             self._commit(claims)
             self._settle(released, "unprepared", released_names)
         return errors
+
+
+class _CallKind(enum.Enum):
+    PREPARE = "prepare"
+    UNPREPARE = "unprepare"
+
+
+@dataclass(eq=False)
+class _Call:
+    """One Prepare or Unprepare call waiting for the lock: its claims, and the answer once done."""
+
+    kind: _CallKind
+    refs: Mapping[str, ClaimRef]  # UID → claim
+    read: Mapping[str, Mapping[str, Any] | str] = field(default_factory=dict)  # Prepare's claim objects
+    done: asyncio.Future[Mapping[str, Any] | BaseException] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def _deliver(batch: Sequence[_Call], work: asyncio.Future[Mapping[str, Any]]) -> None:
+    """Hand a pass's answers (or its error, our bug) to every call it did."""
+    outcome: Mapping[str, Any] | BaseException = (
+        asyncio.CancelledError() if work.cancelled() else work.exception() or work.result()
+    )
+    for c in batch:
+        if not c.done.done():
+            c.done.set_result(outcome)
 
 
 _Granted = tuple[str, str, str, str, bool, Grant]  # request, pool, name, device ID, admin, grant
