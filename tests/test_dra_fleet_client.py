@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from helpers.dra_daemon import NODE, cluster, pool
 from helpers.dra_daemon import Node as DaemonNode
@@ -29,6 +30,7 @@ from densedev.node import scanner
 from densedev.pools import config, select
 from densedev.testing import simnode
 from densedev.testing.apiserver import ApiServerStandIn
+from densedev.testing.dra_kubelet import allocated_claim
 
 DRIVER = names.DEFAULT_DRIVER_NAME
 
@@ -114,6 +116,19 @@ async def test_the_stand_in_restarts_throttles_and_slows_down() -> None:
             assert time.monotonic() - t >= 0.2
         finally:
             await c.close()
+
+
+async def test_the_stand_in_takes_claims_over_http_and_refuses_a_bad_batch_in_one_line() -> None:
+    # A benchmark runs the stand-in as its own process: its pods' claims reach it through a control.
+    async with ApiServerStandIn(validate=False) as srv:
+        claim = allocated_claim("default", "c-1", "uid-1", [], [])
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{srv.url}/_standin/claims", data=json.dumps([claim])) as resp:
+                assert resp.status == 200 and (await resp.json()) == {"stored": 1}
+            assert srv.claim("default", "c-1")["metadata"]["uid"] == "uid-1"
+            async with http.post(f"{srv.url}/_standin/claims", data=b'{"not": "a list"}') as resp:
+                assert resp.status == 400
+                assert (await resp.text()) == "claims: expected a JSON list of ResourceClaims"
 
 
 # ---------------------------------------------------------------------------- the client in a fleet

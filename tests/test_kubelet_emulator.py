@@ -498,3 +498,23 @@ async def test_update_work_can_be_turned_off(
         await kubelet.wait_for(lambda: (sock_dir / CHECKPOINT).exists(), GUARD)  # still written, once
     [update] = kubelet.updates(RESOURCE)
     assert update.applied == update.received and synced == []
+
+
+@pytest.mark.parametrize("kubelet_options", [{"update_work": False, "keep_updates": 2}])
+async def test_a_bounded_history_keeps_the_last_messages_and_counts_them_all(
+    kubelet: KubeletEmulator, sock_dir: Path
+) -> None:
+    from densedev.kubelet.feed import PoolFeed
+
+    pool = FakePool(pci_ids(4))
+    feed = PoolFeed(pool.message())
+    async with serving(RESOURCE, sock_dir / "vf.sock", pool, feed):
+        await _register(sock_dir, RESOURCE, "vf.sock")
+        for n, device in enumerate(pool.ids, start=1):
+            await kubelet.wait_for(lambda n=n: kubelet.received(RESOURCE) == n, GUARD)  # type: ignore[misc]
+            pool.health[device] = False
+            feed.publish(pool.message())
+        await kubelet.wait_for(lambda: kubelet.received(RESOURCE) == 5, GUARD)
+    kept = kubelet.updates(RESOURCE)
+    assert len(kept) == 2
+    assert [sum(h == "Unhealthy" for h in u.devices.values()) for u in kept] == [3, 4]

@@ -41,6 +41,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from ..printable import clip
+
 GROUP = "resource.k8s.io"
 MAX_EVENTS = 20000  # watch history kept; older resourceVersions get 410 Expired, as etcd compaction gives
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -903,6 +905,7 @@ class FleetControls:
         router.add_post("/_standin/throttle", self._h_throttle)
         router.add_post("/_standin/slow", self._h_slow)
         router.add_post("/_standin/reset", self._h_reset)
+        router.add_post("/_standin/claims", self._h_claims)
 
     @staticmethod
     def _num(request: web.Request, key: str, default: float) -> float:
@@ -931,6 +934,18 @@ class FleetControls:
     async def _h_reset(self, request: web.Request) -> web.Response:
         self.reset()
         return web.json_response({})
+
+    async def _h_claims(self, request: web.Request) -> web.Response:
+        """Store a JSON list of ResourceClaims as the scheduler left them (a benchmark's pods)."""
+        try:
+            claims = json.loads(await request.read())
+            if not isinstance(claims, list):
+                raise TypeError("expected a JSON list of ResourceClaims")
+            for claim in claims:
+                self._srv.put_claim(claim)
+        except (ValueError, KeyError, TypeError, _Invalid) as exc:
+            raise web.HTTPBadRequest(text=f"claims: {clip(str(exc), 300)}") from None
+        return web.json_response({"stored": len(claims)})
 
     # ------------------------------------------------------------------------------- middleware
     def _fault(self, now: float) -> web.Response | None:

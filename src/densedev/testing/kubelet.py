@@ -183,6 +183,7 @@ class _Endpoint:
     options: api_pb2.DevicePluginOptions
     stream: asyncio.Task[None] | None = None
     updates: list[Update] = field(default_factory=list)
+    received: int = 0  # messages received, counting those no longer kept in ``updates``
     devices: dict[str, str] = field(default_factory=dict)
     numa: dict[str, tuple[int, ...]] = field(default_factory=dict)
     registrations: int = 0
@@ -204,8 +205,12 @@ class KubeletEmulator:
         strict: bool = False,
         stop_grace: float = ENDPOINT_STOP_GRACE,
         update_work: bool = True,
+        keep_updates: int | None = None,
     ) -> None:
         self.plugin_dir = Path(plugin_dir)
+        # None keeps every message; a bound keeps the last few (a long benchmark's history of 2,048-device
+        # lists is what its garbage collector would walk in the middle of a measurement).
+        self.keep_updates = keep_updates
         # The real kubelet's cost of each ListAndWatch message (see _apply); off, the emulator only
         # records the list and writes the checkpoint once per burst, without fsync.
         self.update_work = update_work
@@ -339,6 +344,7 @@ class KubeletEmulator:
                 self._superseded.add(old)
             endpoint.registrations = old.registrations
             endpoint.updates = old.updates
+            endpoint.received = old.received
             endpoint.devices = old.devices
             endpoint.numa = old.numa
         endpoint.registrations += 1
@@ -392,6 +398,9 @@ class KubeletEmulator:
                 target.devices = devices
                 target.numa = numa
                 target.updates.append(Update(received, devices, numa, response.ByteSize(), applied))
+                target.received += 1
+                if self.keep_updates is not None and len(target.updates) > self.keep_updates:
+                    del target.updates[: -self.keep_updates]
                 self._notify()
             endpoint.stream_error = "stream ended"
         except asyncio.CancelledError:
@@ -751,9 +760,14 @@ class KubeletEmulator:
         return dict(endpoint.devices) if endpoint else {}
 
     def updates(self, resource: str) -> list[Update]:
-        """Return every ListAndWatch message received for the resource, across registrations."""
+        """Return the ListAndWatch messages kept for the resource (all, or the last ``keep_updates``)."""
         endpoint = self._endpoints.get(resource)
         return list(endpoint.updates) if endpoint else []
+
+    def received(self, resource: str) -> int:
+        """Return how many ListAndWatch messages the resource's plugin sent, across registrations."""
+        endpoint = self._endpoints.get(resource)
+        return endpoint.received if endpoint else 0
 
     def capacity(self, resource: str) -> int:
         """Return the number of devices listed for the resource."""
