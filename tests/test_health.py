@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from densedev.health.coalesce import Coalescer
 from densedev.health.tracker import (
+    MemberHealth,
     REASON_DRIVER,
     REASON_LINK,
     REASON_PF_LINK,
@@ -694,3 +695,36 @@ def test_per_device_lookups_are_shared_tuples(clock: FakeClock) -> None:
     tracker.collect()
     tracker.set_links([("ens0f0", False)])
     assert tracker.collect()[VF0].healthy == (False,) * 64
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["ens0f0", "ens1f0", "ens0f0v1", "ens1f0v3"]), st.booleans()),
+                max_size=20))  # fmt: skip
+def test_a_flushs_member_health_is_the_trackers_at_that_flush(flips: list[tuple[str, bool]]) -> None:
+    # A flush hands its readers a view over the advertised bitmap, not a tuple of every member: it must
+    # read what healthy() read at that flush, for every member (one outside the device table, several
+    # members of one device as a shared RDMA pool lists it), whatever came after.
+    devices = node(vfs=7)  # 16 devices: the last bitmap byte's top bit is a device (ens1f0v6)
+    stranger = dev("0000:7f:00.1", pf="0000:7f:00.0", pf_netdev="gone", netdevs=("gonev0",), vf_index=0)
+    vfs = vfs_of(devices, "ens0f0") + vfs_of(devices, "ens1f0")
+    shared = Pool(
+        PoolConfig("shared", "intel.com", health=HealthPolicy(hold_down_s=0.0)),
+        tuple(PoolMember(f"{d.id}-{k}", d) for d in vfs for k in range(3)),
+    )
+    plain = Pool(
+        PoolConfig("plain", "intel.com", health=HealthPolicy(hold_down_s=0.0)),
+        tuple(PoolMember(d.id, d) for d in [*vfs, stranger]),
+    )
+    tracker = HealthTracker(devices, [shared, plain], clock=FakeClock())
+    seen: list[tuple[MemberHealth, tuple[bool, ...]]] = []
+    for name, up in [("ens0f0", True), ("gonev0", False), ("ens1f0", False), *flips]:
+        tracker.set_links([(name, up)])
+        for pool_name, update in tracker.collect().items():
+            assert isinstance(update.healthy, MemberHealth)
+            seen.append((update.healthy, tracker.healthy(pool_name)))
+            if pool_name == "intel.com/plain":
+                assert update.healthy[-1] is True  # the stranger: no device in the table, no facts
+    for view, then in seen:
+        assert len(view) == len(then) and tuple(view) == then and view == then
+        assert [view[p] for p in range(len(then))] == list(then)
+        assert view[-1] == then[-1] and view[1:5] == then[1:5]
