@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from densedev.health.coalesce import Coalescer
 from densedev.health.tracker import (
-    MemberHealth,
     REASON_DRIVER,
     REASON_LINK,
     REASON_PF_LINK,
@@ -20,6 +19,7 @@ from densedev.health.tracker import (
     REASON_RECOVERING,
     REASON_UNBOUND,
     HealthTracker,
+    MemberHealth,
 )
 from densedev.model import Device, HealthPolicy, Pool, PoolConfig, PoolMember, Role
 

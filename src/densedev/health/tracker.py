@@ -60,7 +60,7 @@ class MemberHealth(Sequence[bool]):
     Equal to any sequence of the same booleans (a tuple in tests).
     """
 
-    __slots__ = ("_unhealthy", "_devices")
+    __slots__ = ("_devices", "_unhealthy")
 
     def __init__(self, unhealthy: bytes, devices: Sequence[int]) -> None:
         self._unhealthy = unhealthy  # advertised-unhealthy bitmap by device index (immutable bytes)
