@@ -350,6 +350,43 @@ def test_health_entries_are_protobufs_own_encoding(
     assert stream.message() == want.SerializeToString()
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(st.booleans(), st.lists(st.tuples(st.integers(0, 20), st.booleans()), max_size=8)),
+        max_size=12,
+    )
+)
+def test_the_message_kept_in_chunks_is_the_whole_list_after_any_updates_and_forgets(
+    steps: list[tuple[bool, list[tuple[int, bool]]]],
+) -> None:
+    # Entries are joined per chunk and only changed chunks are joined again: after any mix of updates
+    # and forgets, the message must be every streamed device once, in first-seen order, as it is now.
+    from densedev._proto import dra_health_v1alpha1_pb2 as pb
+    from densedev.dra import health
+
+    original, health.CHUNK = health.CHUNK, 3
+    try:
+        stream = HealthStream(NODE, clock=lambda: 1_700_000_000)
+        model: dict[str, bool] = {}  # insertion order = first seen since last streamed
+        for forget, changes in steps:
+            ids = {f"0000:3b:{f >> 3:02x}.{f & 7}": h for f, h in changes}
+            if forget:
+                stream.forget(ids)
+                for i in ids:
+                    model.pop(i, None)
+            else:
+                stream.update(ids)
+                for i, h in ids.items():
+                    model[i] = h
+            decoded = pb.NodeWatchResourcesResponse.FromString(stream.message())
+            assert [(d.device.device_name, d.health) for d in decoded.devices] == [
+                (names.device_name(i), pb.HEALTHY if h else pb.UNHEALTHY) for i, h in model.items()
+            ]
+    finally:
+        health.CHUNK = original
+
+
 # -- the composed kubelet plugin ----------------------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, KeysView, Mapping
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 SERVICE = "v1alpha1.DRAResourceHealth"
 RESEND_SECONDS = 10.0  # a third of the kubelet's default 30 s health timeout
 TIMEOUT_SECONDS = 30  # what we tell kubelets 1.35+ to wait before calling a device Unknown
+CHUNK = 1024  # entries joined together and kept: a PF's VFs, typically one or two chunks
 
 
 def _identity(message: bytes) -> bytes:
@@ -59,10 +60,13 @@ class HealthStream:
         # Each device's DeviceIdentifier, framed as DeviceHealth's field 1: it never changes, so a
         # change encodes only the three scalars after it, the same for every device of one update.
         self._ident: dict[str, bytes] = {}
-        # Device ID -> its entry of the message, framed (tag, length, encoded DeviceHealth), in
-        # first-seen order: a message is then one join (65,536 devices: framing each entry anew per
-        # message was 66 ms of the loop per change).
-        self._encoded: dict[str, bytes] = {}
+        # Each device's entry of the message, framed (tag, length, encoded DeviceHealth), in first-seen
+        # order (``_slot``: device ID -> position), and the entries joined per chunk of CHUNK: a message
+        # joins the chunks, re-joining only those a change touched (65,536 devices: framing each entry
+        # anew per message was 66 ms of the loop per change; joining 65,536 entries 6.6 ms).
+        self._slot: dict[str, int] = {}
+        self._entries: list[bytes] = []
+        self._chunks: list[bytes | None] = []
         self._message: bytes | None = None
         self._version = 0
         self._changed = asyncio.Event()
@@ -101,7 +105,16 @@ class HealthStream:
                 self._ident[device_id] = ident
             self._health[device_id] = healthy
             # NodeWatchResourcesResponse's field 1 (devices): the embedded DeviceHealth, framed.
-            self._encoded[device_id] = length_delimited(1, ident + tails[healthy])
+            entry = length_delimited(1, ident + tails[healthy])
+            slot = self._slot.get(device_id)
+            if slot is None:
+                slot = self._slot[device_id] = len(self._entries)
+                self._entries.append(entry)
+                if slot // CHUNK == len(self._chunks):
+                    self._chunks.append(None)
+            else:
+                self._entries[slot] = entry
+            self._chunks[slot // CHUNK] = None
             changed = True
         if changed:
             self._bump()
@@ -121,13 +134,17 @@ class HealthStream:
 
     def forget(self, device_ids: Iterable[str]) -> None:
         """Stop streaming these devices (they left the DRA pools); the kubelet then calls them Unknown."""
-        changed = False
+        gone = set()
         for device_id in device_ids:
             if self._health.pop(device_id, None) is not None:
-                del self._encoded[device_id]
                 self._ident.pop(device_id, None)
-                changed = True
-        if changed:
+                gone.add(device_id)
+        if gone:
+            # Rare (devices leaving the DRA pools): the others close up, in the order they had.
+            kept = [(d, self._entries[i]) for d, i in self._slot.items() if d not in gone]
+            self._slot = {d: i for i, (d, _e) in enumerate(kept)}
+            self._entries = [e for _d, e in kept]
+            self._chunks = [None] * -(-len(kept) // CHUNK)
             self._bump()
 
     def devices(self) -> KeysView[str]:
@@ -143,7 +160,11 @@ class HealthStream:
     def message(self) -> bytes:
         """Return the encoded NodeWatchResourcesResponse: every device's health."""
         if self._message is None:
-            self._message = b"".join(self._encoded.values())
+            chunks, entries = self._chunks, self._entries
+            for n, chunk in enumerate(chunks):
+                if chunk is None:
+                    chunks[n] = b"".join(entries[n * CHUNK : (n + 1) * CHUNK])
+            self._message = b"".join(cast(list[bytes], chunks))
         return self._message
 
     # -- the serving side ---------------------------------------------------------------------------
