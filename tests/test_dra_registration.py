@@ -520,3 +520,24 @@ async def test_a_killed_daemon_restarts_recovers_its_claims_and_is_registered_ag
         if plugin is not None:
             await plugin.stop()
         await kubelet.stop()
+
+
+async def test_a_change_wakes_the_health_stream_at_the_next_loop_turn() -> None:
+    # The flush that changes health goes on (the slices' share of it is queued behind) while the
+    # stream waits to run: it must run at the next turn of the loop, not behind more of that work.
+    stream = HealthStream(NODE, resend=10, timeout_seconds=30)
+    stream.update({VF: True})
+    watch = stream._watch(None, None)  # type: ignore[arg-type]
+    assert await anext(watch)  # the first message, at once
+    pending = asyncio.ensure_future(anext(watch))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not pending.done()  # waiting for a change
+    stream.update({VF: False})
+    turns = 0
+    while not pending.done():
+        await asyncio.sleep(0)
+        turns += 1
+    assert turns <= 2, turns
+    assert health_of(pending.result()) == {(NODE, names.device_name(VF)): "UNHEALTHY"}
+    await watch.aclose()

@@ -206,8 +206,11 @@ class HealthStream:
                 self.messages_sent += 1
                 if version != self._version:
                     continue
+                # asyncio.timeout, not wait_for: wait_for runs the wait as a task of its own, so a
+                # change woke this stream two loop turns later, behind the flush's other work.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), self.resend)
+                    async with asyncio.timeout(self.resend):
+                        await self._changed.wait()
         finally:
             self.streams -= 1
             log.info("DRA health: NodeWatchResources stream closed")
