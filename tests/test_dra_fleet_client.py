@@ -305,3 +305,34 @@ async def test_the_daemons_client_names_the_node_and_meters_writes(tmp_path: Pat
             assert node.api is not None and set(node.api.fleet.per_node()) == {NODE}
     finally:
         node.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("attributes", "error"),
+    [
+        ({"Bad-Name": {"int": 1}}, "not a C identifier"),
+        ({"Bad_Prefix./ok": {"int": 1}}, "prefix is not a DNS subdomain"),
+        ({"ok": {"int": 1, "bool": True}}, "exactly one value type"),
+        ({"ok": {"int": None}}, "exactly one value type"),
+        ({"ok": {"float": 1.5}}, "exactly one value type"),
+        ({"ok": {"string": "x" * 65}}, "longer than 64 characters"),
+        ({"ok": {"version": "1." + "0" * 63}}, "longer than 64 characters"),
+    ],
+)
+def test_the_stand_in_refuses_bad_attributes_the_second_time_too(
+    attributes: dict[str, Any], error: str
+) -> None:
+    # Valid names are remembered (a slice repeats them on every device): a bad value under a name seen
+    # before is refused all the same, and a bad name never becomes a remembered one.
+    from densedev.testing.apiserver import _Invalid, _slice_rules
+
+    def slice_of(attrs: dict[str, Any]) -> dict[str, Any]:
+        device = {"name": "d0", "attributes": attrs}
+        pool = {"name": "n", "generation": 1, "resourceSliceCount": 1}
+        spec = {"driver": "net.densedev.io", "nodeName": "n", "pool": pool, "devices": [device]}
+        return {"metadata": {"name": "n-net-densedev-io-0"}, "spec": spec}
+
+    _slice_rules(slice_of({"ok": {"int": 1}, "densedev.io/ok": {"bool": True}}), "v1")
+    for _ in range(2):
+        with pytest.raises(_Invalid, match=error):
+            _slice_rules(slice_of(attributes), "v1")
