@@ -165,8 +165,10 @@ def _slice_rules(obj: dict[str, Any], version: str) -> None:
                     raise _Invalid(f"spec.devices[{i}].attributes[{key}]: prefix is not a DNS subdomain")
                 if len(_GOOD_KEYS) < 4096:
                     _GOOD_KEYS.add(key)
-            if len(value) == 1 and (only := next(iter(value))) in _SHORT_TYPES and value[only] is not None:
-                continue  # one type, its value no string to measure (the usual int or bool)
+            if len(value) == 1:  # the usual: one type, a value of it (checked below when not)
+                ((kind, v),) = value.items()
+                if kind in _ATTR_TYPES and v is not None and (kind in _SHORT_TYPES or len(v) <= 64):
+                    continue
             set_types = [t for t in _ATTR_TYPES if value.get(t) is not None]
             if len(set_types) != 1:
                 raise _Invalid(
