@@ -175,6 +175,9 @@ class Publisher:
         # a disabled gate's fields are dropped silently): unhealthy devices are withdrawn instead.
         self.taints_dropped = False
         self._layout_checked: SliceBuilder | None = None  # the plan the mirror was last checked against
+        self.layout_checks = 0  # looks at every published device for one that moved (tests count them)
+        # Slices with a write out whose watch event came first: the newest resourceVersion seen.
+        self._unconfirmed: dict[str, int] = {}
 
     # ----------------------------------------------------------------------------------------- input
     def update(
@@ -266,8 +269,14 @@ class Publisher:
         else:
             self._hold(name, obj)
             sent = self._written.get(name)
-            if sent is None or sent[0] != obj["metadata"].get("resourceVersion"):
-                self._layout_checked = None  # someone else's content: look for moved devices again
+            rv = obj["metadata"].get("resourceVersion")
+            if sent is None or sent[0] != rv:
+                if name in self._running and new_rv is not None:
+                    # Our write to it may be what this reports, its answer not in yet (a busy server
+                    # sends the event first): decided when the write ends (_put, _run).
+                    self._unconfirmed[name] = max(self._unconfirmed.get(name, 0), new_rv)
+                else:
+                    self._layout_checked = None  # someone else's content: look for moved devices again
             self.poke()
 
     def _merge_list(self, items: Sequence[dict[str, Any]]) -> None:
@@ -451,6 +460,7 @@ class Publisher:
         if self._layout_checked is self._builder:
             return current, False  # the mirror holds only what this plan wrote: no device can have moved
         # A device published in one slice and wanted in another: move everything to a new generation.
+        self.layout_checks += 1
         where: dict[str, str] = {}
         for name, s in top.items():
             for d in s["spec"].get("devices") or ():
@@ -554,6 +564,8 @@ class Publisher:
         finally:
             self._jobs.pop(name, None)
             self._running.pop(name, None)
+            if self._unconfirmed.pop(name, None) is not None:
+                self._layout_checked = None  # seen while the write was out, and not its answer
             self.poke()  # another pass: the newest state may differ from what this write carried
 
     async def _apply(self, name: str) -> None:
@@ -619,6 +631,9 @@ class Publisher:
             self.taints_dropped = True
             self._builder = None  # the layout changes: the pass this write's end wakes re-plans
             return
+        seen = self._unconfirmed.pop(st.name, None)
+        if seen is not None and seen > (_rv_int(str(stored["metadata"].get("resourceVersion", ""))) or 0):
+            self._layout_checked = None  # another writer's change came after ours
         self._written[st.name] = (
             stored["metadata"].get("resourceVersion"),
             st,

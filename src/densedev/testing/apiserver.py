@@ -242,6 +242,9 @@ class ApiServerStandIn:
         # 504 without being applied; ``hung`` counts the requests held so far, per name, ``holding`` the
         # ones held now.
         self.hang_writes: set[str] = set()
+        # Seconds a stored create waits before its answer goes out, its watch event already sent (the
+        # watch cache is quick, the response path slow): the order a busy server often shows.
+        self.answer_late_s = 0.0
         self.hung: Counter[str] = Counter()
         self.holding = 0
         self._release = asyncio.Event()
@@ -548,7 +551,10 @@ class ApiServerStandIn:
         meta["uid"] = str(uuid.uuid4())
         meta["generation"] = 1
         self.writes[name] += 1
-        return _json(self._store("ADDED", obj), status=201)
+        stored = self._store("ADDED", obj)
+        if self.answer_late_s > 0:
+            await asyncio.sleep(self.answer_late_s)
+        return _json(stored, status=201)
 
     async def _get(self, request: web.Request) -> web.Response:
         self._version(request)
