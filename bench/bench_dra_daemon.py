@@ -116,14 +116,17 @@ async def run_size(
     try:
         await kubelet.start()
         t0 = time.perf_counter()
-        # As ``densedev run`` starts: the collector off until Daemon.start has frozen what it built.
+        # As ``densedev run`` starts: the collector off until Daemon.start has frozen what it built,
+        # and with DRA pools until their first publish is done (then one collection, and a freeze).
         gc.disable()
         try:
             await daemon.start()
+            await _writes_then_idle(daemon, 0)
+            start_s = time.perf_counter() - t0
+            gc.collect()
+            gc.freeze()
         finally:
             gc.enable()
-        await _writes_then_idle(daemon, 0)
-        start_s = time.perf_counter() - t0
         assert daemon.dra is not None and daemon.dra.publisher is not None
         pub = daemon.dra.publisher
         start_writes = pub.writes

@@ -7,6 +7,7 @@ official schema, the ResourceClaims), and the device-plugin kubelet emulator (po
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -332,3 +333,16 @@ async def test_the_daemon_counts_conflicting_slice_writes(node: Node) -> None:
             "conflicts counted in the daemon's metrics",
         )
         c.api.conflict_writes = set()
+
+
+async def test_first_published_waits_for_the_dra_slices_and_not_without_dra(node: Node) -> None:
+    # `densedev run` keeps the collector off until the first publish is done: the wait must end when
+    # every slice is at the API server, and at once on a node without DRA pools.
+    async with cluster(node) as c:
+        assert c.daemon is not None
+        await asyncio.wait_for(c.daemon.first_published(), GUARD_S)
+        assert node.published() == by_name(node.pf1.vf_addresses)  # the fixture's DRA pool, whole
+    node.write([pool("dp", [node.pf0.netdev, node.pf1.netdev])])
+    async with cluster(node) as c:
+        assert c.daemon is not None
+        await asyncio.wait_for(c.daemon.first_published(), 1.0)

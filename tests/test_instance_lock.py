@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import json
 import os
 import shutil
 import signal
@@ -194,3 +195,36 @@ async def test_sigterm_ends_a_stand_by_at_once_and_leaves_the_old_daemon_serving
     finally:
         assert old.stop() == 0
         await emu.stop()
+
+
+async def test_sigterm_while_the_first_dra_publish_is_awaited_ends_the_daemon_at_once(
+    tmp_path: Path, kdir: Path, child_env: dict[str, str]
+) -> None:
+    # `densedev run` keeps the collector off until its DRA pools are first published (bounded at
+    # 30 s): with an API server that never answers, a stop signal must still end it at once.
+    simnode.simulate(tmp_path / "node", pfs=1, vfs_per_pf=4)
+    node = tmp_path / "node"
+    doc = {"resourceList": [{"resourceName": "vfs", "api": "dra"}]}
+    (node / "config.json").write_text(json.dumps(doc))
+    with socket.socket() as s:  # a port nobody listens on: connections refused, retried with backoff
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "x",
+        "clusters": [{"name": "c", "cluster": {"server": f"http://127.0.0.1:{port}"}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+    }))  # fmt: skip
+    extra = ["--node-name", "node-a", "--kubeconfig", str(kubeconfig),
+             "--kubelet-plugins-dir", str(kdir / "plugins"),
+             "--kubelet-registry-dir", str(kdir / "registry")]  # fmt: skip
+    child = Child(run_args(node, kdir, *extra), child_env)
+    try:
+        await child.line_with("daemon started")
+        await asyncio.sleep(0.5)  # into the wait for the first publish
+        child.proc.send_signal(signal.SIGTERM)
+        assert child.proc.wait(timeout=5) == 0
+    finally:
+        assert child.stop() == 0
+    assert not any("Traceback" in line for line in child.lines)

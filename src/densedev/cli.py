@@ -808,7 +808,19 @@ async def _serve(args: argparse.Namespace, ahead: ScanAhead | None = None) -> in
             # A busy or forbidden metrics port, an unreadable directory: the environment, not a bug.
             await daemon.stop()
             raise CommandError(f"cannot start: {exc.strerror or exc}" + _filename(exc)) from None
-        gc.enable()  # off since _dispatch; what start-up made is frozen now (Daemon.start: gc.freeze)
+        # Off since _dispatch; what start-up made is frozen now (Daemon.start: gc.freeze).  With DRA
+        # pools it stays off until the first publish is done (bounded): every slice is read back twice
+        # then (the create's answer, its watch event), and the collector walking the growing mirror
+        # was ~1 s of a 65,536-device start.  A stop signal ends the wait.
+        publishing = asyncio.ensure_future(daemon.first_published())
+        await asyncio.wait((publishing, stopping), timeout=GC_HELD_FOR_PUBLISH_S,
+                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+        # The publish's garbage collected once (not the start's objects, frozen), what lives frozen too.
+        gc.collect()
+        gc.freeze()
+        gc.enable()
         try:
             await stop.wait()
         finally:
@@ -858,6 +870,7 @@ def _filename(exc: OSError) -> str:
 # waiting sys.getswitchinterval() (CPython's default 5 ms), so a health message could wait that long
 # during a scan; 1 ms keeps it to about a millisecond for a few more GIL hand-overs per scan.
 SWITCH_INTERVAL_S = 0.001
+GC_HELD_FOR_PUBLISH_S = 30.0  # the collector waits at most this long for the first DRA publish
 
 
 def _reader_gone() -> int:

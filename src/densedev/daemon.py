@@ -28,7 +28,7 @@ from .health.intake import EventIntake
 from .health.tracker import HealthTracker, PoolUpdate
 from .kubelet.pools import PoolSet
 from .kubelet.registration import announce_kubelet
-from .model import Config, Device
+from .model import Config, Device, PoolApi
 from .node import scanner as discovery
 from .node.ahead import ScanAhead
 from .node.events import MonitorOptions
@@ -321,6 +321,17 @@ class Daemon:
     def dra(self) -> DraDriver | None:
         """Return the DRA driver once this node needs one (DRA pools, or claims still prepared), else None."""
         return self._dra.driver
+
+    async def first_published(self) -> None:
+        """Return once the DRA driver has published every slice of its first plan (at once without DRA)."""
+        while True:
+            driver = self._dra.driver
+            if driver is not None and driver.publisher is not None:
+                await driver.publisher.wait_idle()
+                return
+            if not any(p.api is PoolApi.DRA for p in self.config.pools):
+                return
+            await asyncio.sleep(0.1)  # the driver or its API connection still starting (retried)
 
     @property
     def metrics_port(self) -> int | None:
