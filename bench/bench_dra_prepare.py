@@ -54,6 +54,7 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import _impl
+from bench_dra import start_stand_in
 
 from densedev import accel
 from densedev.cli import SWITCH_INTERVAL_S
@@ -346,19 +347,6 @@ def _load_config(layout: simnode.NodeLayout, path: Path) -> None:
     path.write_text(json.dumps(doc))
 
 
-def start_stand_in(node: str) -> tuple[subprocess.Popen[str], str]:
-    """Start the API-server stand-in as its own process (no schema checks) and return it and its URL."""
-    argv = [sys.executable, "-m", "densedev.testing.apiserver", "--no-validate", "--node", node]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    url = proc.stdout.readline().strip()
-    if not url.startswith("http://"):
-        proc.kill()
-        raise SystemExit(f"the API-server stand-in did not start: {url!r}")
-    return proc, url
-
-
 async def bench_load(work: Path, short: Path, claims: int, flips: int) -> dict[str, Any]:
     """PF down -> device-plugin kubelet p50/p99 without and during waves of ``claims`` concurrent Prepares."""
     layout = simnode.build_node(work / "sys", pfs=PFS, vfs_per_pf=VFS_PER_PF)
@@ -368,7 +356,7 @@ async def bench_load(work: Path, short: Path, claims: int, flips: int) -> dict[s
     dp_pfs, dra_pfs = layout.pfs[:half], layout.pfs[half:]
     # The API server in its own process, as on a cluster: its handling of the claims' reads and status
     # writes is not the daemon's, and its objects stay out of this process's garbage collector.
-    api, url = start_stand_in(NODE)
+    api, url = start_stand_in(validate=False)  # bench_dra's: the same node name
     http = aiohttp.ClientSession()
     lister = ResourceClient.for_url(url)
 

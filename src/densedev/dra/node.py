@@ -538,8 +538,9 @@ class NodeService:
     async def _joined(self, call: _Call) -> Mapping[str, PrepareResult | str]:
         """Do ``call`` under the lock with the calls of its kind queued right behind it; return its part.
 
-        The first of them to get the lock runs one pass for all (shielded: a cancelled caller still
-        leaves it done); the others find their answer when the lock comes to them.  Only a run of one
+        The first of them to get the lock runs one pass for all, shielded like a thread: a cancelled
+        caller still leaves every device recorded and either configured for a recorded claim or put
+        back.  The others find their answer when the lock comes to them.  Only a run of one
         kind is joined, so a Prepare and an Unprepare of one claim keep the order they came in.
         """
         self._queue.append(call)
@@ -572,19 +573,13 @@ class NodeService:
             self._changed()
 
     async def _pass_of(self, kind: _CallKind, batch: Sequence[_Call]) -> Mapping[str, PrepareResult | str]:
-        if kind is _CallKind.PREPARE:
-            todo: dict[str, ClaimRef] = {}
-            read: dict[str, Mapping[str, Any] | str] = {}
-            for c in batch:
-                for uid, ref in c.refs.items():
-                    todo.setdefault(uid, ref)
-                read.update(c.read)
-            self.prepares += len(batch)
-            return await self._prepare_pass(todo, read)
-        refs: dict[str, ClaimRef] = {}
+        refs: dict[str, ClaimRef] = {}  # every call's claims, a claim named twice once
         for c in batch:
             for uid, ref in c.refs.items():
                 refs.setdefault(uid, ref)
+        if kind is _CallKind.PREPARE:
+            self.prepares += len(batch)
+            return await self._prepare_pass(refs, {u: o for c in batch for u, o in c.read.items()})
         self.unprepares += len(batch)
         return await self._unprepare(list(refs.values()))
 
@@ -634,9 +629,7 @@ class NodeService:
             for device_id in plan.held():
                 reserved[device_id] = ref
         if plans:
-            # Shielded like a thread: a cancelled call still leaves every device recorded and
-            # either configured for a recorded claim or put back.
-            await _finish(self._configure_and_store(plans, asks, drafts, out))
+            await self._configure_and_store(plans, asks, drafts, out)
         return out
 
     def applied(self, uid: str) -> Mapping[str, Mapping[str, Any]]:
