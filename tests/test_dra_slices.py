@@ -87,6 +87,34 @@ def test_device_attributes_carry_what_pods_and_multus_select_by(
     assert len(dev["attributes"]) <= 32
 
 
+@pytest.mark.parametrize("version", list(slices.ApiVersion))
+def test_a_builders_shared_attributes_equal_device_attributes_key_order_too(
+    pools4k: tuple[Pool, ...], version: slices.ApiVersion
+) -> None:
+    # The builder shares what one PF's functions have in common; every device's attributes must still
+    # be exactly device_attributes' (values, absent keys and order), whatever a device lacks.
+    base = pools4k[0].members[0].device
+    long = "x" * (slices.MAX_STRING + 1)
+    variants = [m.device for m in pools4k[0].members[:40]] + [
+        base._replace(vf_index=-1),
+        base._replace(netdevs=()),
+        base._replace(netdevs=(long,)),
+        base._replace(rdma_device=""),
+        base._replace(rdma_device=long),
+        base._replace(id=long),
+        base._replace(numa_node=-1),
+        base._replace(driver="vfio-pci", netdevs=(), link_type="", rdma_device=""),
+        base._replace(role="pf", pf="", pf_netdev="", vf_index=-1),
+        base._replace(pf_netdev="", pcie_root=""),
+    ]
+    build = slices._Attributes(version)
+    for full in ("intel.com/vfs", "example.com/other"):
+        for d in variants + variants:  # the second round from the templates already made
+            want = slices.device_attributes(d, full, version)
+            got = build(d, full)
+            assert list(got.items()) == list(want.items()), d
+
+
 def test_v1beta1_wraps_attributes_in_basic_without_pcie_root(pools4k: tuple[Pool, ...]) -> None:
     out = slices.build_slices("n", DRIVER, pools4k, version=slices.ApiVersion.V1BETA1)
     for s in out[:3]:
