@@ -403,3 +403,22 @@ async def test_a_60_mib_reply_is_decoded_off_the_event_loop(pr_dir: Path) -> Non
         for f in (2, 3)
     }
     assert len(ran_in) == 1 and ran_in[0].startswith("densedev-kubelet-")
+
+
+@pytest.mark.parametrize("number", [1, 2, 15, 16, 17, 2047, 2048])
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 129, 300, 16384])
+def test_length_delimited_is_tag_length_bytes_at_every_varint_boundary(number: int, size: int) -> None:
+    # The one-byte fast path (field < 16, length < 128) and the general one must agree with the spec:
+    # the tag is varint(number << 3 | 2), the length varint(len); protobuf's own bytes for a message
+    # with one bytes field of that number (fields 1 and 2 of DeviceIdentifier are strings).
+    from densedev.protowire import varint
+
+    value = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+    assert length_delimited(number, value) == varint(number << 3 | 2) + varint(size) + value
+    if number in (1, 2):
+        from densedev._proto import dra_health_v1alpha1_pb2 as pb
+
+        text = "a" * size
+        field = "pool_name" if number == 1 else "device_name"
+        want = pb.DeviceIdentifier(**{field: text}).SerializeToString()
+        assert (length_delimited(number, text.encode()) if size else b"") == want

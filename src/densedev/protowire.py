@@ -29,7 +29,12 @@ def varint_len(value: int) -> int:
 
 def length_delimited(number: int, value: bytes) -> bytes:
     """Return one field of wire type 2 (string, bytes, message): tag, length, bytes."""
-    return varint(number << 3 | 2) + varint(len(value)) + value
+    size = len(value)
+    if number < 16 and size < 0x80:
+        # Tag and length one byte each: most fields written here (a 65,536-device health list frames
+        # 131,072 of them at a DRA start, ~0.1 s of it in the two varint calls).
+        return bytes((number << 3 | 2, size)) + value
+    return varint(number << 3 | 2) + varint(size) + value
 
 
 def read_varint(data: bytes, pos: int) -> tuple[int, int]:

@@ -60,6 +60,7 @@ class HealthStream:
         # Each device's DeviceIdentifier, framed as DeviceHealth's field 1: it never changes, so a
         # change encodes only the three scalars after it, the same for every device of one update.
         self._ident: dict[str, bytes] = {}
+        self._pool_field = length_delimited(1, pool.encode()) if pool else b""  # proto3 omits ""
         # Each device's entry of the message, framed (tag, length, encoded DeviceHealth), in first-seen
         # order (``_slot``: device ID -> position), and the entries joined per chunk of CHUNK: a message
         # joins the chunks, re-joining only those a change touched (65,536 devices: framing each entry
@@ -99,9 +100,9 @@ class HealthStream:
                         self._bad.add(device_id)
                         log.warning("DRA health: %r has no DRA device name; it is not streamed", device_id)
                     continue
-                ident = length_delimited(
-                    1, pb.DeviceIdentifier(pool_name=self.pool, device_name=name).SerializeToString()
-                )
+                # DeviceIdentifier {pool_name = 1, device_name = 2}, both non-empty strings: written
+                # directly (a protobuf object per device was ~0.3 s of a 65,536-device start).
+                ident = length_delimited(1, self._pool_field + length_delimited(2, name.encode()))
                 self._ident[device_id] = ident
             self._health[device_id] = healthy
             # NodeWatchResourcesResponse's field 1 (devices): the embedded DeviceHealth, framed.
