@@ -336,3 +336,97 @@ def test_the_stand_in_refuses_bad_attributes_the_second_time_too(
     for _ in range(2):
         with pytest.raises(_Invalid, match=error):
             _slice_rules(slice_of(attributes), "v1")
+
+
+# --------------------------------------------------------------------------- echoes of our own writes
+def test_the_echo_pattern_reads_the_objects_resource_version_as_the_api_server_writes_it() -> None:
+    from densedev.dra.apiclient import _ECHO
+
+    # Go's encoding: the event's type first, then TypeMeta, then ObjectMeta in field order.
+    go = (
+        b'{"type":"MODIFIED","object":{"kind":"ResourceSlice","apiVersion":"resource.k8s.io/v1",'
+        b'"metadata":{"name":"n-x-0","uid":"9d1","resourceVersion":"123456","generation":1,'
+        b'"ownerReferences":[{"apiVersion":"v1","kind":"Node","name":"n","uid":"u"}]},'
+        b'"spec":{"driver":"d","pool":{"name":"n","generation":1,"resourceSliceCount":1},'
+        b'"devices":[{"name":"resourceVersion"}]}}}\n'
+    )
+    m = _ECHO.match(go)
+    assert m is not None and m.group(1) == b"123456"
+    spaced = go.replace(b'"type":"MODIFIED",', b'"type": "ADDED", ').replace(b'"object":', b'"object" :')
+    assert (m := _ECHO.match(spaced)) is not None and m.group(1) == b"123456"
+    # A deletion says the slice is gone, whatever resourceVersion it carries: always decoded.
+    assert _ECHO.match(go.replace(b"MODIFIED", b"DELETED")) is None
+    assert _ECHO.match(go.replace(b"MODIFIED", b"BOOKMARK")) is None
+    # A quoted key inside a string value is escaped: it is no key, and the real one is found.
+    tricky = go.replace(b'"uid":"9d1"', b'"uid":"\\"resourceVersion\\":\\"7\\""')
+    assert (m := _ECHO.match(tricky)) is not None and m.group(1) == b"123456"
+
+
+async def test_a_watch_hands_back_a_known_write_undecoded_and_everything_else_decoded() -> None:
+    async with ApiServerStandIn() as srv:
+        ours, other = ResourceClient.for_url(srv.url), ResourceClient.for_url(srv.url)
+        try:
+            await ours.discover()
+            await other.discover()
+            _, rv0 = await ours.list_slices("spec.nodeName=n")
+            mine = await ours.create_slice(_slice("n", "n-0"))
+            theirs = await other.create_slice(_slice("n", "n-1"))
+            await other.delete_slice("n-0")
+            known = {mine["metadata"]["resourceVersion"]}
+            events = ours.watch_slices("spec.nodeName=n", rv0, known=known.__contains__)
+            got = [await asyncio.wait_for(anext(events), 5) for _ in range(3)]
+            await events.aclose()
+        finally:
+            await ours.close()
+            await other.close()
+        assert got[0] == ("BOOKMARK", {"metadata": {"resourceVersion": mine["metadata"]["resourceVersion"]}})
+        assert got[1][0] == "ADDED" and got[1][1]["metadata"]["name"] == "n-1"
+        assert got[1][1]["metadata"]["resourceVersion"] == theirs["metadata"]["resourceVersion"]
+        assert got[2][0] == "DELETED" and got[2][1]["metadata"]["name"] == "n-0"
+
+
+async def test_a_publisher_does_not_decode_the_echoes_of_its_own_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from densedev.dra import apiclient
+
+    node = simnode.build_node(tmp_path / "node", pfs=8, vfs_per_pf=8)
+    cfg = config.parse(json.dumps({"resourceList": [{"resourceName": "vfs", "api": "dra"}]}))
+    many = slices.dra_pools(select.build_pools(cfg, scanner.scan(node.root).devices))
+    decoded: list[bytes] = []
+    real = apiclient.orjson
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        @staticmethod
+        def loads(data: Any) -> Any:
+            if bytes(data[:8]) == b'{"type":':
+                decoded.append(bytes(data))
+            return real.loads(data)
+
+    monkeypatch.setattr(apiclient, "orjson", Counting())
+    async with ApiServerStandIn() as srv:
+        srv.add_node(NODE)
+        client, kubelet = ResourceClient.for_url(srv.url), ResourceClient.for_url(srv.url)
+        pub = Publisher(client, PublisherSettings(NODE, DRIVER, min_write_interval_s=0.0), many)
+        try:
+            await kubelet.discover()
+            await pub.start()
+            await asyncio.wait_for(pub.wait_idle(), 30)
+            first = srv.node_slices(NODE)
+            assert len(first) == 8
+            # Another writer's change: the watch must decode it (and the slice comes back); every
+            # echo before it in the stream has been read by then.
+            gone = first[3]["metadata"]["name"]
+            await kubelet.delete_slice(gone)
+            await eventually(lambda: gone in {s["metadata"]["name"] for s in srv.node_slices(NODE)}, "back")
+            await asyncio.wait_for(pub.wait_idle(), 30)
+        finally:
+            await pub.stop()
+            await client.close()
+            await kubelet.close()
+    kinds = [json.loads(line)["type"] for line in decoded]
+    # The deletion, and at most the echo of the re-creation if it came before the write's answer.
+    assert kinds.count("DELETED") == 1 and len(kinds) <= 2, kinds

@@ -125,6 +125,22 @@ async def test_start_publishes_4096_devices_with_one_write_per_slice(pools4k: tu
         assert srv.requests["PUT resourceslices"] == 0  # nothing rewritten after the creates
 
 
+async def test_a_slice_stored_as_sent_is_held_as_rendered_not_as_a_decoded_second_copy(
+    pools4k: tuple[Pool, ...],
+) -> None:
+    # The server's answer repeats every device; held as decoded, a 65,536-device node kept a second
+    # copy of all of them (~400 MiB).  What the server stored as sent is held as the builder made it.
+    async with published(pools4k) as (srv, pub, _):
+        rendered = pub.builder()._devices
+        for name, held in pub._mirror.items():
+            assert held["metadata"]["resourceVersion"] == srv.slices[name]["metadata"]["resourceVersion"]
+            assert all(d is rendered[d["name"]] for d in held["spec"]["devices"]), name
+        # ... and it still compares equal to what the server holds, so nothing is rewritten.
+        pub.poke()
+        await asyncio.wait_for(pub.wait_idle(), 30)
+        assert pub.writes == 32
+
+
 async def test_pf_down_rewrites_only_its_two_slices_in_place(
     node: simnode.NodeLayout, pools: tuple[Pool, ...]
 ) -> None:
