@@ -87,6 +87,39 @@ def test_a_held_lock_is_refused_as_lock_held_naming_the_holder(kdir: Path, child
     lock.release()
 
 
+# ``densedev run`` as far as the lock, in a child; then whether the API client library was imported.
+RUN_TO_THE_LOCK = """
+import sys
+from densedev import cli
+code = cli.main(["run", "--kubelet-dir", sys.argv[1], "--config", sys.argv[2], "--sysfs-root", sys.argv[3]])
+print(code, "kubernetes_asyncio.client" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize("api", ["dra", "devicePlugin"])
+def test_run_imports_the_api_client_before_the_scan_is_waited_for_only_with_a_dra_pool(
+    kdir: Path, child_env: dict[str, str], tmp_path: Path, api: str
+) -> None:
+    # The import (~0.5 s) overlaps the scan-ahead child's scan instead of following it; a node without
+    # a DRA pool never pays it.  Refused at the lock (another daemon holds it), run stops right after.
+    node = simnode.build_node(tmp_path / "sys", pfs=1, vfs_per_pf=2)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"resourceList": [{"resourceName": "vfs", "api": api}]}))
+    holder = _holder(kdir, child_env)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", RUN_TO_THE_LOCK, str(kdir), str(cfg), str(node.root)],
+            capture_output=True,
+            text=True,
+            env=child_env,
+            timeout=GUARD,
+        )
+    finally:
+        _let_go(holder)
+    assert out.stdout.split() == ["1", str(api == "dra")], out.stderr[-500:]
+    assert "Traceback" not in out.stderr
+
+
 def test_a_lock_taken_on_a_file_its_holder_removed_is_taken_again(
     kdir: Path, child_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
