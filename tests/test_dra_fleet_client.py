@@ -84,6 +84,30 @@ async def test_the_stand_in_counts_requests_per_node_verb_and_resource() -> None
         assert [(e[1], e[2]) for e in stats["published"]] == [("node-a", 1), ("node-b", 1), ("node-b", 1)]
 
 
+async def test_the_stand_in_logs_the_devices_each_write_left_published_through_create_update_delete() -> None:
+    def two(node: str, name: str) -> dict[str, Any]:
+        obj = _slice(node, name)
+        obj["spec"]["devices"] = [{"name": "d0"}, {"name": "d1"}]
+        return obj
+
+    async with ApiServerStandIn() as srv:
+        c = ResourceClient.for_url(srv.url)
+        try:
+            await c.discover()
+            await c.create_slice(two("node-a", "a-0"))
+            await c.create_slice(_slice("node-a", "a-1"))
+            await c.create_slice(two("node-b", "b-0"))
+            stored = await c.get_slice("a-0")
+            await c.replace_slice({**stored, "spec": {**stored["spec"], "devices": [{"name": "d9"}]}})
+            await c.delete_slice("a-1")
+            srv.external_update("b-0", lambda o: o["spec"]["devices"].pop())
+        finally:
+            await c.close()
+        published = [(e[1], e[2]) for e in srv.fleet.stats()["published"]]
+        assert published == [("node-a", 2), ("node-a", 3), ("node-b", 2), ("node-a", 2), ("node-a", 1)]
+        assert (srv.fleet.devices_of("node-a"), srv.fleet.devices_of("node-b")) == (1, 1)
+
+
 async def test_the_stand_in_restarts_throttles_and_slows_down() -> None:
     async with ApiServerStandIn() as srv:
         c = ResourceClient.for_url(srv.url)
