@@ -179,6 +179,8 @@ async def run_size(
         "pf_down_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 2),
         "pf_down_kubelet_p50_ms": round(statistics.median(kub) * 1000, 2),
         "pf_down_kubelet_p99_ms": round(kub[min(len(kub) - 1, int(len(kub) * 0.99))] * 1000, 2),
+        # In the order of the flips (--json): the first ones after a start pay for fresh memory.
+        "pf_down_kubelet_each_ms": [round(x * 1000, 2) for x in to_kubelet],
         "write_qps": write_qps,
         "idle_s": idle,
         "idle_cpu_percent": round(100 * cpu / wall, 3) if wall else None,
