@@ -125,6 +125,41 @@ async def test_start_publishes_4096_devices_with_one_write_per_slice(pools4k: tu
         assert srv.requests["PUT resourceslices"] == 0  # nothing rewritten after the creates
 
 
+async def test_a_start_sends_its_first_create_before_rendering_every_slice(
+    pools4k: tuple[Pool, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A create is rendered when its write goes out (the writes in flight are bounded): the server
+    # works on the first slices while the rest are rendered, not after all of them (0.5 s at 65,536).
+    rendered: list[str] = []
+    real = slices.SliceBuilder.render
+
+    def render(self: slices.SliceBuilder, state: slices.SliceState, *args: Any, **kw: Any) -> dict[str, Any]:
+        rendered.append(state.name)
+        return real(self, state, *args, **kw)
+
+    monkeypatch.setattr(slices.SliceBuilder, "render", render)
+    at_first_write: list[int] = []
+
+    def on_write(method: str, name: str) -> None:
+        if not at_first_write:
+            at_first_write.append(len(rendered))
+
+    async with ApiServerStandIn() as srv:
+        srv.add_node(NODE)
+        srv.on_write = on_write
+        client = ResourceClient.for_url(srv.url)
+        pub = Publisher(client, PublisherSettings(NODE, DRIVER), pools4k)
+        try:
+            await pub.start()
+            await asyncio.wait_for(pub.wait_idle(), 60)
+        finally:
+            await pub.stop()
+            await client.close()
+        assert len(srv.node_slices(NODE)) == 32 and pub.writes == 32
+    assert sorted(rendered) == sorted(s.name for s in pub.builder().states())  # each rendered once
+    assert at_first_write and at_first_write[0] <= WRITES_IN_FLIGHT < 32, at_first_write
+
+
 async def test_a_slice_stored_as_sent_is_held_as_rendered_not_as_a_decoded_second_copy(
     pools4k: tuple[Pool, ...],
 ) -> None:

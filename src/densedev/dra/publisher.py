@@ -66,13 +66,14 @@ WRITES_IN_FLIGHT = 8
 
 
 class _Job(NamedTuple):
-    """What one slice should become: ``want`` rendered from ``state``, or deleted (``want`` None)."""
+    """What one slice should become: ``state`` rendered by ``builder`` (``want``), or deleted (no state)."""
 
     state: SliceState | None
-    want: dict[str, Any] | None
+    want: dict[str, Any] | None  # rendered; None for a create until it is written
     generation: int
     slices: int  # resourceSliceCount
     owned: bool
+    builder: SliceBuilder | None = None  # what renders ``state`` when ``want`` is None
 
 
 @dataclass(frozen=True)
@@ -514,7 +515,7 @@ class Publisher:
         wanted = {st.name for st in states}
         for name in self._mirror:
             if name not in wanted:
-                jobs[name] = _Job(None, None, generation, 0, False)
+                jobs[name] = _Job(None, None, generation, 0, False)  # a delete
         count = len(states)
         creates: list[tuple[str, _Job]] = []
         for st in states:
@@ -528,11 +529,16 @@ class Publisher:
             key = (st, generation, count, bool(owner))
             if job is None or (job.state, job.generation, job.slices, job.owned) != key:
                 # Rendered only when it is not the job of a write already out: at a start, every
-                # write's end makes a pass while the others are still out.
-                want = builder.render(st, generation, count, owner)
-                if held is not None and self._same(held, want):
-                    continue
-                job = _Job(st, want, generation, count, bool(owner))
+                # write's end makes a pass while the others are still out.  A create is rendered when
+                # it is written: a start's first write then goes out after one slice is rendered, not
+                # 512 (0.5 s at 65,536 devices, which the server's work on the first writes overlaps).
+                if held is None:
+                    job = _Job(st, None, generation, count, bool(owner), builder)
+                else:
+                    want = builder.render(st, generation, count, owner)
+                    if self._same(held, want):
+                        continue
+                    job = _Job(st, want, generation, count, bool(owner), builder)
             if held is None:
                 creates.append((st.name, job))
             else:
@@ -582,6 +588,8 @@ class Publisher:
                 await self._refresh(name)  # a write cut short may have been applied: read what is there
                 self._unsure.discard(name)
             have = self._mirror.get(name)
+            if job.state is not None and job.want is None:
+                job = self._jobs[name] = self._rendered(job)
             try:
                 if job.want is None:
                     if have is not None:
@@ -612,6 +620,12 @@ class Publisher:
                 return
             self._succeeded(name)
             return
+
+    def _rendered(self, job: _Job) -> _Job:
+        """The job with ``want`` rendered by the builder that planned its state."""
+        assert job.state is not None and job.builder is not None
+        owner = (self._owner or None) if job.owned else None
+        return job._replace(want=job.builder.render(job.state, job.generation, job.slices, owner))
 
     async def _put(self, job: _Job, have: dict[str, Any] | None, timeout: float) -> None:
         """Create or replace one slice from ``job`` (raises ApiError) and take in what was stored."""
