@@ -70,8 +70,9 @@ _ECHO = re.compile(
 def preload() -> float:
     """Import the client library now (``densedev run`` does it while its scan-ahead child reads sysfs).
 
-    Returns the seconds the import took (0 when it was already imported).  An import that fails is
-    left to the client's maker, which reports it as the DRA driver's start failing.
+    Returns the seconds the import took (next to nothing when it was already imported; 0 when it
+    failed).  An import that fails is left to the client's maker, which reports it as the DRA driver's
+    start failing.
     """
     t0 = time.perf_counter()
     try:

@@ -110,8 +110,12 @@ def plan(
     return tuple(groups)
 
 
+def _valid(value: str) -> bool:
+    return bool(value) and len(value) <= MAX_STRING
+
+
 def _string(attrs: dict[str, Any], key: str, value: str) -> None:
-    if value and len(value) <= MAX_STRING:
+    if _valid(value):
         attrs[key] = {"string": value}
 
 
@@ -143,10 +147,6 @@ def device_attributes(d: Device, full_name: str, version: ApiVersion) -> dict[st
     _string(a, "k8s.cni.cncf.io/resourceName", full_name)
     _string(a, "k8s.cni.cncf.io/deviceID", d.id)
     return a
-
-
-def _valid(value: str) -> bool:
-    return bool(value) and len(value) <= MAX_STRING
 
 
 class _Attributes:
